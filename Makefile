@@ -1,0 +1,106 @@
+# kvattn build. `make` builds the library, the CLI and the Python binding's
+# shared library; `make test` sets up what the tests need and runs them;
+# `make bench` runs the default benchmark suite checked against the oracle.
+CC       ?= cc
+NVCC     ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+PREFIX   ?= /usr/local
+BUILD    ?= build
+OPT      ?= -O3
+WARN      = -Wall -Wextra -Werror -Wno-unknown-pragmas
+CFLAGS_BASE = -DKVA_BUILD_COMPILER="\"$(notdir $(CC)) $(shell $(CC) -dumpversion)\"" -std=c11 -D_GNU_SOURCE $(OPT) -g $(WARN) -fPIC -fopenmp-simd -Iinclude -Isrc -pthread
+LDLIBS    = -lm -pthread
+
+# Sources by layer. Kernel bodies under src/cpu/simd/ are compiled once per
+# SIMD level (portable, avx2, avx512) and chosen at run time.
+CORE_SRC  = $(wildcard src/core/*.c) $(wildcard src/ref/*.c) $(wildcard src/cpu/*.c) $(wildcard src/paged/*.c)
+SIMD_SRC  = $(wildcard src/cpu/simd/*.c)
+CUDA_SRC  = $(wildcard src/cuda/*.cu)
+TOOL_SRC  = $(wildcard tools/*.c)
+TEST_SRC  = $(wildcard tests/*.c)
+
+SIMD_LEVELS = portable avx2 avx512
+SIMD_FLAGS_portable =
+SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
+SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni
+
+ifneq ($(NVCC),)
+HAVE_CUDA = 1
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
+NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall -Iinclude -Isrc -lineinfo --expt-relaxed-constexpr
+CFLAGS_BASE += -DKVA_HAVE_CUDA=1
+LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
+endif
+
+# objdir, extra cflags
+define objs
+$(patsubst %.c,$(1)/%.o,$(CORE_SRC)) \
+$(foreach l,$(SIMD_LEVELS),$(patsubst %.c,$(1)/%.$(l).o,$(SIMD_SRC))) \
+$(if $(HAVE_CUDA),$(patsubst %.cu,$(BUILD)/%.cu.o,$(CUDA_SRC)))
+endef
+
+LIB_OBJS = $(call objs,$(BUILD))
+ASAN_DIR = $(BUILD)/asan
+ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+ASAN_OBJS = $(call objs,$(ASAN_DIR))
+
+.PHONY: all lib test test-c test-py bench install clean format
+all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
+
+$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(CFLAGS) -c $< -o $@
+$(foreach l,$(SIMD_LEVELS),$(eval $(BUILD)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*/*.h src/cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(ASAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) -c $< -o $@
+$(foreach l,$(SIMD_LEVELS),$(eval $(ASAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+
+$(BUILD)/libkvattn.a: $(LIB_OBJS)
+	@rm -f $@
+	ar rcs $@ $^
+$(BUILD)/libkvattn.so: $(LIB_OBJS)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+$(BUILD)/kvattn: $(patsubst %.c,$(BUILD)/%.o,$(TOOL_SRC)) $(BUILD)/libkvattn.a
+	$(CC) -o $@ $^ $(LDLIBS)
+$(BUILD)/kvattn_tests: $(patsubst %.c,$(BUILD)/%.o,$(TEST_SRC)) $(BUILD)/libkvattn.a
+	$(CC) -o $@ $^ $(LDLIBS)
+$(ASAN_DIR)/kvattn_tests: $(patsubst %.c,$(ASAN_DIR)/%.o,$(TEST_SRC)) $(ASAN_OBJS)
+	$(CC) $(ASAN_FLAGS) -o $@ $^ $(LDLIBS)
+$(BUILD)/kvattn.pc: Makefile
+	@mkdir -p $(BUILD)
+	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: kvattn\nDescription: fused attention over quantized/paged KV caches\nVersion: %s\nLibs: -L$${libdir} -lkvattn\nLibs.private: %s\nCflags: -I$${includedir}\n' \
+	  '$(PREFIX)' "$$(sed -n 's/^#define KVA_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)/\2/p' include/kvattn.h | paste -sd.)" '$(LDLIBS)' > $@
+
+# ---- tests: C tests (optimized, then under ASan+UBSan), then Python tests
+VENV = .venv
+PY   = $(VENV)/bin/python
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q numpy ml_dtypes pytest
+
+test: test-c test-py
+test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests
+	$(BUILD)/kvattn_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
+test-py: $(BUILD)/libkvattn.so $(PY)
+	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
+
+bench: $(BUILD)/kvattn
+	$(BUILD)/kvattn bench
+
+install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn.pc
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
+	install -m 644 include/kvattn.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(BUILD)/libkvattn.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libkvattn.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/kvattn $(DESTDIR)$(PREFIX)/bin/
+	install -m 644 $(BUILD)/kvattn.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,402 @@
+/* kvattn — fused attention of a few query rows over a long, possibly quantized
+ * and/or paged, KV cache (LLM decode and speculative verify).
+ *
+ * Example (CPU, one sequence, 4-bit cache, causal decode of one row):
+ *
+ *   kva_context *ctx;  kva_context_create(&ctx, NULL);          // CPU, all cores
+ *   kva_tensor q   = kva_tensor_4d(qbuf, KVA_BF16, 1, H, 1, D);
+ *   kva_kv k = kva_kv_quantized(kp, ks, kb, KVA_BF16, 4, 64, 1, KVH, N, D);
+ *   kva_kv v = kva_kv_quantized(vp, vs, vb, KVA_BF16, 4, 64, 1, KVH, N, D);
+ *   kva_kv_view view = kva_view_contiguous(&k, &v, NULL);       // all sequences length N
+ *   kva_attn_params p = kva_attn_defaults();  p.mask.kind = KVA_MASK_CAUSAL;
+ *   kva_tensor out = kva_tensor_4d(obuf, KVA_BF16, 1, H, 1, D);
+ *   int rc = kva_attention(ctx, &q, &view, &p, &out, NULL, 0);
+ *   if (rc < 0) fprintf(stderr, "%s\n", kva_last_error());
+ *
+ * Conventions: every function returns 0 or a negative kva_status; on error
+ * nothing the caller owns is modified and kva_last_error() (thread-local)
+ * names the argument. Strides are in bytes; the innermost dimension of every
+ * tensor must be contiguous. Shapes below are written [dim0, dim1, ...].
+ *
+ * ABI rule: within a major version, functions and enum values are only added;
+ * struct layouts change only with the major version.
+ */
+#ifndef KVATTN_H
+#define KVATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVA_VERSION_MAJOR 0
+#define KVA_VERSION_MINOR 1
+#define KVA_VERSION_PATCH 0
+#define KVA_VERSION_HEX ((KVA_VERSION_MAJOR << 16) | (KVA_VERSION_MINOR << 8) | KVA_VERSION_PATCH)
+
+/* "MAJOR.MINOR.PATCH" of the library actually linked. */
+const char *kva_version(void);
+/* One line describing the build (compiler, SIMD levels compiled, CUDA targets). */
+const char *kva_build_info(void);
+
+/* ---------------------------------------------------------------- errors */
+/* X(name, value, message): the one list behind kva_status and kva_strerror. */
+#define KVA_STATUS_LIST(X)                                                       \
+  X(OK, 0, "success")                                                            \
+  X(EINVAL, -1, "invalid argument")                                              \
+  X(ESHAPE, -2, "shape mismatch")                                                \
+  X(EDTYPE, -3, "unsupported or mismatched dtype")                               \
+  X(ESTRIDE, -4, "invalid strides")                                              \
+  X(EUNSUPPORTED, -5, "unsupported configuration")                               \
+  X(ENOMEM, -6, "out of memory")                                                 \
+  X(ENOBLOCKS, -7, "block pool exhausted")                                       \
+  X(ENOSEQ, -8, "unknown or freed sequence")                                     \
+  X(EWORKSPACE, -9, "workspace too small")                                       \
+  X(ENODEVICE, -10, "backend or device not available")                           \
+  X(ECUDA, -11, "CUDA runtime error")                                            \
+  X(EINTERNAL, -12, "internal error")
+
+typedef enum kva_status {
+#define KVA_X_ENUM(name, value, msg) KVA_##name = value,
+  KVA_STATUS_LIST(KVA_X_ENUM)
+#undef KVA_X_ENUM
+} kva_status;
+
+/* Static message of a status code ("unknown error" for other values). */
+const char *kva_strerror(int status);
+/* Message of the last error on this thread: names the offending argument. */
+const char *kva_last_error(void);
+
+/* --------------------------------------------------------------- tensors */
+typedef enum kva_dtype {
+  KVA_F32 = 0,
+  KVA_F16 = 1,
+  KVA_BF16 = 2,
+  KVA_U32 = 3,  /* packed quantized words */
+  KVA_I32 = 4,  /* segment ids, lengths */
+  KVA_BOOL = 5, /* one byte, 0 or non-zero: explicit masks */
+} kva_dtype;
+
+/* Bytes of one element (0 for an unknown dtype). */
+size_t kva_dtype_size(kva_dtype dt);
+const char *kva_dtype_name(kva_dtype dt);
+
+#define KVA_MAX_DIMS 4
+/* A strided view of memory. stride[] in bytes; stride[ndim-1] == element size. */
+typedef struct kva_tensor {
+  void *data;
+  kva_dtype dtype;
+  int ndim;
+  int64_t shape[KVA_MAX_DIMS];
+  int64_t stride[KVA_MAX_DIMS];
+} kva_tensor;
+
+/* Contiguous (row-major) descriptors. */
+kva_tensor kva_tensor_1d(void *data, kva_dtype dt, int64_t n0);
+kva_tensor kva_tensor_2d(void *data, kva_dtype dt, int64_t n0, int64_t n1);
+kva_tensor kva_tensor_4d(void *data, kva_dtype dt, int64_t n0, int64_t n1, int64_t n2, int64_t n3);
+
+/* Exact conversions, round to nearest even (NaN stays NaN, overflow -> inf). */
+uint16_t kva_f32_to_f16(float x);
+float kva_f16_to_f32(uint16_t h);
+uint16_t kva_f32_to_bf16(float x);
+float kva_bf16_to_f32(uint16_t b);
+/* Elementwise dtype conversion between same-shape f32/f16/bf16 tensors. */
+int kva_convert(const kva_tensor *src, kva_tensor *dst);
+
+/* ---------------------------------------------------- K/V cache operands */
+/* One K or V cache of a batch, float or MLX-affine quantized.
+ *   bits == 0: data is f32/f16/bf16 [B, KVH, N, D].
+ *   bits in {2,4,8}: data is u32 [B, KVH, N, D*bits/32] (element k of a word
+ *   at bits k*bits.., lowest first); scales and biases are f32/f16/bf16
+ *   [B, KVH, N, D/group_size]; w = scale*q + bias.  */
+typedef struct kva_kv {
+  kva_tensor data;
+  kva_tensor scales; /* unused when bits == 0 */
+  kva_tensor biases; /* unused when bits == 0 */
+  int bits;          /* 0, 2, 4 or 8 */
+  int group_size;    /* 32, 64 or 128 when quantized */
+} kva_kv;
+
+/* Logical head dim D of a K/V operand (derived from data and bits; 0 if invalid). */
+int64_t kva_kv_dim(const kva_kv *kv);
+/* Contiguous descriptors. */
+kva_kv kva_kv_float(void *data, kva_dtype dt, int64_t B, int64_t KVH, int64_t N, int64_t D);
+kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scale_dt, int bits,
+                        int group_size, int64_t B, int64_t KVH, int64_t N, int64_t D);
+
+/* ------------------------------------------------------ quantization */
+/* MLX affine quantization along the last axis, bit for bit with MLX's CPU
+ * algorithm (DESIGN.md). w: f32/f16/bf16, rank 1..4, last dim D.
+ * out->data: u32 [.., D*bits/32]; out->scales/biases: [.., D/group_size] in
+ * f32/f16/bf16; out->bits and out->group_size select the format. */
+int kva_quantize(const kva_tensor *w, kva_kv *out);
+/* Inverse: out[..., d] = scale * q + bias, computed in f32 then rounded to out's dtype. */
+int kva_dequantize(const kva_kv *q, kva_tensor *out);
+
+/* ------------------------------------------------------------- masks */
+typedef enum kva_mask_kind {
+  KVA_MASK_NONE = 0,   /* every key visible */
+  KVA_MASK_CAUSAL = 1, /* key j visible iff j <= p; p = len - L + i (row i) */
+  KVA_MASK_ARRAY = 2,  /* explicit array (bool: visible iff != 0; float: added to the logit) */
+} kva_mask_kind;
+
+typedef struct kva_mask {
+  kva_mask_kind kind;
+  /* CAUSAL only. window > 0: also require j > p - window (window 1 sees only
+   * itself); 0: no window. */
+  int32_t window;
+  /* CAUSAL only, optional (data NULL = none): i32 [B, N] per-token segment ids,
+   * 0 = text, k > 0 = image k. Adds: visible if seg[p] == seg[j] != 0 (an image
+   * attends to itself both ways, never to another image). */
+  kva_tensor segments;
+  /* With segments and a window: the image exception also requires j > p - window. */
+  int segments_clamp;
+  /* ARRAY only: [B, H, L, N] bool or f32/f16/bf16 additive; stride 0 broadcasts. */
+  kva_tensor array;
+} kva_mask;
+
+/* Materialize the seed's createCausalMask: bool [n, offset + n], row r is
+ * position offset + r; window 0 = none. out must be KVA_BOOL [n, offset+n]. */
+int kva_causal_mask(int64_t n, int64_t offset, int32_t window, kva_tensor *out);
+/* Materialize the image mask of n tokens: i32 segments [n] -> bool [n, n],
+ * allow = causal_window OR (seg[i] == seg[j] != 0 [AND j > i - window if clamp]). */
+int kva_image_mask(const kva_tensor *segments, int32_t window, int clamp, kva_tensor *out);
+
+/* --------------------------------------------------------- KV views */
+typedef enum kva_layout { KVA_LAYOUT_CONTIGUOUS = 0, KVA_LAYOUT_PAGED = 1 } kva_layout;
+
+struct kva_paged_view; /* opaque, see the paged API */
+
+/* What one attention call reads: K and V of B sequences. The kernels ask the
+ * view for rows; the same call serves every layout. */
+typedef struct kva_kv_view {
+  kva_layout layout;
+  kva_kv k, v; /* CONTIGUOUS: [B, KVH, N, Dk] and [B, KVH, N, Dv] */
+  /* CONTIGUOUS: optional [B] cache length per sequence (1 <= len <= N);
+   * NULL: every sequence has length N. Host memory on the CPU backend,
+   * device memory on CUDA. */
+  const int32_t *seq_lens;
+  const struct kva_paged_view *paged; /* PAGED only */
+} kva_kv_view;
+
+kva_kv_view kva_view_contiguous(const kva_kv *k, const kva_kv *v, const int32_t *seq_lens);
+
+/* -------------------------------------------------------- attention */
+typedef struct kva_attn_params {
+  float scale;        /* logit scale; 0 means 1/sqrt(Dk); must be finite */
+  float softcap;      /* 0: none; > 0: logit = softcap * tanh(logit / softcap) */
+  kva_mask mask;      /* applied after the softcap */
+  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only) */
+} kva_attn_params;
+
+/* scale 0 (default), no softcap, no mask, no sinks. */
+kva_attn_params kva_attn_defaults(void);
+
+typedef enum kva_backend { KVA_BACKEND_CPU = 0, KVA_BACKEND_CUDA = 1 } kva_backend;
+
+typedef struct kva_context_opts {
+  kva_backend backend;
+  int threads;  /* CPU: worker threads, 0 = all cores */
+  int device;   /* CUDA: device ordinal */
+  void *stream; /* CUDA: cudaStream_t, NULL = default stream */
+} kva_context_opts;
+
+typedef struct kva_context kva_context;
+
+/* Creates a context (CPU: a thread pool started once). opts NULL = CPU, all cores. */
+int kva_context_create(kva_context **ctx, const kva_context_opts *opts);
+void kva_context_destroy(kva_context *ctx);
+int kva_context_threads(const kva_context *ctx);
+/* CUDA: stream for later calls (cudaStream_t as void *). */
+int kva_context_set_stream(kva_context *ctx, void *stream);
+
+/* Attention: q [B, H, L, Dk] (f32/f16/bf16), out [B, H, L, Dv] (f32/f16/bf16).
+ * Row i of sequence b sits at position p = len_b - L + i. A row that sees no
+ * key outputs zeros. Workspace: NULL uses a buffer owned by the context
+ * (grown on first need); otherwise at least kva_attention_workspace_size()
+ * bytes in the backend's memory, and no allocation happens in the call. */
+int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                  const kva_attn_params *params, kva_tensor *out, void *workspace,
+                  size_t workspace_bytes);
+int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                                 const kva_attn_params *params, size_t *bytes);
+
+typedef enum kva_path {
+  KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */
+  KVA_PATH_FALLBACK = 2, /* correct general path (explicit masks, long L) */
+} kva_path;
+/* Validates the arguments like kva_attention and says which path would run
+ * (the same selector kva_attention uses). Returns a kva_path or a negative status. */
+int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                       const kva_attn_params *params, const kva_tensor *out);
+
+/* The oracle: naive double-precision attention over the same descriptors
+ * (host memory only). Shares no code with the fast paths. */
+int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
+                            const kva_attn_params *params, kva_tensor *out);
+
+/* ------------------------------------------------------------- info */
+/* SIMD level the CPU kernels use: "avx512", "avx2" or "portable". */
+const char *kva_cpu_simd(void);
+/* Override the SIMD level (for tests): "avx512", "avx2", "portable"; NULL =
+ * best available. Fails with KVA_EUNSUPPORTED if the CPU lacks it. */
+int kva_cpu_set_simd(const char *level);
+/* Number of CUDA devices visible (0 when the backend is not built or none). */
+int kva_cuda_device_count(void);
+/* Name and memory of a CUDA device, for `kvattn info`. */
+int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes);
+
+/* ---- paged KV (src/paged) ---- */
+/* A block pool holds the K/V caches of many sequences in fixed-size blocks:
+ *   K [num_blocks, KVH, block_size, Dk], V [num_blocks, KVH, block_size, Dv],
+ * float, or MLX-affine quantized (packed words + scales + biases pools with
+ * the same leading dims). Sequences own block tables (refcounted blocks, fork
+ * shares them, copy-on-write of a shared partial last block). A view is an
+ * immutable CSR snapshot of a batch of sequences that keeps its blocks alive
+ * until released; kva_attention reads it through kva_view_paged().
+ *
+ *   kva_pool_desc d = {.num_blocks = 4096, .block_size = 16, .kv_heads = KVH,
+ *                      .dk = 128, .dv = 128, .dtype = KVA_BF16, .bits = 4, .group_size = 64};
+ *   kva_pool *pool;  kva_pool_create(&pool, &d, NULL);
+ *   int32_t s;  kva_seq_create(pool, &s);
+ *   kva_seq_append(pool, s, &k_rows, &v_rows);      // float [KVH, T, D], quantized on write
+ *   kva_paged_view *pv;  kva_paged_view_create(pool, &s, 1, &pv);
+ *   kva_kv_view view = kva_view_paged(pv);
+ *   kva_attention(ctx, &q, &view, &params, &out, NULL, 0);
+ *   kva_paged_view_release(pv);
+ *
+ * Positions: attention indexes a sequence by view index 0..len-1 (its window
+ * after trims); kva_seq_start() / csr.start give the absolute position of view
+ * index 0. Causal and window masks depend only on differences, so results
+ * are the same; segment ids (mask.segments) are indexed by view index.
+ * Threads: every pool, sequence and view call takes the pool's mutex, so they
+ * may come from several threads. kva_attention over a view may run while
+ * other threads append/fork/trim/free: it reads only rows the view holds,
+ * which nothing rewrites. kva_pool_destroy must not race with other calls on
+ * the same pool. Sequence ids are opaque (a freed id is rejected with
+ * KVA_ENOSEQ; ids of a slot repeat only after 2047 reuses). */
+typedef struct kva_pool kva_pool;
+typedef struct kva_paged_view kva_paged_view;
+
+#define KVA_BLOCK_SIZE_MIN 8
+#define KVA_BLOCK_SIZE_MAX 256
+#define KVA_POOL_ALIGN 64 /* byte alignment of caller memory and of each pool array */
+
+typedef struct kva_pool_desc {
+  int64_t num_blocks; /* blocks per pool; each holds block_size tokens of every KV head */
+  int64_t block_size; /* tokens per block, KVA_BLOCK_SIZE_MIN..KVA_BLOCK_SIZE_MAX */
+  int64_t kv_heads;   /* KVH */
+  int64_t dk, dv;     /* head dims of K and V (may differ) */
+  kva_dtype dtype;    /* float pools: f32/f16/bf16 elements; quantized: scales/biases dtype */
+  int bits;           /* 0 = float; 2, 4, 8 = MLX affine */
+  int group_size;     /* quantized: 32, 64 or 128 (divides dk and dv) */
+} kva_pool_desc;
+
+/* Bytes of block memory for desc: K, V (and K/V scales, biases) arrays, each
+ * KVA_POOL_ALIGN-aligned, in that order. */
+int kva_pool_memory_size(const kva_pool_desc *desc, size_t *bytes);
+/* Creates a pool with every block free. memory: NULL = the pool allocates;
+ * otherwise >= kva_pool_memory_size() bytes, KVA_POOL_ALIGN-aligned, owned by
+ * the caller and kept alive until the pool and its last view are gone. */
+int kva_pool_create(kva_pool **pool, const kva_pool_desc *desc, void *memory);
+/* Frees the sequences and reservations at once and the pool when its last
+ * view is released (views stay valid). NULL is a no-op. */
+void kva_pool_destroy(kva_pool *pool);
+/* The pool's descriptor and its K/V arrays as kva_kv [num_blocks, KVH, block_size, D]. */
+kva_pool_desc kva_pool_get_desc(const kva_pool *pool);
+kva_kv kva_pool_k(const kva_pool *pool);
+kva_kv kva_pool_v(const kva_pool *pool);
+
+typedef struct kva_pool_stats {
+  int64_t free_blocks; /* on the free list */
+  int64_t used_blocks; /* referenced by a sequence, a view or a reservation */
+  int64_t sequences;   /* live sequences */
+  int64_t views;       /* live (unreleased) views */
+} kva_pool_stats;
+int kva_pool_stats_get(kva_pool *pool, kva_pool_stats *stats);
+/* References on one block (sequence tables + views + reservations); 0 = free. */
+int kva_pool_block_refs(kva_pool *pool, int32_t block, int32_t *refs);
+/* Recounts every reference from the sequence tables, live views and
+ * reservations and checks the refcounts, the free list (each free block once,
+ * no used block) and every sequence's table; KVA_EINTERNAL names the first
+ * mismatch. O(num_blocks + table sizes); for tests and debugging. */
+int kva_pool_check(kva_pool *pool);
+/* Takes n free blocks for the caller's own use (one reference each, written
+ * directly through kva_pool_k/v, named by kva_paged_view_from_csr) and gives
+ * them back. ENOBLOCKS and nothing taken when fewer than n are free. */
+int kva_pool_reserve(kva_pool *pool, int64_t n, int32_t *blocks);
+int kva_pool_unreserve(kva_pool *pool, int64_t n, const int32_t *blocks);
+
+/* ---- sequences (ids are int32) */
+int kva_seq_create(kva_pool *pool, int32_t *seq);
+/* Appends T tokens: k [KVH, T, Dk], v [KVH, T, Dv], f32/f16/bf16, any strides
+ * (innermost contiguous). Float pools store them rounded to the pool dtype;
+ * quantized pools quantize each row (kva_quantize), bit-identical to
+ * quantizing the whole cache at once. Needs the new blocks (+1 when the last
+ * block is partial and shared: copy-on-write); ENOBLOCKS and nothing changed
+ * when the pool has fewer free. */
+int kva_seq_append(kva_pool *pool, int32_t seq, const kva_tensor *k, const kva_tensor *v);
+/* Appends T rows already in the pool's format, copied bit for bit: k, v are
+ * kva_kv [1, KVH, T, D] (e.g. a slice of a contiguous cache); EDTYPE when the
+ * format (bits, group_size, dtype) differs from the pool's. */
+int kva_seq_append_raw(kva_pool *pool, int32_t seq, const kva_kv *k, const kva_kv *v);
+/* A new sequence sharing all of parent's blocks (no copy, no block needed). */
+int kva_seq_fork(kva_pool *pool, int32_t parent, int32_t *child);
+/* Drops the sequence; its blocks return to the pool unless still referenced. */
+int kva_seq_free(kva_pool *pool, int32_t seq);
+/* Sliding window: keeps the last keep_last tokens (>= 0; >= len is a no-op);
+ * blocks wholly before the window return to the pool, start advances. */
+int kva_seq_trim(kva_pool *pool, int32_t seq, int64_t keep_last);
+/* Tokens in the window, absolute position of its first token, blocks in the
+ * table; a negative kva_status for an unknown or freed sequence. */
+int64_t kva_seq_len(kva_pool *pool, int32_t seq);
+int64_t kva_seq_start(kva_pool *pool, int32_t seq);
+int64_t kva_seq_blocks(kva_pool *pool, int32_t seq);
+
+/* Builds a pool holding a contiguous view's sequences (for the bench and for
+ * tests): the pool gets contig's format (quantized K/V are copied bit for bit,
+ * float K/V in their dtype), blocks enough for every sequence plus
+ * spare_blocks, and one sequence per batch entry b (length seq_lens[b] or N)
+ * whose id is written to seqs[b]. shuffle_seed != 0 scatters the blocks over
+ * the pool in a pseudo-random order (a fragmented pool); 0 keeps them in order.
+ * K and V formats must match (bits, group_size, dtype). */
+int kva_pool_from_contiguous(kva_pool **pool, const kva_kv_view *contig, int64_t block_size,
+                             int64_t spare_blocks, uint64_t shuffle_seed, int32_t *seqs);
+
+/* ---- views: CSR snapshots */
+typedef struct kva_paged_csr {
+  int64_t batch;               /* B */
+  const int32_t *indptr;       /* [B+1], indptr[0] = 0: sequence b's blocks are indices[indptr[b]..indptr[b+1]) */
+  const int32_t *indices;      /* [indptr[B]] block ids, in token order */
+  const int32_t *last_len;     /* [B] valid rows of the last block, 1..block_size */
+  const int32_t *first_offset; /* [B] rows of the first block before the window (trims); NULL = 0 */
+  const int64_t *start;        /* [B] absolute position of view index 0; NULL = 0 */
+  const int32_t *lens;         /* [B] tokens: (blocks-1)*block_size + last_len - first_offset
+                                  (filled by kva_paged_view_csr; ignored on input) */
+} kva_paged_csr;
+
+/* Snapshot of sequences seqs[0..B) (non-empty, repeats allowed): copies their
+ * tables and takes a reference on every block. */
+int kva_paged_view_create(kva_pool *pool, const int32_t *seqs, int64_t B, kva_paged_view **view);
+/* A view from caller arrays (copied): every index must name an allocated
+ * block (held by a sequence, view or reservation), on which it takes a
+ * reference. Bad indices, lengths beyond a table: an error and no view. */
+int kva_paged_view_from_csr(kva_pool *pool, const kva_paged_csr *csr, kva_paged_view **view);
+/* Drops the view's references (and the pool if destroyed and this was its last view). NULL: no-op. */
+void kva_paged_view_release(kva_paged_view *view);
+/* The kva_kv_view for kva_attention (k, v: the pool's arrays; layout PAGED). */
+kva_kv_view kva_view_paged(const kva_paged_view *view);
+/* The view's arrays (owned by the view, valid until it is released). */
+int kva_paged_view_csr(const kva_paged_view *view, kva_paged_csr *csr);
+/* Copies sequence b's rows (view indices 0..len-1) bit for bit into k, v:
+ * kva_kv [1, KVH, >= len, D] in the pool's format. */
+int kva_paged_view_gather(const kva_paged_view *view, int64_t b, kva_kv *k, kva_kv *v);
+/* ---- end paged ---- */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVATTN_H */

@@ -1,0 +1,282 @@
+/* kva_attention: argument validation into a kva_problem, the path selector,
+ * workspace handling and backend dispatch; plus the context lifecycle. */
+#include "core/attention.h"
+#include "core/backend.h"
+#include "cpu/threadpool.h"
+
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+static const int64_t supported_dims[] = {64, 80, 96, 128, 192, 256, 512};
+
+int kva_head_dim_supported(int64_t d) {
+  for (size_t i = 0; i < sizeof supported_dims / sizeof supported_dims[0]; ++i)
+    if (supported_dims[i] == d) return 1;
+  return 0;
+}
+
+kva_attn_params kva_attn_defaults(void) {
+  kva_attn_params p;
+  memset(&p, 0, sizeof p);
+  return p;
+}
+
+int64_t kva_problem_len(const kva_problem *p, int64_t b) {
+  if (p->kv->layout == KVA_LAYOUT_PAGED) return kva_paged_view_len(p->kv, b);
+  return p->seq_lens ? p->seq_lens[b] : p->N;
+}
+
+static int check_mask(kva_problem *p, kva_backend backend) {
+  const kva_mask *m = &p->mask;
+  if ((unsigned)m->kind > KVA_MASK_ARRAY)
+    return kva_seterr(KVA_EINVAL, "mask.kind = %d is not a kva_mask_kind", (int)m->kind);
+  if (m->window < 0)
+    return kva_seterr(KVA_EINVAL, "mask.window = %d must be > 0 (or 0 for none)", m->window);
+  if (m->window > 0 && m->kind != KVA_MASK_CAUSAL)
+    return kva_seterr(KVA_EINVAL, "mask.window needs mask.kind = KVA_MASK_CAUSAL");
+  if (m->segments.data) {
+    if (m->kind != KVA_MASK_CAUSAL)
+      return kva_seterr(KVA_EINVAL, "mask.segments needs mask.kind = KVA_MASK_CAUSAL");
+    int rc = kva_check_tensor(&m->segments, "mask.segments", KVA_DT(KVA_I32), 2, false);
+    if (rc) return rc;
+    if (m->segments.shape[0] != p->B || m->segments.shape[1] != p->N)
+      return kva_seterr(KVA_ESHAPE, "mask.segments must be [B, N] = [%lld, %lld], got [%lld, %lld]",
+                        (long long)p->B, (long long)p->N, (long long)m->segments.shape[0],
+                        (long long)m->segments.shape[1]);
+  } else if (m->segments_clamp) {
+    return kva_seterr(KVA_EINVAL, "mask.segments_clamp is set but mask.segments is NULL");
+  }
+  (void)backend;
+  if (m->kind == KVA_MASK_ARRAY) {
+    const kva_tensor *a = &m->array;
+    int rc = kva_check_tensor(a, "mask.array", KVA_DT_FLOAT | KVA_DT(KVA_BOOL), 4, true);
+    if (rc) return rc;
+    const int64_t want[4] = {p->B, p->H, p->L, p->N};
+    static const char *names[4] = {"B", "H", "L", "N"};
+    for (int d = 0; d < 4; ++d) {
+      if (a->shape[d] == want[d]) p->mask_stride[d] = a->stride[d];
+      else if (a->shape[d] == 1 && d != 3) p->mask_stride[d] = 0; /* broadcast */
+      else
+        return kva_seterr(KVA_ESHAPE, "mask.array.shape[%d] = %lld must be %s = %lld%s", d,
+                          (long long)a->shape[d], names[d], (long long)want[d], d != 3 ? " or 1" : "");
+    }
+  } else if (m->array.data) {
+    return kva_seterr(KVA_EINVAL, "mask.array is set but mask.kind is not KVA_MASK_ARRAY");
+  }
+  return 0;
+}
+
+int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, const kva_kv_view *kv,
+                     const kva_attn_params *params, const kva_tensor *out) {
+  memset(p, 0, sizeof *p);
+  kva_attn_params defaults = kva_attn_defaults();
+  if (!params) params = &defaults;
+  if (!kv) return kva_seterr(KVA_EINVAL, "kv (the K/V view) is NULL");
+  int rc = kva_check_tensor(q, "q", KVA_DT_FLOAT, 4, false);
+  if (rc) return rc;
+  if (out && (rc = kva_check_tensor(out, "out", KVA_DT_FLOAT, 4, false))) return rc;
+  int64_t B, KVH, N, Dk, Dv;
+  if (kv->layout == KVA_LAYOUT_CONTIGUOUS) {
+    if ((rc = kva_check_kv(&kv->k, "k", &Dk))) return rc;
+    if ((rc = kva_check_kv(&kv->v, "v", &Dv))) return rc;
+    B = kv->k.data.shape[0];
+    KVH = kv->k.data.shape[1];
+    N = kv->k.data.shape[2];
+    for (int d = 0; d < 3; ++d)
+      if (kv->v.data.shape[d] != kv->k.data.shape[d])
+        return kva_seterr(KVA_ESHAPE, "v.shape[%d] = %lld != k.shape[%d] = %lld", d,
+                          (long long)kv->v.data.shape[d], d, (long long)kv->k.data.shape[d]);
+  } else if (kv->layout == KVA_LAYOUT_PAGED) {
+    if (!kv->paged) return kva_seterr(KVA_EINVAL, "kv.paged is NULL for a paged view");
+    if ((rc = kva_paged_view_check(kv, &B, &KVH, &Dk, &Dv, &N))) return rc;
+  } else {
+    return kva_seterr(KVA_EINVAL, "kv.layout = %d is not a kva_layout", (int)kv->layout);
+  }
+  p->q = q;
+  p->out = out;
+  p->kv = kv;
+  p->B = B;
+  p->KVH = KVH;
+  p->N = N;
+  p->Dk = Dk;
+  p->Dv = Dv;
+  p->H = q->shape[1];
+  p->L = q->shape[2];
+  if (q->shape[0] != B)
+    return kva_seterr(KVA_ESHAPE, "q.shape[0] = %lld != batch B = %lld of the K/V view",
+                      (long long)q->shape[0], (long long)B);
+  if (p->H % KVH)
+    return kva_seterr(KVA_ESHAPE, "q heads H = %lld is not a multiple of KV heads KVH = %lld",
+                      (long long)p->H, (long long)KVH);
+  p->rep = p->H / KVH;
+  if (q->shape[3] != Dk)
+    return kva_seterr(KVA_ESHAPE, "q.shape[3] = %lld != K head dim %lld", (long long)q->shape[3],
+                      (long long)Dk);
+  if (!kva_head_dim_supported(Dk) || !kva_head_dim_supported(Dv))
+    return kva_seterr(KVA_EUNSUPPORTED, "head dim Dk = %lld / Dv = %lld (supported: 64, 80, 96, 128, "
+                      "192, 256, 512)", (long long)Dk, (long long)Dv);
+  const int64_t want[4] = {B, p->H, p->L, Dv};
+  for (int d = 0; d < 4 && out; ++d)
+    if (out->shape[d] != want[d])
+      return kva_seterr(KVA_ESHAPE, "out.shape[%d] = %lld, expected %lld ([B, H, L, Dv])", d,
+                        (long long)out->shape[d], (long long)want[d]);
+  if (p->L > N)
+    return kva_seterr(KVA_ESHAPE, "q rows L = %lld exceed the cache length N = %lld", (long long)p->L,
+                      (long long)N);
+  if (kv->layout == KVA_LAYOUT_CONTIGUOUS) {
+    p->seq_lens = kv->seq_lens;
+    if (kv->seq_lens && backend == KVA_BACKEND_CPU)
+      for (int64_t b = 0; b < B; ++b)
+        if (kv->seq_lens[b] < p->L || kv->seq_lens[b] > N)
+          return kva_seterr(KVA_ESHAPE, "seq_lens[%lld] = %d must be in [L, N] = [%lld, %lld]",
+                            (long long)b, kv->seq_lens[b], (long long)p->L, (long long)N);
+    const kva_tensor *ins[] = {q, &kv->k.data, &kv->k.scales, &kv->k.biases, &kv->v.data,
+                               &kv->v.scales, &kv->v.biases};
+    static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases"};
+    for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
+      if (i > 0 && (i == 2 || i == 3) && !kv->k.bits) continue;
+      if (i > 4 && !kv->v.bits) continue;
+      if (out && kva_tensors_overlap(out, ins[i]))
+        return kva_seterr(KVA_EINVAL, "out overlaps %s", in_names[i]);
+    }
+  } else {
+    if (backend == KVA_BACKEND_CPU)
+      for (int64_t b = 0; b < B; ++b)
+        if (kva_paged_view_len(kv, b) < p->L)
+          return kva_seterr(KVA_ESHAPE, "sequence %lld of the paged view has %lld tokens < L = %lld",
+                            (long long)b, (long long)kva_paged_view_len(kv, b), (long long)p->L);
+    if (out && kva_tensors_overlap(out, q)) return kva_seterr(KVA_EINVAL, "out overlaps q");
+  }
+  if (!isfinite(params->scale))
+    return kva_seterr(KVA_EINVAL, "scale = %g must be finite (0 = 1/sqrt(Dk))", (double)params->scale);
+  p->scale = params->scale != 0.0f ? params->scale : (float)(1.0 / sqrt((double)Dk));
+  if (!isfinite(params->softcap) || params->softcap < 0.0f)
+    return kva_seterr(KVA_EINVAL, "softcap = %g must be > 0 (or 0 for none)", (double)params->softcap);
+  p->softcap = params->softcap;
+  p->sinks = params->sinks;
+  p->mask = params->mask;
+  if ((rc = check_mask(p, backend))) return rc;
+  p->path = kva_select_path(p);
+  return 0;
+}
+
+kva_path kva_select_path(const kva_problem *p) {
+  if (p->mask.kind == KVA_MASK_ARRAY || p->L > KVA_MAX_FUSED_ROWS) return KVA_PATH_FALLBACK;
+  return KVA_PATH_FUSED;
+}
+
+/* ---- context ---- */
+int kva_context_create(kva_context **out, const kva_context_opts *opts) {
+  kva_clearerr();
+  if (!out) return kva_seterr(KVA_EINVAL, "ctx (output pointer) is NULL");
+  kva_context_opts o;
+  memset(&o, 0, sizeof o);
+  if (opts) o = *opts;
+  if (o.backend != KVA_BACKEND_CPU && o.backend != KVA_BACKEND_CUDA)
+    return kva_seterr(KVA_EINVAL, "opts.backend = %d is not a kva_backend", (int)o.backend);
+  if (o.threads < 0) return kva_seterr(KVA_EINVAL, "opts.threads = %d must be >= 0", o.threads);
+  kva_context *ctx = (kva_context *)calloc(1, sizeof *ctx);
+  if (!ctx) return kva_seterr(KVA_ENOMEM, "context");
+  ctx->backend = o.backend;
+  ctx->device = o.device;
+  ctx->stream = o.stream;
+  int rc = 0;
+  if (o.backend == KVA_BACKEND_CPU) {
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    ctx->threads = o.threads > 0 ? o.threads : (int)(ncpu > 0 ? ncpu : 1);
+    rc = kva_threadpool_create(&ctx->pool, ctx->threads);
+  } else {
+    ctx->threads = 1;
+    rc = kva_cuda_context_init(ctx);
+  }
+  if (rc < 0) {
+    free(ctx);
+    return rc;
+  }
+  *out = ctx;
+  return 0;
+}
+
+void kva_context_destroy(kva_context *ctx) {
+  if (!ctx) return;
+  if (ctx->backend == KVA_BACKEND_CPU) {
+    kva_threadpool_destroy(ctx->pool);
+    free(ctx->ws);
+  } else {
+    if (ctx->ws) kva_cuda_workspace_free(ctx, ctx->ws);
+    kva_cuda_context_free(ctx);
+  }
+  free(ctx);
+}
+
+int kva_context_threads(const kva_context *ctx) { return ctx ? ctx->threads : 0; }
+
+int kva_context_set_stream(kva_context *ctx, void *stream) {
+  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
+  if (ctx->backend != KVA_BACKEND_CUDA)
+    return kva_seterr(KVA_EINVAL, "ctx: streams apply to the CUDA backend only");
+  ctx->stream = stream;
+  return 0;
+}
+
+/* ---- attention ---- */
+static size_t workspace_size(const kva_context *ctx, const kva_problem *p) {
+  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_workspace_size(ctx, p) : kva_cuda_workspace_size(ctx, p);
+}
+
+int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                                 const kva_attn_params *params, size_t *bytes) {
+  kva_clearerr();
+  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
+  if (!bytes) return kva_seterr(KVA_EINVAL, "bytes (output pointer) is NULL");
+  /* The output is not needed to size the workspace (out = NULL skips its checks). */
+  kva_problem p;
+  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, NULL);
+  if (rc < 0) return rc;
+  *bytes = workspace_size(ctx, &p);
+  return 0;
+}
+
+int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                       const kva_attn_params *params, const kva_tensor *out) {
+  kva_clearerr();
+  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
+  if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
+  kva_problem p;
+  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  return rc < 0 ? rc : (int)p.path;
+}
+
+int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                  const kva_attn_params *params, kva_tensor *out, void *workspace, size_t workspace_bytes) {
+  kva_clearerr();
+  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
+  if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
+  kva_problem p;
+  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  if (rc < 0) return rc;
+  size_t need = workspace_size(ctx, &p);
+  if (workspace) {
+    if (workspace_bytes < need)
+      return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", workspace_bytes, need);
+  } else if (need > ctx->ws_bytes) {
+    void *nws = NULL;
+    if (ctx->backend == KVA_BACKEND_CPU) {
+      nws = malloc(need);
+      if (!nws) return kva_seterr(KVA_ENOMEM, "context workspace of %zu bytes", need);
+      free(ctx->ws);
+    } else {
+      if ((rc = kva_cuda_workspace_alloc(ctx, need, &nws)) < 0) return rc;
+      if (ctx->ws) kva_cuda_workspace_free(ctx, ctx->ws);
+    }
+    ctx->ws = nws;
+    ctx->ws_bytes = need;
+  }
+  if (!workspace) {
+    workspace = ctx->ws;
+    workspace_bytes = ctx->ws_bytes;
+  }
+  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
+                                         : kva_cuda_attention(ctx, &p, workspace, workspace_bytes);
+}

@@ -1,0 +1,34 @@
+/* The backends' entry points, called by src/core/attention.c after the
+ * arguments are validated and a path selected. Each backend owns its folder:
+ * src/cpu/ and src/cuda/ (built when nvcc is present: KVA_HAVE_CUDA). */
+#ifndef KVA_BACKEND_H
+#define KVA_BACKEND_H
+
+#include "core/problem.h"
+
+typedef struct kva_threadpool kva_threadpool;
+
+struct kva_context {
+  kva_backend backend;
+  int threads;
+  kva_threadpool *pool; /* CPU: started once at create */
+  void *ws;             /* workspace owned by the context (grown on demand) */
+  size_t ws_bytes;
+  int device;           /* CUDA */
+  void *stream;         /* CUDA: cudaStream_t */
+  void *cuda;           /* CUDA backend private state */
+};
+
+/* CPU backend (src/cpu/). */
+size_t kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p);
+int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
+
+/* CUDA backend (src/cuda/); stubs returning KVA_ENODEVICE when not built. */
+int kva_cuda_context_init(kva_context *ctx);
+void kva_cuda_context_free(kva_context *ctx);
+size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p);
+int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
+/* Allocates / frees the context-owned workspace in device memory. */
+int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr);
+void kva_cuda_workspace_free(kva_context *ctx, void *ptr);
+#endif

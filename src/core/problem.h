@@ -1,0 +1,39 @@
+/* A validated attention call in normalized form: what every backend receives
+ * after kva_attention has checked the arguments (src/core/attention.c). */
+#ifndef KVA_PROBLEM_H
+#define KVA_PROBLEM_H
+
+#include "internal.h"
+
+/* Most query rows per sequence on the fused (direct) paths. */
+#define KVA_MAX_FUSED_ROWS 16
+
+typedef struct kva_problem {
+  int64_t B, H, KVH, rep, L; /* rep = H / KVH query heads per KV head */
+  int64_t Dk, Dv;
+  int64_t N;                 /* capacity: contiguous K.shape[2], paged: longest sequence */
+  float scale;               /* resolved (never 0) */
+  float softcap;             /* 0 = none */
+  kva_mask mask;             /* as given; array/segments normalized below */
+  int64_t mask_stride[4];    /* ARRAY: element strides in bytes, 0 where broadcast */
+  const float *sinks;        /* [H] or NULL */
+  const kva_tensor *q, *out;
+  const kva_kv_view *kv;
+  const int32_t *seq_lens;   /* [B] or NULL (all N); contiguous layout only */
+  kva_path path;
+} kva_problem;
+
+/* Cache length of sequence b (host-side views only). */
+int64_t kva_problem_len(const kva_problem *p, int64_t b);
+
+/* Visibility of key t for query row i of a sequence of length len, for the
+ * causal family (CAUSAL with window / segments); `seg` is that sequence's
+ * segment row or NULL. Positions are view indices: p = len - L + i. */
+static inline int kva_causal_visible(int64_t t, int64_t p, int32_t window, const int32_t *seg,
+                                     int clamp) {
+  int in_window = window <= 0 || t > p - window;
+  if (t <= p && in_window) return 1;
+  if (seg && seg[t] != 0 && seg[t] == seg[p] && (!clamp || in_window)) return 1;
+  return 0;
+}
+#endif

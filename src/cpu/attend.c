@@ -1,0 +1,266 @@
+/* CPU attention driver.
+ * Work split: each sequence's visible token range is cut into chunks of equal
+ * size (chosen so there are ~KVA_ITEMS_PER_THREAD items per thread, never
+ * fewer than KVA_MIN_CHUNK tokens); one item = (sequence, query-row group,
+ * KV head, chunk) computes the partial softmax states of its rep*rows query
+ * vectors with a kernel from src/cpu/simd/. A second pass merges each
+ * vector's chunk states in order, adds the sink and writes the output.
+ * Ragged batches split into equal chunks, so no thread idles on a short
+ * sequence. Workspace: per-sequence tables + partial states + per-thread scratch. */
+#include "core/backend.h"
+#include "cpu/kernel.h"
+#include "cpu/threadpool.h"
+
+#include <string.h>
+
+/* Tuning (never changes results beyond rounding of the merge order). */
+#define KVA_ITEMS_PER_THREAD 8
+#define KVA_MIN_CHUNK 256
+#define KVA_MAX_CHUNK 16384
+#define KVA_ALIGN 64
+
+kva_rowfmt kva_rowfmt_of(const kva_kv *kv) {
+  kva_rowfmt f;
+  f.bits = kv->bits;
+  f.group = kv->group_size;
+  f.dtype = kv->data.dtype;
+  f.sdtype = kv->bits ? kv->scales.dtype : kv->data.dtype;
+  f.D = kva_kv_dim(kv);
+  return f;
+}
+
+static void contiguous_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t t, int64_t t_end,
+                               kva_span *sp) {
+  const kva_kv_view *v = (const kva_kv_view *)src->impl;
+  const kva_kv *K = &v->k, *V = &v->v;
+  memset(sp, 0, sizeof *sp);
+  sp->k = kva_at4(&K->data, b, hk, t, 0);
+  sp->k_rs = K->data.stride[2];
+  if (K->bits) {
+    sp->ks = kva_at4(&K->scales, b, hk, t, 0);
+    sp->kb = kva_at4(&K->biases, b, hk, t, 0);
+    sp->ks_rs = K->scales.stride[2];
+    sp->kb_rs = K->biases.stride[2];
+  }
+  sp->v = kva_at4(&V->data, b, hk, t, 0);
+  sp->v_rs = V->data.stride[2];
+  if (V->bits) {
+    sp->vs = kva_at4(&V->scales, b, hk, t, 0);
+    sp->vb = kva_at4(&V->biases, b, hk, t, 0);
+    sp->vs_rs = V->scales.stride[2];
+    sp->vb_rs = V->biases.stride[2];
+  }
+  sp->t0 = t;
+  sp->n = t_end - t;
+}
+
+void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
+  src->kf = kva_rowfmt_of(&view->k);
+  src->vf = kva_rowfmt_of(&view->v);
+  src->span_at = contiguous_span_at;
+  src->impl = view;
+}
+
+/* ---- SIMD level ---- */
+static const kva_cpu_kernels *forced;
+
+static const kva_cpu_kernels *best_kernels(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+    return &kva_cpu_kernels_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("bmi2"))
+    return &kva_cpu_kernels_avx2;
+#endif
+  return &kva_cpu_kernels_portable;
+}
+
+const kva_cpu_kernels *kva_cpu_kernels_get(void) { return forced ? forced : best_kernels(); }
+
+const char *kva_cpu_simd(void) { return kva_cpu_kernels_get()->level; }
+
+int kva_cpu_set_simd(const char *level) {
+  kva_clearerr();
+  if (!level) {
+    forced = NULL;
+    return 0;
+  }
+  const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
+  const kva_cpu_kernels *best = best_kernels();
+  int best_rank = best == &kva_cpu_kernels_avx512 ? 2 : best == &kva_cpu_kernels_avx2 ? 1 : 0;
+  for (int i = 0; i < 3; ++i)
+    if (!strcmp(level, all[i]->level)) {
+      if (i > best_rank) return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it", level);
+      forced = all[i];
+      return 0;
+    }
+  return kva_seterr(KVA_EINVAL, "level \"%s\" (expected avx512, avx2 or portable)", level);
+}
+
+const char *kva_build_info(void) {
+  return "kvattn " KVA_BUILD_COMPILER ", CPU kernels: portable avx2 avx512"
+#ifdef KVA_HAVE_CUDA
+         ", CUDA: sm_90a (+PTX compute_90)"
+#else
+         ", CUDA: not built"
+#endif
+      ;
+}
+
+/* ---- the plan: chunking and workspace layout ---- */
+typedef struct cpu_plan {
+  int64_t rows;     /* query rows per group */
+  int64_t ngroups;  /* ceil(L / rows) */
+  int64_t nq;       /* rep * rows: vectors per item */
+  int64_t chunk;    /* tokens per item */
+  int64_t items;
+  size_t scratch_floats;
+  /* workspace offsets (bytes) */
+  size_t off_tables, off_partials, off_scratch, total;
+} cpu_plan;
+
+size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq) {
+  size_t f = (size_t)(nq * p->Dk + KVA_TILE * (p->Dk + p->Dv) + nq * KVA_TILE);
+  f += (size_t)(nq * (p->Dk + p->Dv + 64)) + 4096; /* room for the fast kernels' layouts */
+  return (f + KVA_ALIGN / 4 - 1) / (KVA_ALIGN / 4) * (KVA_ALIGN / 4);
+}
+
+/* Visible token range [lo, len) of sequence b: with a causal sliding window
+ * (no segments), keys older than the first row's window are never seen. */
+static int64_t visible_lo(const kva_problem *p, int64_t len) {
+  if (p->mask.kind == KVA_MASK_CAUSAL && p->mask.window > 0 && !p->mask.segments.data) {
+    int64_t lo = len - p->L - p->mask.window + 1;
+    return lo > 0 ? lo : 0;
+  }
+  return 0;
+}
+
+static size_t align_up(size_t x) { return (x + KVA_ALIGN - 1) / KVA_ALIGN * KVA_ALIGN; }
+
+static void make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
+  pl->rows = p->L <= KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS;
+  pl->ngroups = (p->L + pl->rows - 1) / pl->rows;
+  pl->nq = p->rep * pl->rows;
+  int64_t work = 0; /* token-items */
+  for (int64_t b = 0; b < p->B; ++b) {
+    int64_t len = kva_problem_len(p, b);
+    work += (len - visible_lo(p, len)) * p->KVH * pl->ngroups;
+  }
+  int64_t chunk = (work + (int64_t)threads * KVA_ITEMS_PER_THREAD - 1) / ((int64_t)threads * KVA_ITEMS_PER_THREAD);
+  if (chunk < KVA_MIN_CHUNK) chunk = KVA_MIN_CHUNK;
+  if (chunk > KVA_MAX_CHUNK) chunk = KVA_MAX_CHUNK;
+  chunk = (chunk + KVA_TILE - 1) / KVA_TILE * KVA_TILE;
+  pl->chunk = chunk;
+  pl->items = 0;
+  for (int64_t b = 0; b < p->B; ++b) {
+    int64_t len = kva_problem_len(p, b), span = len - visible_lo(p, len);
+    pl->items += (span + chunk - 1) / chunk * p->KVH * pl->ngroups;
+  }
+  pl->scratch_floats = kva_cpu_scratch_floats(p, pl->nq);
+  pl->off_tables = 0;
+  pl->off_partials = align_up((size_t)(p->B + 1) * sizeof(int64_t));
+  pl->off_scratch = pl->off_partials + align_up((size_t)pl->items * (size_t)pl->nq *
+                                                (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float));
+  pl->total = pl->off_scratch + (size_t)threads * pl->scratch_floats * sizeof(float) + KVA_ALIGN;
+}
+
+size_t kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p) {
+  cpu_plan pl;
+  make_plan(p, ctx->threads, &pl);
+  return pl.total;
+}
+
+typedef struct cpu_run {
+  const kva_problem *p;
+  cpu_plan pl;
+  kva_source src;
+  kva_item_fn fused, generic;
+  int64_t *item0; /* [B+1] first item of each sequence */
+  float *partials, *scratch;
+} cpu_run;
+
+static int64_t find_seq(const cpu_run *r, long task) {
+  int64_t lo = 0, hi = r->p->B; /* item0[lo] <= task < item0[hi] */
+  while (hi - lo > 1) {
+    int64_t mid = (lo + hi) / 2;
+    if (r->item0[mid] <= task) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/* Items of a sequence are ordered (group, KV head, chunk). */
+static void run_item(void *arg, long task, int worker) {
+  const cpu_run *r = (const cpu_run *)arg;
+  const kva_problem *p = r->p;
+  int64_t b = find_seq(r, task), local = task - r->item0[b];
+  int64_t len = kva_problem_len(p, b), lo = visible_lo(p, len);
+  int64_t nchunks = (len - lo + r->pl.chunk - 1) / r->pl.chunk;
+  int64_t c = local % nchunks, hk = (local / nchunks) % p->KVH, g = local / nchunks / p->KVH;
+  kva_item it;
+  it.p = p;
+  it.src = &r->src;
+  it.b = b;
+  it.hk = hk;
+  it.i0 = g * r->pl.rows;
+  it.rows = p->L - it.i0 < r->pl.rows ? p->L - it.i0 : r->pl.rows;
+  it.t0 = lo + c * r->pl.chunk;
+  it.t1 = it.t0 + r->pl.chunk < len ? it.t0 + r->pl.chunk : len;
+  it.len = len;
+  it.state = r->partials + (size_t)task * (size_t)r->pl.nq * (size_t)KVA_STATE_FLOATS(p->Dv);
+  it.scratch = r->scratch + (size_t)worker * r->pl.scratch_floats;
+  (r->fused && it.rows == p->L ? r->fused : r->generic)(&it);
+}
+
+/* Merge task = (sequence, group, KV head): merge chunk states in order. */
+static void merge_task(void *arg, long task, int worker) {
+  (void)worker;
+  const cpu_run *r = (const cpu_run *)arg;
+  const kva_problem *p = r->p;
+  int64_t per_seq = r->pl.ngroups * p->KVH;
+  int64_t b = task / per_seq, g = (task % per_seq) / p->KVH, hk = task % p->KVH;
+  int64_t len = kva_problem_len(p, b), lo = visible_lo(p, len);
+  int64_t nchunks = (len - lo + r->pl.chunk - 1) / r->pl.chunk;
+  int64_t i0 = g * r->pl.rows, rows = p->L - i0 < r->pl.rows ? p->L - i0 : r->pl.rows;
+  const int64_t SF = KVA_STATE_FLOATS(p->Dv);
+  int64_t first = r->item0[b] + (g * p->KVH + hk) * nchunks;
+  for (int64_t j = 0; j < p->rep * rows; ++j) {
+    float *acc = r->partials + ((size_t)first * (size_t)r->pl.nq + (size_t)j) * (size_t)SF;
+    for (int64_t c = 1; c < nchunks; ++c)
+      kva_softmax_merge(acc, acc + (size_t)c * (size_t)r->pl.nq * (size_t)SF, (int)p->Dv);
+    int64_t h = hk * p->rep + j / rows, i = i0 + j % rows;
+    if (p->sinks) kva_softmax_add_sink(acc, p->sinks[h], (int)p->Dv);
+    for (int64_t d = 0; d < p->Dv; ++d)
+      kva_store_f(kva_at4(p->out, b, h, i, d), p->out->dtype, kva_softmax_out(acc, (int)d));
+  }
+}
+
+int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
+  cpu_run r;
+  memset(&r, 0, sizeof r);
+  r.p = p;
+  make_plan(p, ctx->threads, &r.pl);
+  if (ws_bytes < r.pl.total) return kva_seterr(KVA_EWORKSPACE, "workspace %zu < %zu bytes", ws_bytes, r.pl.total);
+  char *base = (char *)(((uintptr_t)ws + KVA_ALIGN - 1) / KVA_ALIGN * KVA_ALIGN);
+  if (base + r.pl.total - KVA_ALIGN > (char *)ws + ws_bytes)
+    return kva_seterr(KVA_EWORKSPACE, "workspace too small after alignment");
+  r.item0 = (int64_t *)(base + r.pl.off_tables);
+  r.partials = (float *)(base + r.pl.off_partials);
+  r.scratch = (float *)(base + r.pl.off_scratch);
+  r.item0[0] = 0;
+  for (int64_t b = 0; b < p->B; ++b) {
+    int64_t len = kva_problem_len(p, b), span = len - visible_lo(p, len);
+    r.item0[b + 1] = r.item0[b] + (span + r.pl.chunk - 1) / r.pl.chunk * p->KVH * r.pl.ngroups;
+  }
+  if (p->kv->layout == KVA_LAYOUT_PAGED) kva_source_paged(&r.src, p->kv);
+  else kva_source_contiguous(&r.src, p->kv);
+  const kva_cpu_kernels *kt = kva_cpu_kernels_get();
+  r.generic = kt->generic;
+  r.fused = p->path == KVA_PATH_FUSED ? kt->fast(p) : NULL;
+  kva_threadpool_run(ctx->pool, run_item, &r, (long)r.pl.items);
+  kva_threadpool_run(ctx->pool, merge_task, &r, (long)(p->B * r.pl.ngroups * p->KVH));
+  return 0;
+}

@@ -1,0 +1,242 @@
+/* Random attention operands from a case description, sentinels, comparison. */
+#include "attn_check.h"
+
+const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp", "bool", "add"};
+
+#define SENTINEL_BYTES 64
+#define SENTINEL_BYTE 0xA5
+
+void att_case_str(const att_case *c, char *buf, size_t n) {
+  char kf[32], vf[32];
+  if (c->kbits) snprintf(kf, sizeof kf, "q%d/g%d/%s", c->kbits, c->group, kva_dtype_name(c->kvdt));
+  else snprintf(kf, sizeof kf, "%s", kva_dtype_name(c->kvdt));
+  if (c->vbits) snprintf(vf, sizeof vf, "q%d/g%d", c->vbits, c->group);
+  else snprintf(vf, sizeof vf, "%s", kva_dtype_name(c->kvdt));
+  snprintf(buf, n, "B%d H%d/%d L%d N%lld D%d/%d q=%s out=%s K=%s V=%s mask=%s w=%d cap=%g sinks=%d ragged=%d strided=%d",
+           c->B, c->H, c->KVH, c->L, (long long)c->N, c->Dk, c->Dv, kva_dtype_name(c->qdt),
+           kva_dtype_name(c->odt), kf, vf, mask_names[c->mask], c->window, (double)c->softcap, c->sinks,
+           c->ragged, c->strided);
+}
+
+static void *keep(att_data *d, size_t bytes) {
+  void *p = malloc(bytes + SENTINEL_BYTES);
+  if (!p) return NULL;
+  d->bufs[d->nbufs++] = p;
+  return p;
+}
+
+/* A [n0, n1, n2, n3] view; strided: a window into a padded [n0, n1+1, n2+3, n3+pad] buffer. */
+static kva_tensor make_view(att_data *d, kva_dtype dt, int64_t n0, int64_t n1, int64_t n2, int64_t n3,
+                            int strided, size_t *bytes_out) {
+  int64_t p1 = strided ? 1 : 0, p2 = strided ? 3 : 0, p3 = strided ? 8 : 0;
+  int64_t es = (int64_t)kva_dtype_size(dt);
+  size_t bytes = (size_t)(n0 * (n1 + p1) * (n2 + p2) * (n3 + p3) * es);
+  char *mem = (char *)keep(d, bytes);
+  kva_tensor t = kva_tensor_4d(mem, dt, n0, n1, n2, n3);
+  if (!mem) return t;
+  /* Fill padding and all with a loud pattern; the view's elements are written by the caller. */
+  memset(mem, 0x7f, bytes);
+  t.stride[3] = es;
+  t.stride[2] = (n3 + p3) * es;
+  t.stride[1] = (n2 + p2) * t.stride[2];
+  t.stride[0] = (n1 + p1) * t.stride[1];
+  t.data = mem + (strided ? 2 * t.stride[2] : 0); /* start inside the padding */
+  if (bytes_out) *bytes_out = bytes;
+  return t;
+}
+
+static void fill_float(kva_tensor *t, float amp) {
+  for (int64_t a = 0; a < t->shape[0]; ++a)
+    for (int64_t b = 0; b < t->shape[1]; ++b)
+      for (int64_t c = 0; c < t->shape[2]; ++c)
+        for (int64_t e = 0; e < t->shape[3]; ++e) {
+          float x = amp * test_randn();
+          char *p = (char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + e * t->stride[3];
+          if (t->dtype == KVA_F32) memcpy(p, &x, 4);
+          else {
+            uint16_t h = t->dtype == KVA_F16 ? kva_f32_to_f16(x) : kva_f32_to_bf16(x);
+            memcpy(p, &h, 2);
+          }
+        }
+}
+
+static int make_kv(att_data *d, kva_kv *kv, int bits, int D) {
+  const att_case *c = &d->c;
+  memset(kv, 0, sizeof *kv);
+  if (!bits) {
+    kv->data = make_view(d, c->kvdt, c->B, c->KVH, c->N, D, c->strided, NULL);
+    if (!kv->data.data) return -1;
+    fill_float(&kv->data, 1.0f);
+    return 0;
+  }
+  kv->bits = bits;
+  kv->group_size = c->group;
+  kv->data = make_view(d, KVA_U32, c->B, c->KVH, c->N, (int64_t)D * bits / 32, c->strided, NULL);
+  kv->scales = make_view(d, c->kvdt, c->B, c->KVH, c->N, D / c->group, c->strided, NULL);
+  kv->biases = make_view(d, c->kvdt, c->B, c->KVH, c->N, D / c->group, c->strided, NULL);
+  float *w = (float *)malloc((size_t)c->B * c->KVH * c->N * D * sizeof(float));
+  if (!w || !kv->data.data || !kv->scales.data || !kv->biases.data) { free(w); return -1; }
+  kva_tensor wt = kva_tensor_4d(w, KVA_F32, c->B, c->KVH, c->N, D);
+  /* Values with a per-row offset so biases are not all alike. */
+  for (int64_t i = 0; i < (int64_t)c->B * c->KVH * c->N; ++i) {
+    float off = 0.5f * test_randn();
+    for (int e = 0; e < D; ++e) w[i * D + e] = off + test_randn();
+  }
+  int rc = kva_quantize(&wt, kv);
+  free(w);
+  if (rc) fprintf(stderr, "kva_quantize: %s\n", kva_last_error());
+  return rc ? -1 : 0;
+}
+
+int att_make(att_data *d, const att_case *c) {
+  memset(d, 0, sizeof *d);
+  d->c = *c;
+  d->q = make_view(d, c->qdt, c->B, c->H, c->L, c->Dk, c->strided, NULL);
+  if (!d->q.data) return -1;
+  fill_float(&d->q, 1.5f);
+  if (make_kv(d, &d->k, c->kbits, c->Dk) || make_kv(d, &d->v, c->vbits, c->Dv)) return -1;
+  d->out = make_view(d, c->odt, c->B, c->H, c->L, c->Dv, c->strided, &d->out_bytes);
+  if (!d->out.data) return -1;
+  d->out_buf = d->bufs[d->nbufs - 1];
+  d->params = kva_attn_defaults();
+  if (c->ragged) {
+    d->lens = (int32_t *)keep(d, sizeof(int32_t) * (size_t)c->B);
+    for (int b = 0; b < c->B; ++b)
+      d->lens[b] = (int32_t)(c->L + (int64_t)(test_rand_u64() % (uint64_t)(c->N - c->L + 1)));
+    d->lens[test_rand_u64() % (uint64_t)c->B] = (int32_t)c->N;
+  }
+  kva_mask *m = &d->params.mask;
+  switch (c->mask) {
+  case MASK_NONE: break;
+  case MASK_CAUSAL: m->kind = KVA_MASK_CAUSAL; break;
+  case MASK_WINDOW: m->kind = KVA_MASK_CAUSAL; m->window = c->window; break;
+  case MASK_SEG:
+  case MASK_SEG_CLAMP: {
+    m->kind = KVA_MASK_CAUSAL;
+    m->window = c->window;
+    m->segments_clamp = c->mask == MASK_SEG_CLAMP;
+    int64_t pad = c->strided ? 7 : 0;
+    int32_t *s = (int32_t *)keep(d, sizeof(int32_t) * (size_t)(c->B * (c->N + pad)));
+    for (int b = 0; b < c->B; ++b) {
+      int32_t img = 0;
+      for (int64_t j = 0; j < c->N;) {
+        /* text runs and image runs of random lengths */
+        int64_t run = 1 + (int64_t)(test_rand_u64() % 12);
+        int is_img = (test_rand_u64() % 2) == 0;
+        if (is_img) img++;
+        for (int64_t e = 0; e < run && j < c->N; ++e, ++j) s[b * (c->N + pad) + j] = is_img ? img : 0;
+      }
+    }
+    m->segments = kva_tensor_2d(s, KVA_I32, c->B, c->N);
+    m->segments.stride[0] = (c->N + pad) * 4;
+    break;
+  }
+  case MASK_BOOL:
+  case MASK_ADD: {
+    m->kind = KVA_MASK_ARRAY;
+    /* Broadcast over heads when H > 1 and strided (exercises stride-0 dims). */
+    int64_t hh = (c->strided && c->H > 1) ? 1 : c->H;
+    kva_dtype dt = c->mask == MASK_BOOL ? KVA_BOOL : KVA_F32;
+    size_t es = kva_dtype_size(dt);
+    char *a = (char *)keep(d, es * (size_t)(c->B * hh * c->L * c->N));
+    m->array = kva_tensor_4d(a, dt, c->B, hh, c->L, c->N);
+    for (int64_t i = 0; i < c->B * hh * c->L * c->N; ++i) {
+      if (dt == KVA_BOOL) a[i] = (char)(test_rand_u64() % 10 < 7);
+      else {
+        float x = (test_rand_u64() % 10 < 2) ? -INFINITY : test_randu(-2.0f, 2.0f);
+        memcpy(a + 4 * i, &x, 4);
+      }
+    }
+    break;
+  }
+  }
+  if (c->softcap > 0) d->params.softcap = c->softcap;
+  if (c->sinks) {
+    d->sinks = (float *)keep(d, sizeof(float) * (size_t)c->H);
+    for (int h = 0; h < c->H; ++h) d->sinks[h] = test_randn();
+    d->params.sinks = d->sinks;
+  }
+  d->view = kva_view_contiguous(&d->k, &d->v, d->lens);
+  return 0;
+}
+
+void att_free(att_data *d) {
+  for (int i = 0; i < d->nbufs; ++i) free(d->bufs[i]);
+  d->nbufs = 0;
+}
+
+/* The sentinel: the SENTINEL_BYTES after the out buffer. */
+static unsigned char *out_sentinel(const att_data *d) { return (unsigned char *)d->out_buf + d->out_bytes; }
+
+void att_poison(att_data *d) {
+  memset(d->out_buf, 0xff, d->out_bytes); /* NaN in every float dtype */
+  unsigned char *s = out_sentinel(d);
+  if (s) memset(s, SENTINEL_BYTE, SENTINEL_BYTES);
+}
+
+int att_sentinel_ok(const att_data *d) {
+  const unsigned char *s = out_sentinel(d);
+  for (int i = 0; i < SENTINEL_BYTES; ++i)
+    if (s[i] != SENTINEL_BYTE) return 0;
+  return 1;
+}
+
+kva_tensor att_alloc_like(att_data *d, const kva_tensor *t) {
+  size_t bytes = (size_t)(t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3]) * kva_dtype_size(t->dtype);
+  void *mem = keep(d, bytes);
+  if (mem) memset(mem, 0xff, bytes);
+  return kva_tensor_4d(mem, t->dtype, t->shape[0], t->shape[1], t->shape[2], t->shape[3]);
+}
+
+double att_rtol(kva_dtype out) {
+  switch (out) {
+  case KVA_BF16: return 1.0 / 128; /* one bf16 ulp: both sides round to bf16 */
+  case KVA_F16: return 1.0 / 1024;
+  default: return 0.0;
+  }
+}
+
+static double elem(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t e) {
+  const char *p = (const char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + e * t->stride[3];
+  switch (t->dtype) {
+  case KVA_F32: { float f; memcpy(&f, p, 4); return f; }
+  case KVA_F16: { uint16_t h; memcpy(&h, p, 2); return kva_f16_to_f32(h); }
+  default: { uint16_t h; memcpy(&h, p, 2); return kva_bf16_to_f32(h); }
+  }
+}
+
+int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
+                double *rel_l2) {
+  double maxref = 0, num = 0, den = 0, worst = 0;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t a = 0; a < out->shape[0]; ++a)
+      for (int64_t b = 0; b < out->shape[1]; ++b)
+        for (int64_t c = 0; c < out->shape[2]; ++c)
+          for (int64_t e = 0; e < out->shape[3]; ++e) {
+            double o = elem(out, a, b, c, e), r = elem(ref, a, b, c, e);
+            if (pass == 0) {
+              if (isfinite(r) && fabs(r) > maxref) maxref = fabs(r);
+              int on = isnan(o), rn = isnan(r), oi = isinf(o), ri = isinf(r);
+              if (on != rn || oi != ri || (oi && ri && o != r)) {
+                fprintf(stderr, "    NaN/Inf mismatch at [%lld,%lld,%lld,%lld]: out %g ref %g\n", (long long)a,
+                        (long long)b, (long long)c, (long long)e, o, r);
+                return 0;
+              }
+              continue;
+            }
+            if (!isfinite(r)) continue;
+            double err = fabs(o - r), allowed = atol_rel * maxref + rtol * fabs(r);
+            num += err * err;
+            den += r * r;
+            if (err > worst) worst = err;
+            if (err > allowed) {
+              fprintf(stderr, "    mismatch at [%lld,%lld,%lld,%lld]: out %.8g ref %.8g err %.3g > allowed %.3g\n",
+                      (long long)a, (long long)b, (long long)c, (long long)e, o, r, err, allowed);
+              if (max_err) *max_err = err;
+              return 0;
+            }
+          }
+  if (max_err) *max_err = worst;
+  if (rel_l2) *rel_l2 = den > 0 ? sqrt(num / den) : sqrt(num);
+  return 1;
+}

@@ -1,0 +1,58 @@
+/* Helpers for attention tests: random operands built from a printable case,
+ * strided views into padded buffers, sentinels after outputs, and the
+ * comparison with the oracle (NaN/Inf positions exact, then max error and
+ * relative L2). Shared by the CPU, paged and CUDA test files. */
+#ifndef KVA_ATTN_CHECK_H
+#define KVA_ATTN_CHECK_H
+
+#include "test.h"
+
+enum { MASK_NONE, MASK_CAUSAL, MASK_WINDOW, MASK_SEG, MASK_SEG_CLAMP, MASK_BOOL, MASK_ADD };
+extern const char *const mask_names[];
+
+typedef struct att_case {
+  int B, H, KVH, L;
+  int64_t N;
+  int Dk, Dv;
+  kva_dtype qdt, odt;
+  int kbits, vbits, group; /* bits 0 = float K/V of dtype kvdt */
+  kva_dtype kvdt;          /* float K/V dtype, or the scales/biases dtype */
+  int mask, window;
+  float softcap;
+  int sinks, ragged, strided;
+} att_case;
+
+/* One case's operands (host memory). */
+typedef struct att_data {
+  att_case c;
+  kva_tensor q, out;
+  kva_kv k, v;
+  int32_t *lens;
+  kva_tensor segments, array;
+  float *sinks;
+  kva_attn_params params;
+  kva_kv_view view;
+  void *bufs[16];
+  int nbufs;
+  void *out_buf;    /* the buffer out views into */
+  size_t out_bytes; /* its bytes before the sentinel */
+} att_data;
+
+void att_case_str(const att_case *c, char *buf, size_t n);
+/* Builds fresh random operands; returns 0 or -1 (allocation failure). */
+int att_make(att_data *d, const att_case *c);
+void att_free(att_data *d);
+/* Poisons out (NaN pattern) and re-arms the sentinel. */
+void att_poison(att_data *d);
+/* Sentinel after the output intact? */
+int att_sentinel_ok(const att_data *d);
+/* Compares out with ref (same shape): NaN/Inf exact, then
+ * |out - ref| <= atol_rel * max|ref| + rtol * |ref| everywhere.
+ * Prints the first mismatch. Returns 1 when within tolerance. */
+int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
+                double *rel_l2);
+/* Output-dtype rounding allowance: relative half-ulp-ish bound per element. */
+double att_rtol(kva_dtype out);
+/* A second output tensor of the same shape/dtype (contiguous, owned by d). */
+kva_tensor att_alloc_like(att_data *d, const kva_tensor *t);
+#endif

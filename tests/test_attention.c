@@ -1,0 +1,186 @@
+/* CPU attention against the double-precision oracle on an explicit case
+ * table, at every SIMD level this CPU has and at 1 and 2 threads. */
+#include "attn_check.h"
+
+#define F32 KVA_F32
+#define F16 KVA_F16
+#define BF16 KVA_BF16
+
+/* B, H, KVH, L, N, Dk, Dv, q, out, kbits, vbits, group, kv/scale dtype, mask, window, softcap, sinks, ragged, strided */
+static const att_case cases[] = {
+    /* decode, every float format, odd lengths */
+    {1, 8, 4, 1, 1, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 4, 1, 17, 256, 256, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 1, 113, 128, 128, F16, F16, 0, 0, 0, F16, MASK_NONE, 0, 0, 0, 0, 1},
+    {1, 8, 2, 1, 4097, 64, 64, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* quantized: every bits x group x scale dtype */
+    {1, 8, 4, 1, 113, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 4, 1, 4097, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 6, 2, 1, 17, 128, 128, F32, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 6, 2, 1, 113, 128, 128, F32, F32, 2, 2, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 1, 1, 300, 64, 64, F32, F32, 2, 2, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 1, 1, 300, 96, 96, F32, F32, 8, 8, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 200, 512, 512, BF16, F32, 4, 8, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 200, 192, 192, F32, BF16, 8, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    /* Dk != Dv, head dim 80 (float only: 80 is no multiple of 32) */
+    {1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 2, 150, 256, 512, F32, F32, 4, 4, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* verify rows L = 8 and 16, GQA 2 and 6 */
+    {1, 8, 4, 8, 4097, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 24, 4, 8, 1000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 8, 16, 600, 128, 128, F32, F32, 8, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    /* batches with different lengths */
+    {3, 8, 4, 1, 1000, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+    {3, 8, 2, 4, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 1},
+    /* sliding window, segments, softcap, sinks */
+    {2, 8, 4, 1, 1000, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 0, 0, 1, 0},
+    {1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 1, 0, 0, 0, 0},
+    {1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 5, 0, 0, 0, 0},
+    {2, 4, 2, 12, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_SEG, 0, 0, 0, 1, 0},
+    {1, 4, 2, 12, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_SEG_CLAMP, 7, 0, 0, 0, 1},
+    {1, 4, 2, 12, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_SEG, 9, 0, 0, 0, 0},
+    {1, 8, 4, 1, 500, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 30.0f, 0, 0, 0},
+    {2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 1, 0},
+    {1, 8, 2, 1, 300, 64, 64, F32, F32, 8, 8, 64, BF16, MASK_NONE, 0, 0, 1, 0, 0},
+    /* explicit array masks (fallback) and long L (fallback row groups) */
+    {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
+    {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
+    {1, 4, 2, 5, 200, 128, 128, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 17, 17, 128, 128, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+};
+#define NCASES ((int)(sizeof cases / sizeof cases[0]))
+
+/* f32 arithmetic over up to a few thousand keys vs the double oracle. */
+#define ATOL_REL 3e-5
+
+static const char *levels[] = {"portable", "avx2", "avx512"};
+
+static int run_case(const att_case *c, kva_context *ctx, const char *level, att_data *d, const kva_tensor *ref) {
+  char name[256];
+  att_case_str(c, name, sizeof name);
+  att_poison(d);
+  int rc = kva_attention(ctx, &d->q, &d->view, &d->params, &d->out, NULL, 0);
+  if (rc) {
+    FAIL_("%s [%s, %d threads]: kva_attention: %s", name, level, kva_context_threads(ctx), kva_last_error());
+    return 0;
+  }
+  double max_err = 0, l2 = 0;
+  if (!att_sentinel_ok(d)) {
+    FAIL_("%s [%s]: sentinel after out overwritten", name, level);
+    return 0;
+  }
+  if (!att_compare(&d->out, ref, ATOL_REL, att_rtol(c->odt), &max_err, &l2)) {
+    FAIL_("%s [%s, %d threads]: out differs from the oracle (max err %.3g)", name, level,
+          kva_context_threads(ctx), max_err);
+    return 0;
+  }
+  return 1;
+}
+
+TEST(attention_cpu_vs_oracle) {
+  kva_context *ctx1, *ctx2;
+  kva_context_opts o = {KVA_BACKEND_CPU, 1, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx1, &o));
+  o.threads = 2;
+  ASSERT_OK(kva_context_create(&ctx2, &o));
+  for (int ci = 0; ci < NCASES; ++ci) {
+    const att_case *c = &cases[ci];
+    if (test_quick && c->N > 1000) continue;
+    att_data d;
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    if (att_make(&d, c)) {
+      FAIL_("%s: could not build operands", name);
+      att_free(&d);
+      break;
+    }
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
+      FAIL_("%s: oracle: %s", name, kva_last_error());
+      att_free(&d);
+      break;
+    }
+    int path = kva_attention_path(ctx1, &d.q, &d.view, &d.params, &d.out);
+    printf("  case %2d %-8s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", name);
+    int ok = 1;
+    for (int li = 0; li < 3 && ok; ++li) {
+      if (kva_cpu_set_simd(levels[li])) continue; /* this CPU lacks the level */
+      ok = run_case(c, ctx1, levels[li], &d, &ref) && run_case(c, ctx2, levels[li], &d, &ref);
+    }
+    kva_cpu_set_simd(NULL);
+    att_free(&d);
+    if (!ok) break;
+  }
+  kva_context_destroy(ctx1);
+  kva_context_destroy(ctx2);
+}
+
+/* NaN and Inf propagate exactly as in the oracle; nothing is written beyond out. */
+TEST(attention_nan_inf) {
+  const att_case c = {1, 4, 2, 2, 100, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (int variant = 0; variant < 4; ++variant) {
+    att_data d;
+    ASSERT_TRUE(att_make(&d, &c) == 0);
+    float *q = (float *)d.q.data, *k = (float *)d.k.data.data, *v = (float *)d.v.data.data;
+    switch (variant) {
+    case 0: q[3] = NAN; break;                         /* head 0, row 0: whole row NaN */
+    case 1: k[(int64_t)(c.N - 1) * c.Dk + 5] = NAN; break; /* last key of KV head 0: every row sees it */
+    case 2: v[7] = INFINITY; break;                    /* first key's V element 7 = +inf */
+    case 3: k[(int64_t)(c.N - 1) * c.Dk] = INFINITY; k[(int64_t)(c.N - 1) * c.Dk + 1] = INFINITY; break;
+    }
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    att_poison(&d);
+    ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
+    int ok = att_compare(&d.out, &ref, ATOL_REL, 0, NULL, NULL) && att_sentinel_ok(&d);
+    att_free(&d);
+    if (!ok) {
+      FAIL_("variant %d", variant);
+      break;
+    }
+  }
+  kva_context_destroy(ctx);
+}
+
+/* A row that sees no key outputs zeros (array mask all false for one row). */
+TEST(attention_row_without_keys_is_zero) {
+  const att_case c = {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  uint8_t *m = (uint8_t *)d.params.mask.array.data;
+  memset(m + 1 * c.N, 0, (size_t)c.N); /* head 0, row 1 sees nothing */
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  att_poison(&d);
+  ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
+  const float *o = (const float *)d.out.data;
+  for (int e = 0; e < c.Dv; ++e) ASSERT_TRUE(o[1 * c.Dv + e] == 0.0f);
+  kva_context_destroy(ctx);
+  att_free(&d);
+}
+
+/* A caller workspace: exact size works, one byte less is refused. */
+TEST(attention_caller_workspace) {
+  const att_case c = {2, 8, 4, 2, 900, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  size_t bytes = 0;
+  ASSERT_OK(kva_attention_workspace_size(ctx, &d.q, &d.view, &d.params, &bytes));
+  ASSERT_TRUE(bytes > 0);
+  void *ws = malloc(bytes);
+  kva_tensor ref = att_alloc_like(&d, &d.out);
+  ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+  att_poison(&d);
+  ASSERT_ERR(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, ws, bytes - 1), KVA_EWORKSPACE, "workspace");
+  ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, ws, bytes));
+  ASSERT_TRUE(att_compare(&d.out, &ref, ATOL_REL, 0, NULL, NULL));
+  free(ws);
+  kva_context_destroy(ctx);
+  att_free(&d);
+}
