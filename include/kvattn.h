@@ -133,7 +133,9 @@ kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scal
  * out->data: u32 [.., D*bits/32]; out->scales/biases: [.., D/group_size] in
  * f32/f16/bf16; out->bits and out->group_size select the format. */
 int kva_quantize(const kva_tensor *w, kva_kv *out);
-/* Inverse: out[..., d] = scale * q + bias, computed in f32 then rounded to out's dtype. */
+/* Inverse, as MLX computes it: out[..., d] = round_T(round_T(scale * q) + bias)
+ * with T the scales' dtype (plain f32 arithmetic for f32 scales), then
+ * converted to out's dtype. */
 int kva_dequantize(const kva_kv *q, kva_tensor *out);
 
 /* ------------------------------------------------------------- masks */
