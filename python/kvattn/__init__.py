@@ -1,0 +1,447 @@
+"""kvattn — fused attention of a few query rows over a long, possibly
+MLX-affine-quantized KV cache: the Python binding (ctypes over libkvattn.so,
+numpy arrays, bfloat16 through ml_dtypes).
+
+    import numpy as np, kvattn
+    q = np.random.randn(1, 8, 1, 128).astype(np.float32)         # [B, H, L, D]
+    k = np.random.randn(1, 2, 1000, 128).astype(np.float32)      # [B, KVH, N, D]
+    v = np.random.randn(1, 2, 1000, 128).astype(np.float32)
+    kq, vq = kvattn.quantize(k), kvattn.quantize(v)              # (packed, scales, biases)
+    out = kvattn.attention(q, kq, vq, mask="causal")             # [B, H, L, D], q's dtype
+
+Arrays are passed to the library in place (no copy) with their strides, so a
+view such as ``cache[:, :, :n]`` costs nothing; an input whose innermost
+dimension is not contiguous (or that has a negative stride) is copied first.
+Every error of the library raises ``KvaError`` (a ``ValueError``) whose message
+names the offending argument.
+
+The library is found through $KVATTN_LIB, else ../../build/libkvattn.so next
+to this package (the tree's `make`), else the system's library path.
+"""
+import atexit
+import ctypes
+import threading
+
+import numpy as np
+
+from . import _capi as C
+from ._capi import BFLOAT16 as bfloat16
+from ._capi import KvaError, lib
+
+__all__ = [
+    "Context", "KvaError", "attention", "attention_path", "bfloat16", "build_info", "causal_mask",
+    "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
+    "reference_attention", "set_cpu_simd", "version",
+]
+
+__version__ = lib.kva_version().decode()
+
+_QUANT_BITS = (2, 4, 8)
+_WORD_BITS = 32
+_INT32_MAX = 2**31 - 1
+
+
+def version():
+    """Version of the linked library, "MAJOR.MINOR.PATCH"."""
+    return lib.kva_version().decode()
+
+
+def build_info():
+    """One line describing the library's build (compiler, SIMD levels, CUDA targets)."""
+    return lib.kva_build_info().decode()
+
+
+def cpu_simd():
+    """SIMD level the CPU kernels use: "avx512", "avx2" or "portable"."""
+    return lib.kva_cpu_simd().decode()
+
+
+def set_cpu_simd(level=None):
+    """Force a SIMD level ("avx512", "avx2", "portable"); None = best available."""
+    C.check(lib.kva_cpu_set_simd(None if level is None else level.encode()))
+
+
+def cuda_device_count():
+    """CUDA devices visible to the library (0 when built without CUDA)."""
+    return lib.kva_cuda_device_count()
+
+
+# ------------------------------------------------------------------ contexts
+
+
+class Context:
+    """A kva_context: the CPU thread pool (started once) and a workspace
+    reused across calls. Usable as a context manager; close() frees it.
+
+    threads: worker threads, None or 0 = all cores. Calls on one context are
+    serialized (a lock); use one context per Python thread for parallel calls.
+    """
+
+    def __init__(self, threads=None, backend="cpu", device=0):
+        backends = {"cpu": C.BACKEND_CPU, "cuda": C.BACKEND_CUDA}
+        if backend not in backends:
+            raise ValueError("backend must be 'cpu' or 'cuda', got %r" % (backend,))
+        if threads is not None and not isinstance(threads, (int, np.integer)):
+            raise TypeError("threads must be an int or None, got %r" % (threads,))
+        opts = C.kva_context_opts()
+        opts.backend = backends[backend]
+        opts.threads = 0 if threads is None else int(threads)
+        opts.device = int(device)
+        opts.stream = None
+        ptr = ctypes.c_void_p()
+        C.check(lib.kva_context_create(ctypes.byref(ptr), ctypes.byref(opts)))
+        self._ptr = ptr.value
+        self._destroy = lib.kva_context_destroy  # kept: usable from __del__ at interpreter exit
+        self.backend = backend
+        self.lock = threading.Lock()
+
+    @property
+    def handle(self):
+        if not self._ptr:
+            raise ValueError("the kvattn Context is closed")
+        return self._ptr
+
+    @property
+    def threads(self):
+        """Worker threads of the context's pool."""
+        return lib.kva_context_threads(self.handle)
+
+    def close(self):
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr:
+            self._destroy(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if not self._ptr else "threads=%d" % self.threads
+        return "<kvattn.Context %s %s>" % (self.backend, state)
+
+
+_contexts = {}
+_contexts_lock = threading.Lock()
+
+
+def default_context(threads=None):
+    """The module's CPU context for `threads` (None = all cores), created on
+    first use and kept until exit."""
+    if threads is not None and not isinstance(threads, (int, np.integer)):
+        raise TypeError("threads must be an int or None, got %r" % (threads,))
+    key = 0 if threads is None else int(threads)
+    with _contexts_lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            ctx = _contexts[key] = Context(threads=key)
+        return ctx
+
+
+@atexit.register
+def _close_contexts():
+    with _contexts_lock:
+        for ctx in _contexts.values():
+            ctx.close()
+        _contexts.clear()
+
+
+# -------------------------------------------------------------- quantization
+
+
+def _check_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError("%s must be an int, got %r" % (name, value))
+    return int(value)
+
+
+def _packed_words(d, bits):
+    """u32 words per row of d elements (a stand-in of 1 when bits is invalid:
+    the library then reports bits)."""
+    return d * bits // _WORD_BITS if bits in _QUANT_BITS else 1
+
+
+def _groups(d, group_size):
+    return d // group_size if group_size > 0 and d % group_size == 0 else 1
+
+
+def _flat(arr):
+    """Ranks above the library's 4 are flattened into the leading dims."""
+    return arr if arr.ndim <= C.MAX_DIMS else arr.reshape(-1, arr.shape[-1])
+
+
+def quantize(w, group_size=64, bits=4):
+    """MLX affine quantization along the last axis, bit for bit with
+    mlx.core.quantize: returns (packed uint32 [..., D*bits/32],
+    scales [..., D/group_size], biases [..., D/group_size]), scales and biases
+    in w's dtype (float32, float16 or bfloat16). bits 2/4/8, group 32/64/128."""
+    group_size = _check_int(group_size, "group_size")
+    bits = _check_int(bits, "bits")
+    w = C.prepare_input(w, "w")
+    if w.ndim == 0:
+        raise C.error(C.ESHAPE, "w must have rank >= 1, got a scalar")
+    lead, d = w.shape[:-1], w.shape[-1]
+    sdt = w.dtype if w.dtype in C.FLOAT_DTYPES else np.dtype(np.float32)
+    packed = np.empty(lead + (_packed_words(d, bits),), np.uint32)
+    scales = np.empty(lead + (_groups(d, group_size),), sdt)
+    biases = np.empty_like(scales)
+    wf = _flat(w)
+    out = C.kva_kv()
+    out.data = C.tensor(_flat(packed), "out.data", output=True)
+    out.scales = C.tensor(_flat(scales), "out.scales", output=True)
+    out.biases = C.tensor(_flat(biases), "out.biases", output=True)
+    out.bits = bits
+    out.group_size = group_size
+    wt = C.tensor(wf, "w")
+    C.check(lib.kva_quantize(ctypes.byref(wt), ctypes.byref(out)))
+    return packed, scales, biases
+
+
+def dequantize(packed, scales, biases, group_size=64, bits=4, dtype=None):
+    """Inverse of quantize: w[..., d] = scale * q + bias, shaped [..., D]
+    (D = packed.shape[-1] * 32 / bits), in scales' dtype unless `dtype` is given."""
+    group_size = _check_int(group_size, "group_size")
+    bits = _check_int(bits, "bits")
+    kv = C.kva_kv()
+    arrs = [C.prepare_input(a, n) for a, n in ((packed, "q.data"), (scales, "q.scales"), (biases, "q.biases"))]
+    p, s, b = arrs
+    if p.ndim == 0:
+        raise C.error(C.ESHAPE, "packed must have rank >= 1, got a scalar")
+    if dtype is None:
+        dtype = s.dtype if s.dtype in C.FLOAT_DTYPES else np.dtype(np.float32)
+    dtype = np.dtype(dtype)
+    d = p.shape[-1] * _WORD_BITS // bits if bits in _QUANT_BITS else p.shape[-1]
+    out = np.empty(p.shape[:-1] + (d,), dtype)
+    kv.data = C.tensor(_flat(p), "q.data")
+    kv.scales = C.tensor(_flat(s), "q.scales")
+    kv.biases = C.tensor(_flat(b), "q.biases")
+    kv.bits = bits
+    kv.group_size = group_size
+    ot = C.tensor(_flat(out), "out", output=True)
+    C.check(lib.kva_dequantize(ctypes.byref(kv), ctypes.byref(ot)))
+    return out
+
+
+# --------------------------------------------------------------------- masks
+
+
+def _window(window):
+    """None -> 0 (no window). 0 is refused here (the C API's 0 means "none",
+    which a Python caller spells None); negative values go to the library."""
+    if window is None:
+        return 0
+    window = _check_int(window, "window")
+    if window == 0:
+        raise C.error(C.EINVAL, "window = 0 must be > 0 (None = no window)")
+    if not -_INT32_MAX <= window <= _INT32_MAX:
+        raise C.error(C.EINVAL, "window = %d is out of the int32 range" % window)
+    return window
+
+
+def causal_mask(n, offset=0, window=None):
+    """The seed's createCausalMask: bool [n, offset + n]; row r (position
+    offset + r) sees key j iff j <= offset + r (and j > offset + r - window)."""
+    n = _check_int(n, "n")
+    offset = _check_int(offset, "offset")
+    w = _window(window)
+    shape = (n, offset + n) if n > 0 and offset >= 0 else (1, 1)
+    out = np.empty(shape, np.bool_)
+    ot = C.tensor(out, "out", output=True)
+    C.check(lib.kva_causal_mask(n, offset, w, ctypes.byref(ot)))
+    return out
+
+
+def image_mask(segments, window=None, clamp=False):
+    """Image-token mask of n tokens: segments int [n] (0 = text, k > 0 = image k)
+    -> bool [n, n], allow = causal_window OR (seg[i] == seg[j] != 0), the image
+    exception limited to the window too when clamp. One image without clamp is
+    the seed's bidirMask; a bool array is taken as that (True = image 1)."""
+    w = _window(window)
+    seg = C.int32_array(segments, "segments", allow_bool=True)
+    n = seg.shape[0] if seg.ndim >= 1 and seg.shape[0] > 0 else 1
+    out = np.empty((n, n), np.bool_)
+    st = C.tensor(seg, "segments")
+    ot = C.tensor(out, "out", output=True)
+    C.check(lib.kva_image_mask(ctypes.byref(st), w, int(bool(clamp)), ctypes.byref(ot)))
+    return out
+
+
+# ----------------------------------------------------------------- attention
+
+
+def _kv_operand(x, name, bits, group_size, keep):
+    """kva_kv of one K or V operand: an array [B, KVH, N, D] or a
+    (packed, scales, biases) tuple (mlx-lm's quantized cache layout)."""
+    kv = C.kva_kv()
+    if isinstance(x, (tuple, list)):
+        if len(x) != 3:
+            raise C.error(C.EINVAL, "%s must be an array or a (packed, scales, biases) tuple, got %d items"
+                          % (name, len(x)))
+        p, s, b = (C.prepare_input(a, name + sfx) for a, sfx in zip(x, (".data", ".scales", ".biases")))
+        keep += [p, s, b]
+        kv.data = C.tensor(p, name + ".data")
+        kv.scales = C.tensor(s, name + ".scales")
+        kv.biases = C.tensor(b, name + ".biases")
+        kv.bits = bits
+        kv.group_size = group_size
+        dim = p.shape[-1] * _WORD_BITS // bits if p.ndim and bits in _QUANT_BITS else 0
+        return kv, p.shape, dim
+    a = C.prepare_input(x, name)
+    keep.append(a)
+    kv.data = C.tensor(a, name + ".data")
+    return kv, a.shape, (a.shape[-1] if a.ndim else 0)
+
+
+class _Call:
+    """The descriptors of one attention call, and the arrays they point into."""
+
+    def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
+                 seq_lens, out):
+        group_size = _check_int(group_size, "group_size")
+        bits = _check_int(bits, "bits")
+        keep = self.keep = []
+        q = C.prepare_input(q, "q")
+        keep.append(q)
+        self.q = C.tensor(q, "q")
+        kk, kshape, _ = _kv_operand(k, "k", bits, group_size, keep)
+        vv, _, dv = _kv_operand(v, "v", bits, group_size, keep)
+        view = self.view = C.kva_kv_view()
+        view.layout = C.LAYOUT_CONTIGUOUS
+        view.k, view.v = kk, vv
+        B, H, L = q.shape[:3] if q.ndim == 4 else (1, 1, 1)
+        kB, N = (kshape[0], kshape[2]) if len(kshape) == 4 else (B, None)
+
+        if out is None:
+            odt = q.dtype if q.dtype in C.FLOAT_DTYPES else np.dtype(np.float32)
+            out = np.empty((B, H, L, max(dv, 1)), odt)
+        elif not isinstance(out, np.ndarray):
+            raise TypeError("out must be a numpy array, got %s" % type(out).__name__)
+        self.out_array = out
+        self.out = C.tensor(out, "out", output=True)
+
+        if seq_lens is not None:
+            sl = C.int32_array(seq_lens, "seq_lens")
+            if sl.dtype != np.int32:
+                raise C.error(C.EDTYPE, "seq_lens has unsupported dtype %s (int32 expected)" % sl.dtype)
+            if N is not None and sl.shape != (kB,):  # (a K of the wrong rank fails first in the library)
+                raise C.error(C.ESHAPE, "seq_lens must have shape [B] = [%d], got %s" % (kB, list(sl.shape)))
+            sl = np.ascontiguousarray(sl)
+            keep.append(sl)
+            view.seq_lens = sl.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+        p = self.params = C.kva_attn_params()
+        if scale is not None:
+            scale = float(scale)
+            if scale == 0.0:
+                raise C.error(C.EINVAL, "scale = 0 is not a scale (None = 1/sqrt(Dk))")
+            p.scale = scale
+        if softcap is not None:
+            softcap = float(softcap)
+            if softcap == 0.0:
+                raise C.error(C.EINVAL, "softcap = 0 must be > 0 (None = no softcap)")
+            p.softcap = softcap
+        if sinks is not None:
+            sk = np.ascontiguousarray(np.asarray(sinks), dtype=np.float32)
+            if q.ndim == 4 and sk.shape != (H,):  # (a q of the wrong rank fails first in the library)
+                raise C.error(C.ESHAPE, "sinks must have shape [H] = [%d], got %s" % (H, list(sk.shape)))
+            keep.append(sk)
+            p.sinks = sk.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+        m = p.mask
+        m.window = _window(window)
+        m.segments_clamp = int(bool(clamp))
+        if segments is not None:
+            seg = C.int32_array(segments, "mask.segments", allow_bool=True)
+            if seg.ndim == 1:
+                seg = seg.reshape(1, -1)
+            keep.append(seg)
+            m.segments = C.tensor(seg, "mask.segments")
+        if mask is None:
+            m.kind = C.MASK_NONE
+        elif isinstance(mask, str):
+            if mask != "causal":
+                raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
+            m.kind = C.MASK_CAUSAL
+        else:
+            m.kind = C.MASK_ARRAY
+            ma = self._mask_array(np.asarray(mask), (B, H, L, N))
+            keep.append(ma)
+            m.array = C.tensor(ma, "mask.array")
+
+    @staticmethod
+    def _mask_array(ma, full):
+        """A bool or additive float mask broadcast to [B, H, L, N] by strides
+        (stride 0 on broadcast dims, as the library accepts); float64 becomes
+        float32. A shape that does not broadcast goes to the library as it is,
+        which names the dimension."""
+        if ma.dtype == np.float64:
+            ma = ma.astype(np.float32)
+        if ma.ndim > C.MAX_DIMS:
+            raise C.error(C.ESHAPE, "mask.array has rank %d (at most 4: [B, H, L, N])" % ma.ndim)
+        ma = ma.reshape((1,) * (C.MAX_DIMS - ma.ndim) + ma.shape)
+        if full[3] is not None:
+            try:
+                ma = np.broadcast_to(ma, full)
+            except ValueError:
+                pass
+        inner_ok = ma.shape[-1] == 1 or ma.strides[-1] in (0, ma.itemsize)
+        if not inner_ok or any(s < 0 for s in ma.strides):
+            ma = np.ascontiguousarray(ma)
+        return ma
+
+    def refs(self):
+        return (ctypes.byref(self.q), ctypes.byref(self.view), ctypes.byref(self.params),
+                ctypes.byref(self.out))
+
+
+def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
+              group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None):
+    """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
+
+    k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
+      tuples in MLX's affine format with `bits` / `group_size` (the same for
+      both; mlx-lm's QuantizedKVCache layout); strided views (e.g.
+      cache[:, :, :n]) are read in place.
+    Row i of sequence b sits at position p = len_b - L + i (len_b = N, or
+      seq_lens[b] when seq_lens ([B] int) is given).
+    scale: logit scale, None = 1/sqrt(Dk). softcap: logit = c*tanh(logit/c).
+    mask: None, "causal" (key j visible iff j <= p; `window` w also requires
+      j > p - w; `segments` [B, N] (or [N] for B = 1) image ids, 0 = text,
+      add seg[p] == seg[j] != 0, limited to the window when clamp; a bool
+      array is one image per sequence), or an array
+      broadcastable to [B, H, L, N]: bool (True = visible) or additive float.
+    sinks: [H] per-head sink logits (join the softmax denominator only).
+    A row that sees no key outputs zeros. Returns out [B, H, L, Dv] in q's
+    dtype (or writes `out`). threads / context pick the CPU context.
+    """
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_attention(ctx.handle, *call.refs(), None, 0))
+    return call.out_array
+
+
+def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,
+                        sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None):
+    """The library's oracle (naive double-precision loops) on the same arguments as attention()."""
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    C.check(lib.kva_reference_attention(*call.refs()))
+    return call.out_array
+
+
+def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
+                   group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
+                   context=None):
+    """Validates like attention() and says which path would run: "fused" or "fallback"."""
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
+    return {C.PATH_FUSED: "fused", C.PATH_FALLBACK: "fallback"}.get(path, path)

@@ -1,0 +1,283 @@
+"""ctypes mirror of include/kvattn.h: loads the shared library, declares the
+structs and function prototypes, and turns numpy arrays into kva_tensor
+descriptors without copying (strides in bytes, as numpy keeps them).
+
+Everything here is internal; the public API is in kvattn/__init__.py. Other
+modules of the package (e.g. kvattn.paged) build on these helpers.
+"""
+import ctypes
+import ctypes.util
+import os
+
+import ml_dtypes
+import numpy as np
+
+# ------------------------------------------------------------------ library
+
+
+def _find_library():
+    env = os.environ.get("KVATTN_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = os.path.normpath(os.path.join(here, "..", "..", "build", "libkvattn.so"))
+    if os.path.exists(built):
+        return built
+    found = ctypes.util.find_library("kvattn")
+    if found:
+        return found
+    raise ImportError(
+        "kvattn: shared library not found; run `make` (builds build/libkvattn.so) "
+        "or set KVATTN_LIB to its path")
+
+
+LIB_PATH = _find_library()
+lib = ctypes.CDLL(LIB_PATH)
+
+# ------------------------------------------------------------ status codes
+# Mirror of KVA_STATUS_LIST (the messages come from kva_strerror at run time).
+OK = 0
+EINVAL = -1
+ESHAPE = -2
+EDTYPE = -3
+ESTRIDE = -4
+EUNSUPPORTED = -5
+ENOMEM = -6
+ENOBLOCKS = -7
+ENOSEQ = -8
+EWORKSPACE = -9
+ENODEVICE = -10
+ECUDA = -11
+EINTERNAL = -12
+
+
+class KvaError(ValueError):
+    """A negative kva_status: str(e) is the library's message, e.code the status."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------ dtypes
+F32, F16, BF16, U32, I32, BOOL = 0, 1, 2, 3, 4, 5
+MAX_DIMS = 4  # KVA_MAX_DIMS
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+NP_TO_KVA = {
+    np.dtype(np.float32): F32,
+    np.dtype(np.float16): F16,
+    BFLOAT16: BF16,
+    np.dtype(np.uint32): U32,
+    np.dtype(np.int32): I32,
+    np.dtype(np.bool_): BOOL,
+}
+KVA_TO_NP = {v: k for k, v in NP_TO_KVA.items()}
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+
+# ------------------------------------------------------------------ structs
+c_int64_4 = ctypes.c_int64 * MAX_DIMS
+
+
+class kva_tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("shape", c_int64_4),
+        ("stride", c_int64_4),
+    ]
+
+
+class kva_kv(ctypes.Structure):
+    _fields_ = [
+        ("data", kva_tensor),
+        ("scales", kva_tensor),
+        ("biases", kva_tensor),
+        ("bits", ctypes.c_int),
+        ("group_size", ctypes.c_int),
+    ]
+
+
+MASK_NONE, MASK_CAUSAL, MASK_ARRAY = 0, 1, 2
+
+
+class kva_mask(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("window", ctypes.c_int32),
+        ("segments", kva_tensor),
+        ("segments_clamp", ctypes.c_int),
+        ("array", kva_tensor),
+    ]
+
+
+LAYOUT_CONTIGUOUS, LAYOUT_PAGED = 0, 1
+
+
+class kva_kv_view(ctypes.Structure):
+    _fields_ = [
+        ("layout", ctypes.c_int),
+        ("k", kva_kv),
+        ("v", kva_kv),
+        ("seq_lens", ctypes.POINTER(ctypes.c_int32)),
+        ("paged", ctypes.c_void_p),
+    ]
+
+
+class kva_attn_params(ctypes.Structure):
+    _fields_ = [
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("mask", kva_mask),
+        ("sinks", ctypes.POINTER(ctypes.c_float)),
+    ]
+
+
+BACKEND_CPU, BACKEND_CUDA = 0, 1
+
+
+class kva_context_opts(ctypes.Structure):
+    _fields_ = [
+        ("backend", ctypes.c_int),
+        ("threads", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+PATH_FUSED, PATH_FALLBACK = 1, 2
+
+# -------------------------------------------------------------- prototypes
+_P = ctypes.POINTER
+_c_ctx = ctypes.c_void_p  # kva_context *
+
+
+def _proto(name, restype, *argtypes):
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+_proto("kva_version", ctypes.c_char_p)
+_proto("kva_build_info", ctypes.c_char_p)
+_proto("kva_strerror", ctypes.c_char_p, ctypes.c_int)
+_proto("kva_last_error", ctypes.c_char_p)
+_proto("kva_dtype_size", ctypes.c_size_t, ctypes.c_int)
+_proto("kva_kv_dim", ctypes.c_int64, _P(kva_kv))
+_proto("kva_quantize", ctypes.c_int, _P(kva_tensor), _P(kva_kv))
+_proto("kva_dequantize", ctypes.c_int, _P(kva_kv), _P(kva_tensor))
+_proto("kva_causal_mask", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, _P(kva_tensor))
+_proto("kva_image_mask", ctypes.c_int, _P(kva_tensor), ctypes.c_int32, ctypes.c_int, _P(kva_tensor))
+_proto("kva_context_create", ctypes.c_int, _P(_c_ctx), _P(kva_context_opts))
+_proto("kva_context_destroy", None, _c_ctx)
+_proto("kva_context_threads", ctypes.c_int, _c_ctx)
+_proto("kva_attention", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor), ctypes.c_void_p, ctypes.c_size_t)
+_proto("kva_attention_workspace_size", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view),
+       _P(kva_attn_params), _P(ctypes.c_size_t))
+_proto("kva_attention_path", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor))
+_proto("kva_reference_attention", ctypes.c_int, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor))
+_proto("kva_cpu_simd", ctypes.c_char_p)
+_proto("kva_cpu_set_simd", ctypes.c_int, ctypes.c_char_p)
+_proto("kva_cuda_device_count", ctypes.c_int)
+
+
+def last_error():
+    """Message of the last error on this thread (the library's thread-local)."""
+    return lib.kva_last_error().decode("utf-8", "replace")
+
+
+def strerror(code):
+    return lib.kva_strerror(code).decode("utf-8", "replace")
+
+
+def check(rc):
+    """Raise KvaError carrying kva_last_error() for a negative status; else return rc."""
+    if rc < 0:
+        raise KvaError(rc, last_error() or strerror(rc))
+    return rc
+
+
+def error(code, message):
+    """A Python-side error worded like the library's (`<strerror>: <message>`)."""
+    return KvaError(code, "%s: %s" % (strerror(code), message))
+
+
+# ------------------------------------------------------------ descriptors
+
+
+def kva_dtype_of(arr, name):
+    """kva_dtype of a numpy array; KvaError (naming the argument) if it has none."""
+    dt = NP_TO_KVA.get(arr.dtype)
+    if dt is None:
+        raise error(EDTYPE, "%s has unsupported dtype %s" % (name, arr.dtype))
+    return dt
+
+
+def _needs_copy(arr):
+    """Inputs the library cannot take as they are: a non-contiguous innermost
+    dimension or a negative stride (a reversed view). Overlapping strides (for
+    example stride 0 from broadcasting) are passed on so the library reports them."""
+    if arr.ndim == 0:
+        return False
+    if arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
+        return True
+    return any(s < 0 and n > 1 for n, s in zip(arr.shape, arr.strides))
+
+
+def prepare_input(arr, name):
+    """np.asarray, and a contiguous copy only when the library could not read it."""
+    arr = np.asarray(arr)
+    if _needs_copy(arr):
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+def tensor(arr, name, output=False):
+    """kva_tensor describing a numpy array in place (no copy).
+
+    Dims of size 1 get a harmless non-negative stride (the innermost one the
+    element size), as the library requires. Outputs must be writeable and have
+    a contiguous innermost dimension (ValueError otherwise); inputs should come
+    through prepare_input first.
+    """
+    if arr.ndim > MAX_DIMS:
+        raise error(ESHAPE, "%s has rank %d (at most %d)" % (name, arr.ndim, MAX_DIMS))
+    t = kva_tensor()
+    t.dtype = kva_dtype_of(arr, name)
+    t.ndim = arr.ndim
+    strides = arr.strides
+    if arr.size == 0:  # numpy gives empty arrays zero strides; the library reports the shape
+        strides = np.empty((1,) * arr.ndim, arr.dtype).strides if arr.ndim else ()
+    elif output:
+        if not arr.flags.writeable:
+            raise error(EINVAL, "%s is read-only" % name)
+        if arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
+            raise error(ESTRIDE, "%s: innermost stride %d must equal the element size %d"
+                        % (name, arr.strides[-1], arr.itemsize))
+    for d in range(arr.ndim):
+        n, s = arr.shape[d], strides[d]
+        if n == 1:
+            s = arr.itemsize if d == arr.ndim - 1 else max(s, 0)
+        t.shape[d] = n
+        t.stride[d] = s
+    t.data = arr.ctypes.data
+    return t
+
+
+def int32_array(x, name, allow_bool=False):
+    """An integer array (or bool, when allow_bool) as int32 (values must fit),
+    in place when it already is int32; other dtypes are returned as they are
+    so the library names the wrong dtype."""
+    arr = np.asarray(x)
+    if allow_bool and arr.dtype == np.bool_:
+        arr = arr.astype(np.int32)
+    if arr.dtype.kind in "iu" and arr.dtype != np.int32:
+        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+            raise error(EINVAL, "%s has values outside the int32 range" % name)
+        arr = arr.astype(np.int32)
+    return prepare_input(arr, name)
