@@ -123,8 +123,13 @@ typedef struct cpu_plan {
 } cpu_plan;
 
 size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq) {
-  size_t f = (size_t)(nq * p->Dk + KVA_TILE * (p->Dk + p->Dv) + nq * KVA_TILE);
-  f += (size_t)(nq * (p->Dk + p->Dv + 64)) + 4096; /* room for the fast kernels' layouts */
+  /* general kernel: queries, K/V tiles, scores */
+  size_t gen = (size_t)(nq * p->Dk + KVA_TILE * (p->Dk + p->Dv) + nq * KVA_TILE);
+  /* fast kernels: permuted rows are at most 4x D (2-bit, D = 64) plus <= 512
+   * lanes of per-chunk sums; see src/cpu/simd/fast.c */
+  size_t fast = (size_t)(nq * (4 * p->Dk + 512) + nq * (4 * p->Dv + 512) + 2 * nq + nq * KVA_TILE +
+                         KVA_TILE * (4 * p->Dv + 2 * 512));
+  size_t f = (gen > fast ? gen : fast) + 64;
   return (f + KVA_ALIGN / 4 - 1) / (KVA_ALIGN / 4) * (KVA_ALIGN / 4);
 }
 

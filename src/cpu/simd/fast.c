@@ -1,8 +1,502 @@
-/* Specialized CPU kernels (per SIMD level): none yet at this level beyond
- * the general kernel; see the selector below. */
+/* The fused decode/verify kernel for AVX-512 (the other levels use the
+ * general kernel of generic.c).
+ * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
+ *   query vectors, softcap, causal-family mask, online softmax (vector exp),
+ *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
+ *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); quantized V accumulates
+ *   (p*s_g)*c per element and p*b_g once per group lane.
+ * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
+ *   word w lands in lane w of vector k, so q (and the V accumulator) live in
+ *   that permuted order: position (chunk*E + k)*16 + lane <-> element
+ *   (chunk*16 + lane)*E + k, E = 32/bits codes per word.
+ * Traffic: each K/V row of the item's range is read once for all nq vectors;
+ *   K codes are decoded in registers per block of <= 8 query vectors, V codes
+ *   once per tile into an L1 buffer. */
 #include "cpu/simd/simd.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+#define KQB 8      /* query vectors per register block in the K phase */
+#define VJB 4      /* query vectors per register block in the V phase */
+#define VKB 4      /* accumulator vectors per query in the V phase */
+#define LANES 16
+#define MAXCH 32   /* chunks of 16 words per row: 512 dims at 8 bits */
+#define ALWAYS static inline __attribute__((always_inline))
+
+typedef struct fmt_plan {
+  int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
+  int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
+  kva_dtype sdt;                  /* scales dtype (quantized) or element dtype (float) */
+  __mmask16 chmask[MAXCH];        /* valid words of each chunk */
+  __m512i gidx[MAXCH];            /* group of each lane of each chunk */
+} fmt_plan;
+
+static void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
+  memset(fp, 0, sizeof *fp);
+  fp->bits = f->bits;
+  if (!f->bits) {
+    fp->P = (int)f->D;
+    fp->sdt = f->dtype;
+    return;
+  }
+  const int words = (int)(f->D * f->bits / 32);
+  fp->E = 32 / f->bits;
+  fp->G = f->group;
+  fp->ngroups = (int)(f->D / f->group);
+  fp->nch = (words + LANES - 1) / LANES;
+  fp->P = fp->nch * fp->E * LANES;
+  fp->sdt = f->sdtype;
+  for (int c = 0; c < fp->nch; ++c) {
+    int valid = words - c * LANES < LANES ? words - c * LANES : LANES;
+    fp->chmask[c] = (__mmask16)((1u << valid) - 1u);
+    int32_t idx[LANES];
+    for (int l = 0; l < LANES; ++l) {
+      int g = ((c * LANES + l) * fp->E) / fp->G;
+      idx[l] = g < fp->ngroups ? g : fp->ngroups - 1;
+    }
+    fp->gidx[c] = _mm512_loadu_si512(idx);
+  }
+}
+
+/* Element index of permuted position pos (-1 for padding lanes). */
+static inline int64_t perm_elem(const fmt_plan *fp, int64_t D, int64_t pos) {
+  if (!fp->bits) return pos;
+  int64_t lane = pos % LANES, ck = pos / LANES, c = ck / fp->E, k = ck % fp->E;
+  int64_t d = (c * LANES + lane) * fp->E + k;
+  return d < D ? d : -1;
+}
+
+/* Up to 16 scales/biases of one row as f32 lanes. */
+ALWAYS __m512 load_groups(const char *p, kva_dtype dt, int n) {
+  const __mmask16 m = (__mmask16)((1u << n) - 1u);
+  if (dt == KVA_F32) return _mm512_maskz_loadu_ps(m, p);
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  if (dt == KVA_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 float elements of a row as f32. */
+ALWAYS __m512 load_f16x(const char *p, kva_dtype dt) {
+  if (dt == KVA_F32) return _mm512_loadu_ps(p);
+  __m256i h = _mm256_loadu_si256((const __m256i *)p);
+  if (dt == KVA_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) for a vector: 2^n * p(f), |rel err| < 2e-7; -inf -> 0, NaN -> NaN. */
+ALWAYS __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(88.7f);
+  __mmask16 finite_or_nan = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+  __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  xc = _mm512_mask_mov_ps(xc, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* keep NaN */
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(finite_or_nan, _mm512_scalef_ps(p, n));
+}
+
+/* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
+ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
+                         const float *qs, int J, float *S) {
+  const __m512i M = _mm512_set1_epi32((1 << fp->bits) - 1);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t rr = r0 + t;
+    const char *row = sp->k + rr * sp->k_rs;
+    const __m512 Sv = load_groups(sp->ks + rr * sp->ks_rs, fp->sdt, fp->ngroups);
+    const __m512 Bv = load_groups(sp->kb + rr * sp->kb_rs, fp->sdt, fp->ngroups);
+    __m512 sc[KQB];
+    for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
+      __m512 acc[KQB];
+      for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+      for (int k = 0; k < fp->E; ++k) {
+        const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)(k * fp->bits)), M));
+        const float *qk = qp + (int64_t)(c * fp->E + k) * LANES;
+        for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(code, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
+      }
+      const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      for (int j = 0; j < J; ++j) {
+        sc[j] = _mm512_fmadd_ps(sv, acc[j], sc[j]);
+        sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
+      }
+    }
+    for (int j = 0; j < J; ++j) S[j * KVA_TILE + t] = _mm512_reduce_add_ps(sc[j]);
+  }
+}
+
+ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp, int J,
+                         float *S) {
+  const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
+  for (int64_t t = 0; t < n; ++t) {
+    const char *row = sp->k + (r0 + t) * sp->k_rs;
+    __m512 acc[KQB];
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < fp->P; d += LANES) {
+      const __m512 kv = load_f16x(row + d * es, fp->sdt);
+      for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
+    }
+    for (int j = 0; j < J; ++j) S[j * KVA_TILE + t] = _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
+/* One block of J <= KQB vectors; J is a constant after inlining. */
+#define KPHASE_BLOCK(J_)                                                                              \
+  static void kphase_block_##J_(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,         \
+                                const float *qp, const float *qs, float *S) {                          \
+    if (fp->bits) kphase_quant(fp, sp, r0, n, qp, qs, J_, S);                                          \
+    else kphase_float(fp, sp, r0, n, qp, J_, S);                                                       \
+  }
+KPHASE_BLOCK(1)
+KPHASE_BLOCK(2)
+KPHASE_BLOCK(4)
+KPHASE_BLOCK(8)
+
+static void kphase(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
+                   const float *qs, int64_t nq, float *S) {
+  int64_t j = 0;
+  for (; j + 8 <= nq; j += 8) kphase_block_8(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
+  if (j + 4 <= nq) { kphase_block_4(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 4; }
+  if (j + 2 <= nq) { kphase_block_2(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 2; }
+  if (j < nq) kphase_block_1(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
+}
+
+/* ---- V phase ---- */
+/* Decodes the tile's V rows into vt[t][P] (codes, or values for float rows)
+ * and, when quantized, per-token group scale/bias lanes svt/bvt[t][chunk]. */
+static void decode_v_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, float *vt, float *svt,
+                          float *bvt) {
+  if (!fp->bits) {
+    const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
+    for (int64_t t = 0; t < n; ++t) {
+      const char *row = sp->v + (r0 + t) * sp->v_rs;
+      for (int d = 0; d < fp->P; d += LANES) _mm512_storeu_ps(vt + t * fp->P + d, load_f16x(row + d * es, fp->sdt));
+    }
+    return;
+  }
+  const __m512i M = _mm512_set1_epi32((1 << fp->bits) - 1);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t rr = r0 + t;
+    const char *row = sp->v + rr * sp->v_rs;
+    const __m512 Sv = load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups);
+    const __m512 Bv = load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups);
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
+      for (int k = 0; k < fp->E; ++k)
+        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES,
+                         _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)(k * fp->bits)), M)));
+      _mm512_storeu_ps(svt + (t * fp->nch + c) * LANES, _mm512_permutexvar_ps(fp->gidx[c], Sv));
+      _mm512_storeu_ps(bvt + (t * fp->nch + c) * LANES, _mm512_permutexvar_ps(fp->gidx[c], Bv));
+    }
+  }
+}
+
+/* o[j][pos] += sum_t w(j,t,pos) * vt[t][pos] for J vectors and VKB*16
+ * positions from pos0, where w = P[j][t] * (quantized ? scale lane : 1);
+ * ob[j][chunk lanes] += P[j][t] * bias lane. */
+ALWAYS void vphase_block(const fmt_plan *fp, int64_t n, const float *P, const float *vt, const float *svt,
+                         const float *bvt, float *o, float *ob, int64_t pos0, int J, int KB) {
+  __m512 acc[VJB][VKB];
+  const int quant = fp->bits != 0;
+  const int c = quant ? (int)(pos0 / LANES / fp->E) : 0;
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm512_loadu_ps(o + (int64_t)j * fp->P + pos0 + kb * LANES);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 w[VJB];
+    const __m512 sv = quant ? _mm512_loadu_ps(svt + (t * fp->nch + c) * LANES) : _mm512_set1_ps(1.0f);
+    for (int j = 0; j < J; ++j) w[j] = _mm512_mul_ps(_mm512_set1_ps(P[j * KVA_TILE + t]), sv);
+    for (int kb = 0; kb < KB; ++kb) {
+      const __m512 v = _mm512_loadu_ps(vt + t * fp->P + pos0 + kb * LANES);
+      for (int j = 0; j < J; ++j) acc[j][kb] = _mm512_fmadd_ps(w[j], v, acc[j][kb]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) _mm512_storeu_ps(o + (int64_t)j * fp->P + pos0 + kb * LANES, acc[j][kb]);
+  /* bias lanes: once per chunk (the caller passes the first k-block of a chunk) */
+  if (quant && pos0 % ((int64_t)fp->E * LANES) == 0) {
+    for (int j = 0; j < J; ++j) {
+      __m512 b = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);
+      for (int64_t t = 0; t < n; ++t)
+        b = _mm512_fmadd_ps(_mm512_set1_ps(P[j * KVA_TILE + t]), _mm512_loadu_ps(bvt + (t * fp->nch + c) * LANES), b);
+      _mm512_storeu_ps(ob + ((int64_t)j * fp->nch + c) * LANES, b);
+    }
+  }
+}
+
+#define VPHASE_BLOCK(J_, KB_)                                                                          \
+  static void vphase_block_##J_##_##KB_(const fmt_plan *fp, int64_t n, const float *P, const float *vt, \
+                                        const float *svt, const float *bvt, float *o, float *ob,        \
+                                        int64_t pos0) {                                                 \
+    vphase_block(fp, n, P, vt, svt, bvt, o, ob, pos0, J_, KB_);                                         \
+  }
+VPHASE_BLOCK(4, 4)
+VPHASE_BLOCK(2, 4)
+VPHASE_BLOCK(1, 4)
+VPHASE_BLOCK(4, 1)
+VPHASE_BLOCK(2, 1)
+VPHASE_BLOCK(1, 1)
+
+static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *vt, const float *svt,
+                   const float *bvt, float *o, float *ob, int64_t nq) {
+  /* k-blocks of 4 vectors never straddle a chunk: E*16 is a multiple of 64 for bits <= 8. */
+  for (int64_t pos = 0; pos < fp->P;) {
+    const int wide = pos + VKB * LANES <= fp->P;
+    int64_t j = 0;
+    for (; j + 4 <= nq; j += 4) {
+      const float *Pj = P + j * KVA_TILE;
+      float *oj = o + j * fp->P, *obj = ob + j * fp->nch * LANES;
+      if (wide) vphase_block_4_4(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+      else vphase_block_4_1(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+    }
+    for (; j + 2 <= nq; j += 2) {
+      const float *Pj = P + j * KVA_TILE;
+      float *oj = o + j * fp->P, *obj = ob + j * fp->nch * LANES;
+      if (wide) vphase_block_2_4(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+      else vphase_block_2_1(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+    }
+    for (; j < nq; ++j) {
+      const float *Pj = P + j * KVA_TILE;
+      float *oj = o + j * fp->P, *obj = ob + j * fp->nch * LANES;
+      if (wide) vphase_block_1_4(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+      else vphase_block_1_1(fp, n, Pj, vt, svt, bvt, oj, obj, pos);
+    }
+    pos += wide ? VKB * LANES : LANES;
+  }
+}
+
+/* Direct V accumulation for small blocks (J <= 2 vectors): codes or values
+ * are decoded in registers and consumed at once, no L1 round trip.
+ * w = P*scale lane; keys with P == 0 add exactly nothing (masked lanes). */
+#define VDIRECT_QUANT(BITS, J)                                                                        \
+  static void vdirect_q##BITS##_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,     \
+                                    const float *P, float *o, float *ob) {                            \
+    enum { E = 32 / BITS };                                                                           \
+    const __m512i M = _mm512_set1_epi32((1 << BITS) - 1);                                             \
+    for (int c = 0; c < fp->nch; ++c) {                                                               \
+      __m512 acc[J][E], bacc[J];                                                                      \
+      for (int j = 0; j < J; ++j) {                                                                   \
+        for (int k = 0; k < E; ++k) acc[j][k] = _mm512_loadu_ps(o + (int64_t)j * fp->P + (c * E + k) * LANES); \
+        bacc[j] = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);                           \
+      }                                                                                               \
+      for (int64_t t = 0; t < n; ++t) {                                                               \
+        const int64_t rr = r0 + t;                                                                    \
+        __mmask16 pm[J];                                                                              \
+        int live = 0;                                                                                 \
+        for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \
+        if (!live) continue;                                                                          \
+        const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], sp->v + rr * sp->v_rs + c * 64);     \
+        const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups)); \
+        const __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups)); \
+        __m512 w[J];                                                                                  \
+        for (int j = 0; j < J; ++j) {                                                                 \
+          const __m512 pj = _mm512_set1_ps(P[j * KVA_TILE + t]);                                      \
+          w[j] = _mm512_maskz_mul_ps(pm[j], pj, sv);                                                  \
+          bacc[j] = _mm512_mask3_fmadd_ps(pj, bv, bacc[j], pm[j]);                                    \
+        }                                                                                             \
+        for (int k = 0; k < E; ++k) {                                                                 \
+          const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, k * BITS), M)); \
+          for (int j = 0; j < J; ++j) acc[j][k] = _mm512_fmadd_ps(w[j], code, acc[j][k]);             \
+        }                                                                                             \
+      }                                                                                               \
+      for (int j = 0; j < J; ++j) {                                                                   \
+        for (int k = 0; k < E; ++k) _mm512_storeu_ps(o + (int64_t)j * fp->P + (c * E + k) * LANES, acc[j][k]); \
+        _mm512_storeu_ps(ob + ((int64_t)j * fp->nch + c) * LANES, bacc[j]);                           \
+      }                                                                                               \
+    }                                                                                                 \
+  }
+VDIRECT_QUANT(8, 1)
+VDIRECT_QUANT(8, 2)
+VDIRECT_QUANT(4, 1)
+VDIRECT_QUANT(4, 2)
+VDIRECT_QUANT(2, 1)
+
+#define VFB 8 /* vectors of 16 values per pass over the tile (float V) */
+#define VDIRECT_FLOAT(J)                                                                              \
+  static void vdirect_f_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,             \
+                            const float *P, float *o) {                                               \
+    const int64_t es = (int64_t)kva_dtype_size(fp->sdt);                                              \
+    for (int d0 = 0; d0 < fp->P; d0 += VFB * LANES) {                                                 \
+      const int nv = (fp->P - d0) / LANES < VFB ? (fp->P - d0) / LANES : VFB;                         \
+      __m512 acc[J][VFB];                                                                             \
+      for (int j = 0; j < J; ++j)                                                                     \
+        for (int k = 0; k < VFB; ++k)                                                                 \
+          acc[j][k] = k < nv ? _mm512_loadu_ps(o + (int64_t)j * fp->P + d0 + k * LANES) : _mm512_setzero_ps(); \
+      for (int64_t t = 0; t < n; ++t) {                                                               \
+        const char *row = sp->v + (r0 + t) * sp->v_rs + d0 * es;                                      \
+        __m512 w[J];                                                                                  \
+        int live = 0;                                                                                 \
+        for (int j = 0; j < J; ++j) live |= P[j * KVA_TILE + t] != 0.0f;                              \
+        if (!live) continue;                                                                          \
+        for (int j = 0; j < J; ++j) w[j] = _mm512_set1_ps(P[j * KVA_TILE + t]);                       \
+        for (int k = 0; k < VFB; ++k) {                                                               \
+          if (k >= nv) break;                                                                         \
+          const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);                                  \
+          for (int j = 0; j < J; ++j)                                                                 \
+            acc[j][k] = P[j * KVA_TILE + t] != 0.0f ? _mm512_fmadd_ps(w[j], v, acc[j][k]) : acc[j][k]; \
+        }                                                                                             \
+      }                                                                                               \
+      for (int j = 0; j < J; ++j)                                                                     \
+        for (int k = 0; k < nv; ++k) _mm512_storeu_ps(o + (int64_t)j * fp->P + d0 + k * LANES, acc[j][k]); \
+    }                                                                                                 \
+  }
+VDIRECT_FLOAT(1)
+VDIRECT_FLOAT(2)
+
+/* V phase for one tile: direct for blocks of <= 2 vectors, else via an L1 tile. */
+static void vphase_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *S, float *vt,
+                        float *svt, float *bvt, float *o, float *ob, int64_t nq) {
+  const int direct = nq == 1 || (nq == 2 && fp->bits != 2); /* q2 x 2 vectors: too many registers */
+  if (direct) {
+    const int64_t obn = (int64_t)fp->nch * LANES;
+    for (int64_t j = 0; j < nq; j += 2) {
+      const int two = j + 1 < nq;
+      const float *Pj = S + j * KVA_TILE;
+      float *oj = o + j * fp->P, *obj = ob + j * obn;
+      switch (fp->bits * 2 + two) {
+      case 0: vdirect_f_1(fp, sp, r0, n, Pj, oj); break;
+      case 1: vdirect_f_2(fp, sp, r0, n, Pj, oj); break;
+      case 4: vdirect_q2_1(fp, sp, r0, n, Pj, oj, obj); break;
+      case 8: vdirect_q4_1(fp, sp, r0, n, Pj, oj, obj); break;
+      case 9: vdirect_q4_2(fp, sp, r0, n, Pj, oj, obj); break;
+      case 16: vdirect_q8_1(fp, sp, r0, n, Pj, oj, obj); break;
+      case 17: vdirect_q8_2(fp, sp, r0, n, Pj, oj, obj); break;
+      default: break;
+      }
+    }
+    return;
+  }
+  decode_v_tile(fp, sp, r0, n, vt, svt, bvt);
+  vphase(fp, n, S, vt, svt, bvt, o, ob, nq);
+}
+
+/* ---- online softmax over a tile (vector exp) ---- */
+static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, float *o, float *ob, int64_t P,
+                        int64_t obn) {
+  int any = 0;
+  const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+  const __mmask16 m1 = n <= 16 ? 0 : n >= 32 ? 0xffff : (__mmask16)((1u << (n - 16)) - 1u);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < nq; ++j) {
+    float *s = S + j * KVA_TILE;
+    __m512 a = _mm512_mask_loadu_ps(ninf, m0, s), b = _mm512_mask_loadu_ps(ninf, m1, s + 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    float mx = nan ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    if (mx == -INFINITY) { /* nothing visible for this vector in this tile */
+      _mm512_storeu_ps(s, _mm512_setzero_ps());
+      _mm512_storeu_ps(s + 16, _mm512_setzero_ps());
+      continue;
+    }
+    any = 1;
+    float mn, a_old, a_new;
+    kva_softmax_factors(m[j], mx, &mn, &a_old, &a_new);
+    const __m512 vmn = _mm512_set1_ps(mn);
+    a = exp512(_mm512_sub_ps(a, vmn));
+    b = exp512(_mm512_sub_ps(b, vmn));
+    _mm512_storeu_ps(s, a);
+    _mm512_storeu_ps(s + 16, b);
+    m[j] = mn;
+    l[j] = l[j] * a_old + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    if (a_old != 1.0f) {
+      const __m512 f = _mm512_set1_ps(a_old);
+      float *oj = o + j * P, *obj = ob + j * obn;
+      for (int64_t d = 0; d < P; d += LANES) _mm512_storeu_ps(oj + d, _mm512_mul_ps(_mm512_loadu_ps(oj + d), f));
+      for (int64_t d = 0; d < obn; d += LANES) _mm512_storeu_ps(obj + d, _mm512_mul_ps(_mm512_loadu_ps(obj + d), f));
+    }
+  }
+  return any;
+}
+
+/* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
+ * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
+static void attend_fast(const kva_item *it) {
+  const kva_problem *p = it->p;
+  const kva_source *src = it->src;
+  const int64_t rows = it->rows, nq = p->rep * rows, SF = KVA_STATE_FLOATS(p->Dv);
+  fmt_plan kf, vf;
+  plan_format(&src->kf, &kf);
+  plan_format(&src->vf, &vf);
+  const int64_t kqs = (int64_t)kf.nch * LANES, vbn = (int64_t)vf.nch * LANES;
+  float *qp = it->scratch, *qs = qp + nq * kf.P, *o = qs + nq * kqs, *ob = o + nq * vf.P;
+  float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
+  float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn;
+  /* Queries, scaled, in K's permuted order; their per-lane sums per chunk. */
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t h = it->hk * p->rep + j / rows, i = it->i0 + j % rows;
+    for (int64_t pos = 0; pos < kf.P; ++pos) {
+      int64_t d = perm_elem(&kf, p->Dk, pos);
+      qp[j * kf.P + pos] = d < 0 ? 0.0f : p->scale * kva_load_f(kva_at4(p->q, it->b, h, i, d), p->q->dtype);
+    }
+    for (int c = 0; c < kf.nch; ++c) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int k = 0; k < kf.E; ++k) sum = _mm512_add_ps(sum, _mm512_loadu_ps(qp + j * kf.P + (c * kf.E + k) * LANES));
+      _mm512_storeu_ps(qs + j * kqs + c * LANES, sum);
+    }
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+  }
+  memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
+  const int32_t *seg = simd_segments_row(p, it->b);
+  const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + rows - 1;
+  const int32_t win = p->mask.window;
+  kva_span sp;
+  for (int64_t t = it->t0; t < it->t1; t += sp.n) {
+    src->span_at(src, it->b, it->hk, t, it->t1, &sp);
+    for (int64_t r0 = 0; r0 < sp.n; r0 += KVA_TILE) {
+      const int64_t n = sp.n - r0 < KVA_TILE ? sp.n - r0 : KVA_TILE, tf = sp.t0 + r0;
+      kphase(&kf, &sp, r0, n, qp, qs, nq, S);
+      if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
+      if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
+        for (int64_t j = 0; j < nq; ++j)
+          for (int64_t r = 0; r < n; ++r)
+            if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % rows, win, seg, p->mask.segments_clamp))
+              S[j * KVA_TILE + r] = -INFINITY;
+      if (!tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
+      /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
+      vphase_tile(&vf, &sp, r0, n, S, vt, svt, bvt, o, ob, nq);
+    }
+  }
+  /* Back to element order, bias lanes added: the kva_softmax_state layout. */
+  for (int64_t j = 0; j < nq; ++j) {
+    float *st = it->state + j * SF;
+    st[0] = m[j];
+    st[1] = l[j];
+    for (int64_t pos = 0; pos < vf.P; ++pos) {
+      int64_t d = perm_elem(&vf, p->Dv, pos);
+      if (d < 0) continue;
+      float bias = vf.bits ? ob[j * vbn + (pos / (LANES * vf.E)) * LANES + pos % LANES] : 0.0f;
+      st[2 + d] = o[j * vf.P + pos] + bias;
+    }
+  }
+}
+
+static int fast_format_ok(const kva_rowfmt *f) {
+  if (f->bits) return f->D * f->bits / 32 <= (int64_t)MAXCH * LANES && f->D / f->group <= LANES;
+  return f->D % LANES == 0;
+}
+
+kva_item_fn KFN(select_fast)(const kva_problem *p) {
+  kva_rowfmt kf = kva_rowfmt_of(&p->kv->k), vf = kva_rowfmt_of(&p->kv->v);
+  if (p->kv->layout == KVA_LAYOUT_PAGED) { /* formats come from the pool */
+    kva_source s;
+    kva_source_paged(&s, p->kv);
+    kf = s.kf;
+    vf = s.vf;
+  }
+  if (p->path != KVA_PATH_FUSED || !fast_format_ok(&kf) || !fast_format_ok(&vf)) return NULL;
+  return attend_fast;
+}
+
+#else /* no AVX-512: the general kernel serves every call */
 kva_item_fn KFN(select_fast)(const kva_problem *p) {
   (void)p;
   return NULL;
 }
+#endif
