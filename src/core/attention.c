@@ -116,14 +116,14 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   if (!kva_head_dim_supported(Dk) || !kva_head_dim_supported(Dv))
     return kva_seterr(KVA_EUNSUPPORTED, "head dim Dk = %lld / Dv = %lld (supported: 64, 80, 96, 128, "
                       "192, 256, 512)", (long long)Dk, (long long)Dv);
+  if (p->L > N)
+    return kva_seterr(KVA_ESHAPE, "q rows L = %lld exceed the cache length N = %lld", (long long)p->L,
+                      (long long)N);
   const int64_t want[4] = {B, p->H, p->L, Dv};
   for (int d = 0; d < 4 && out; ++d)
     if (out->shape[d] != want[d])
       return kva_seterr(KVA_ESHAPE, "out.shape[%d] = %lld, expected %lld ([B, H, L, Dv])", d,
                         (long long)out->shape[d], (long long)want[d]);
-  if (p->L > N)
-    return kva_seterr(KVA_ESHAPE, "q rows L = %lld exceed the cache length N = %lld", (long long)p->L,
-                      (long long)N);
   if (kv->layout == KVA_LAYOUT_CONTIGUOUS) {
     p->seq_lens = kv->seq_lens;
     if (kv->seq_lens && backend == KVA_BACKEND_CPU)

@@ -319,33 +319,39 @@ VDIRECT_QUANT(4, 2)
 VDIRECT_QUANT(2, 1)
 
 #define VFB 8 /* vectors of 16 values per pass over the tile (float V) */
+/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 16*NV) over the tile's tokens. */
+ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *P,
+                               float *o, int d0, int J, int NV) {
+  const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
+  __m512 acc[2][VFB];
+  for (int j = 0; j < J; ++j)
+    for (int k = 0; k < NV; ++k) acc[j][k] = _mm512_loadu_ps(o + (int64_t)j * fp->P + d0 + k * LANES);
+  for (int64_t t = 0; t < n; ++t) {
+    __mmask16 pm[2];
+    __m512 w[2];
+    int live = 0;
+    for (int j = 0; j < J; ++j) {
+      pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0;
+      live |= pm[j] != 0;
+      w[j] = _mm512_set1_ps(P[j * KVA_TILE + t]);
+    }
+    if (!live) continue;
+    const char *row = sp->v + (r0 + t) * sp->v_rs + d0 * es;
+    for (int k = 0; k < NV; ++k) {
+      const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);
+      for (int j = 0; j < J; ++j) acc[j][k] = _mm512_mask3_fmadd_ps(w[j], v, acc[j][k], pm[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(o + (int64_t)j * fp->P + d0 + k * LANES, acc[j][k]);
+}
+
 #define VDIRECT_FLOAT(J)                                                                              \
   static void vdirect_f_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,             \
                             const float *P, float *o) {                                               \
-    const int64_t es = (int64_t)kva_dtype_size(fp->sdt);                                              \
-    for (int d0 = 0; d0 < fp->P; d0 += VFB * LANES) {                                                 \
-      const int nv = (fp->P - d0) / LANES < VFB ? (fp->P - d0) / LANES : VFB;                         \
-      __m512 acc[J][VFB];                                                                             \
-      for (int j = 0; j < J; ++j)                                                                     \
-        for (int k = 0; k < VFB; ++k)                                                                 \
-          acc[j][k] = k < nv ? _mm512_loadu_ps(o + (int64_t)j * fp->P + d0 + k * LANES) : _mm512_setzero_ps(); \
-      for (int64_t t = 0; t < n; ++t) {                                                               \
-        const char *row = sp->v + (r0 + t) * sp->v_rs + d0 * es;                                      \
-        __m512 w[J];                                                                                  \
-        int live = 0;                                                                                 \
-        for (int j = 0; j < J; ++j) live |= P[j * KVA_TILE + t] != 0.0f;                              \
-        if (!live) continue;                                                                          \
-        for (int j = 0; j < J; ++j) w[j] = _mm512_set1_ps(P[j * KVA_TILE + t]);                       \
-        for (int k = 0; k < VFB; ++k) {                                                               \
-          if (k >= nv) break;                                                                         \
-          const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);                                  \
-          for (int j = 0; j < J; ++j)                                                                 \
-            acc[j][k] = P[j * KVA_TILE + t] != 0.0f ? _mm512_fmadd_ps(w[j], v, acc[j][k]) : acc[j][k]; \
-        }                                                                                             \
-      }                                                                                               \
-      for (int j = 0; j < J; ++j)                                                                     \
-        for (int k = 0; k < nv; ++k) _mm512_storeu_ps(o + (int64_t)j * fp->P + d0 + k * LANES, acc[j][k]); \
-    }                                                                                                 \
+    int d0 = 0;                                                                                       \
+    for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES) vdirect_float_pass(fp, sp, r0, n, P, o, d0, J, VFB); \
+    for (; d0 < fp->P; d0 += LANES) vdirect_float_pass(fp, sp, r0, n, P, o, d0, J, 1);                \
   }
 VDIRECT_FLOAT(1)
 VDIRECT_FLOAT(2)
@@ -414,6 +420,25 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
   return any;
 }
 
+/* Software prefetch of n rows (data, scales, biases) of K and V starting at
+ * row r0 of the span: issued one tile ahead, so DRAM latency overlaps the
+ * arithmetic of the current tile. */
+static void prefetch_rows(const kva_span *sp, int64_t r0, int64_t n, int64_t kbytes, int64_t vbytes,
+                          int64_t ksbytes, int64_t vsbytes) {
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(sp->k + r * sp->k_rs + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(sp->v + r * sp->v_rs + b, _MM_HINT_T0);
+    if (ksbytes) {
+      _mm_prefetch(sp->ks + r * sp->ks_rs, _MM_HINT_T0);
+      _mm_prefetch(sp->kb + r * sp->kb_rs, _MM_HINT_T0);
+    }
+    if (vsbytes) {
+      _mm_prefetch(sp->vs + r * sp->vs_rs, _MM_HINT_T0);
+      _mm_prefetch(sp->vb + r * sp->vb_rs, _MM_HINT_T0);
+    }
+  }
+}
+
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
  * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
 static void attend_fast(const kva_item *it) {
@@ -443,6 +468,8 @@ static void attend_fast(const kva_item *it) {
     l[j] = 0.0f;
   }
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
+  const int64_t krow_bytes = kf.bits ? p->Dk * kf.bits / 8 : p->Dk * (int64_t)kva_dtype_size(kf.sdt);
+  const int64_t vrow_bytes = vf.bits ? p->Dv * vf.bits / 8 : p->Dv * (int64_t)kva_dtype_size(vf.sdt);
   const int32_t *seg = simd_segments_row(p, it->b);
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + rows - 1;
   const int32_t win = p->mask.window;
@@ -451,6 +478,9 @@ static void attend_fast(const kva_item *it) {
     src->span_at(src, it->b, it->hk, t, it->t1, &sp);
     for (int64_t r0 = 0; r0 < sp.n; r0 += KVA_TILE) {
       const int64_t n = sp.n - r0 < KVA_TILE ? sp.n - r0 : KVA_TILE, tf = sp.t0 + r0;
+      if (r0 + n < sp.n)
+        prefetch_rows(&sp, r0 + n, sp.n - r0 - n < KVA_TILE ? sp.n - r0 - n : KVA_TILE, krow_bytes, vrow_bytes,
+                      kf.bits, vf.bits);
       kphase(&kf, &sp, r0, n, qp, qs, nq, S);
       if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
       if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
