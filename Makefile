@@ -21,7 +21,7 @@ TEST_SRC  = $(wildcard tests/*.c)
 SIMD_LEVELS = portable avx2 avx512
 SIMD_FLAGS_portable =
 SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
-SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni
+SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16
 
 ifneq ($(NVCC),)
 HAVE_CUDA = 1
@@ -85,7 +85,9 @@ $(PY):
 	$(PY) -m pip install -q numpy ml_dtypes pytest
 	$(PY) -m pip install -q 'mlx[cpu]' || echo "mlx unavailable: MLX cross-check tests will be skipped"
 
-test: test-c test-py
+test:
+	$(MAKE) test-c
+	$(MAKE) test-py
 test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests
 	$(BUILD)/kvattn_tests
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick

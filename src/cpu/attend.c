@@ -129,6 +129,9 @@ size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq) {
    * lanes of per-chunk sums; see src/cpu/simd/fast.c */
   size_t fast = (size_t)(nq * (4 * p->Dk + 512) + nq * (4 * p->Dv + 512) + 2 * nq + nq * KVA_TILE +
                          KVA_TILE * (4 * p->Dv + 2 * 512));
+  /* AMX verify kernel: bf16 Qᵀ/K/V tiles and the O block (src/cpu/simd/amx.c) */
+  size_t amx = (size_t)((nq + 16) * (2 * p->Dk + 4 * p->Dv) + 64 * (p->Dk + p->Dv) + 2048);
+  if (amx > fast) fast = amx;
   size_t f = (gen > fast ? gen : fast) + 64;
   return (f + KVA_ALIGN / 4 - 1) / (KVA_ALIGN / 4) * (KVA_ALIGN / 4);
 }

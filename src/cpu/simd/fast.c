@@ -15,93 +15,11 @@
 #include "cpu/simd/simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "cpu/simd/avx512.h"
 
 #define KQB 8      /* query vectors per register block in the K phase */
 #define VJB 4      /* query vectors per register block in the V phase */
 #define VKB 4      /* accumulator vectors per query in the V phase */
-#define LANES 16
-#define MAXCH 32   /* chunks of 16 words per row: 512 dims at 8 bits */
-#define ALWAYS static inline __attribute__((always_inline))
-
-typedef struct fmt_plan {
-  int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
-  int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
-  kva_dtype sdt;                  /* scales dtype (quantized) or element dtype (float) */
-  __mmask16 chmask[MAXCH];        /* valid words of each chunk */
-  __m512i gidx[MAXCH];            /* group of each lane of each chunk */
-} fmt_plan;
-
-static void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
-  memset(fp, 0, sizeof *fp);
-  fp->bits = f->bits;
-  if (!f->bits) {
-    fp->P = (int)f->D;
-    fp->sdt = f->dtype;
-    return;
-  }
-  const int words = (int)(f->D * f->bits / 32);
-  fp->E = 32 / f->bits;
-  fp->G = f->group;
-  fp->ngroups = (int)(f->D / f->group);
-  fp->nch = (words + LANES - 1) / LANES;
-  fp->P = fp->nch * fp->E * LANES;
-  fp->sdt = f->sdtype;
-  for (int c = 0; c < fp->nch; ++c) {
-    int valid = words - c * LANES < LANES ? words - c * LANES : LANES;
-    fp->chmask[c] = (__mmask16)((1u << valid) - 1u);
-    int32_t idx[LANES];
-    for (int l = 0; l < LANES; ++l) {
-      int g = ((c * LANES + l) * fp->E) / fp->G;
-      idx[l] = g < fp->ngroups ? g : fp->ngroups - 1;
-    }
-    fp->gidx[c] = _mm512_loadu_si512(idx);
-  }
-}
-
-/* Element index of permuted position pos (-1 for padding lanes). */
-static inline int64_t perm_elem(const fmt_plan *fp, int64_t D, int64_t pos) {
-  if (!fp->bits) return pos;
-  int64_t lane = pos % LANES, ck = pos / LANES, c = ck / fp->E, k = ck % fp->E;
-  int64_t d = (c * LANES + lane) * fp->E + k;
-  return d < D ? d : -1;
-}
-
-/* Up to 16 scales/biases of one row as f32 lanes. */
-ALWAYS __m512 load_groups(const char *p, kva_dtype dt, int n) {
-  const __mmask16 m = (__mmask16)((1u << n) - 1u);
-  if (dt == KVA_F32) return _mm512_maskz_loadu_ps(m, p);
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  if (dt == KVA_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* 16 float elements of a row as f32. */
-ALWAYS __m512 load_f16x(const char *p, kva_dtype dt) {
-  if (dt == KVA_F32) return _mm512_loadu_ps(p);
-  __m256i h = _mm256_loadu_si256((const __m256i *)p);
-  if (dt == KVA_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* exp(x) for a vector: 2^n * p(f), |rel err| < 2e-7; -inf -> 0, NaN -> NaN. */
-ALWAYS __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(88.7f);
-  __mmask16 finite_or_nan = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-  __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  xc = _mm512_mask_mov_ps(xc, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* keep NaN */
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(finite_or_nan, _mm512_scalef_ps(p, n));
-}
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
@@ -420,25 +338,6 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
   return any;
 }
 
-/* Software prefetch of n rows (data, scales, biases) of K and V starting at
- * row r0 of the span: issued one tile ahead, so DRAM latency overlaps the
- * arithmetic of the current tile. */
-static void prefetch_rows(const kva_span *sp, int64_t r0, int64_t n, int64_t kbytes, int64_t vbytes,
-                          int64_t ksbytes, int64_t vsbytes) {
-  for (int64_t r = r0; r < r0 + n; ++r) {
-    for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(sp->k + r * sp->k_rs + b, _MM_HINT_T0);
-    for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(sp->v + r * sp->v_rs + b, _MM_HINT_T0);
-    if (ksbytes) {
-      _mm_prefetch(sp->ks + r * sp->ks_rs, _MM_HINT_T0);
-      _mm_prefetch(sp->kb + r * sp->kb_rs, _MM_HINT_T0);
-    }
-    if (vsbytes) {
-      _mm_prefetch(sp->vs + r * sp->vs_rs, _MM_HINT_T0);
-      _mm_prefetch(sp->vb + r * sp->vb_rs, _MM_HINT_T0);
-    }
-  }
-}
-
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
  * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
 static void attend_fast(const kva_item *it) {
@@ -521,7 +420,8 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
     vf = s.vf;
   }
   if (p->path != KVA_PATH_FUSED || !fast_format_ok(&kf) || !fast_format_ok(&vf)) return NULL;
-  return attend_fast;
+  kva_item_fn amx = KFN(select_amx)(p, &kf, &vf);
+  return amx ? amx : attend_fast;
 }
 
 #else /* no AVX-512: the general kernel serves every call */
