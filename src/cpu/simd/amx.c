@@ -58,14 +58,13 @@ static inline void row_to_bf16(const fmt_plan *fp, const char *row, const char *
     }
     return;
   }
-  const __m512i M = _mm512_set1_epi32((1 << fp->bits) - 1);
   const __m512 Sv = load_groups(sc, fp->sdt, fp->ngroups), Bv = load_groups(bi, fp->sdt, fp->ngroups);
   for (int c = 0; c < fp->nch; ++c) {
     const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
-    const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+    __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+    affine_f(&sv, &bv, fp->bits);
     for (int k = 0; k < fp->E; k += 2) {
-      __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)(k * fp->bits)), M));
-      __m512 b = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)((k + 1) * fp->bits)), M));
+      __m512 a = code_f(x, k, fp->bits), b = code_f(x, k + 1, fp->bits);
       a = _mm512_fmadd_ps(a, sv, bv);
       b = _mm512_fmadd_ps(b, sv, bv);
       _mm512_storeu_si512(dst + (int64_t)(c * fp->E + k) * LANES, (__m512i)_mm512_cvtne2ps_pbh(b, a));

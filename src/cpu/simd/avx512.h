@@ -110,4 +110,35 @@ static inline void prefetch_rows(const kva_span *sp, int64_t r0, int64_t n, int6
   }
 }
 
+/* Codes as floats in [1, 2): code k (bits wide, lowest first) of each word is
+ * moved to the top of the mantissa and given the exponent of 1.0, so
+ * f = 1 + c / 2^bits, two operations instead of shift/and/convert. With
+ * affine_f the group's affine map is rewritten for f: s*c + b = s'*f + b'. */
+ALWAYS __m512 code_f(__m512i x, int k, int bits) {
+  const int sh = 23 - bits * (k + 1);
+  const __m512i y = sh >= 0 ? _mm512_slli_epi32(x, (unsigned)sh) : _mm512_srli_epi32(x, (unsigned)-sh);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(y, _mm512_set1_epi32(((1 << bits) - 1) << (23 - bits)),
+                                                       _mm512_set1_epi32(0x3f800000), 0xEA)); /* (y & m) | one */
+}
+/* s' = s * 2^bits, b' = b - s * 2^bits. */
+ALWAYS void affine_f(__m512 *sv, __m512 *bv, int bits) {
+  const __m512 m = _mm512_set1_ps((float)(1 << bits));
+  *bv = _mm512_fnmadd_ps(*sv, m, *bv);
+  *sv = _mm512_mul_ps(*sv, m);
+}
+
+/* Lane t of the result = the sum of the 16 lanes of v[t] (a shuffle-add tree). */
+ALWAYS __m512 reduce16(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
+}
 #endif

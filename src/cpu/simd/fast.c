@@ -22,9 +22,12 @@
 #define VKB 4      /* accumulator vectors per query in the V phase */
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
+/* Scores of a block of J vectors against n rows: row t's per-lane partial
+ * sums are collected 16 rows at a time and reduced by one shuffle tree. */
 ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
-                         const float *qs, int J, float *S) {
-  const __m512i M = _mm512_set1_epi32((1 << fp->bits) - 1);
+                         const float *qs, int J, int bits, float *S) {
+  const int E = 32 / bits;
+  __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
     const int64_t rr = r0 + t;
     const char *row = sp->k + rr * sp->k_rs;
@@ -36,24 +39,33 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
       __m512 acc[KQB];
       for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
-      for (int k = 0; k < fp->E; ++k) {
-        const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)(k * fp->bits)), M));
-        const float *qk = qp + (int64_t)(c * fp->E + k) * LANES;
-        for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(code, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
+      for (int k = 0; k < E; ++k) {
+        const __m512 f = code_f(x, k, bits);
+        const float *qk = qp + (int64_t)(c * E + k) * LANES;
+        for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(f, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
       }
-      const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      affine_f(&sv, &bv, bits);
       for (int j = 0; j < J; ++j) {
         sc[j] = _mm512_fmadd_ps(sv, acc[j], sc[j]);
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
       }
     }
-    for (int j = 0; j < J; ++j) S[j * KVA_TILE + t] = _mm512_reduce_add_ps(sc[j]);
+    for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
+    if (t % LANES == LANES - 1 || t == n - 1) {
+      const int64_t t0 = t - t % LANES;
+      for (int j = 0; j < J; ++j) {
+        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
+        _mm512_storeu_ps(S + j * KVA_TILE + t0, reduce16(part[j]));
+      }
+    }
   }
 }
 
 ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp, int J,
                          float *S) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
+  __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
     const char *row = sp->k + (r0 + t) * sp->k_rs;
     __m512 acc[KQB];
@@ -62,7 +74,14 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int
       const __m512 kv = load_f16x(row + d * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
     }
-    for (int j = 0; j < J; ++j) S[j * KVA_TILE + t] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < J; ++j) part[j][t % LANES] = acc[j];
+    if (t % LANES == LANES - 1 || t == n - 1) {
+      const int64_t t0 = t - t % LANES;
+      for (int j = 0; j < J; ++j) {
+        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
+        _mm512_storeu_ps(S + j * KVA_TILE + t0, reduce16(part[j]));
+      }
+    }
   }
 }
 
@@ -70,8 +89,12 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int
 #define KPHASE_BLOCK(J_)                                                                              \
   static void kphase_block_##J_(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,         \
                                 const float *qp, const float *qs, float *S) {                          \
-    if (fp->bits) kphase_quant(fp, sp, r0, n, qp, qs, J_, S);                                          \
-    else kphase_float(fp, sp, r0, n, qp, J_, S);                                                       \
+    switch (fp->bits) {                                                                                \
+    case 2: kphase_quant(fp, sp, r0, n, qp, qs, J_, 2, S); break;                                      \
+    case 4: kphase_quant(fp, sp, r0, n, qp, qs, J_, 4, S); break;                                      \
+    case 8: kphase_quant(fp, sp, r0, n, qp, qs, J_, 8, S); break;                                      \
+    default: kphase_float(fp, sp, r0, n, qp, J_, S); break;                                            \
+    }                                                                                                  \
   }
 KPHASE_BLOCK(1)
 KPHASE_BLOCK(2)
@@ -100,7 +123,6 @@ static void decode_v_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, in
     }
     return;
   }
-  const __m512i M = _mm512_set1_epi32((1 << fp->bits) - 1);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t rr = r0 + t;
     const char *row = sp->v + rr * sp->v_rs;
@@ -109,10 +131,11 @@ static void decode_v_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, in
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
       for (int k = 0; k < fp->E; ++k)
-        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES,
-                         _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, (unsigned)(k * fp->bits)), M)));
-      _mm512_storeu_ps(svt + (t * fp->nch + c) * LANES, _mm512_permutexvar_ps(fp->gidx[c], Sv));
-      _mm512_storeu_ps(bvt + (t * fp->nch + c) * LANES, _mm512_permutexvar_ps(fp->gidx[c], Bv));
+        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES, code_f(x, k, fp->bits));
+      __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      affine_f(&sv, &bv, fp->bits);
+      _mm512_storeu_ps(svt + (t * fp->nch + c) * LANES, sv);
+      _mm512_storeu_ps(bvt + (t * fp->nch + c) * LANES, bv);
     }
   }
 }
@@ -197,7 +220,6 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
   static void vdirect_q##BITS##_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,     \
                                     const float *P, float *o, float *ob) {                            \
     enum { E = 32 / BITS };                                                                           \
-    const __m512i M = _mm512_set1_epi32((1 << BITS) - 1);                                             \
     for (int c = 0; c < fp->nch; ++c) {                                                               \
       __m512 acc[J][E], bacc[J];                                                                      \
       for (int j = 0; j < J; ++j) {                                                                   \
@@ -211,8 +233,9 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
         for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \
         if (!live) continue;                                                                          \
         const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], sp->v + rr * sp->v_rs + c * 64);     \
-        const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups)); \
-        const __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups)); \
+        __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups)); \
+        __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups)); \
+        affine_f(&sv, &bv, BITS);                                                                     \
         __m512 w[J];                                                                                  \
         for (int j = 0; j < J; ++j) {                                                                 \
           const __m512 pj = _mm512_set1_ps(P[j * KVA_TILE + t]);                                      \
@@ -220,7 +243,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
           bacc[j] = _mm512_mask3_fmadd_ps(pj, bv, bacc[j], pm[j]);                                    \
         }                                                                                             \
         for (int k = 0; k < E; ++k) {                                                                 \
-          const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, k * BITS), M)); \
+          const __m512 code = code_f(x, k, BITS);                                                     \
           for (int j = 0; j < J; ++j) acc[j][k] = _mm512_fmadd_ps(w[j], code, acc[j][k]);             \
         }                                                                                             \
       }                                                                                               \
