@@ -64,19 +64,30 @@ void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
 /* ---- SIMD level ---- */
 static const kva_cpu_kernels *forced;
 
-static const kva_cpu_kernels *best_kernels(void) {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
-    return &kva_cpu_kernels_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-      __builtin_cpu_supports("bmi2"))
-    return &kva_cpu_kernels_avx2;
-#endif
+#include <cpuid.h>
+/* CPU features by cpuid, and the OS's consent (XCR0) to the register state. */
+static const kva_cpu_kernels *best_kernels(void) {
+  unsigned a, b, c, d, b7 = 0, c7 = 0, a71 = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return &kva_cpu_kernels_portable;
+  const unsigned c1 = c;
+  if (!(c1 & (1u << 27))) return &kva_cpu_kernels_portable; /* OSXSAVE */
+  unsigned xlo, xhi;
+  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) { b7 = b; c7 = c; }
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) a71 = a;
+  const int ymm = (xlo & 0x6) == 0x6, zmm = (xlo & 0xe6) == 0xe6;
+  const int avx2 = ymm && (b7 >> 5 & 1) && (c1 >> 12 & 1) /* fma */ && (c1 >> 29 & 1) /* f16c */ && (b7 >> 8 & 1);
+  const int avx512 = avx2 && zmm && (b7 >> 16 & 1) /* f */ && (b7 >> 17 & 1) /* dq */ && (b7 >> 30 & 1) /* bw */ &&
+                     (b7 >> 31 & 1) /* vl */ && (c7 >> 11 & 1) /* vnni */ && (a71 >> 5 & 1) /* bf16 */;
+  (void)xhi;
+  if (avx512) return &kva_cpu_kernels_avx512;
+  if (avx2) return &kva_cpu_kernels_avx2;
   return &kva_cpu_kernels_portable;
 }
+#else
+static const kva_cpu_kernels *best_kernels(void) { return &kva_cpu_kernels_portable; }
+#endif
 
 const kva_cpu_kernels *kva_cpu_kernels_get(void) { return forced ? forced : best_kernels(); }
 
