@@ -47,28 +47,37 @@ static int amx_usable(void) {
   return ok;
 }
 
-/* One row of dequantized (or converted) values, in the format's permuted
- * order, as bf16 into dst[P]. */
-static inline void row_to_bf16(const fmt_plan *fp, const char *row, const char *sc, const char *bi, uint16_t *dst) {
-  if (!fp->bits) {
-    const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
-    for (int d = 0; d < fp->P; d += 2 * LANES) {
-      __m512 a = load_f16x(row + d * es, fp->sdt), b = load_f16x(row + (d + LANES) * es, fp->sdt);
-      _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
-    return;
-  }
+/* One quantized row, dequantized in the format's permuted order, as bf16
+ * into dst[P]; bits is a constant after inlining. */
+ALWAYS void qrow_to_bf16(const fmt_plan *fp, const char *row, const char *sc, const char *bi, uint16_t *dst,
+                         int bits) {
+  const int E = 32 / bits;
   const __m512 Sv = load_groups(sc, fp->sdt, fp->ngroups), Bv = load_groups(bi, fp->sdt, fp->ngroups);
   for (int c = 0; c < fp->nch; ++c) {
     const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
     __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
-    affine_f(&sv, &bv, fp->bits);
-    for (int k = 0; k < fp->E; k += 2) {
-      __m512 a = code_f(x, k, fp->bits), b = code_f(x, k + 1, fp->bits);
-      a = _mm512_fmadd_ps(a, sv, bv);
-      b = _mm512_fmadd_ps(b, sv, bv);
-      _mm512_storeu_si512(dst + (int64_t)(c * fp->E + k) * LANES, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    affine_f(&sv, &bv, bits);
+    for (int k = 0; k < E; k += 2) {
+      const __m512 a = _mm512_fmadd_ps(code_f(x, k, bits), sv, bv);
+      const __m512 b = _mm512_fmadd_ps(code_f(x, k + 1, bits), sv, bv);
+      _mm512_storeu_si512(dst + (int64_t)(c * E + k) * LANES, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
+  }
+}
+
+/* One row of values (dequantized or converted) in the format's permuted
+ * order, as bf16 into dst[P]. */
+static inline void row_to_bf16(const fmt_plan *fp, const char *row, const char *sc, const char *bi, uint16_t *dst) {
+  switch (fp->bits) {
+  case 2: qrow_to_bf16(fp, row, sc, bi, dst, 2); return;
+  case 4: qrow_to_bf16(fp, row, sc, bi, dst, 4); return;
+  case 8: qrow_to_bf16(fp, row, sc, bi, dst, 8); return;
+  default: break;
+  }
+  const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
+  for (int d = 0; d < fp->P; d += 2 * LANES) {
+    const __m512 a = load_f16x(row + d * es, fp->sdt), b = load_f16x(row + (d + LANES) * es, fp->sdt);
+    _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
   }
 }
 
