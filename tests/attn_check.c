@@ -188,6 +188,10 @@ kva_tensor att_alloc_like(att_data *d, const kva_tensor *t) {
   return kva_tensor_4d(mem, t->dtype, t->shape[0], t->shape[1], t->shape[2], t->shape[3]);
 }
 
+double att_case_atol(const att_case *c) {
+  return c->qdt == KVA_BF16 && (int64_t)(c->H / c->KVH) * c->L >= 8 ? ATT_ATOL_BF16 : ATT_ATOL_F32;
+}
+
 double att_rtol(kva_dtype out) {
   switch (out) {
   case KVA_BF16: return 1.0 / 128; /* one bf16 ulp: both sides round to bf16 */

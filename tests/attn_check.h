@@ -51,6 +51,12 @@ int att_sentinel_ok(const att_data *d);
  * Prints the first mismatch. Returns 1 when within tolerance. */
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2);
+/* Absolute allowance, relative to max|ref|, for a case's arithmetic: f32
+ * products (3e-5), or bf16 products (2^-7) where the library may take its
+ * bf16 path: bf16 queries with >= 8 vectors per KV head (AMX on the CPU). */
+#define ATT_ATOL_F32 3e-5
+#define ATT_ATOL_BF16 (1.0 / 128)
+double att_case_atol(const att_case *c);
 /* Output-dtype rounding allowance: relative half-ulp-ish bound per element. */
 double att_rtol(kva_dtype out);
 /* A second output tensor of the same shape/dtype (contiguous, owned by d). */

@@ -57,14 +57,9 @@ static const att_case cases[] = {
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
-/* f32 arithmetic over up to a few thousand keys vs the double oracle. */
-#define ATOL_REL 3e-5
-/* bf16 queries with >= 8 vectors per KV head may run on AMX tiles: K, V and
- * P rounded to bf16 (2^-9 relative each), f32 accumulation. */
-#define ATOL_REL_BF16 (1.0 / 128)
-static double case_atol(const att_case *c) {
-  return c->qdt == KVA_BF16 && (int64_t)(c->H / c->KVH) * c->L >= 8 ? ATOL_REL_BF16 : ATOL_REL;
-}
+/* f32 arithmetic over up to a few thousand keys vs the double oracle
+ * (att_case_atol relaxes it to bf16 products where the bf16 path may run). */
+#define ATOL_REL ATT_ATOL_F32
 
 static const char *levels[] = {"portable", "avx2", "avx512"};
 
@@ -82,7 +77,7 @@ static int run_case(const att_case *c, kva_context *ctx, const char *level, att_
     FAIL_("%s [%s]: sentinel after out overwritten", name, level);
     return 0;
   }
-  if (!att_compare(&d->out, ref, case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
+  if (!att_compare(&d->out, ref, att_case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
     FAIL_("%s [%s, %d threads]: out differs from the oracle (max err %.3g)", name, level,
           kva_context_threads(ctx), max_err);
     return 0;
