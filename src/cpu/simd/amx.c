@@ -12,7 +12,7 @@
  *   tmm2 = B (16 pair-rows × 16 dwords); configured once per item. */
 #include "cpu/simd/simd.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) &&               \
     defined(__AMX_BF16__) && defined(__linux__)
 #include "cpu/simd/avx512.h"
 
@@ -20,9 +20,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define QT 16       /* query vectors per AMX block */
-#define KT 16       /* keys per QK tile */
-#define AMX_MIN_NQ 8 /* below this the vector kernel is as fast and exact in f32 */
+#define QT 16          /* query vectors per AMX block */
+#define KT 16          /* keys per QK tile */
+#define AMX_MIN_NQ 8   /* below this the vector kernel is as fast and exact in f32 */
 #define AMX_MAX_P 2048 /* longest permuted row (bf16 elements) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -49,8 +49,7 @@ static int amx_usable(void) {
 
 /* One quantized row, dequantized in the format's permuted order, as bf16
  * into dst[P]; bits is a constant after inlining. */
-ALWAYS void qrow_to_bf16(const fmt_plan *fp, const char *row, const char *sc, const char *bi, uint16_t *dst,
-                         int bits) {
+ALWAYS void qrow_to_bf16(const fmt_plan *fp, const char *row, const char *sc, const char *bi, uint16_t *dst, int bits) {
   const int E = 32 / bits;
   const __m512 Sv = load_groups(sc, fp->sdt, fp->ngroups), Bv = load_groups(bi, fp->sdt, fp->ngroups);
   for (int c = 0; c < fp->nch; ++c) {
@@ -114,11 +113,13 @@ static inline void transpose16_epi32(__m512i r[16]) {
 static inline void pt_to_p_bf16(const float *st, uint16_t *pb, __m512i interleave) {
   __m512i d[16];
   for (int i = 0; i < 16; ++i) {
-    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(st + (2 * i + 1) * QT), _mm512_loadu_ps(st + 2 * i * QT));
+    const __m512i two =
+        (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(st + (2 * i + 1) * QT), _mm512_loadu_ps(st + 2 * i * QT));
     d[i] = _mm512_permutexvar_epi16(interleave, two);
   }
   transpose16_epi32(d);
-  for (int q = 0; q < 16; ++q) _mm512_storeu_si512(pb + q * KVA_TILE, d[q]);
+  for (int q = 0; q < 16; ++q)
+    _mm512_storeu_si512(pb + q * KVA_TILE, d[q]);
 }
 
 /* Scratch layout (bytes, 64-aligned): qt[nqt][Dk/32][16 rows][64 B] | kb[32][Pk] bf16 |
@@ -168,105 +169,116 @@ static void attend_amx(const kva_item *it) {
   const int32_t *seg = simd_segments_row(p, it->b);
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + rows - 1;
   const int32_t win = p->mask.window;
-  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                           6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
   /* word 2q <- word q, word 2q+1 <- word 16+q (one source) */
   const __m512i halves_interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                      7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  kva_span sp;
-  for (int64_t t = it->t0; t < it->t1; t += sp.n) {
-    src->span_at(src, it->b, it->hk, t, it->t1, &sp);
-    for (int64_t r0 = 0; r0 < sp.n; r0 += KVA_TILE) {
-      const int64_t n = sp.n - r0 < KVA_TILE ? sp.n - r0 : KVA_TILE, tf = sp.t0 + r0;
-      if (r0 + n < sp.n)
-        prefetch_rows(&sp, r0 + n, sp.n - r0 - n < KVA_TILE ? sp.n - r0 - n : KVA_TILE, krow_bytes, vrow_bytes,
-                      kf.bits, vf.bits);
-      /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
-      for (int64_t r = 0; r < KVA_TILE; ++r) {
-        if (r < n)
-          row_to_bf16(&kf, sp.k + (r0 + r) * sp.k_rs, kf.bits ? sp.ks + (r0 + r) * sp.ks_rs : NULL,
-                      kf.bits ? sp.kb + (r0 + r) * sp.kb_rs : NULL, kb + r * kf.P);
-        else memset(kb + r * kf.P, 0, sizeof(uint16_t) * (size_t)kf.P);
+  /* Tiles of 32 tokens run across span (paged block) boundaries: rows are
+   * looked up one by one through a cursor; a second cursor prefetches the
+   * next tile's rows. */
+  kva_cursor cur, ahead;
+  kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
+  kva_cursor_init(&ahead, src, it->b, it->hk, it->t1);
+  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE) {
+    const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
+    for (int64_t r = tf + KVA_TILE; r < it->t1 && r < tf + 2 * KVA_TILE; ++r) {
+      const kva_rows w = kva_cursor_row(&ahead, r);
+      prefetch_row(&w, krow_bytes, vrow_bytes);
+    }
+    /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
+    for (int64_t r = 0; r < KVA_TILE; ++r) {
+      if (r < n) {
+        const kva_rows w = kva_cursor_row(&cur, tf + r);
+        row_to_bf16(&kf, w.k, w.ks, w.kb, kb + r * kf.P);
+      } else {
+        memset(kb + r * kf.P, 0, sizeof(uint16_t) * (size_t)kf.P);
       }
-      for (int64_t r = 0; r < KVA_TILE; r += 2) {
-        uint16_t va[AMX_MAX_P] __attribute__((aligned(64))), vb2[AMX_MAX_P] __attribute__((aligned(64)));
-        if (r < n)
-          row_to_bf16(&vf, sp.v + (r0 + r) * sp.v_rs, vf.bits ? sp.vs + (r0 + r) * sp.vs_rs : NULL,
-                      vf.bits ? sp.vb + (r0 + r) * sp.vb_rs : NULL, va);
-        else memset(va, 0, sizeof(uint16_t) * (size_t)vf.P);
-        if (r + 1 < n)
-          row_to_bf16(&vf, sp.v + (r0 + r + 1) * sp.v_rs, vf.bits ? sp.vs + (r0 + r + 1) * sp.vs_rs : NULL,
-                      vf.bits ? sp.vb + (r0 + r + 1) * sp.vb_rs : NULL, vb2);
-        else memset(vb2, 0, sizeof(uint16_t) * (size_t)vf.P);
-        for (int d = 0; d < vf.P; d += 32) {
-          const __m512i a = _mm512_loadu_si512(va + d), b = _mm512_loadu_si512(vb2 + d);
-          _mm512_storeu_si512(vp + ((int64_t)(d / 16) * 16 + r / 2) * 32, _mm512_permutex2var_epi16(a, pair_lo, b));
-          _mm512_storeu_si512(vp + ((int64_t)(d / 16 + 1) * 16 + r / 2) * 32, _mm512_permutex2var_epi16(a, pair_hi, b));
-        }
+    }
+    for (int64_t r = 0; r < KVA_TILE; r += 2) {
+      uint16_t va[AMX_MAX_P] __attribute__((aligned(64))), vb2[AMX_MAX_P] __attribute__((aligned(64)));
+      if (r < n) {
+        const kva_rows w = kva_cursor_row(&cur, tf + r);
+        row_to_bf16(&vf, w.v, w.vs, w.vb, va);
+      } else {
+        memset(va, 0, sizeof(uint16_t) * (size_t)vf.P);
       }
-      const int full = p->mask.kind != KVA_MASK_CAUSAL || simd_tile_all_visible(tf, n, pmin, pmax, win);
-      for (int64_t blk = 0; blk < nqt; ++blk) {
-        /* Sᵀ for 32 keys: two 16-key halves. */
-        for (int half = 0; half < 2; ++half) {
-          _tile_zero(0);
-          for (int s = 0; s < ksteps; ++s) {
-            _tile_loadd(1, kb + (half * KT) * kf.P + s * 32, kf.P * 2);
-            _tile_loadd(2, qt + ((blk * ksteps + s) * 16) * 32, 64);
-            _tile_dpbf16ps(0, 1, 2);
-          }
-          _tile_stored(0, st + half * KT * QT, QT * 4);
-        }
-        /* softcap, mask, online softmax with queries in lanes */
-        if (p->softcap > 0.0f) simd_softcap(st, KVA_TILE, QT, QT, p->softcap);
-        for (int64_t r = n; r < KVA_TILE; ++r) _mm512_storeu_ps(st + r * QT, _mm512_set1_ps(-INFINITY));
-        if (!full)
-          for (int64_t r = 0; r < n; ++r)
-            for (int q = 0; q < QT; ++q) {
-              const int64_t j = blk * QT + q;
-              if (j < nq && !kva_causal_visible(tf + r, pos0 + it->i0 + j % rows, win, seg, p->mask.segments_clamp))
-                st[r * QT + q] = -INFINITY;
-            }
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int r = 0; r < KVA_TILE; ++r) {
-          const __m512 x = _mm512_loadu_ps(st + r * QT);
-          nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-          mx = _mm512_max_ps(mx, x);
-        }
-        const __m512 mold = _mm512_loadu_ps(m + blk * QT);
-        nan |= _mm512_cmp_ps_mask(mold, mold, _CMP_UNORD_Q);
-        __m512 mnew = _mm512_mask_mov_ps(_mm512_max_ps(mold, mx), nan, _mm512_set1_ps(NAN));
-        const __mmask16 seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-        const __m512 corr = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mold, mnew)));
-        __m512 lsum = _mm512_setzero_ps();
-        for (int r = 0; r < KVA_TILE; r += 2) {
-          const __m512 e0 = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + r * QT), mnew)));
-          const __m512 e1 = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + (r + 1) * QT), mnew)));
-          lsum = _mm512_add_ps(lsum, _mm512_add_ps(e0, e1));
-          _mm512_storeu_ps(st + r * QT, e0);
-          _mm512_storeu_ps(st + (r + 1) * QT, e1);
-        }
-        _mm512_storeu_ps(m + blk * QT, _mm512_mask_mov_ps(mnew, ~seen, mold));
-        _mm512_storeu_ps(l + blk * QT, _mm512_fmadd_ps(_mm512_loadu_ps(l + blk * QT), corr, lsum));
-        /* rescale O rows whose max moved */
-        float cf[QT];
-        _mm512_storeu_ps(cf, corr);
-        for (int q = 0; q < QT; ++q)
-          if (cf[q] != 1.0f) {
-            float *orow = o + (blk * QT + q) * vf.P;
-            const __m512 f = _mm512_set1_ps(cf[q]);
-            for (int d = 0; d < vf.P; d += LANES) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), f));
-          }
-        /* P (16 q × 32 keys) as bf16 rows */
-        pt_to_p_bf16(st, pb, halves_interleave);
-        _tile_loadd(1, pb, 64);
-        for (int vb = 0; vb < vblocks; ++vb) {
-          _tile_loadd(0, o + blk * QT * vf.P + vb * 16, vf.P * 4);
-          _tile_loadd(2, vp + (int64_t)vb * 16 * 32, 64);
+      if (r + 1 < n) {
+        const kva_rows w = kva_cursor_row(&cur, tf + r + 1);
+        row_to_bf16(&vf, w.v, w.vs, w.vb, vb2);
+      } else {
+        memset(vb2, 0, sizeof(uint16_t) * (size_t)vf.P);
+      }
+      for (int d = 0; d < vf.P; d += 32) {
+        const __m512i a = _mm512_loadu_si512(va + d), b = _mm512_loadu_si512(vb2 + d);
+        _mm512_storeu_si512(vp + ((int64_t)(d / 16) * 16 + r / 2) * 32, _mm512_permutex2var_epi16(a, pair_lo, b));
+        _mm512_storeu_si512(vp + ((int64_t)(d / 16 + 1) * 16 + r / 2) * 32, _mm512_permutex2var_epi16(a, pair_hi, b));
+      }
+    }
+    const int full = p->mask.kind != KVA_MASK_CAUSAL || simd_tile_all_visible(tf, n, pmin, pmax, win);
+    for (int64_t blk = 0; blk < nqt; ++blk) {
+      /* Sᵀ for 32 keys: two 16-key halves. */
+      for (int half = 0; half < 2; ++half) {
+        _tile_zero(0);
+        for (int s = 0; s < ksteps; ++s) {
+          _tile_loadd(1, kb + (half * KT) * kf.P + s * 32, kf.P * 2);
+          _tile_loadd(2, qt + ((blk * ksteps + s) * 16) * 32, 64);
           _tile_dpbf16ps(0, 1, 2);
-          _tile_stored(0, o + blk * QT * vf.P + vb * 16, vf.P * 4);
         }
+        _tile_stored(0, st + half * KT * QT, QT * 4);
+      }
+      /* softcap, mask, online softmax with queries in lanes */
+      if (p->softcap > 0.0f) simd_softcap(st, KVA_TILE, QT, QT, p->softcap);
+      for (int64_t r = n; r < KVA_TILE; ++r)
+        _mm512_storeu_ps(st + r * QT, _mm512_set1_ps(-INFINITY));
+      if (!full)
+        for (int64_t r = 0; r < n; ++r)
+          for (int q = 0; q < QT; ++q) {
+            const int64_t j = blk * QT + q;
+            if (j < nq && !kva_causal_visible(tf + r, pos0 + it->i0 + j % rows, win, seg, p->mask.segments_clamp))
+              st[r * QT + q] = -INFINITY;
+          }
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      for (int r = 0; r < KVA_TILE; ++r) {
+        const __m512 x = _mm512_loadu_ps(st + r * QT);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const __m512 mold = _mm512_loadu_ps(m + blk * QT);
+      nan |= _mm512_cmp_ps_mask(mold, mold, _CMP_UNORD_Q);
+      __m512 mnew = _mm512_mask_mov_ps(_mm512_max_ps(mold, mx), nan, _mm512_set1_ps(NAN));
+      const __mmask16 seen = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+      const __m512 corr = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mold, mnew)));
+      __m512 lsum = _mm512_setzero_ps();
+      for (int r = 0; r < KVA_TILE; r += 2) {
+        const __m512 e0 = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + r * QT), mnew)));
+        const __m512 e1 = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + (r + 1) * QT), mnew)));
+        lsum = _mm512_add_ps(lsum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_ps(st + r * QT, e0);
+        _mm512_storeu_ps(st + (r + 1) * QT, e1);
+      }
+      _mm512_storeu_ps(m + blk * QT, _mm512_mask_mov_ps(mnew, ~seen, mold));
+      _mm512_storeu_ps(l + blk * QT, _mm512_fmadd_ps(_mm512_loadu_ps(l + blk * QT), corr, lsum));
+      /* rescale O rows whose max moved */
+      float cf[QT];
+      _mm512_storeu_ps(cf, corr);
+      for (int q = 0; q < QT; ++q)
+        if (cf[q] != 1.0f) {
+          float *orow = o + (blk * QT + q) * vf.P;
+          const __m512 f = _mm512_set1_ps(cf[q]);
+          for (int d = 0; d < vf.P; d += LANES)
+            _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), f));
+        }
+      /* P (16 q × 32 keys) as bf16 rows */
+      pt_to_p_bf16(st, pb, halves_interleave);
+      _tile_loadd(1, pb, 64);
+      for (int vb = 0; vb < vblocks; ++vb) {
+        _tile_loadd(0, o + blk * QT * vf.P + vb * 16, vf.P * 4);
+        _tile_loadd(2, vp + (int64_t)vb * 16 * 32, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, o + blk * QT * vf.P + vb * 16, vf.P * 4);
       }
     }
   }

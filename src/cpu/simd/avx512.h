@@ -110,6 +110,20 @@ static inline void prefetch_rows(const kva_span *sp, int64_t r0, int64_t n, int6
   }
 }
 
+/* Prefetch one token's K and V rows (data, scales, biases). */
+static inline void prefetch_row(const kva_rows *w, int64_t kbytes, int64_t vbytes) {
+  for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(w->k + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(w->v + b, _MM_HINT_T0);
+  if (w->ks) {
+    _mm_prefetch(w->ks, _MM_HINT_T0);
+    _mm_prefetch(w->kb, _MM_HINT_T0);
+  }
+  if (w->vs) {
+    _mm_prefetch(w->vs, _MM_HINT_T0);
+    _mm_prefetch(w->vb, _MM_HINT_T0);
+  }
+}
+
 /* Codes as floats in [1, 2): code k (bits wide, lowest first) of each word is
  * moved to the top of the mantissa and given the exponent of 1.0, so
  * f = 1 + c / 2^bits, two operations instead of shift/and/convert. With

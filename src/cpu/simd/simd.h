@@ -44,6 +44,35 @@ static inline const int32_t *simd_segments_row(const kva_problem *p, int64_t b) 
   return (const int32_t *)((const char *)p->mask.segments.data + b * p->mask.segments.stride[0]);
 }
 
+/* Row addresses of token t of one (sequence, KV head), looked up through the
+ * source's spans (one span_at per run of equally strided rows), for kernels
+ * whose tiles may cross span (paged block) boundaries. */
+typedef struct kva_rows {
+  const char *k, *ks, *kb, *v, *vs, *vb; /* ks..vb NULL for float rows */
+} kva_rows;
+typedef struct kva_cursor {
+  const kva_source *src;
+  int64_t b, hk, t1;
+  kva_span sp;
+} kva_cursor;
+
+static inline void kva_cursor_init(kva_cursor *c, const kva_source *src, int64_t b, int64_t hk, int64_t t1) {
+  c->src = src;
+  c->b = b;
+  c->hk = hk;
+  c->t1 = t1;
+  c->sp.t0 = 0;
+  c->sp.n = 0;
+}
+static inline kva_rows kva_cursor_row(kva_cursor *c, int64_t t) {
+  if (t < c->sp.t0 || t >= c->sp.t0 + c->sp.n) c->src->span_at(c->src, c->b, c->hk, t, c->t1, &c->sp);
+  const int64_t r = t - c->sp.t0;
+  const kva_span *sp = &c->sp;
+  kva_rows w = {sp->k + r * sp->k_rs, sp->ks ? sp->ks + r * sp->ks_rs : NULL, sp->kb ? sp->kb + r * sp->kb_rs : NULL,
+                sp->v + r * sp->v_rs, sp->vs ? sp->vs + r * sp->vs_rs : NULL, sp->vb ? sp->vb + r * sp->vb_rs : NULL};
+  return w;
+}
+
 /* Causal family: are keys [tf, tf+n) visible to every row with positions
  * pmin..pmax? (Segments only add visibility, so this stays exact.) */
 static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t pmin, int64_t pmax, int32_t win) {
