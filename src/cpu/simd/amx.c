@@ -183,10 +183,12 @@ static void attend_amx(const kva_item *it) {
   kva_cursor_init(&ahead, src, it->b, it->hk, it->t1);
   for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE) {
     const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
-    for (int64_t r = tf + KVA_TILE; r < it->t1 && r < tf + 2 * KVA_TILE; ++r) {
-      const kva_rows w = kva_cursor_row(&ahead, r);
-      prefetch_row(&w, krow_bytes, vrow_bytes);
-    }
+    const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
+    kva_rows trow[KVA_TILE], next[KVA_TILE];
+    kva_cursor_tile(&ahead, tf + n, nn, next);
+    for (int64_t r = 0; r < nn; ++r)
+      prefetch_row(&next[r], krow_bytes, vrow_bytes);
+    kva_cursor_tile(&cur, tf, n, trow);
     /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
     for (int64_t r = 0; r < KVA_TILE; ++r) {
       if (r < n) {

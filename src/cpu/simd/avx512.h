@@ -91,25 +91,6 @@ ALWAYS __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(finite_or_nan, _mm512_scalef_ps(p, n));
 }
 
-/* Software prefetch of n rows (data, scales, biases) of K and V starting at
- * row r0 of the span: issued one tile ahead, so DRAM latency overlaps the
- * arithmetic of the current tile. */
-static inline void prefetch_rows(const kva_span *sp, int64_t r0, int64_t n, int64_t kbytes, int64_t vbytes,
-                          int64_t ksbytes, int64_t vsbytes) {
-  for (int64_t r = r0; r < r0 + n; ++r) {
-    for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(sp->k + r * sp->k_rs + b, _MM_HINT_T0);
-    for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch(sp->v + r * sp->v_rs + b, _MM_HINT_T0);
-    if (ksbytes) {
-      _mm_prefetch(sp->ks + r * sp->ks_rs, _MM_HINT_T0);
-      _mm_prefetch(sp->kb + r * sp->kb_rs, _MM_HINT_T0);
-    }
-    if (vsbytes) {
-      _mm_prefetch(sp->vs + r * sp->vs_rs, _MM_HINT_T0);
-      _mm_prefetch(sp->vb + r * sp->vb_rs, _MM_HINT_T0);
-    }
-  }
-}
-
 /* Prefetch one token's K and V rows (data, scales, biases). */
 static inline void prefetch_row(const kva_rows *w, int64_t kbytes, int64_t vbytes) {
   for (int64_t b = 0; b < kbytes; b += 64) _mm_prefetch(w->k + b, _MM_HINT_T0);

@@ -24,15 +24,14 @@
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 /* Scores of a block of J vectors against n rows: row t's per-lane partial
  * sums are collected 16 rows at a time and reduced by one shuffle tree. */
-ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
+ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                          const float *qs, int J, int bits, float *S) {
   const int E = 32 / bits;
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t rr = r0 + t;
-    const char *row = sp->k + rr * sp->k_rs;
-    const __m512 Sv = load_groups(sp->ks + rr * sp->ks_rs, fp->sdt, fp->ngroups);
-    const __m512 Bv = load_groups(sp->kb + rr * sp->kb_rs, fp->sdt, fp->ngroups);
+    const char *row = rows[t].k;
+    const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
+    const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
     __m512 sc[KQB];
     for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
     for (int c = 0; c < fp->nch; ++c) {
@@ -62,12 +61,12 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_span *sp, int64_t r0, int
   }
 }
 
-ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp, int J,
+ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, int J,
                          float *S) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    const char *row = sp->k + (r0 + t) * sp->k_rs;
+    const char *row = rows[t].k;
     __m512 acc[KQB];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
     for (int d = 0; d < fp->P; d += LANES) {
@@ -87,13 +86,13 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_span *sp, int64_t r0, int
 
 /* One block of J <= KQB vectors; J is a constant after inlining. */
 #define KPHASE_BLOCK(J_)                                                                              \
-  static void kphase_block_##J_(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,         \
+  static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,         \
                                 const float *qp, const float *qs, float *S) {                          \
     switch (fp->bits) {                                                                                \
-    case 2: kphase_quant(fp, sp, r0, n, qp, qs, J_, 2, S); break;                                      \
-    case 4: kphase_quant(fp, sp, r0, n, qp, qs, J_, 4, S); break;                                      \
-    case 8: kphase_quant(fp, sp, r0, n, qp, qs, J_, 8, S); break;                                      \
-    default: kphase_float(fp, sp, r0, n, qp, J_, S); break;                                            \
+    case 2: kphase_quant(fp, rows, n, qp, qs, J_, 2, S); break;                                      \
+    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 4, S); break;                                      \
+    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 8, S); break;                                      \
+    default: kphase_float(fp, rows, n, qp, J_, S); break;                                            \
     }                                                                                                  \
   }
 KPHASE_BLOCK(1)
@@ -101,33 +100,32 @@ KPHASE_BLOCK(2)
 KPHASE_BLOCK(4)
 KPHASE_BLOCK(8)
 
-static void kphase(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *qp,
+static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                    const float *qs, int64_t nq, float *S) {
   int64_t j = 0;
-  for (; j + 8 <= nq; j += 8) kphase_block_8(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
-  if (j + 4 <= nq) { kphase_block_4(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 4; }
-  if (j + 2 <= nq) { kphase_block_2(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 2; }
-  if (j < nq) kphase_block_1(fp, sp, r0, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
+  for (; j + 8 <= nq; j += 8) kphase_block_8(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
+  if (j + 4 <= nq) { kphase_block_4(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 4; }
+  if (j + 2 <= nq) { kphase_block_2(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 2; }
+  if (j < nq) kphase_block_1(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
 }
 
 /* ---- V phase ---- */
 /* Decodes the tile's V rows into vt[t][P] (codes, or values for float rows)
  * and, when quantized, per-token group scale/bias lanes svt/bvt[t][chunk]. */
-static void decode_v_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, float *vt, float *svt,
+static void decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *vt, float *svt,
                           float *bvt) {
   if (!fp->bits) {
     const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
     for (int64_t t = 0; t < n; ++t) {
-      const char *row = sp->v + (r0 + t) * sp->v_rs;
+      const char *row = rows[t].v;
       for (int d = 0; d < fp->P; d += LANES) _mm512_storeu_ps(vt + t * fp->P + d, load_f16x(row + d * es, fp->sdt));
     }
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t rr = r0 + t;
-    const char *row = sp->v + rr * sp->v_rs;
-    const __m512 Sv = load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups);
-    const __m512 Bv = load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups);
+    const char *row = rows[t].v;
+    const __m512 Sv = load_groups(rows[t].vs, fp->sdt, fp->ngroups);
+    const __m512 Bv = load_groups(rows[t].vb, fp->sdt, fp->ngroups);
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
       for (int k = 0; k < fp->E; ++k)
@@ -217,7 +215,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * are decoded in registers and consumed at once, no L1 round trip.
  * w = P*scale lane; keys with P == 0 add exactly nothing (masked lanes). */
 #define VDIRECT_QUANT(BITS, J)                                                                        \
-  static void vdirect_q##BITS##_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,     \
+  static void vdirect_q##BITS##_##J(const fmt_plan *fp, const kva_rows *rows, int64_t n,     \
                                     const float *P, float *o, float *ob) {                            \
     enum { E = 32 / BITS };                                                                           \
     for (int c = 0; c < fp->nch; ++c) {                                                               \
@@ -227,14 +225,13 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
         bacc[j] = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);                           \
       }                                                                                               \
       for (int64_t t = 0; t < n; ++t) {                                                               \
-        const int64_t rr = r0 + t;                                                                    \
         __mmask16 pm[J];                                                                              \
         int live = 0;                                                                                 \
         for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \
         if (!live) continue;                                                                          \
-        const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], sp->v + rr * sp->v_rs + c * 64);     \
-        __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vs + rr * sp->vs_rs, fp->sdt, fp->ngroups)); \
-        __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(sp->vb + rr * sp->vb_rs, fp->sdt, fp->ngroups)); \
+        const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);                 \
+        __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vs, fp->sdt, fp->ngroups)); \
+        __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vb, fp->sdt, fp->ngroups)); \
         affine_f(&sv, &bv, BITS);                                                                     \
         __m512 w[J];                                                                                  \
         for (int j = 0; j < J; ++j) {                                                                 \
@@ -261,7 +258,7 @@ VDIRECT_QUANT(2, 1)
 
 #define VFB 8 /* vectors of 16 values per pass over the tile (float V) */
 /* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 16*NV) over the tile's tokens. */
-ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *P,
+ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *P,
                                float *o, int d0, int J, int NV) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m512 acc[2][VFB];
@@ -277,7 +274,7 @@ ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_span *sp, int64_t r
       w[j] = _mm512_set1_ps(P[j * KVA_TILE + t]);
     }
     if (!live) continue;
-    const char *row = sp->v + (r0 + t) * sp->v_rs + d0 * es;
+    const char *row = rows[t].v + d0 * es;
     for (int k = 0; k < NV; ++k) {
       const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j][k] = _mm512_mask3_fmadd_ps(w[j], v, acc[j][k], pm[j]);
@@ -288,17 +285,17 @@ ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_span *sp, int64_t r
 }
 
 #define VDIRECT_FLOAT(J)                                                                              \
-  static void vdirect_f_##J(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n,             \
+  static void vdirect_f_##J(const fmt_plan *fp, const kva_rows *rows, int64_t n,             \
                             const float *P, float *o) {                                               \
     int d0 = 0;                                                                                       \
-    for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES) vdirect_float_pass(fp, sp, r0, n, P, o, d0, J, VFB); \
-    for (; d0 < fp->P; d0 += LANES) vdirect_float_pass(fp, sp, r0, n, P, o, d0, J, 1);                \
+    for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES) vdirect_float_pass(fp, rows, n, P, o, d0, J, VFB); \
+    for (; d0 < fp->P; d0 += LANES) vdirect_float_pass(fp, rows, n, P, o, d0, J, 1);                \
   }
 VDIRECT_FLOAT(1)
 VDIRECT_FLOAT(2)
 
 /* V phase for one tile: direct for blocks of <= 2 vectors, else via an L1 tile. */
-static void vphase_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, int64_t n, const float *S, float *vt,
+static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt,
                         float *svt, float *bvt, float *o, float *ob, int64_t nq) {
   const int direct = nq == 1 || (nq == 2 && fp->bits != 2); /* q2 x 2 vectors: too many registers */
   if (direct) {
@@ -308,19 +305,19 @@ static void vphase_tile(const fmt_plan *fp, const kva_span *sp, int64_t r0, int6
       const float *Pj = S + j * KVA_TILE;
       float *oj = o + j * fp->P, *obj = ob + j * obn;
       switch (fp->bits * 2 + two) {
-      case 0: vdirect_f_1(fp, sp, r0, n, Pj, oj); break;
-      case 1: vdirect_f_2(fp, sp, r0, n, Pj, oj); break;
-      case 4: vdirect_q2_1(fp, sp, r0, n, Pj, oj, obj); break;
-      case 8: vdirect_q4_1(fp, sp, r0, n, Pj, oj, obj); break;
-      case 9: vdirect_q4_2(fp, sp, r0, n, Pj, oj, obj); break;
-      case 16: vdirect_q8_1(fp, sp, r0, n, Pj, oj, obj); break;
-      case 17: vdirect_q8_2(fp, sp, r0, n, Pj, oj, obj); break;
+      case 0: vdirect_f_1(fp, rows, n, Pj, oj); break;
+      case 1: vdirect_f_2(fp, rows, n, Pj, oj); break;
+      case 4: vdirect_q2_1(fp, rows, n, Pj, oj, obj); break;
+      case 8: vdirect_q4_1(fp, rows, n, Pj, oj, obj); break;
+      case 9: vdirect_q4_2(fp, rows, n, Pj, oj, obj); break;
+      case 16: vdirect_q8_1(fp, rows, n, Pj, oj, obj); break;
+      case 17: vdirect_q8_2(fp, rows, n, Pj, oj, obj); break;
       default: break;
       }
     }
     return;
   }
-  decode_v_tile(fp, sp, r0, n, vt, svt, bvt);
+  decode_v_tile(fp, rows, n, vt, svt, bvt);
   vphase(fp, n, S, vt, svt, bvt, o, ob, nq);
 }
 
@@ -366,7 +363,7 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
 static void attend_fast(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
-  const int64_t rows = it->rows, nq = p->rep * rows, SF = KVA_STATE_FLOATS(p->Dv);
+  const int64_t nrows = it->rows, nq = p->rep * nrows, SF = KVA_STATE_FLOATS(p->Dv);
   fmt_plan kf, vf;
   plan_format(&src->kf, &kf);
   plan_format(&src->vf, &vf);
@@ -376,7 +373,7 @@ static void attend_fast(const kva_item *it) {
   float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn;
   /* Queries, scaled, in K's permuted order; their per-lane sums per chunk. */
   for (int64_t j = 0; j < nq; ++j) {
-    const int64_t h = it->hk * p->rep + j / rows, i = it->i0 + j % rows;
+    const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
     for (int64_t pos = 0; pos < kf.P; ++pos) {
       int64_t d = perm_elem(&kf, p->Dk, pos);
       qp[j * kf.P + pos] = d < 0 ? 0.0f : p->scale * kva_load_f(kva_at4(p->q, it->b, h, i, d), p->q->dtype);
@@ -393,27 +390,30 @@ static void attend_fast(const kva_item *it) {
   const int64_t krow_bytes = kf.bits ? p->Dk * kf.bits / 8 : p->Dk * (int64_t)kva_dtype_size(kf.sdt);
   const int64_t vrow_bytes = vf.bits ? p->Dv * vf.bits / 8 : p->Dv * (int64_t)kva_dtype_size(vf.sdt);
   const int32_t *seg = simd_segments_row(p, it->b);
-  const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + rows - 1;
+  const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
   const int32_t win = p->mask.window;
-  kva_span sp;
-  for (int64_t t = it->t0; t < it->t1; t += sp.n) {
-    src->span_at(src, it->b, it->hk, t, it->t1, &sp);
-    for (int64_t r0 = 0; r0 < sp.n; r0 += KVA_TILE) {
-      const int64_t n = sp.n - r0 < KVA_TILE ? sp.n - r0 : KVA_TILE, tf = sp.t0 + r0;
-      if (r0 + n < sp.n)
-        prefetch_rows(&sp, r0 + n, sp.n - r0 - n < KVA_TILE ? sp.n - r0 - n : KVA_TILE, krow_bytes, vrow_bytes,
-                      kf.bits, vf.bits);
-      kphase(&kf, &sp, r0, n, qp, qs, nq, S);
-      if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
-      if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
-        for (int64_t j = 0; j < nq; ++j)
-          for (int64_t r = 0; r < n; ++r)
-            if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % rows, win, seg, p->mask.segments_clamp))
-              S[j * KVA_TILE + r] = -INFINITY;
-      if (!tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
-      /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
-      vphase_tile(&vf, &sp, r0, n, S, vt, svt, bvt, o, ob, nq);
-    }
+  /* Tiles of up to KVA_TILE tokens, across span (paged block) boundaries:
+   * row addresses come from a cursor; a second one prefetches the next tile. */
+  kva_cursor cur, ahead;
+  kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
+  kva_cursor_init(&ahead, src, it->b, it->hk, it->t1);
+  kva_rows rows[KVA_TILE], next[KVA_TILE];
+  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE) {
+    const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
+    const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
+    kva_cursor_tile(&ahead, tf + n, nn, next);
+    for (int64_t r = 0; r < nn; ++r) prefetch_row(&next[r], krow_bytes, vrow_bytes);
+    kva_cursor_tile(&cur, tf, n, rows);
+    kphase(&kf, rows, n, qp, qs, nq, S);
+    if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
+    if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
+      for (int64_t j = 0; j < nq; ++j)
+        for (int64_t r = 0; r < n; ++r)
+          if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % nrows, win, seg, p->mask.segments_clamp))
+            S[j * KVA_TILE + r] = -INFINITY;
+    if (!tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
+    /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
+    vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq);
   }
   /* Back to element order, bias lanes added: the kva_softmax_state layout. */
   for (int64_t j = 0; j < nq; ++j) {

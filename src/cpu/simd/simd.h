@@ -73,6 +73,28 @@ static inline kva_rows kva_cursor_row(kva_cursor *c, int64_t t) {
   return w;
 }
 
+/* Row addresses of tokens [t, t+n): by stride within a span, with a lookup
+ * at each span boundary. */
+static inline void kva_cursor_tile(kva_cursor *c, int64_t t, int64_t n, kva_rows *rows) {
+  for (int64_t r = 0; r < n;) {
+    rows[r] = kva_cursor_row(c, t + r);
+    const kva_span *sp = &c->sp;
+    int64_t run = sp->t0 + sp->n - (t + r); /* rows left in this span */
+    if (run > n - r) run = n - r;
+    for (int64_t u = 1; u < run; ++u) {
+      const kva_rows *a = &rows[r + u - 1];
+      kva_rows *w = &rows[r + u];
+      w->k = a->k + sp->k_rs;
+      w->v = a->v + sp->v_rs;
+      w->ks = a->ks ? a->ks + sp->ks_rs : NULL;
+      w->kb = a->kb ? a->kb + sp->kb_rs : NULL;
+      w->vs = a->vs ? a->vs + sp->vs_rs : NULL;
+      w->vb = a->vb ? a->vb + sp->vb_rs : NULL;
+    }
+    r += run;
+  }
+}
+
 /* Causal family: are keys [tf, tf+n) visible to every row with positions
  * pmin..pmax? (Segments only add visibility, so this stays exact.) */
 static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t pmin, int64_t pmax, int32_t win) {
