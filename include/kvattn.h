@@ -279,7 +279,8 @@ int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_
  * other threads append/fork/trim/free: it reads only rows the view holds,
  * which nothing rewrites. kva_pool_destroy must not race with other calls on
  * the same pool. Sequence ids are opaque (a freed id is rejected with
- * KVA_ENOSEQ; ids of a slot repeat only after 2047 reuses). */
+ * KVA_ENOSEQ; at most 262144 live sequences per pool; an id can repeat
+ * only after its slot was reused 8191 times, dead slots being reused oldest first). */
 typedef struct kva_pool kva_pool;
 typedef struct kva_paged_view kva_paged_view;
 
@@ -326,6 +327,10 @@ int kva_pool_block_refs(kva_pool *pool, int32_t block, int32_t *refs);
  * no used block) and every sequence's table; KVA_EINTERNAL names the first
  * mismatch. O(num_blocks + table sizes); for tests and debugging. */
 int kva_pool_check(kva_pool *pool);
+/* Permutes the free list pseudo-randomly (seed), so later allocations scatter
+ * over the pool (a fragmented pool, for benchmarks and tests). Contents and
+ * references are unchanged. */
+int kva_pool_shuffle(kva_pool *pool, uint64_t seed);
 /* Takes n free blocks for the caller's own use (one reference each, written
  * directly through kva_pool_k/v, named by kva_paged_view_from_csr) and gives
  * them back. ENOBLOCKS and nothing taken when fewer than n are free. */
@@ -338,8 +343,9 @@ int kva_seq_create(kva_pool *pool, int32_t *seq);
  * (innermost contiguous). Float pools store them rounded to the pool dtype;
  * quantized pools quantize each row (kva_quantize), bit-identical to
  * quantizing the whole cache at once. Needs the new blocks (+1 when the last
- * block is partial and shared: copy-on-write); ENOBLOCKS and nothing changed
- * when the pool has fewer free. */
+ * block is partial and shared with another sequence: copy-on-write; a view
+ * sharing it needs no copy, the rows it sees are never rewritten); ENOBLOCKS
+ * and nothing changed when the pool has fewer free. */
 int kva_seq_append(kva_pool *pool, int32_t seq, const kva_tensor *k, const kva_tensor *v);
 /* Appends T rows already in the pool's format, copied bit for bit: k, v are
  * kva_kv [1, KVH, T, D] (e.g. a slice of a contiguous cache); EDTYPE when the
@@ -363,7 +369,7 @@ int64_t kva_seq_blocks(kva_pool *pool, int32_t seq);
  * float K/V in their dtype), blocks enough for every sequence plus
  * spare_blocks, and one sequence per batch entry b (length seq_lens[b] or N)
  * whose id is written to seqs[b]. shuffle_seed != 0 scatters the blocks over
- * the pool in a pseudo-random order (a fragmented pool); 0 keeps them in order.
+ * the pool (kva_pool_shuffle first: a fragmented pool); 0 keeps them in order.
  * K and V formats must match (bits, group_size, dtype). */
 int kva_pool_from_contiguous(kva_pool **pool, const kva_kv_view *contig, int64_t block_size,
                              int64_t spare_blocks, uint64_t shuffle_seed, int32_t *seqs);

@@ -445,3 +445,9 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
     with ctx.lock:
         path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
     return {C.PATH_FUSED: "fused", C.PATH_FALLBACK: "fallback"}.get(path, path)
+
+
+# The paged KV cache (pools, sequences, immutable views) builds on the helpers above.
+from .paged import PagedView, Pool, Sequence, paged_attention  # noqa: E402
+
+__all__ += ["PagedView", "Pool", "Sequence", "paged_attention"]
