@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One device call for the CUDA backend: build (make), the GPU tests against the
+# oracle, compute-sanitizer memcheck + racecheck on a quick subset, the CUDA
+# benchmark (bench/cuda_bench.cu) and PyTorch SDPA on the same shapes
+# (bench/torch_sdpa.py) with the ratios. Logs go to $OUT (default build/cuda_logs):
+# summary, build, tests (+ the ASan run), sanitizer (memcheck + racecheck),
+# bench, kvattn_cuda.jsonl, torch_sdpa.
+#   STAGES="build test asan memcheck racecheck bench torch" (default: all)
+#   J=16 (make jobs)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-build/cuda_logs}
+J=${J:-16}
+STAGES=${STAGES:-build test asan memcheck racecheck bench torch}
+mkdir -p "$OUT"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+status=0
+note() { echo "== $*" | tee -a "$OUT/summary.log"; }
+run() { # name timeout_s cmd...: runs with a time limit, records the exit code
+  local name=$1 lim=$2; shift 2
+  local t0=$SECONDS
+  timeout "$lim" "$@"
+  local rc=$?
+  note "$name: exit $rc in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
+
+date -u +"%Y-%m-%dT%H:%M:%SZ" | tee "$OUT/summary.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/summary.log"
+nvcc --version | tail -2 | tee -a "$OUT/summary.log"
+
+if has build; then
+  run build 300 make -k -j"$J" all > "$OUT/build.log" 2>&1
+  run build-bench 200 nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude bench/cuda_bench.cu \
+    build/libkvattn.a -o build/cuda_bench -lcudart -lm -lpthread >> "$OUT/build.log" 2>&1
+  tail -3 "$OUT/build.log"
+  ./build/kvattn info 2>&1 | tee -a "$OUT/summary.log"
+fi
+if has test; then
+  run tests-cuda 300 ./build/kvattn_tests cuda > "$OUT/tests.log" 2>&1
+  grep -E "FAIL|passed|skip" "$OUT/tests.log" | tail -15
+fi
+if has asan; then # make test-c's second run: the tests under ASan + UBSan, quick table
+  run asan-build 300 make -j"$J" build/asan/kvattn_tests >> "$OUT/build.log" 2>&1
+  export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
+  run asan-tests 300 ./build/asan/kvattn_tests --quick cuda >> "$OUT/tests.log" 2>&1
+  unset ASAN_OPTIONS UBSAN_OPTIONS
+  grep -E "ERROR|FAIL|passed" "$OUT/tests.log" | tail -5
+fi
+if has memcheck; then
+  run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/kvattn_tests --quick cuda \
+    > "$OUT/sanitizer.log" 2>&1
+  grep -E "ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
+fi
+if has racecheck; then
+  run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_nan_inf \
+    >> "$OUT/sanitizer.log" 2>&1
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
+fi
+if has bench; then
+  rm -f "$OUT/kvattn_cuda.jsonl"
+  run bench 240 ./build/cuda_bench "$OUT/kvattn_cuda.jsonl" > "$OUT/bench.log" 2>&1
+  cat "$OUT/bench.log"
+fi
+if has torch; then
+  export PYTHONUNBUFFERED=1
+  run torch 300 python3 bench/torch_sdpa.py "$OUT/kvattn_cuda.jsonl" > "$OUT/torch_sdpa.log" 2>&1
+  tail -12 "$OUT/torch_sdpa.log"
+fi
+cat "$OUT/summary.log"
+exit $status

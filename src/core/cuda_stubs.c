@@ -1,0 +1,57 @@
+/* The CUDA backend's entry points when the library is built without nvcc
+ * (KVA_HAVE_CUDA undefined): no devices, and every CUDA call fails with
+ * KVA_ENODEVICE and a message saying why. With nvcc, src/cuda/ defines them. */
+#include "core/backend.h"
+
+#ifndef KVA_HAVE_CUDA
+static int no_cuda(void) {
+  return kva_seterr(KVA_ENODEVICE, "backend CUDA: this build of kvattn has no CUDA support (nvcc was "
+                                   "not found at build time)");
+}
+
+int kva_cuda_device_count(void) { return 0; }
+
+int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  (void)device;
+  (void)name;
+  (void)name_len;
+  (void)total_bytes;
+  return no_cuda();
+}
+
+int kva_cuda_context_init(kva_context *ctx) {
+  (void)ctx;
+  return no_cuda();
+}
+
+void kva_cuda_context_free(kva_context *ctx) { (void)ctx; }
+
+size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
+  (void)ctx;
+  (void)p;
+  return 0;
+}
+
+int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
+  (void)ctx;
+  (void)p;
+  (void)ws;
+  (void)ws_bytes;
+  return no_cuda();
+}
+
+int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr) {
+  (void)ctx;
+  (void)bytes;
+  *ptr = NULL;
+  return no_cuda();
+}
+
+void kva_cuda_workspace_free(kva_context *ctx, void *ptr) {
+  (void)ctx;
+  (void)ptr;
+}
+#else
+/* ISO C forbids an empty translation unit. */
+typedef int kva_cuda_stubs_unused;
+#endif

@@ -1,0 +1,484 @@
+/* The fused CUDA decode/verify kernel (contiguous layout, L <= 16, causal
+ * family masks), split over token blocks, and its merge kernel.
+ *   math: for the QW query vectors (GQA heads x rows) of one KV head, each K
+ *         row is decoded once into registers and dotted with all of them
+ *         (quantized, where QW * 2 <= E: q.k = scale * (q . codes) +
+ *         bias * sum(q) and p * v = (p * scale) * codes + p * bias per
+ *         lane's group; else dequantized per element);
+ *         s = softcap(scale * q.k) in log2 units, online softmax
+ *         {m, l, o} per query vector, o += p * v with V decoded once.
+ *         Splits write {m (natural log), l, o} to the workspace and a second
+ *         launch merges them (core/softmax_state.h), adds the sink, divides.
+ *   memory: every K/V byte of a (sequence, KV head) is read once per query
+ *         tile (one tile when rep * L <= QW; other tiles re-read it, from L2
+ *         when they run together); E elements per lane and row in one to four vector loads of
+ *         up to 16 bytes (2 bytes for q2 at E = 8), coalesced over the lanes
+ *         of a row, plus the group's scale and bias; 2 x U rows per lane in flight
+ *         (the next step's loads are issued before this step's math).
+ *   launch: grid (qtiles, nsplit, B * KVH), KVC_FUSED_THREADS threads; a
+ *         token row is spread over P = 2^lanes_log2 lanes of E elements each
+ *         (E = 16 for head dims > 256 or rep * L <= 2 at head dims >= 128,
+ *         else 8), a warp holds 32 / P rows at once; static shared memory up
+ *         to 32 KB (4 warps x QW x 32E floats) for the cross-warp merge. */
+#ifndef KVA_CUDA_ATTN_FUSED_CUH
+#define KVA_CUDA_ATTN_FUSED_CUH
+
+#include "cuda/launch.cuh"
+
+/* ---- formats as data: bits per element, quantized or float ---- */
+template <int FMT> struct kvc_fmt_traits;
+template <> struct kvc_fmt_traits<KVC_F32> { static constexpr int BPE = 32, QBITS = 0; };
+template <> struct kvc_fmt_traits<KVC_F16> { static constexpr int BPE = 16, QBITS = 0; };
+template <> struct kvc_fmt_traits<KVC_BF16> { static constexpr int BPE = 16, QBITS = 0; };
+template <> struct kvc_fmt_traits<KVC_Q2> { static constexpr int BPE = 2, QBITS = 2; };
+template <> struct kvc_fmt_traits<KVC_Q4> { static constexpr int BPE = 4, QBITS = 4; };
+template <> struct kvc_fmt_traits<KVC_Q8> { static constexpr int BPE = 8, QBITS = 8; };
+
+/* One lane's E elements of one row, as loaded: raw words and the raw bits
+ * of its group's scale/bias (converted only when used, so the loads of a
+ * step are all in flight before the first consumer waits). */
+template <int FMT, int E> struct kvc_chunk {
+  static constexpr int BYTES = kvc_fmt_traits<FMT>::BPE * E / 8;
+  static constexpr int WORDS = BYTES >= 4 ? BYTES / 4 : 1;
+  uint32_t w[WORDS];
+  uint32_t s, z; /* scale, bias bits of the chunk's group (quantized) */
+};
+
+/* One lane's view of an operand: its chunk of row 0 of (b, h) and the row
+ * strides (hoisted out of the token loop: row t is base + t * stride). */
+struct kvc_lane_rows {
+  const char *data, *scale, *bias;
+  long long ds, ss, bs; /* byte strides between tokens */
+};
+template <int FMT, int E>
+__device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op, int b, int h, int c) {
+  kvc_lane_rows r;
+  r.data = kvc_row(op, b, h, 0) + c * kvc_chunk<FMT, E>::BYTES;
+  r.ds = op.ds[2];
+  r.scale = r.bias = NULL;
+  r.ss = r.bs = 0;
+  if (kvc_fmt_traits<FMT>::QBITS) {
+    const int g = c * E / op.group, es = kvc_dtype_size(op.sdtype);
+    r.scale = kvc_srow(op, b, h, 0) + g * es;
+    r.bias = kvc_brow(op, b, h, 0) + g * es;
+    r.ss = op.ss[2];
+    r.bs = op.bs[2];
+  }
+  return r;
+}
+
+/* Loads this lane's chunk of row t with one vector load of BYTES (the host
+ * routes unaligned operands to the general path) and the raw scale/bias. */
+template <int FMT, int E>
+__device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, int sdt,
+                                               long long t) {
+  typedef kvc_chunk<FMT, E> C;
+  const char *p = r.data + t * r.ds;
+  if (C::BYTES >= 16) {
+#pragma unroll
+    for (int k = 0; k < C::BYTES / 16; ++k) {
+      const uint4 v = __ldg((const uint4 *)p + k);
+      ch.w[4 * k] = v.x; ch.w[4 * k + 1] = v.y; ch.w[4 * k + 2] = v.z; ch.w[4 * k + 3] = v.w;
+    }
+  } else if (C::BYTES == 8) {
+    const uint2 v = __ldg((const uint2 *)p);
+    ch.w[0] = v.x; ch.w[C::WORDS - 1] = v.y;
+  } else if (C::BYTES == 4) {
+    ch.w[0] = __ldg((const unsigned int *)p);
+  } else {
+    ch.w[0] = __ldg((const unsigned short *)p);
+  }
+  if (kvc_fmt_traits<FMT>::QBITS) {
+    if (sdt == KVA_F32) {
+      ch.s = __ldg((const unsigned int *)(r.scale + t * r.ss));
+      ch.z = __ldg((const unsigned int *)(r.bias + t * r.bs));
+    } else {
+      ch.s = __ldg((const unsigned short *)(r.scale + t * r.ss));
+      ch.z = __ldg((const unsigned short *)(r.bias + t * r.bs));
+    }
+  }
+}
+
+template <int FMT, int E> __device__ __forceinline__ void kvc_zero_chunk(kvc_chunk<FMT, E> &ch) {
+#pragma unroll
+  for (int k = 0; k < kvc_chunk<FMT, E>::WORDS; ++k) ch.w[k] = 0;
+  ch.s = 0;
+  ch.z = 0;
+}
+
+/* Raw scale/bias bits -> float (dtype uniform over the launch: selects). */
+__device__ __forceinline__ float kvc_scale_bits(uint32_t bits, int dt) {
+  return dt == KVA_F32 ? __uint_as_float(bits) : dt == KVA_BF16 ? kvc_bf16_bits(bits) : kvc_f16_bits(bits);
+}
+/* A code 0 <= n < 2^23 as an exact float without I2F: (2^23 + n) - 2^23. */
+#define KVC_MAGIC_BITS 0x4B000000u
+#define KVC_MAGIC 8388608.0f
+__device__ __forceinline__ float kvc_code_float(uint32_t n) { return __uint_as_float(KVC_MAGIC_BITS | n) - KVC_MAGIC; }
+
+/* Byte y of w (a code < 256) as an exact float: one PRMT under the 2^23
+ * exponent, then - 2^23. */
+#define KVC_NIBBLES 0x0F0F0F0Fu
+#define KVC_PRMT_MAGIC 0x7650u /* result bytes 1..3 from 0x4B000000, byte 0 from w */
+__device__ __forceinline__ float kvc_byte_float(uint32_t w, int y) {
+  return __uint_as_float(__byte_perm(w, KVC_MAGIC_BITS, KVC_PRMT_MAGIC + y)) - KVC_MAGIC;
+}
+
+/* Float rows as floats, quantized rows as their codes. */
+template <int FMT, int E>
+__device__ __forceinline__ void kvc_decode_codes(const kvc_chunk<FMT, E> &ch, float (&x)[E]) {
+  constexpr int QB = kvc_fmt_traits<FMT>::QBITS;
+  if (QB == 8 || QB == 4) {
+    /* codes byte by byte: PRMT puts a code byte under the 2^23 exponent */
+#pragma unroll
+    for (int k = 0; k < kvc_chunk<FMT, E>::WORDS; ++k) {
+      const uint32_t w = ch.w[k];
+      if (QB == 8) {
+#pragma unroll
+        for (int y = 0; y < 4; ++y) x[4 * k + y] = kvc_byte_float(w, y);
+      } else {
+        const uint32_t even = w & KVC_NIBBLES, odd = (w >> 4) & KVC_NIBBLES; /* codes 0,2,4,6 / 1,3,5,7 */
+#pragma unroll
+        for (int y = 0; y < 4; ++y) {
+          x[8 * k + 2 * y] = kvc_byte_float(even, y);
+          x[8 * k + 2 * y + 1] = kvc_byte_float(odd, y);
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (FMT == KVC_F32) x[e] = __uint_as_float(ch.w[e]);
+    else if (FMT == KVC_F16) x[e] = kvc_f16_bits((ch.w[e / 2] >> (16 * (e % 2))) & 0xffffu);
+    else if (FMT == KVC_BF16)
+      x[e] = __uint_as_float(e % 2 ? (ch.w[e / 2] & 0xffff0000u) : (ch.w[e / 2] << 16));
+    else {
+      const uint32_t code = (ch.w[(e * QB) / 32] >> ((e * QB) % 32)) & ((1u << QB) - 1u);
+      x[e] = kvc_code_float(code);
+    }
+  }
+}
+
+/* Chunk -> E floats. Float rows as they are. Quantized rows: CODES = false
+ * dequantizes (scale * code + bias, f32); CODES = true leaves the codes
+ * (exact small integers) with the group's scale and bias in sc, bi, for a
+ * kernel that applies the affine map once per row and query vector:
+ * q.k = scale * (q . codes) + bias * sum(q), p * v = (p * scale) * codes + p * bias. */
+template <int FMT, int E, bool CODES>
+__device__ __forceinline__ void kvc_decode(const kvc_chunk<FMT, E> &ch, int sdt, float (&x)[E], float &sc,
+                                           float &bi) {
+  constexpr int QB = kvc_fmt_traits<FMT>::QBITS;
+  sc = 1.0f;
+  bi = 0.0f;
+  if (QB) {
+    sc = kvc_scale_bits(ch.s, sdt);
+    bi = kvc_scale_bits(ch.z, sdt);
+  }
+  kvc_decode_codes(ch, x);
+  if (QB && !CODES) { /* dequantize here: scale * code + bias */
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = fmaf(sc, x[e], bi);
+    sc = 1.0f;
+    bi = 0.0f;
+  }
+}
+
+/* U token rows of one lane: the unit of loading, double-buffered. */
+template <int FMT, int E, int U> struct kvc_step {
+  kvc_chunk<FMT, E> k[U], v[U];
+  long long t[U];
+  bool valid[U];
+};
+
+/* 2^x with the MUFU unit (ex2.approx.ftz: ~2 ulp; 2^-inf = 0). */
+__device__ __forceinline__ float kvc_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* kva_softmax_factors in log2 units: factors bringing maxima m1, m2 to their
+ * common (NaN-propagating) max; an empty side (-inf) contributes 0. */
+__device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, float &f1, float &f2) {
+  mn = kvc_max(m1, m2);
+  if (mn == -INFINITY) {
+    f1 = 0.0f;
+    f2 = 0.0f;
+  } else {
+    f1 = exp2f(m1 - mn);
+    f2 = exp2f(m2 - mn);
+  }
+}
+
+/* Blocks per SM the register budget is capped for (more warps, more loads in
+ * flight): the decode instances (QW <= 2) of 16-bit and quantized rows, 4
+ * blocks at E = 8 and 3 at E = 16 (under 64 bytes of spills); else uncapped. */
+__host__ __device__ constexpr int kvc_min_blocks(int FMT, int E, int QW) {
+  return FMT == KVC_F32 || QW > 2 ? 1 : E == 8 ? 4 : 3;
+}
+
+template <int FMT, int E, int QW>
+__global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW)) kvc_fused_kernel(const kvc_args a) {
+  constexpr int U = kvc_unroll(E, QW);
+  constexpr int DMAX = E * KVC_WARP;
+  __shared__ float sm_ml[KVC_FUSED_WARPS][QW][2];
+  __shared__ float sm_o[KVC_FUSED_WARPS][QW][DMAX];
+
+  const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
+  const int qtile = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const int lg = a.lanes_log2, P = 1 << lg, TPW = KVC_WARP >> lg;
+  const int slot = lane >> lg, c = lane & (P - 1);
+  const bool kact = c * E < a.Dk, vact = c * E < a.Dv;
+  const long long len = kvc_seq_len(a, b);
+  const int Q = a.rep * a.L;
+  const kvc_lane_rows krows = kvc_lane_rows_of<FMT, E>(a.k, b, hk, c);
+  const kvc_lane_rows vrows = kvc_lane_rows_of<FMT, E>(a.v, b, hk, c);
+  const int ksdt = a.k.sdtype, vsdt = a.v.sdtype;
+
+  /* The tile's query vectors: qv = r * L + i -> head hk * rep + r, row i. */
+  float qr[QW][E];
+  long long pos[QW];
+  int32_t segp[QW];
+  bool qok[QW];
+#pragma unroll
+  for (int j = 0; j < QW; ++j) {
+    const int qv = qtile * QW + j;
+    qok[j] = qv < Q;
+    const int h = hk * a.rep + (qok[j] ? qv / a.L : 0), i = qok[j] ? qv % a.L : 0;
+    pos[j] = len - a.L + i;
+    segp[j] = qok[j] ? kvc_seg_of_row(a, b, pos[j]) : 0;
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      qr[j][e] = (qok[j] && kact) ? kvc_load(kvc_q_at(a, b, h, i, c * E + e), a.q_dtype) : 0.0f;
+  }
+
+  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
+  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) /* keys before row 0's window */
+    t_lo = max(t_lo, len - a.L - a.window + 1);
+
+  /* The affine map per row and query vector (2 operations per query and row)
+   * instead of per element (2 per element) where that is fewer operations. */
+  constexpr bool QUANT = kvc_fmt_traits<FMT>::QBITS != 0 && QW * 2 <= E;
+  /* sum of this lane's q elements per query vector (the bias term of q.k) */
+  float qsum[QW];
+#pragma unroll
+  for (int j = 0; j < QW; ++j) {
+    qsum[j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) qsum[j] += qr[j][e];
+  }
+  /* o: sum p * v over this lane's E dims; oz: sum p * bias of its V group
+   * (quantized rows; added to every o element at the end) */
+  float m[QW], l[QW], o[QW][E], oz[QW];
+#pragma unroll
+  for (int j = 0; j < QW; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+    oz[j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[j][e] = 0.0f;
+  }
+
+  const int step = KVC_FUSED_WARPS * TPW * U;
+  typedef kvc_step<FMT, E, U> S;
+  /* Issues the loads of the step starting at token `base` (none past t_hi). */
+  auto load = [&](S &st, long long base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      st.t[u] = base + (long long)(u * KVC_FUSED_WARPS + warp) * TPW + slot;
+      st.valid[u] = st.t[u] < t_hi;
+      kvc_zero_chunk(st.k[u]);
+      kvc_zero_chunk(st.v[u]);
+      if (st.valid[u] && kact) kvc_load_chunk(st.k[u], krows, ksdt, st.t[u]);
+      if (st.valid[u] && vact) kvc_load_chunk(st.v[u], vrows, vsdt, st.t[u]);
+    }
+  };
+  /* Logits, online softmax and P.V of one loaded step. */
+  auto compute = [&](const S &st) {
+    /* partial dots over this lane's E elements, then over the row's P lanes */
+    float x[U][QW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[E], ks, kz;
+      kvc_decode<FMT, E, QUANT>(st.k[u], ksdt, kf, ks, kz);
+#pragma unroll
+      for (int j = 0; j < QW; ++j) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d = fmaf(qr[j][e], kf[e], d);
+        x[u][j] = QUANT ? fmaf(ks, d, kz * qsum[j]) : d;
+      }
+    }
+    for (int off = P >> 1; off > 0; off >>= 1)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < QW; ++j) x[u][j] += __shfl_xor_sync(KVC_FULL_MASK, x[u][j], off);
+    /* masks, logits (log2 units), online softmax */
+    bool vis[U][QW];
+#pragma unroll
+    for (int j = 0; j < QW; ++j) {
+      float mx = m[j];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        bool v = st.valid[u] && qok[j];
+        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, st.t[u], pos[j], segp[j]);
+        const float xl = v ? kvc_logit(a, x[u][j]) * KVC_LOG2E : -INFINITY;
+        if (xl == -INFINITY) v = false;
+        vis[u][j] = v;
+        x[u][j] = xl;
+        mx = kvc_max(mx, xl);
+      }
+      if (mx != -INFINITY) {
+        if (!(mx == m[j])) { /* the max grew (or is NaN): rescale l and o */
+          const float corr = kvc_exp2(m[j] - mx); /* 0 when m = -inf */
+          m[j] = mx;
+          l[j] *= corr;
+#pragma unroll
+          for (int e = 0; e < E; ++e) o[j][e] *= corr;
+          oz[j] *= corr;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          x[u][j] = vis[u][j] ? kvc_exp2(x[u][j] - mx) : 0.0f;
+          l[j] += x[u][j];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[E], vs, vz;
+      kvc_decode<FMT, E, QUANT>(st.v[u], vsdt, vf, vs, vz);
+#pragma unroll
+      for (int j = 0; j < QW; ++j)
+        if (vis[u][j]) {
+          const float w = QUANT ? x[u][j] * vs : x[u][j];
+          if (QUANT) oz[j] = fmaf(x[u][j], vz, oz[j]);
+#pragma unroll
+          for (int e = 0; e < E; ++e) o[j][e] = fmaf(w, vf[e], o[j][e]);
+        }
+    }
+  };
+  /* Two steps in flight: the next step's loads are issued before this one's
+   * math (ping-pong buffers, so no register copy waits on a load). */
+  S sa, sb;
+  long long base = t_lo;
+  if (base < t_hi) load(sa, base);
+  while (base < t_hi) {
+    load(sb, base + step);
+    compute(sa);
+    base += step;
+    if (base >= t_hi) break;
+    load(sa, base + step);
+    compute(sb);
+    base += step;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  /* the merge launch (programmatic dependent launch) may start now; it waits
+   * for this grid's completion before reading the workspace */
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+
+  if (QUANT)
+#pragma unroll
+    for (int j = 0; j < QW; ++j)
+#pragma unroll
+      for (int e = 0; e < E; ++e) o[j][e] += oz[j];
+
+  /* merge the warp's token slots (lanes c, c + P, ...) */
+  for (int off = P; off < KVC_WARP; off <<= 1) {
+#pragma unroll
+    for (int j = 0; j < QW; ++j) {
+      const float mo = __shfl_xor_sync(KVC_FULL_MASK, m[j], off);
+      const float lo = __shfl_xor_sync(KVC_FULL_MASK, l[j], off);
+      float mn, f1, f2;
+      kvc_factors2(m[j], mo, mn, f1, f2);
+      m[j] = mn;
+      l[j] = l[j] * f1 + lo * f2;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float oo = __shfl_xor_sync(KVC_FULL_MASK, o[j][e], off);
+        o[j][e] = o[j][e] * f1 + oo * f2;
+      }
+    }
+  }
+  /* merge the warps in shared memory, in a fixed order */
+  if (slot == 0 && vact)
+#pragma unroll
+    for (int j = 0; j < QW; ++j)
+#pragma unroll
+      for (int e = 0; e < E; ++e) sm_o[warp][j][c * E + e] = o[j][e];
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < QW; ++j) {
+      sm_ml[warp][j][0] = m[j];
+      sm_ml[warp][j][1] = l[j];
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
+    const int j = idx / a.Dv, d = idx % a.Dv, qv = qtile * QW + j;
+    if (qv >= Q) continue;
+    float M = -INFINITY, Ls = 0.0f, O = 0.0f;
+    for (int w = 0; w < KVC_FUSED_WARPS; ++w) {
+      float mn, f1, f2;
+      kvc_factors2(M, sm_ml[w][j][0], mn, f1, f2);
+      M = mn;
+      Ls = Ls * f1 + sm_ml[w][j][1] * f2;
+      O = O * f1 + sm_o[w][j][d] * f2;
+    }
+    const int h = hk * a.rep + qv / a.L, i = qv % a.L;
+    if (a.nsplit == 1) {
+      if (a.sinks && M != -INFINITY) {
+        float mn, f1, f2;
+        kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, f1, f2);
+        Ls = Ls * f1 + f2;
+        O *= f1;
+      }
+      kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
+    } else {
+      float *st = kvc_state_at(a, split, b, h, i);
+      if (d == 0) {
+        st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
+        st[1] = Ls;
+      }
+      st[2 + d] = O;
+    }
+  }
+}
+
+/* Resident blocks per SM of the instance for (E, QW), 0 if none. */
+template <int FMT> int kvc_fused_occupancy_fmt(int E, int QW) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_OCC(E_, QW_)                                                                           \
+  if (E == E_ && QW == QW_)                                                                        \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_fused_kernel<FMT, E_, QW_>, KVC_FUSED_THREADS, 0);
+  KVC_OCC(8, 1) KVC_OCC(8, 2) KVC_OCC(8, 4) KVC_OCC(8, 8)
+  KVC_OCC(16, 1) KVC_OCC(16, 2) KVC_OCC(16, 4)
+#undef KVC_OCC
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/* Launches the instance of format FMT for the plan's E and QW. */
+template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
+  dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
+#define KVC_CASE(E_, QW_)                                                                          \
+  if (plan.E == E_ && plan.QW == QW_) {                                                            \
+    kvc_fused_kernel<FMT, E_, QW_><<<grid, KVC_FUSED_THREADS, 0, stream>>>(a);                     \
+    goto launched;                                                                                 \
+  }
+  KVC_CASE(8, 1) KVC_CASE(8, 2) KVC_CASE(8, 4) KVC_CASE(8, 8)
+  KVC_CASE(16, 1) KVC_CASE(16, 2) KVC_CASE(16, 4)
+#undef KVC_CASE
+  return kva_seterr(KVA_EINTERNAL, "CUDA fused kernel: no instance for E = %d, QW = %d", plan.E, plan.QW);
+launched:
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "fused attention kernel launch: %s", cudaGetErrorString(e));
+  return 0;
+}
+#endif

@@ -1,0 +1,167 @@
+/* Device-side pieces shared by the CUDA attention kernels: the flattened call
+ * (kvc_args, built on the host from a kva_problem), element loads per dtype,
+ * K/V row addressing, the mask rule and the logit transform. No kernels here.
+ * The online-softmax state and its merge come from core/softmax_state.h (the
+ * one shared with the CPU kernels and the tests); kernels keep running maxima
+ * in log2 units internally and store natural-log maxima in the workspace. */
+#ifndef KVA_CUDA_COMMON_CUH
+#define KVA_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "core/backend.h"
+#include "core/softmax_state.h"
+}
+
+#define KVC_LOG2E 1.4426950408889634f
+#define KVC_LN2 0.6931471805599453f
+#define KVC_WARP 32
+#define KVC_FULL_MASK 0xffffffffu
+
+/* One K or V operand: device pointers, byte strides of dims b, h, t. */
+struct kvc_operand {
+  const char *data, *scales, *biases;
+  long long ds[3], ss[3], bs[3];
+  int dtype;  /* element dtype of float rows (bits == 0) */
+  int sdtype; /* scales/biases dtype (quantized) */
+  int bits;   /* 0, 2, 4, 8 */
+  int group;  /* group size (quantized) */
+  int vec;    /* rows aligned for the fused kernel's vector loads */
+};
+
+/* A validated call, flattened for the device (passed by value). */
+struct kvc_args {
+  int B, H, KVH, rep, L, Dk, Dv;
+  long long N;
+  float scale, softcap;
+  float softcap_inv;            /* 1 / softcap (0 when none) */
+  int mask_kind, window, clamp;
+  const int32_t *seg;          /* [B, N] segment ids or NULL */
+  long long seg_s[2];          /* byte strides */
+  const char *mask_arr;        /* ARRAY mask [B, H, L, N] */
+  int mask_dtype;
+  long long mask_s[4];         /* byte strides, 0 where broadcast */
+  const float *sinks;          /* [H] or NULL */
+  const char *q;
+  int q_dtype;
+  long long qs[4];
+  char *out;
+  int out_dtype;
+  long long os[4];
+  kvc_operand k, v;
+  const int32_t *seq_lens;     /* [B] or NULL */
+  /* fused plan */
+  int lanes_log2;              /* log2 of lanes per token */
+  int nsplit;                  /* token splits per (b, KV head) */
+  long long chunk;             /* tokens per split */
+  float *ws;                   /* partial states [nsplit][B][H][L][Dv + 2] */
+};
+
+/* ---- element loads / stores ---- */
+__device__ __forceinline__ float kvc_bf16_bits(uint32_t b) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ float kvc_f16_bits(uint32_t h) {
+  return __half2float(__ushort_as_half((unsigned short)h));
+}
+__device__ __forceinline__ float kvc_load(const char *p, int dt) {
+  switch (dt) {
+  case KVA_F32: return *(const float *)p;
+  case KVA_F16: return kvc_f16_bits(*(const unsigned short *)p);
+  case KVA_BF16: return kvc_bf16_bits(*(const unsigned short *)p);
+  default: return 0.0f;
+  }
+}
+__device__ __forceinline__ void kvc_store(char *p, int dt, float x) {
+  switch (dt) {
+  case KVA_F32: *(float *)p = x; break;
+  case KVA_F16: *(__half *)p = __float2half_rn(x); break;
+  case KVA_BF16: *(__nv_bfloat16 *)p = __float2bfloat16_rn(x); break;
+  default: break;
+  }
+}
+__device__ __forceinline__ int kvc_dtype_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
+
+/* ---- addressing: one helper per formula ---- */
+__device__ __forceinline__ const char *kvc_row(const kvc_operand &op, int b, int h, long long t) {
+  return op.data + b * op.ds[0] + h * op.ds[1] + t * op.ds[2];
+}
+__device__ __forceinline__ const char *kvc_srow(const kvc_operand &op, int b, int h, long long t) {
+  return op.scales + b * op.ss[0] + h * op.ss[1] + t * op.ss[2];
+}
+__device__ __forceinline__ const char *kvc_brow(const kvc_operand &op, int b, int h, long long t) {
+  return op.biases + b * op.bs[0] + h * op.bs[1] + t * op.bs[2];
+}
+__device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h, int i, int d) {
+  return a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + d * a.qs[3];
+}
+__device__ __forceinline__ char *kvc_out_at(const kvc_args &a, int b, int h, int i, int d) {
+  return a.out + b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3];
+}
+/* Partial state of split s for query row (b, h, i): [m, l, o[Dv]] floats. */
+__device__ __forceinline__ float *kvc_state_at(const kvc_args &a, int s, int b, int h, int i) {
+  size_t idx = (((size_t)s * a.B + b) * a.H + h) * a.L + i;
+  return a.ws + idx * (size_t)KVA_STATE_FLOATS(a.Dv);
+}
+__device__ __forceinline__ int32_t kvc_seg_at(const kvc_args &a, int b, long long t) {
+  return *(const int32_t *)((const char *)a.seg + b * a.seg_s[0] + t * a.seg_s[1]);
+}
+__device__ __forceinline__ const char *kvc_mask_at(const kvc_args &a, int b, int h, int i, long long t) {
+  return a.mask_arr + b * a.mask_s[0] + h * a.mask_s[1] + i * a.mask_s[2] + t * a.mask_s[3];
+}
+
+/* Element d of one K/V row (any format; the general path's load). */
+__device__ __forceinline__ float kvc_kv_elem(const kvc_operand &op, int b, int h, long long t, int d) {
+  const char *row = kvc_row(op, b, h, t);
+  if (op.bits == 0) return kvc_load(row + d * kvc_dtype_size(op.dtype), op.dtype);
+  int per = 32 / op.bits;
+  uint32_t w = *(const uint32_t *)(row + (d / per) * 4);
+  uint32_t code = (w >> ((d % per) * op.bits)) & ((1u << op.bits) - 1u);
+  int g = d / op.group, es = kvc_dtype_size(op.sdtype);
+  float s = kvc_load(kvc_srow(op, b, h, t) + g * es, op.sdtype);
+  float bias = kvc_load(kvc_brow(op, b, h, t) + g * es, op.sdtype);
+  return fmaf(s, (float)code, bias);
+}
+
+/* Cache length of sequence b, clamped into [0, N] (lengths live on the device
+ * and cannot be validated on the host; out-of-range values never fault). */
+__device__ __forceinline__ long long kvc_seq_len(const kvc_args &a, int b) {
+  if (!a.seq_lens) return a.N;
+  long long n = a.seq_lens[b];
+  return n < 0 ? 0 : (n > a.N ? a.N : n);
+}
+
+/* The causal-family rule (DESIGN.md): row at position p sees key t iff
+ * t <= p and (no window or t > p - w), or seg[t] == seg[p] != 0 (and, with
+ * clamp, t > p - w). segp = seg[p] (0 when there are no segments). */
+__device__ __forceinline__ bool kvc_causal_visible(const kvc_args &a, int b, long long t, long long p,
+                                                   int32_t segp) {
+  bool in_window = a.window <= 0 || t > p - a.window;
+  if (t <= p && in_window) return true;
+  if (segp != 0 && (!a.clamp || in_window) && kvc_seg_at(a, b, t) == segp) return true;
+  return false;
+}
+__device__ __forceinline__ int32_t kvc_seg_of_row(const kvc_args &a, int b, long long p) {
+  return (a.mask_kind == KVA_MASK_CAUSAL && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
+}
+
+/* scale, then softcap: the logit in natural units. */
+__device__ __forceinline__ float kvc_logit(const kvc_args &a, float dot) {
+  float x = a.scale * dot;
+  if (a.softcap > 0.0f) x = a.softcap * tanhf(x * a.softcap_inv);
+  return x;
+}
+
+/* NaN-propagating max (a NaN logit makes the row NaN, as in the oracle). */
+__device__ __forceinline__ float kvc_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+/* Final output element of a state {m, l, o} after the sink joined:
+ * o / l, or 0 for a row that saw no key (kva_softmax_out). */
+__device__ __forceinline__ float kvc_finish(float o, float l) {
+  return (l > 0.0f || l != l) ? o / l : 0.0f;
+}
+#endif

@@ -1,0 +1,312 @@
+/* The CUDA backend's entry points (core/backend.h): context state, workspace,
+ * device queries, and kva_cuda_attention, which flattens a validated
+ * kva_problem into kvc_args, picks the kernel (the one selector, kvc_select)
+ * and enqueues it on the context's stream. Nothing here allocates,
+ * synchronizes or depends on cache lengths per call: lengths stay in device
+ * memory, so a captured CUDA graph replays across changing lengths. */
+#include "cuda/launch.cuh"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Fused grid sizing (tuning only; never changes results beyond rounding). */
+#define KVC_MAX_WAVES 4             /* waves of resident blocks considered */
+#define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split */
+#define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
+#define KVC_WS_ALIGN 256
+
+#define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
+struct kvc_state {
+  int sm_count;
+  int cc_major, cc_minor;
+  int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
+};
+
+static int kvc_cuda_err(cudaError_t e, const char *what) {
+  return kva_seterr(KVA_ECUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+extern "C" int kva_cuda_device_count(void) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* no driver / no device: not an error here */
+    return 0;
+  }
+  return n;
+}
+
+extern "C" int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  int n = kva_cuda_device_count();
+  if (device < 0 || device >= n)
+    return kva_seterr(KVA_ENODEVICE, "device = %d, but %d CUDA device(s) are visible", device, n);
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return kvc_cuda_err(e, "cudaGetDeviceProperties");
+  if (name && name_len) {
+    strncpy(name, prop.name, name_len - 1);
+    name[name_len - 1] = '\0';
+  }
+  if (total_bytes) *total_bytes = prop.totalGlobalMem;
+  return 0;
+}
+
+extern "C" int kva_cuda_context_init(kva_context *ctx) {
+  int n = kva_cuda_device_count();
+  if (n == 0) return kva_seterr(KVA_ENODEVICE, "opts.backend = CUDA, but no CUDA device is visible");
+  if (ctx->device < 0 || ctx->device >= n)
+    return kva_seterr(KVA_ENODEVICE, "opts.device = %d, but %d CUDA device(s) are visible", ctx->device, n);
+  cudaError_t e = cudaSetDevice(ctx->device);
+  if (e != cudaSuccess) return kvc_cuda_err(e, "cudaSetDevice(opts.device)");
+  kvc_state *st = (kvc_state *)calloc(1, sizeof *st);
+  if (!st) return kva_seterr(KVA_ENOMEM, "CUDA context state");
+  if ((e = cudaDeviceGetAttribute(&st->sm_count, cudaDevAttrMultiProcessorCount, ctx->device)) != cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&st->cc_major, cudaDevAttrComputeCapabilityMajor, ctx->device)) !=
+          cudaSuccess ||
+      (e = cudaDeviceGetAttribute(&st->cc_minor, cudaDevAttrComputeCapabilityMinor, ctx->device)) !=
+          cudaSuccess) {
+    free(st);
+    return kvc_cuda_err(e, "cudaDeviceGetAttribute");
+  }
+  ctx->cuda = st;
+  return 0;
+}
+
+extern "C" void kva_cuda_context_free(kva_context *ctx) {
+  free(ctx->cuda);
+  ctx->cuda = NULL;
+}
+
+extern "C" int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr) {
+  (void)ctx;
+  *ptr = NULL;
+  cudaError_t e = cudaMalloc(ptr, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kva_seterr(KVA_ENOMEM, "cudaMalloc of a %zu-byte workspace: %s", bytes, cudaGetErrorString(e));
+  }
+  return 0;
+}
+
+extern "C" void kva_cuda_workspace_free(kva_context *ctx, void *ptr) {
+  (void)ctx;
+  cudaFree(ptr);
+}
+
+/* ---- the selector and the plan ---- */
+static int kvc_fmt_of(const kva_kv *kv) {
+  switch (kv->bits) {
+  case 0: return kv->data.dtype == KVA_F32 ? KVC_F32 : kv->data.dtype == KVA_F16 ? KVC_F16 : KVC_BF16;
+  case 2: return KVC_Q2;
+  case 4: return KVC_Q4;
+  case 8: return KVC_Q8;
+  default: return -1;
+  }
+}
+static int kvc_bits_per_elem(int fmt) {
+  static const int bpe[KVC_NFMT] = {32, 16, 16, 2, 4, 8};
+  return bpe[fmt];
+}
+static int kvc_pow2_ceil(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+static int kvc_log2(int x) {
+  int l = 0;
+  while ((1 << l) < x) ++l;
+  return l;
+}
+
+/* Are all rows of kv aligned for the fused kernel's E-element vector loads? */
+static bool kvc_rows_aligned(const kva_kv *kv, int E) {
+  const int fmt = kvc_fmt_of(kv);
+  const int bytes = kvc_bits_per_elem(fmt) * E / 8;
+  const long long align = bytes >= 16 ? 16 : bytes;
+  if ((uintptr_t)kv->data.data % align) return false;
+  for (int d = 0; d < 3; ++d)
+    if (kv->data.stride[d] % align) return false;
+  return true;
+}
+
+static int kvc_fused_occupancy(int fmt, int E, int QW) {
+  switch (fmt) {
+  case KVC_F32: return kvc_fused_occupancy_fmt<KVC_F32>(E, QW);
+  case KVC_F16: return kvc_fused_occupancy_fmt<KVC_F16>(E, QW);
+  case KVC_BF16: return kvc_fused_occupancy_fmt<KVC_BF16>(E, QW);
+  case KVC_Q2: return kvc_fused_occupancy_fmt<KVC_Q2>(E, QW);
+  case KVC_Q4: return kvc_fused_occupancy_fmt<KVC_Q4>(E, QW);
+  case KVC_Q8: return kvc_fused_occupancy_fmt<KVC_Q8>(E, QW);
+  default: return 0;
+  }
+}
+
+/* Resident blocks per SM of an instance, asked once per context. */
+static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
+  kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
+  if (!st) return 1;
+  int *slot = &st->occupancy[fmt][E == 16][kvc_log2(QW)];
+  if (*slot == 0) *slot = kvc_fused_occupancy(fmt, E, QW);
+  return *slot > 0 ? *slot : 1;
+}
+
+/* The one selector: the fused kernel when an instance covers the problem,
+ * else the general kernel (plan.fmt = -1). */
+static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
+  kvc_plan pl;
+  memset(&pl, 0, sizeof pl);
+  pl.fmt = -1;
+  const kva_kv_view *kv = p->kv;
+  if (p->path != KVA_PATH_FUSED || kv->layout != KVA_LAYOUT_CONTIGUOUS) return pl;
+  const int fk = kvc_fmt_of(&kv->k), fv = kvc_fmt_of(&kv->v);
+  if (fk < 0 || fk != fv) return pl;
+  const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
+  const int Q = (int)(p->rep * p->L);
+  /* 16 elements per lane for wide rows, and for small query tiles (fewer
+   * lanes per row: per-row shuffles and softmax work amortized over more
+   * rows); 8 otherwise (registers: QW * E q values and outputs per lane). */
+  const int E = dmax > 8 * KVC_WARP || (Q <= 2 && dmax >= 128) ? 16 : 8;
+  if (dmax > E * KVC_WARP || p->Dk % E || p->Dv % E) return pl;
+  if (!kvc_rows_aligned(&kv->k, E) || !kvc_rows_aligned(&kv->v, E)) return pl;
+  const int qw_max = E == 8 ? KVC_FUSED_QW_E8 : KVC_FUSED_QW_E16;
+  pl.fmt = fk;
+  pl.E = E;
+  pl.QW = Q >= qw_max ? qw_max : kvc_pow2_ceil(Q);
+  pl.qtiles = (Q + pl.QW - 1) / pl.QW;
+  pl.unroll = kvc_unroll(E, pl.QW);
+  pl.lanes_log2 = kvc_log2(kvc_pow2_ceil(dmax / E));
+  const long long step = (long long)KVC_FUSED_WARPS * (KVC_WARP >> pl.lanes_log2) * pl.unroll;
+  const long long base = p->B * p->KVH * pl.qtiles;
+  /* Splits: whole waves of resident blocks with the least idle tail. */
+  const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
+  const long long resident = (long long)sms * kvc_blocks_per_sm(ctx, pl.fmt, E, pl.QW);
+  long long most = (p->N + KVC_MIN_SPLIT_TOKENS - 1) / KVC_MIN_SPLIT_TOKENS;
+  if (most > KVC_MAX_SPLITS) most = KVC_MAX_SPLITS;
+  long long want = 1;
+  double best = 0.0;
+  for (int waves = 1; waves <= KVC_MAX_WAVES; ++waves) {
+    long long ns = waves * resident / base;
+    if (ns > most) ns = most;
+    if (ns < 1) ns = 1;
+    const long long blocks = ns * base, slots = (blocks + resident - 1) / resident * resident;
+    const double use = (double)blocks / (double)slots;
+    if (use > best + 0.02) {
+      best = use;
+      want = ns;
+    }
+  }
+  long long chunk = (p->N + want - 1) / want;
+  chunk = (chunk + step - 1) / step * step;
+  pl.chunk = chunk;
+  pl.nsplit = (int)((p->N + chunk - 1) / chunk);
+  return pl;
+}
+
+static size_t kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl) {
+  if (pl.fmt < 0 || pl.nsplit <= 1) return 0;
+  size_t n = (size_t)pl.nsplit * p->B * p->H * p->L * KVA_STATE_FLOATS(p->Dv) * sizeof(float);
+  return (n + KVC_WS_ALIGN - 1) / KVC_WS_ALIGN * KVC_WS_ALIGN;
+}
+
+extern "C" size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
+  return kvc_ws_bytes(p, kvc_select(ctx, p));
+}
+
+/* ---- kva_problem -> kvc_args ---- */
+static void kvc_copy_strides(long long *dst, const kva_tensor *t, int n) {
+  for (int d = 0; d < n; ++d) dst[d] = t->stride[d];
+}
+
+static kvc_operand kvc_operand_of(const kva_kv *kv, int E) {
+  kvc_operand op;
+  memset(&op, 0, sizeof op);
+  op.data = (const char *)kv->data.data;
+  kvc_copy_strides(op.ds, &kv->data, 3);
+  op.dtype = kv->data.dtype;
+  op.bits = kv->bits;
+  if (kv->bits) {
+    op.scales = (const char *)kv->scales.data;
+    op.biases = (const char *)kv->biases.data;
+    kvc_copy_strides(op.ss, &kv->scales, 3);
+    kvc_copy_strides(op.bs, &kv->biases, 3);
+    op.sdtype = kv->scales.dtype;
+    op.group = kv->group_size;
+  }
+  op.vec = kvc_rows_aligned(kv, E);
+  return op;
+}
+
+static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_args *a) {
+  memset(a, 0, sizeof *a);
+  a->B = (int)p->B;
+  a->H = (int)p->H;
+  a->KVH = (int)p->KVH;
+  a->rep = (int)p->rep;
+  a->L = (int)p->L;
+  a->Dk = (int)p->Dk;
+  a->Dv = (int)p->Dv;
+  a->N = p->N;
+  a->scale = p->scale;
+  a->softcap = p->softcap;
+  a->softcap_inv = p->softcap > 0.0f ? 1.0f / p->softcap : 0.0f;
+  a->mask_kind = p->mask.kind;
+  a->window = p->mask.window;
+  a->clamp = p->mask.segments_clamp;
+  if (p->mask.kind == KVA_MASK_CAUSAL && p->mask.segments.data) {
+    a->seg = (const int32_t *)p->mask.segments.data;
+    kvc_copy_strides(a->seg_s, &p->mask.segments, 2);
+  }
+  if (p->mask.kind == KVA_MASK_ARRAY) {
+    a->mask_arr = (const char *)p->mask.array.data;
+    a->mask_dtype = p->mask.array.dtype;
+    for (int d = 0; d < 4; ++d) a->mask_s[d] = p->mask_stride[d];
+  }
+  a->sinks = p->sinks;
+  a->q = (const char *)p->q->data;
+  a->q_dtype = p->q->dtype;
+  kvc_copy_strides(a->qs, p->q, 4);
+  a->out = (char *)p->out->data;
+  a->out_dtype = p->out->dtype;
+  kvc_copy_strides(a->os, p->out, 4);
+  const int E = pl.fmt >= 0 ? pl.E : 8;
+  a->k = kvc_operand_of(&p->kv->k, E);
+  a->v = kvc_operand_of(&p->kv->v, E);
+  a->seq_lens = p->seq_lens;
+  a->lanes_log2 = pl.lanes_log2;
+  a->nsplit = pl.nsplit > 0 ? pl.nsplit : 1;
+  a->chunk = pl.chunk;
+  a->ws = (float *)ws;
+}
+
+extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
+  if (!ctx->cuda) return kva_seterr(KVA_ENODEVICE, "ctx: CUDA context not initialized");
+  if (p->kv->layout != KVA_LAYOUT_CONTIGUOUS)
+    return kva_seterr(KVA_EUNSUPPORTED, "kv: paged views are not yet supported on the CUDA backend");
+  const kvc_plan pl = kvc_select(ctx, p);
+  const size_t need = kvc_ws_bytes(p, pl);
+  if (ws_bytes < need || (need && !ws))
+    return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", ws_bytes, need);
+  int dev = -1;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && dev != ctx->device) e = cudaSetDevice(ctx->device);
+  if (e != cudaSuccess) return kvc_cuda_err(e, "selecting ctx's device");
+  kvc_args a;
+  kvc_args_of(p, pl, ws, &a);
+  cudaStream_t stream = (cudaStream_t)ctx->stream;
+  if (pl.fmt < 0) return kvc_launch_generic(a, stream);
+  int rc = kvc_launch_fused(a, pl, stream);
+  if (rc < 0 || pl.nsplit <= 1) return rc;
+  return kvc_launch_merge(a, stream);
+}
+
+int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
+  switch (plan.fmt) {
+  case KVC_F32: return kvc_launch_fused_fmt<KVC_F32>(a, plan, stream);
+  case KVC_F16: return kvc_launch_fused_fmt<KVC_F16>(a, plan, stream);
+  case KVC_BF16: return kvc_launch_fused_fmt<KVC_BF16>(a, plan, stream);
+  case KVC_Q2: return kvc_launch_fused_fmt<KVC_Q2>(a, plan, stream);
+  case KVC_Q4: return kvc_launch_fused_fmt<KVC_Q4>(a, plan, stream);
+  case KVC_Q8: return kvc_launch_fused_fmt<KVC_Q8>(a, plan, stream);
+  default: return kva_seterr(KVA_EINTERNAL, "CUDA fused kernel: format %d", plan.fmt);
+  }
+}

@@ -1,0 +1,47 @@
+/* The CUDA backend's internal launchers (host side) and the fused path's
+ * plan. context.cu selects, sizes the workspace and calls these; each kernel
+ * file owns one launcher. Launchers only enqueue work on the stream: no
+ * allocation, no synchronization, so every call is graph-capturable. */
+#ifndef KVA_CUDA_LAUNCH_CUH
+#define KVA_CUDA_LAUNCH_CUH
+
+#include "cuda/common.cuh"
+
+#include <cuda_runtime.h>
+
+/* Threads per block of the fused kernel (warps split the token range). */
+#define KVC_FUSED_WARPS 4
+#define KVC_FUSED_THREADS (KVC_FUSED_WARPS * KVC_WARP)
+/* Largest query-vector tile of the fused kernel, by elements per lane. */
+#define KVC_FUSED_QW_E8 8
+#define KVC_FUSED_QW_E16 4
+
+/* The fused kernel's instance key and grid. Chosen from shapes only (never
+ * from lengths), so a captured graph stays valid while lengths change; the
+ * tuning never changes results beyond rounding. */
+struct kvc_plan {
+  int fmt;       /* kvc_fmt of K and V, or -1: no fused instance (general path) */
+  int E;         /* elements per lane per row: 8 or 16 */
+  int QW;        /* query vectors per block: 1, 2, 4, 8 */
+  int qtiles;    /* ceil(rep * L / QW) */
+  int unroll;    /* tokens per lane per step */
+  int lanes_log2;
+  int nsplit;
+  long long chunk;
+};
+
+/* Formats with a fused instance (K and V share one). */
+enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT };
+
+int kvc_launch_generic(const kvc_args &a, cudaStream_t stream);
+int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
+int kvc_launch_merge(const kvc_args &a, cudaStream_t stream);
+/* The fused kernel's launcher for one format (attn_fused.cuh; instances in
+ * attn_fused_float.cu and attn_fused_quant.cu). */
+template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
+/* Resident blocks per SM of one fused instance (0 when it cannot run). */
+template <int FMT> int kvc_fused_occupancy_fmt(int E, int QW);
+/* Tokens per lane per step of the fused kernel (registers: QW*E q values and
+ * QW*E outputs per lane). */
+__host__ __device__ constexpr int kvc_unroll(int E, int QW) { return E == 8 && QW <= 2 ? 4 : 2; }
+#endif

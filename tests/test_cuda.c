@@ -1,0 +1,421 @@
+/* CUDA backend against the double-precision oracle: an explicit case table
+ * (odd N, ragged batches, strided views, every mask, format and head-dim
+ * family, fused and general paths), NaN/Inf exact, poisoned outputs and a
+ * sentinel after them in device memory, and a CUDA-graph capture replayed
+ * over changing cache lengths. Operands are built on the host
+ * (attn_check.h), mirrored to the device with the same strides, and the
+ * device output is copied back into the host view for the comparison.
+ * Every GPU test reports SKIP when no device is visible (or no CUDA build). */
+#include "attn_check.h"
+
+#define F32 KVA_F32
+#define F16 KVA_F16
+#define BF16 KVA_BF16
+
+/* Without a device, creating a CUDA context fails cleanly (stubs or runtime). */
+TEST(cuda_no_device_is_an_error) {
+  if (kva_cuda_device_count() > 0) SKIP("a CUDA device is visible");
+  kva_context *ctx = NULL;
+  kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, NULL};
+  ASSERT_ERR(kva_context_create(&ctx, &o), KVA_ENODEVICE, "CUDA");
+  ASSERT_TRUE(ctx == NULL);
+  char name[64];
+  size_t mem = 0;
+  ASSERT_ERR(kva_cuda_device_info(0, name, sizeof name, &mem), KVA_ENODEVICE, "CUDA");
+}
+
+#ifndef KVA_HAVE_CUDA
+TEST(cuda_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
+#else
+#include <cuda_runtime_api.h>
+
+/* Under AddressSanitizer (make test-c's second run) the CUDA driver needs the
+ * shadow gap unprotected to map device memory, and its own allocations that
+ * live until exit are not leaks of ours. ASan/LSan read these at startup. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TEST_CUDA_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TEST_CUDA_ASAN 1
+#endif
+#endif
+#ifdef TEST_CUDA_ASAN
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "protect_shadow_gap=0"; }
+const char *__lsan_default_suppressions(void);
+const char *__lsan_default_suppressions(void) { return "leak:libcuda.so\nleak:libcudart.so\nleak:libnvidia\n"; }
+#endif
+
+/* B, H, KVH, L, N, Dk, Dv, q, out, kbits, vbits, group, kv/scale dtype, mask, window, softcap, sinks, ragged, strided */
+static const att_case cases[] = {
+    /* decode, every float format, odd lengths (N = 1, 17, 113, 4097) */
+    {1, 8, 4, 1, 1, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 4, 1, 17, 256, 256, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 1, 113, 128, 128, F16, F16, 0, 0, 0, F16, MASK_NONE, 0, 0, 0, 0, 1},
+    {3, 8, 2, 1, 4097, 64, 64, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+    /* quantized: bits x group x scale dtype, head dims 64..512 */
+    {1, 8, 4, 1, 4097, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {3, 8, 4, 1, 4097, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+    {1, 6, 2, 1, 17, 128, 128, F32, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 6, 2, 1, 113, 128, 128, F32, F32, 2, 2, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 1, 1, 300, 64, 64, F32, F32, 2, 2, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 1, 1, 300, 96, 96, F32, F32, 8, 8, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 2000, 512, 512, BF16, F32, 4, 4, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 200, 192, 192, F32, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    /* K and V in different formats (general path) */
+    {1, 4, 2, 1, 200, 512, 512, BF16, F32, 4, 8, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* Dk != Dv, head dim 80 */
+    {1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 2, 1500, 256, 512, F32, F32, 4, 4, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* verify rows L = 8 and 16, GQA 1, 2, 3, 6, 8 (several query tiles) */
+    {1, 8, 4, 8, 4097, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 24, 4, 8, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 8, 16, 600, 128, 128, F32, F32, 8, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 6, 2, 3, 2500, 256, 256, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 1},
+    {1, 16, 2, 1, 3000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* batches with different lengths, many splits */
+    {3, 8, 4, 1, 1000, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+    {3, 8, 2, 4, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 1},
+    {2, 32, 4, 1, 20000, 128, 128, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+    /* sliding window, segments, softcap, sinks */
+    {2, 8, 4, 1, 1000, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 0, 0, 1, 0},
+    {1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 1, 0, 0, 0, 0},
+    {1, 8, 4, 8, 4097, 128, 128, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 5, 0, 0, 0, 0},
+    {2, 4, 2, 12, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_SEG, 0, 0, 0, 1, 0},
+    {1, 4, 2, 12, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_SEG_CLAMP, 7, 0, 0, 0, 1},
+    {1, 4, 2, 12, 2000, 64, 64, F32, F32, 0, 0, 0, F32, MASK_SEG, 9, 0, 0, 0, 0},
+    {1, 8, 4, 1, 500, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 30.0f, 0, 0, 0},
+    {2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 1, 0},
+    {1, 8, 2, 1, 3000, 64, 64, F32, F32, 8, 8, 64, BF16, MASK_NONE, 0, 0, 1, 0, 0},
+    /* explicit array masks and long L (general path) */
+    {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
+    {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
+    {1, 4, 2, 5, 200, 128, 128, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 17, 17, 128, 128, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+};
+#define NCASES ((int)(sizeof cases / sizeof cases[0]))
+
+/* f32 arithmetic over up to 20k keys vs the double oracle (same bound as the CPU). */
+#define ATOL_REL 3e-5
+#define DEV_SENTINEL_BYTES 256
+#define DEV_SENTINEL_BYTE 0xA5
+#define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
+#define MAX_DEV_BUFS 16
+
+/* A case's operands mirrored to the device with the same strides. */
+typedef struct dev_data {
+  kva_tensor q, out;
+  kva_kv k, v;
+  int32_t *lens;
+  float *sinks;
+  kva_attn_params params;
+  kva_kv_view view;
+  void *bufs[MAX_DEV_BUFS];
+  int nbufs;
+  char *out_base;     /* device copy of the host out buffer, then the sentinel */
+  size_t out_bytes;
+} dev_data;
+
+static int cuda_ok(cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return 1;
+  FAIL_("%s: %s", what, cudaGetErrorString(e));
+  return 0;
+}
+
+static void *dev_keep(dev_data *dd, size_t bytes) {
+  void *p = NULL;
+  if (dd->nbufs >= MAX_DEV_BUFS || cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) return NULL;
+  dd->bufs[dd->nbufs++] = p;
+  return p;
+}
+
+/* Bytes from t->data to the end of its last element (strides >= 0). */
+static size_t extent(const kva_tensor *t) {
+  size_t e = kva_dtype_size(t->dtype);
+  for (int d = 0; d < t->ndim; ++d) e += (size_t)((t->shape[d] - 1) * t->stride[d]);
+  return e;
+}
+
+static int mirror_tensor(dev_data *dd, const kva_tensor *h, kva_tensor *d) {
+  *d = *h;
+  if (!h->data) return 1;
+  size_t n = extent(h);
+  d->data = dev_keep(dd, n);
+  return d->data && cudaMemcpy(d->data, h->data, n, cudaMemcpyHostToDevice) == cudaSuccess;
+}
+
+static int mirror_kv(dev_data *dd, const kva_kv *h, kva_kv *d) {
+  *d = *h;
+  return mirror_tensor(dd, &h->data, &d->data) && (!h->bits || (mirror_tensor(dd, &h->scales, &d->scales) &&
+                                                                 mirror_tensor(dd, &h->biases, &d->biases)));
+}
+
+static int mirror_array(dev_data *dd, const void *h, size_t bytes, void **d) {
+  *d = NULL;
+  if (!h) return 1;
+  *d = dev_keep(dd, bytes);
+  return *d && cudaMemcpy(*d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess;
+}
+
+static void dev_free(dev_data *dd) {
+  for (int i = 0; i < dd->nbufs; ++i) cudaFree(dd->bufs[i]);
+  dd->nbufs = 0;
+}
+
+static int dev_make(dev_data *dd, const att_data *hd) {
+  memset(dd, 0, sizeof *dd);
+  const att_case *c = &hd->c;
+  if (!mirror_tensor(dd, &hd->q, &dd->q) || !mirror_kv(dd, &hd->k, &dd->k) || !mirror_kv(dd, &hd->v, &dd->v))
+    return 0;
+  if (!mirror_array(dd, hd->lens, sizeof(int32_t) * (size_t)c->B, (void **)&dd->lens) ||
+      !mirror_array(dd, hd->sinks, sizeof(float) * (size_t)c->H, (void **)&dd->sinks))
+    return 0;
+  dd->params = hd->params;
+  dd->params.sinks = dd->sinks;
+  if (!mirror_tensor(dd, &hd->params.mask.segments, &dd->params.mask.segments) ||
+      !mirror_tensor(dd, &hd->params.mask.array, &dd->params.mask.array))
+    return 0;
+  dd->out_bytes = hd->out_bytes;
+  dd->out_base = (char *)dev_keep(dd, hd->out_bytes + DEV_SENTINEL_BYTES);
+  if (!dd->out_base) return 0;
+  dd->out = hd->out;
+  dd->out.data = dd->out_base + ((const char *)hd->out.data - (const char *)hd->out_buf);
+  dd->view = kva_view_contiguous(&dd->k, &dd->v, dd->lens);
+  return 1;
+}
+
+/* Poisons the device output and re-arms its sentinel (stream-ordered). */
+static int dev_poison(dev_data *dd, cudaStream_t s) {
+  return cuda_ok(cudaMemsetAsync(dd->out_base, DEV_POISON_BYTE, dd->out_bytes, s), "poison out") &&
+         cuda_ok(cudaMemsetAsync(dd->out_base + dd->out_bytes, DEV_SENTINEL_BYTE, DEV_SENTINEL_BYTES, s),
+                 "arm sentinel");
+}
+
+/* Copies the device output into the host view's buffer; checks the sentinel. */
+static int dev_fetch(dev_data *dd, att_data *hd, const char *name) {
+  unsigned char tail[DEV_SENTINEL_BYTES];
+  if (!cuda_ok(cudaDeviceSynchronize(), "kernel execution") ||
+      !cuda_ok(cudaMemcpy(hd->out_buf, dd->out_base, dd->out_bytes, cudaMemcpyDeviceToHost), "fetch out") ||
+      !cuda_ok(cudaMemcpy(tail, dd->out_base + dd->out_bytes, sizeof tail, cudaMemcpyDeviceToHost), "fetch tail"))
+    return 0;
+  for (int i = 0; i < DEV_SENTINEL_BYTES; ++i)
+    if (tail[i] != DEV_SENTINEL_BYTE) {
+      FAIL_("%s: sentinel byte %d after out overwritten", name, i);
+      return 0;
+    }
+  return 1;
+}
+
+static int make_cuda_ctx(kva_context **ctx, void *stream) {
+  kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, stream};
+  int rc = kva_context_create(ctx, &o);
+  if (rc) FAIL_("kva_context_create(CUDA): %s", kva_last_error());
+  return rc == 0;
+}
+
+/* Runs one case on the device against the oracle; `tweak` edits host operands first. */
+static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant) {
+  char name[256];
+  att_case_str(c, name, sizeof name);
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  int ok = 0;
+  if (att_make(&hd, c)) {
+    FAIL_("%s: could not build operands", name);
+    goto done;
+  }
+  if (tweak) tweak(&hd, variant);
+  kva_tensor ref = att_alloc_like(&hd, &hd.out);
+  if (kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref)) {
+    FAIL_("%s: oracle: %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_make(&dd, &hd)) {
+    FAIL_("%s: could not mirror operands to the device", name);
+    goto done;
+  }
+  if (!dev_poison(&dd, 0)) goto done;
+  int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0);
+  if (rc) {
+    FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_fetch(&dd, &hd, name)) goto done;
+  double max_err = 0, l2 = 0;
+  if (!att_compare(&hd.out, &ref, ATOL_REL, att_rtol(c->odt), &max_err, &l2)) {
+    FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g)", name, tweak ? " (tweaked)" : "", max_err);
+    goto done;
+  }
+  ok = 1;
+done:
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+
+TEST(cuda_vs_oracle) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (int ci = 0; ci < NCASES; ++ci) {
+    const att_case *c = &cases[ci];
+    if (test_quick && c->N > 1000) continue;
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    printf("  case %2d %s\n", ci, name);
+    fflush(stdout);
+    if (!run_case(ctx, c, NULL, 0)) break;
+  }
+  kva_context_destroy(ctx);
+}
+
+/* NaN/Inf planted in q, in visible K/V rows, and beyond each sequence's
+ * length (never read: must not reach the output). */
+static void plant(att_data *d, int variant) {
+  const att_case *c = &d->c;
+  float *q = (float *)d->q.data;
+  char *k = (char *)d->k.data.data, *v = (char *)d->v.data.data;
+  switch (variant) {
+  case 0: q[3] = NAN; break;                                         /* (b0, h0, row 0): row NaN */
+  case 1: ((float *)(k + (c->N - 1) * d->k.data.stride[2]))[5] = NAN; break; /* last key of (b0, hk0) */
+  case 2: ((float *)v)[7] = INFINITY; break;                            /* first key, V element 7 */
+  case 3: {
+    float *kr = (float *)(k + (c->N - 1) * d->k.data.stride[2]);
+    kr[0] = INFINITY;
+    kr[1] = INFINITY;
+    break;
+  }
+  case 4: /* NaN in every K/V row past the length of each sequence */
+    for (int b = 0; b < c->B; ++b)
+      for (int hk = 0; hk < c->KVH; ++hk)
+        for (int64_t t = d->lens ? d->lens[b] : c->N; t < c->N; ++t) {
+          float *kr = (float *)(k + b * d->k.data.stride[0] + hk * d->k.data.stride[1] + t * d->k.data.stride[2]);
+          float *vr = (float *)(v + b * d->v.data.stride[0] + hk * d->v.data.stride[1] + t * d->v.data.stride[2]);
+          for (int e = 0; e < c->Dk; ++e) kr[e] = NAN;
+          for (int e = 0; e < c->Dv; ++e) vr[e] = NAN;
+        }
+    break;
+  }
+}
+
+TEST(cuda_nan_inf) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* fused path (causal, L = 2) and general path (bool mask); f32 K/V */
+  const att_case fused = {1, 4, 2, 2, 1000, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const att_case ragged = {3, 8, 2, 2, 3000, 128, 128, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 1, 1};
+  const att_case general = {1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (int variant = 0; variant < 4; ++variant)
+    if (!run_case(ctx, &fused, plant, variant) || !run_case(ctx, &general, plant, variant)) {
+      FAIL_("variant %d", variant);
+      break;
+    }
+  if (!run_case(ctx, &ragged, plant, 4)) FAIL_("NaN past the sequence lengths reached the output");
+  kva_context_destroy(ctx);
+}
+
+/* One capture, replayed while the lengths in device memory change. */
+TEST(cuda_graph_replay_changing_lengths) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  const att_case c = {2, 8, 2, 2, 3000, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
+  static const int32_t lens_sets[][2] = {{3000, 2}, {17, 2999}, {1000, 1500}, {2, 3000}};
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  cudaStream_t s = NULL;
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  kva_context *ctx = NULL;
+  void *ws = NULL;
+  ASSERT_TRUE(att_make(&hd, &c) == 0);
+  if (!dev_make(&dd, &hd)) {
+    FAIL_("could not mirror operands");
+    goto done;
+  }
+  if (!cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream") || !make_cuda_ctx(&ctx, s))
+    goto done;
+  size_t bytes = 0;
+  if (kva_attention_workspace_size(ctx, &dd.q, &dd.view, &dd.params, &bytes)) {
+    FAIL_("workspace size: %s", kva_last_error());
+    goto done;
+  }
+  if (bytes && !cuda_ok(cudaMalloc(&ws, bytes), "workspace")) goto done;
+  if (!cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture")) goto done;
+  int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes);
+  cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  if (rc) {
+    FAIL_("kva_attention under capture: %s", kva_last_error());
+    goto done;
+  }
+  if (!cuda_ok(ce, "end capture") || !cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate")) goto done;
+  for (size_t si = 0; si < sizeof lens_sets / sizeof lens_sets[0]; ++si) {
+    for (int b = 0; b < c.B; ++b) hd.lens[b] = lens_sets[si][b];
+    kva_tensor ref = att_alloc_like(&hd, &hd.out);
+    if (kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref)) {
+      FAIL_("oracle: %s", kva_last_error());
+      goto done;
+    }
+    if (!cuda_ok(cudaMemcpyAsync(dd.lens, hd.lens, sizeof(int32_t) * c.B, cudaMemcpyHostToDevice, s), "lens") ||
+        !dev_poison(&dd, s) || !cuda_ok(cudaGraphLaunch(exec, s), "graph launch") ||
+        !cuda_ok(cudaStreamSynchronize(s), "replay") || !dev_fetch(&dd, &hd, "replay"))
+      goto done;
+    double max_err = 0;
+    if (!att_compare(&hd.out, &ref, ATOL_REL, att_rtol(c.odt), &max_err, NULL)) {
+      FAIL_("replay with lengths {%d, %d} differs from the oracle (max err %.3g)", lens_sets[si][0],
+            lens_sets[si][1], max_err);
+      goto done;
+    }
+  }
+done:
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  if (ws) cudaFree(ws);
+  kva_context_destroy(ctx);
+  if (s) cudaStreamDestroy(s);
+  dev_free(&dd);
+  att_free(&hd);
+}
+
+/* A caller workspace one byte short is refused before anything is enqueued. */
+TEST(cuda_caller_workspace) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  const att_case c = {1, 8, 4, 1, 5000, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  att_data hd;
+  dev_data dd;
+  kva_context *ctx = NULL;
+  void *ws = NULL;
+  ASSERT_TRUE(att_make(&hd, &c) == 0);
+  if (!dev_make(&dd, &hd)) {
+    FAIL_("could not mirror operands");
+    goto done;
+  }
+  if (!make_cuda_ctx(&ctx, NULL)) goto done;
+  size_t bytes = 0;
+  if (kva_attention_workspace_size(ctx, &dd.q, &dd.view, &dd.params, &bytes) || bytes == 0) {
+    FAIL_("expected a split plan with a workspace for N = 5000 (bytes %zu): %s", bytes, kva_last_error());
+    goto done;
+  }
+  if (!cuda_ok(cudaMalloc(&ws, bytes), "workspace")) goto done;
+  int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes - 1);
+  if (rc != KVA_EWORKSPACE || !strstr(kva_last_error(), "workspace"))
+    FAIL_("short workspace: rc %d (%s)", rc, kva_last_error());
+  kva_tensor ref = att_alloc_like(&hd, &hd.out);
+  if (!dev_poison(&dd, 0) || kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref) ||
+      kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes) || !dev_fetch(&dd, &hd, "ws"))
+    FAIL_("exact workspace: %s", kva_last_error());
+  else if (!att_compare(&hd.out, &ref, ATOL_REL, 0, NULL, NULL))
+    FAIL_("exact workspace: out differs from the oracle");
+done:
+  if (ws) cudaFree(ws);
+  kva_context_destroy(ctx);
+  dev_free(&dd);
+  att_free(&hd);
+}
+#endif
