@@ -114,7 +114,7 @@ int kva_cpu_set_simd(const char *level) {
 const char *kva_build_info(void) {
   return "kvattn " KVA_BUILD_COMPILER ", CPU kernels: portable avx2 avx512"
 #ifdef KVA_HAVE_CUDA
-         ", CUDA: sm_90a (+PTX compute_90)"
+         ", CUDA: sm_90a (+PTX compute_80)"
 #else
          ", CUDA: not built"
 #endif

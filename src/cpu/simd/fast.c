@@ -25,7 +25,7 @@
 /* Scores of a block of J vectors against n rows: row t's per-lane partial
  * sums are collected 16 rows at a time and reduced by one shuffle tree. */
 ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                         const float *qs, int J, int bits, float *S) {
+                         const float *qs, int J, int bits, int exact, float *S) {
   const int E = 32 / bits;
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
@@ -39,12 +39,12 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
       __m512 acc[KQB];
       for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
       for (int k = 0; k < E; ++k) {
-        const __m512 f = code_f(x, k, bits);
+        const __m512 f = code_as_float(x, k, bits, exact);
         const float *qk = qp + (int64_t)(c * E + k) * LANES;
         for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(f, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
       }
       __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
-      affine_f(&sv, &bv, bits);
+      affine_for(&sv, &bv, bits, exact);
       for (int j = 0; j < J; ++j) {
         sc[j] = _mm512_fmadd_ps(sv, acc[j], sc[j]);
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
@@ -88,10 +88,13 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
 #define KPHASE_BLOCK(J_)                                                                              \
   static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,         \
                                 const float *qp, const float *qs, float *S) {                          \
-    switch (fp->bits) {                                                                                \
-    case 2: kphase_quant(fp, rows, n, qp, qs, J_, 2, S); break;                                      \
-    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 4, S); break;                                      \
-    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 8, S); break;                                      \
+    switch (fp->bits * 2 + fp->exact) {                                                                \
+    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 2, 0, S); break;                                    \
+    case 5: kphase_quant(fp, rows, n, qp, qs, J_, 2, 1, S); break;                                    \
+    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 4, 0, S); break;                                    \
+    case 9: kphase_quant(fp, rows, n, qp, qs, J_, 4, 1, S); break;                                    \
+    case 16: kphase_quant(fp, rows, n, qp, qs, J_, 8, 0, S); break;                                   \
+    case 17: kphase_quant(fp, rows, n, qp, qs, J_, 8, 1, S); break;                                   \
     default: kphase_float(fp, rows, n, qp, J_, S); break;                                            \
     }                                                                                                  \
   }
@@ -129,9 +132,9 @@ static void decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, f
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
       for (int k = 0; k < fp->E; ++k)
-        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES, code_f(x, k, fp->bits));
+        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES, code_as_float(x, k, fp->bits, fp->exact));
       __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
-      affine_f(&sv, &bv, fp->bits);
+      affine_for(&sv, &bv, fp->bits, fp->exact);
       _mm512_storeu_ps(svt + (t * fp->nch + c) * LANES, sv);
       _mm512_storeu_ps(bvt + (t * fp->nch + c) * LANES, bv);
     }
@@ -214,8 +217,8 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 /* Direct V accumulation for small blocks (J <= 2 vectors): codes or values
  * are decoded in registers and consumed at once, no L1 round trip.
  * w = P*scale lane; keys with P == 0 add exactly nothing (masked lanes). */
-#define VDIRECT_QUANT(BITS, J)                                                                        \
-  static void vdirect_q##BITS##_##J(const fmt_plan *fp, const kva_rows *rows, int64_t n,     \
+#define VDIRECT_QUANT(BITS, J, EXACT)                                                                 \
+  static void vdirect_q##BITS##_##J##_##EXACT(const fmt_plan *fp, const kva_rows *rows, int64_t n,     \
                                     const float *P, float *o, float *ob) {                            \
     enum { E = 32 / BITS };                                                                           \
     for (int c = 0; c < fp->nch; ++c) {                                                               \
@@ -232,7 +235,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
         const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);                 \
         __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vs, fp->sdt, fp->ngroups)); \
         __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vb, fp->sdt, fp->ngroups)); \
-        affine_f(&sv, &bv, BITS);                                                                     \
+        affine_for(&sv, &bv, BITS, EXACT);                                                            \
         __m512 w[J];                                                                                  \
         for (int j = 0; j < J; ++j) {                                                                 \
           const __m512 pj = _mm512_set1_ps(P[j * KVA_TILE + t]);                                      \
@@ -240,7 +243,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
           bacc[j] = _mm512_mask3_fmadd_ps(pj, bv, bacc[j], pm[j]);                                    \
         }                                                                                             \
         for (int k = 0; k < E; ++k) {                                                                 \
-          const __m512 code = code_f(x, k, BITS);                                                     \
+          const __m512 code = code_as_float(x, k, BITS, EXACT);                                       \
           for (int j = 0; j < J; ++j) acc[j][k] = _mm512_fmadd_ps(w[j], code, acc[j][k]);             \
         }                                                                                             \
       }                                                                                               \
@@ -250,11 +253,16 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
       }                                                                                               \
     }                                                                                                 \
   }
-VDIRECT_QUANT(8, 1)
-VDIRECT_QUANT(8, 2)
-VDIRECT_QUANT(4, 1)
-VDIRECT_QUANT(4, 2)
-VDIRECT_QUANT(2, 1)
+VDIRECT_QUANT(8, 1, 0)
+VDIRECT_QUANT(8, 2, 0)
+VDIRECT_QUANT(4, 1, 0)
+VDIRECT_QUANT(4, 2, 0)
+VDIRECT_QUANT(2, 1, 0)
+VDIRECT_QUANT(8, 1, 1)
+VDIRECT_QUANT(8, 2, 1)
+VDIRECT_QUANT(4, 1, 1)
+VDIRECT_QUANT(4, 2, 1)
+VDIRECT_QUANT(2, 1, 1)
 
 #define VFB 8 /* vectors of 16 values per pass over the tile (float V) */
 /* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 16*NV) over the tile's tokens. */
@@ -304,14 +312,19 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
       const int two = j + 1 < nq;
       const float *Pj = S + j * KVA_TILE;
       float *oj = o + j * fp->P, *obj = ob + j * obn;
-      switch (fp->bits * 2 + two) {
-      case 0: vdirect_f_1(fp, rows, n, Pj, oj); break;
-      case 1: vdirect_f_2(fp, rows, n, Pj, oj); break;
-      case 4: vdirect_q2_1(fp, rows, n, Pj, oj, obj); break;
-      case 8: vdirect_q4_1(fp, rows, n, Pj, oj, obj); break;
-      case 9: vdirect_q4_2(fp, rows, n, Pj, oj, obj); break;
-      case 16: vdirect_q8_1(fp, rows, n, Pj, oj, obj); break;
-      case 17: vdirect_q8_2(fp, rows, n, Pj, oj, obj); break;
+      switch ((fp->bits * 2 + two) * 2 + fp->exact) {
+      case 0: case 1: vdirect_f_1(fp, rows, n, Pj, oj); break;
+      case 2: case 3: vdirect_f_2(fp, rows, n, Pj, oj); break;
+      case 8: vdirect_q2_1_0(fp, rows, n, Pj, oj, obj); break;
+      case 9: vdirect_q2_1_1(fp, rows, n, Pj, oj, obj); break;
+      case 16: vdirect_q4_1_0(fp, rows, n, Pj, oj, obj); break;
+      case 17: vdirect_q4_1_1(fp, rows, n, Pj, oj, obj); break;
+      case 18: vdirect_q4_2_0(fp, rows, n, Pj, oj, obj); break;
+      case 19: vdirect_q4_2_1(fp, rows, n, Pj, oj, obj); break;
+      case 32: vdirect_q8_1_0(fp, rows, n, Pj, oj, obj); break;
+      case 33: vdirect_q8_1_1(fp, rows, n, Pj, oj, obj); break;
+      case 34: vdirect_q8_2_0(fp, rows, n, Pj, oj, obj); break;
+      case 35: vdirect_q8_2_1(fp, rows, n, Pj, oj, obj); break;
       default: break;
       }
     }
@@ -367,6 +380,7 @@ static void attend_fast(const kva_item *it) {
   fmt_plan kf, vf;
   plan_format(&src->kf, &kf);
   plan_format(&src->vf, &vf);
+  kf.exact = vf.exact = p->q->dtype == KVA_F32; /* see code_as_float */
   const int64_t kqs = (int64_t)kf.nch * LANES, vbn = (int64_t)vf.nch * LANES;
   float *qp = it->scratch, *qs = qp + nq * kf.P, *o = qs + nq * kqs, *ob = o + nq * vf.P;
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
