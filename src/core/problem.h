@@ -5,6 +5,8 @@
 
 #include "internal.h"
 
+/* Largest head dim (kva_head_dim_supported). */
+#define KVA_MAX_HEAD_DIM 512
 /* Most query rows per sequence on the fused (direct) paths. */
 #define KVA_MAX_FUSED_ROWS 16
 

@@ -141,16 +141,19 @@ static void attend_amx(const kva_item *it) {
   float *st = o + nqp * vf.P, *m = st + KVA_TILE * QT, *l = m + nqp;
   uint16_t *pb = (uint16_t *)(l + nqp);
   /* Qᵀ in VNNI pairs: qt[blk][s][kk][q] = (q[2kk], q[2kk+1]) of dims 32s.., permuted like K. */
+  float qrow[KVA_MAX_HEAD_DIM], qperm[AMX_MAX_P];
   for (int64_t j = 0; j < nqp; ++j) {
     const int64_t blk = j / QT, q = j % QT;
+    if (j < nq) {
+      const int64_t h = it->hk * p->rep + j / rows, i = it->i0 + j % rows;
+      load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
+      permute_row(&kf, p->Dk, qrow, p->scale, qperm);
+    } else {
+      memset(qperm, 0, sizeof(float) * (size_t)kf.P);
+    }
     for (int64_t pos = 0; pos < kf.P; ++pos) {
-      float x = 0.0f;
-      if (j < nq) {
-        const int64_t h = it->hk * p->rep + j / rows, i = it->i0 + j % rows, d = perm_elem(&kf, p->Dk, pos);
-        if (d >= 0) x = p->scale * kva_load_f(kva_at4(p->q, it->b, h, i, d), p->q->dtype);
-      }
       const int64_t s = pos / 32, kk = (pos % 32) / 2, e = pos % 2;
-      qt[((blk * ksteps + s) * 16 + kk) * 32 + q * 2 + e] = kva_f32_to_bf16(x);
+      qt[((blk * ksteps + s) * 16 + kk) * 32 + q * 2 + e] = kva_f32_to_bf16(qperm[pos]);
     }
     m[j] = -INFINITY;
     l[j] = 0.0f;
@@ -289,10 +292,7 @@ static void attend_amx(const kva_item *it) {
     float *s = it->state + j * SF;
     s[0] = m[j];
     s[1] = l[j];
-    for (int64_t pos = 0; pos < vf.P; ++pos) {
-      const int64_t d = perm_elem(&vf, p->Dv, pos);
-      if (d >= 0) s[2 + d] = o[j * vf.P + pos];
-    }
+    unpermute_row(&vf, p->Dv, o + j * vf.P, NULL, s + 2);
   }
 }
 

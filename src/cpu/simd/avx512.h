@@ -55,6 +55,36 @@ static inline int64_t perm_elem(const fmt_plan *fp, int64_t D, int64_t pos) {
   return d < D ? d : -1;
 }
 
+/* dst[pos] = src[elem(pos)] * scale in the format's permuted order (zero on
+ * padding lanes): element d = w*E + k of word w goes to position
+ * ((w / 16) * E + k) * 16 + w % 16. */
+static inline void permute_row(const fmt_plan *fp, int64_t D, const float *src, float scale, float *dst) {
+  if (!fp->bits) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    return;
+  }
+  memset(dst, 0, sizeof(float) * (size_t)fp->P);
+  const int64_t words = D / fp->E;
+  for (int64_t w = 0; w < words; ++w)
+    for (int k = 0; k < fp->E; ++k) dst[((w / LANES) * fp->E + k) * LANES + w % LANES] = src[w * fp->E + k] * scale;
+}
+/* The inverse: dst[d] = src[pos(d)] + (bias lane of pos, when given). */
+static inline void unpermute_row(const fmt_plan *fp, int64_t D, const float *src, const float *bias, float *dst) {
+  if (!fp->bits) {
+    memcpy(dst, src, sizeof(float) * (size_t)D);
+    return;
+  }
+  const int64_t words = D / fp->E;
+  for (int64_t w = 0; w < words; ++w) {
+    const int64_t lane = w % LANES, c = w / LANES;
+    const float b = bias ? bias[c * LANES + lane] : 0.0f;
+    for (int k = 0; k < fp->E; ++k) dst[w * fp->E + k] = src[(c * fp->E + k) * LANES + lane] + b;
+  }
+}
+
+/* One row of D (a multiple of 16) f32/f16/bf16 values as f32. */
+static inline void load_row_f32(const char *row, kva_dtype dt, int64_t D, float *dst);
+
 /* Up to 16 scales/biases of one row as f32 lanes. */
 ALWAYS __m512 load_groups(const char *p, kva_dtype dt, int n) {
   const __mmask16 m = (__mmask16)((1u << n) - 1u);
@@ -70,6 +100,11 @@ ALWAYS __m512 load_f16x(const char *p, kva_dtype dt) {
   __m256i h = _mm256_loadu_si256((const __m256i *)p);
   if (dt == KVA_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void load_row_f32(const char *row, kva_dtype dt, int64_t D, float *dst) {
+  const int64_t es = (int64_t)kva_dtype_size(dt);
+  for (int64_t d = 0; d < D; d += LANES) _mm512_storeu_ps(dst + d, load_f16x(row + d * es, dt));
 }
 
 /* exp(x) for a vector: 2^n * p(f), |rel err| < 2e-7; -inf -> 0, NaN -> NaN. */

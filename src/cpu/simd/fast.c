@@ -386,12 +386,11 @@ static void attend_fast(const kva_item *it) {
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
   float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn;
   /* Queries, scaled, in K's permuted order; their per-lane sums per chunk. */
+  float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
-    for (int64_t pos = 0; pos < kf.P; ++pos) {
-      int64_t d = perm_elem(&kf, p->Dk, pos);
-      qp[j * kf.P + pos] = d < 0 ? 0.0f : p->scale * kva_load_f(kva_at4(p->q, it->b, h, i, d), p->q->dtype);
-    }
+    load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
+    permute_row(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
     for (int c = 0; c < kf.nch; ++c) {
       __m512 sum = _mm512_setzero_ps();
       for (int k = 0; k < kf.E; ++k) sum = _mm512_add_ps(sum, _mm512_loadu_ps(qp + j * kf.P + (c * kf.E + k) * LANES));
@@ -434,12 +433,7 @@ static void attend_fast(const kva_item *it) {
     float *st = it->state + j * SF;
     st[0] = m[j];
     st[1] = l[j];
-    for (int64_t pos = 0; pos < vf.P; ++pos) {
-      int64_t d = perm_elem(&vf, p->Dv, pos);
-      if (d < 0) continue;
-      float bias = vf.bits ? ob[j * vbn + (pos / (LANES * vf.E)) * LANES + pos % LANES] : 0.0f;
-      st[2 + d] = o[j * vf.P + pos] + bias;
-    }
+    unpermute_row(&vf, p->Dv, o + j * vf.P, vf.bits ? ob + j * vbn : NULL, st + 2);
   }
 }
 
