@@ -44,7 +44,7 @@ ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
 
-.PHONY: all lib test test-c test-py bench install clean format
+.PHONY: all lib test test-c test-py bench bench-paged install clean format
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 
 $(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h)
@@ -88,14 +88,21 @@ $(PY):
 test:
 	$(MAKE) test-c
 	$(MAKE) test-py
-test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests
+test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	$(BUILD)/kvattn_tests
+	$(BUILD)/kvattn bench --quick
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
 test-py: $(BUILD)/libkvattn.so $(PY)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench
+
+# Paged vs contiguous (and a ragged batch) timed side by side in one run.
+$(BUILD)/paged_vs_contiguous: bench/paged_vs_contiguous.c $(BUILD)/libkvattn.a
+	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
+bench-paged: $(BUILD)/paged_vs_contiguous
+	$(BUILD)/paged_vs_contiguous
 
 install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn.pc
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin

@@ -119,53 +119,61 @@ typedef struct suite_entry {
   int64_t H, KVH, D;
   kb_kvfmt kv;
   int64_t N, L, B;
+  int64_t block; /* 0: the layout of the command line (contiguous by default); > 0: paged with this block */
 } suite_entry;
 
 /* The default suite (`make bench`): the issue's performance cases first,
  * entries that share a cache kept together. About 5 minutes on 2 cores. */
 static const suite_entry default_suite[] = {
     /* decode and causal verify on one q4 g64 cache, GQA 2 and GQA 6 */
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1},
-    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1},
-    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1, 0},
+    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1, 0},
+    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1, 0},
     /* the same shapes over a bf16 cache */
-    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 8, 1},
-    {"gqa6-256", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 8, 1, 0},
+    {"gqa6-256", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1, 0},
     /* 8-bit */
-    {"gemma3-4b", 0, 0, 0, {8, KVA_BF16, 64}, 32 * KB_K, 1, 1},
+    {"gemma3-4b", 0, 0, 0, {8, KVA_BF16, 64}, 32 * KB_K, 1, 1, 0},
     /* llama3-8b: head dim 128, GQA 4 */
-    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1},
-    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1},
-    {"llama3-8b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1},
+    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1, 0},
+    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1, 0},
+    {"llama3-8b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1, 0},
     /* batches of 8 sequences */
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 8},
-    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 8},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 8, 0},
+    {"llama3-8b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 8, 0},
     /* short (4k) and long (128k) caches */
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1},
-    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 4 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 8, 1},
-    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 1, 1},
-    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 8, 1},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 4 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 8, 1, 0},
+    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 1, 1, 0},
+    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 128 * KB_K, 8, 1, 0},
     /* ANCHORS.md's CPU verify case: 8/4/128, N=16384, L=8 */
-    {NULL, 8, 4, 128, {4, KVA_BF16, 64}, 16 * KB_K, 8, 1},
-    {NULL, 8, 4, 128, {0, KVA_BF16, 0}, 16 * KB_K, 8, 1},
+    {NULL, 8, 4, 128, {4, KVA_BF16, 64}, 16 * KB_K, 8, 1, 0},
+    {NULL, 8, 4, 128, {0, KVA_BF16, 0}, 16 * KB_K, 8, 1, 0},
+    /* paged block pools, beside the contiguous figures above */
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1, 16},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1, 16},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 1, 1, 64},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 32 * KB_K, 8, 1, 64},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1, 16},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 32 * KB_K, 1, 1, 64},
 };
 
 /* `--quick`: tiny shapes for a CI smoke run (seconds), covering every bit
  * width, GQA factors 1..6, L = 1 and 8, B > 1 and a length that is not a
  * multiple of any block size. */
 static const suite_entry quick_suite[] = {
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 1, 1},
-    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1},
-    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1},
-    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 4 * KB_K, 1, 1},
-    {"llama3-8b", 0, 0, 0, {8, KVA_BF16, 64}, 4 * KB_K, 1, 2},
-    {NULL, 4, 4, 128, {2, KVA_BF16, 32}, 3001, 8, 3},
-    {NULL, 6, 2, 64, {0, KVA_F16, 0}, 1000, 1, 2},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 1, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1, 0},
+    {"gqa6-256", 0, 0, 0, {4, KVA_BF16, 64}, 4 * KB_K, 8, 1, 0},
+    {"gemma3-4b", 0, 0, 0, {0, KVA_BF16, 0}, 4 * KB_K, 1, 1, 0},
+    {"llama3-8b", 0, 0, 0, {8, KVA_BF16, 64}, 4 * KB_K, 1, 2, 0},
+    {NULL, 4, 4, 128, {2, KVA_BF16, 32}, 3001, 8, 3, 0},
+    {NULL, 6, 2, 64, {0, KVA_F16, 0}, 1000, 1, 2, 0},
 };
 
 static kb_case case_from(const char *preset, int64_t H, int64_t KVH, int64_t Dk, int64_t Dv,
@@ -185,6 +193,10 @@ static int from_table(const suite_entry *t, int n, const kb_axes *a, kb_case *ou
     kb_preset p = {t[i].preset, t[i].H, t[i].KVH, t[i].D};
     if (t[i].preset) kb_find_preset(t[i].preset, &p);
     out[i] = case_from(t[i].preset, p.H, p.KVH, p.D, p.D, t[i].kv, t[i].N, t[i].L, t[i].B, a);
+    if (t[i].block > 0) {
+      out[i].layout = KVA_LAYOUT_PAGED;
+      out[i].block = t[i].block;
+    }
   }
   return n;
 }
