@@ -189,8 +189,8 @@ static void attend_amx(const kva_item *it) {
     const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
     kva_rows trow[KVA_TILE], next[KVA_TILE];
     kva_cursor_tile(&ahead, tf + n, nn, next);
-    for (int64_t r = 0; r < nn; ++r)
-      prefetch_row(&next[r], krow_bytes, vrow_bytes);
+    const kva_prefetch pf = {next, nn, krow_bytes, vrow_bytes};
+    prefetch_tile(&pf, fmt_group_bytes(&kf), fmt_group_bytes(&vf));
     kva_cursor_tile(&cur, tf, n, trow);
     /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
     for (int64_t r = 0; r < KVA_TILE; ++r) {

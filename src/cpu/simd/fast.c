@@ -415,7 +415,8 @@ static void attend_fast(const kva_item *it) {
     const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
     const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
     kva_cursor_tile(&ahead, tf + n, nn, next);
-    for (int64_t r = 0; r < nn; ++r) prefetch_row(&next[r], krow_bytes, vrow_bytes);
+    const kva_prefetch pf = {next, nn, krow_bytes, vrow_bytes};
+    prefetch_tile(&pf, fmt_group_bytes(&kf), fmt_group_bytes(&vf));
     kva_cursor_tile(&cur, tf, n, rows);
     kphase(&kf, rows, n, qp, qs, nq, S);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
