@@ -56,6 +56,8 @@ fi
 if has racecheck; then
   run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_nan_inf \
     >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-mma 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_mma_path \
+    >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi
 if has bench; then

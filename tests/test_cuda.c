@@ -29,6 +29,7 @@ TEST(cuda_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_mma_path) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -97,11 +98,30 @@ static const att_case cases[] = {
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 1},
     {1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 4, 17, 17, 128, 128, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* the q4 tensor-core path (bf16 q, head dims 64/128/256, groups 32..128) */
+    {2, 8, 2, 3, 1500, 128, 128, BF16, BF16, 4, 4, 32, F16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+    {1, 8, 8, 1, 777, 64, 64, BF16, F32, 4, 4, 64, F32, MASK_WINDOW, 100, 20.0f, 0, 0, 1},
+    {1, 4, 2, 12, 300, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_SEG, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 1, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {3, 24, 4, 8, 999, 256, 256, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
 /* f32 arithmetic over up to 20k keys vs the double oracle (same bound as the CPU). */
 #define ATOL_REL 3e-5
+
+/* The arithmetic allowance of a case on the CUDA backend: bf16 products
+ * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the q4
+ * tensor-core kernel (src/cuda/context.cu, kvc_mma_dim_index: bf16 q, 4-bit K
+ * and V with bf16 scales and biases, groups of multiples of 32, Dk = Dv in {64, 128, 256}, fused path:
+ * no array mask, L <= 16); K, V and P enter its mma as bf16. Else f32 products. */
+static double cuda_case_atol(const att_case *c) {
+  const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
+  const int dims = c->Dk == c->Dv && (c->Dk == 64 || c->Dk == 128 || c->Dk == 256);
+  if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && c->group % 32 == 0)
+    return ATT_ATOL_BF16;
+  return ATOL_REL;
+}
 #define DEV_SENTINEL_BYTES 256
 #define DEV_SENTINEL_BYTE 0xA5
 #define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
@@ -248,7 +268,7 @@ static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data 
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
   double max_err = 0, l2 = 0;
-  if (!att_compare(&hd.out, &ref, ATOL_REL, att_rtol(c->odt), &max_err, &l2)) {
+  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
     FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g)", name, tweak ? " (tweaked)" : "", max_err);
     goto done;
   }
@@ -272,6 +292,23 @@ TEST(cuda_vs_oracle) {
     fflush(stdout);
     if (!run_case(ctx, c, NULL, 0)) break;
   }
+  kva_context_destroy(ctx);
+}
+
+/* The q4 tensor-core path alone, small (racecheck runs it): decode GQA 2,
+ * verify GQA 6 with splits, head dims 64/128/256. */
+TEST(cuda_mma_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case mcases[] = {
+      {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof mcases / sizeof mcases[0]; ++ci)
+    if (!run_case(ctx, &mcases[ci], NULL, 0)) break;
   kva_context_destroy(ctx);
 }
 
@@ -367,7 +404,7 @@ TEST(cuda_graph_replay_changing_lengths) {
         !cuda_ok(cudaStreamSynchronize(s), "replay") || !dev_fetch(&dd, &hd, "replay"))
       goto done;
     double max_err = 0;
-    if (!att_compare(&hd.out, &ref, ATOL_REL, att_rtol(c.odt), &max_err, NULL)) {
+    if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), att_rtol(c.odt), &max_err, NULL)) {
       FAIL_("replay with lengths {%d, %d} differs from the oracle (max err %.3g)", lens_sets[si][0],
             lens_sets[si][1], max_err);
       goto done;
@@ -410,7 +447,7 @@ TEST(cuda_caller_workspace) {
   if (!dev_poison(&dd, 0) || kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref) ||
       kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes) || !dev_fetch(&dd, &hd, "ws"))
     FAIL_("exact workspace: %s", kva_last_error());
-  else if (!att_compare(&hd.out, &ref, ATOL_REL, 0, NULL, NULL))
+  else if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), 0, NULL, NULL))
     FAIL_("exact workspace: out differs from the oracle");
 done:
   if (ws) cudaFree(ws);

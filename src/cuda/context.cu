@@ -14,12 +14,17 @@
 #define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split */
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
+#define KVC_MMA_WAVES 1           /* one wave of long-running q4 mma blocks: the load pipeline's prologue amortized */
+#define KVC_MMA_NDIMS 3           /* head dims of the q4 mma kernel: 64 << i */
+#define KVC_MMA_MIN_D 64
+#define KVC_MMA_GROUP_ALIGN 32    /* dims of one 16-byte load of 4-bit codes: within one group */
 
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
+  int mma_occupancy[KVC_MMA_NDIMS];    /* resident q4 mma blocks per SM by head dim 64, 128, 256 */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -150,8 +155,58 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
   return *slot > 0 ? *slot : 1;
 }
 
-/* The one selector: the fused kernel when an instance covers the problem,
- * else the general kernel (plan.fmt = -1). */
+/* Does the tensor-core q4 kernel cover the problem? bf16 queries (its
+ * products are bf16: tests compare it at the bf16 allowance), 4-bit K and V
+ * with bf16 scales and biases, groups of whole 32-dim loads, Dk = Dv in {64, 128, 256}, rows aligned
+ * for 16-byte loads. (The caller has checked the fused path and layout.) */
+static int kvc_mma_dim_index(const kva_problem *p) {
+  const kva_kv_view *kv = p->kv;
+  if (p->q->dtype != KVA_BF16 || kv->k.bits != 4 || kv->v.bits != 4 || p->Dk != p->Dv) return -1;
+  /* bf16 scales and biases (exact as bf16x2 operands); with f16/f32 ones the
+   * bf16 rounding of K measured up to 1.5x the bf16 allowance: fused path */
+  if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
+  if (kv->k.group_size % KVC_MMA_GROUP_ALIGN || kv->v.group_size % KVC_MMA_GROUP_ALIGN) return -1;
+  if (!kvc_rows_aligned(&kv->k, KVC_MMA_GROUP_ALIGN) || !kvc_rows_aligned(&kv->v, KVC_MMA_GROUP_ALIGN)) return -1;
+  for (int i = 0; i < KVC_MMA_NDIMS; ++i)
+    if (p->Dk == (KVC_MMA_MIN_D << i)) return i;
+  return -1;
+}
+
+static int kvc_mma_blocks_per_sm(const kva_context *ctx, int di) {
+  kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
+  if (!st) return 1;
+  int *slot = &st->mma_occupancy[di];
+  if (*slot == 0) *slot = kvc_mma_occupancy(KVC_MMA_MIN_D << di);
+  return *slot > 0 ? *slot : 1;
+}
+
+/* Splits: whole waves of `resident` blocks with the least idle tail, each
+ * split at least KVC_MIN_SPLIT_TOKENS tokens, chunks whole steps. */
+static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, long long resident, long long step,
+                            int max_waves) {
+  long long most = (p->N + KVC_MIN_SPLIT_TOKENS - 1) / KVC_MIN_SPLIT_TOKENS;
+  if (most > KVC_MAX_SPLITS) most = KVC_MAX_SPLITS;
+  long long want = 1;
+  double best = 0.0;
+  for (int waves = 1; waves <= max_waves; ++waves) {
+    long long ns = waves * resident / base;
+    if (ns > most) ns = most;
+    if (ns < 1) ns = 1;
+    const long long blocks = ns * base, slots = (blocks + resident - 1) / resident * resident;
+    const double use = (double)blocks / (double)slots;
+    if (use > best + 0.02) {
+      best = use;
+      want = ns;
+    }
+  }
+  long long chunk = (p->N + want - 1) / want;
+  chunk = (chunk + step - 1) / step * step;
+  pl->chunk = chunk;
+  pl->nsplit = (int)((p->N + chunk - 1) / chunk);
+}
+
+/* The one selector: the q4 tensor-core kernel or the fused kernel when one
+ * covers the problem, else the general kernel (plan.fmt = -1). */
 static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_plan pl;
   memset(&pl, 0, sizeof pl);
@@ -162,6 +217,17 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   if (fk < 0 || fk != fv) return pl;
   const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
   const int Q = (int)(p->rep * p->L);
+  const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
+  const int di = kvc_mma_dim_index(p);
+  if (di >= 0) {
+    pl.fmt = KVC_Q4;
+    pl.mma = 1;
+    pl.QW = KVC_MMA_QN;
+    pl.qtiles = (Q + KVC_MMA_QN - 1) / KVC_MMA_QN;
+    const long long resident = (long long)sms * kvc_mma_blocks_per_sm(ctx, di);
+    kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_MMA_STEP, KVC_MMA_WAVES);
+    return pl;
+  }
   /* 16 elements per lane for wide rows, and for small query tiles (fewer
    * lanes per row: per-row shuffles and softmax work amortized over more
    * rows); 8 otherwise (registers: QW * E q values and outputs per lane). */
@@ -178,27 +244,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const long long step = (long long)KVC_FUSED_WARPS * (KVC_WARP >> pl.lanes_log2) * pl.unroll;
   const long long base = p->B * p->KVH * pl.qtiles;
   /* Splits: whole waves of resident blocks with the least idle tail. */
-  const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
   const long long resident = (long long)sms * kvc_blocks_per_sm(ctx, pl.fmt, E, pl.QW);
-  long long most = (p->N + KVC_MIN_SPLIT_TOKENS - 1) / KVC_MIN_SPLIT_TOKENS;
-  if (most > KVC_MAX_SPLITS) most = KVC_MAX_SPLITS;
-  long long want = 1;
-  double best = 0.0;
-  for (int waves = 1; waves <= KVC_MAX_WAVES; ++waves) {
-    long long ns = waves * resident / base;
-    if (ns > most) ns = most;
-    if (ns < 1) ns = 1;
-    const long long blocks = ns * base, slots = (blocks + resident - 1) / resident * resident;
-    const double use = (double)blocks / (double)slots;
-    if (use > best + 0.02) {
-      best = use;
-      want = ns;
-    }
-  }
-  long long chunk = (p->N + want - 1) / want;
-  chunk = (chunk + step - 1) / step * step;
-  pl.chunk = chunk;
-  pl.nsplit = (int)((p->N + chunk - 1) / chunk);
+  kvc_plan_splits(&pl, p, base, resident, step, KVC_MAX_WAVES);
   return pl;
 }
 
@@ -268,7 +315,7 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
   a->out = (char *)p->out->data;
   a->out_dtype = p->out->dtype;
   kvc_copy_strides(a->os, p->out, 4);
-  const int E = pl.fmt >= 0 ? pl.E : 8;
+  const int E = pl.fmt >= 0 && !pl.mma ? pl.E : 8;
   a->k = kvc_operand_of(&p->kv->k, E);
   a->v = kvc_operand_of(&p->kv->v, E);
   a->seq_lens = p->seq_lens;
@@ -294,7 +341,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   kvc_args_of(p, pl, ws, &a);
   cudaStream_t stream = (cudaStream_t)ctx->stream;
   if (pl.fmt < 0) return kvc_launch_generic(a, stream);
-  int rc = kvc_launch_fused(a, pl, stream);
+  int rc = pl.mma ? kvc_launch_mma(a, pl, stream) : kvc_launch_fused(a, pl, stream);
   if (rc < 0 || pl.nsplit <= 1) return rc;
   return kvc_launch_merge(a, stream);
 }
