@@ -189,7 +189,7 @@ kva_tensor att_alloc_like(att_data *d, const kva_tensor *t) {
 }
 
 double att_case_atol(const att_case *c) {
-  return c->qdt == KVA_BF16 && (int64_t)(c->H / c->KVH) * c->L >= 8 ? ATT_ATOL_BF16 : ATT_ATOL_F32;
+  return c->qdt == KVA_BF16 && (int64_t)(c->H / c->KVH) * c->L >= 6 ? ATT_ATOL_BF16 : ATT_ATOL_F32;
 }
 
 double att_rtol(kva_dtype out) {

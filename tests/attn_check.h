@@ -53,7 +53,7 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
                 double *rel_l2);
 /* Absolute allowance, relative to max|ref|, for a case's arithmetic: f32
  * products (3e-5), or bf16 products (2^-7) where the library may take its
- * bf16 path: bf16 queries with >= 8 vectors per KV head (AMX on the CPU). */
+ * bf16 path: bf16 queries with >= 6 vectors per KV head (AMX on the CPU). */
 #define ATT_ATOL_F32 3e-5
 #define ATT_ATOL_BF16 (1.0 / 128)
 double att_case_atol(const att_case *c);

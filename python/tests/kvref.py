@@ -22,14 +22,14 @@ UNIT_ROUNDOFF = {F32: 2.0**-24, F16: 2.0**-11, BF16: 2.0**-8}
 COMPUTE_ATOL = 2e-6
 # bf16 products: the library may compute with K, V and P rounded to bf16
 # (2^-9 relative each, f32 accumulation) when q is bf16 and a KV head has
-# >= 8 query vectors (the AMX verify kernel on the CPU).
+# >= 6 query vectors (the AMX kernel on the CPU).
 BF16_PRODUCTS_ATOL = 2.0**-7
 
 
 def compute_atol(q, kv_heads):
     """The arithmetic allowance for a call with queries q [B, H, L, D]."""
     B, H, L, _ = q.shape
-    return BF16_PRODUCTS_ATOL if q.dtype == BF16 and (H // kv_heads) * L >= 8 else COMPUTE_ATOL
+    return BF16_PRODUCTS_ATOL if q.dtype == BF16 and (H // kv_heads) * L >= 6 else COMPUTE_ATOL
 
 
 def rng_for(request_or_name, salt=0):

@@ -229,7 +229,7 @@ def test_out_argument_strided_with_sentinels(request):
     view = buf[:, 1:, 1:L + 1, 8:8 + D]
     ret = kvattn.attention(q, k, v, mask="causal", out=view)
     assert ret is view
-    assert_close(view, ref_attention(q, k, v, mask="causal"), "out view")
+    assert_close(view, ref_attention(q, k, v, mask="causal"), "out view", compute_atol(q, KVH))
     touched = np.zeros(buf.shape, bool)
     touched[:, 1:, 1:L + 1, 8:8 + D] = True
     assert (buf[~touched] == sentinel).all()

@@ -22,7 +22,7 @@
 
 #define QT 16          /* query vectors per AMX block */
 #define KT 16          /* keys per QK tile */
-#define AMX_MIN_NQ 8   /* below this the vector kernel is as fast and exact in f32 */
+#define AMX_MIN_NQ 6 /* measured crossover: below it the f32 vector kernel is faster (and exact in f32) */
 #define AMX_MAX_P 2048 /* longest permuted row (bf16 elements) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -72,6 +72,10 @@ static inline void row_to_bf16(const fmt_plan *fp, const char *row, const char *
   case 4: qrow_to_bf16(fp, row, sc, bi, dst, 4); return;
   case 8: qrow_to_bf16(fp, row, sc, bi, dst, 8); return;
   default: break;
+  }
+  if (fp->sdt == KVA_BF16) { /* already bf16: a copy */
+    memcpy(dst, row, sizeof(uint16_t) * (size_t)fp->P);
+    return;
   }
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   for (int d = 0; d < fp->P; d += 2 * LANES) {
