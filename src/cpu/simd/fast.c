@@ -305,7 +305,9 @@ VDIRECT_FLOAT(2)
 /* V phase for one tile: direct for blocks of <= 2 vectors, else via an L1 tile. */
 static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt,
                         float *svt, float *bvt, float *o, float *ob, int64_t nq) {
-  const int direct = nq == 1 || (nq == 2 && fp->bits != 2); /* q2 x 2 vectors: too many registers */
+  /* direct in blocks of two vectors up to 4 (codes decoded once per block);
+   * q2 takes one vector per block (16 codes per word: too many registers) */
+  const int direct = nq == 1 || (nq <= 4 && fp->bits != 2);
   if (direct) {
     const int64_t obn = (int64_t)fp->nch * LANES;
     for (int64_t j = 0; j < nq; j += 2) {
