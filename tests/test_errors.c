@@ -220,3 +220,31 @@ TEST(masks_image_reproduces_seed_bidir) {
       ASSERT_EQ(m[i * L + j], want);
     }
 }
+
+/* An output that lies inside a paged pool is refused like one inside a
+ * contiguous cache, and the pool is not written. */
+TEST(errors_out_overlaps_paged_pool) {
+  const att_case c = {1, 4, 2, 1, 64, 64, 64, KVA_F32, KVA_F32, 0, 0, 0, KVA_F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  kva_pool *pool = NULL;
+  kva_paged_view *pv = NULL;
+  int32_t seq;
+  ASSERT_OK(kva_pool_from_contiguous(&pool, &d.view, 16, 0, 1, &seq));
+  ASSERT_OK(kva_paged_view_create(pool, &seq, 1, &pv));
+  kva_kv_view view = kva_view_paged(pv);
+  kva_kv pk = kva_pool_k(pool);
+  kva_tensor out = kva_tensor_4d(pk.data.data, KVA_F32, 1, 4, 1, 64);
+  const size_t probe = 4 * 64 * sizeof(float);
+  unsigned char *before = (unsigned char *)malloc(probe);
+  memcpy(before, pk.data.data, probe);
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  ASSERT_ERR(kva_attention(ctx, &d.q, &view, &d.params, &out, NULL, 0), KVA_EINVAL, "out overlaps k");
+  ASSERT_TRUE(memcmp(before, pk.data.data, probe) == 0);
+  free(before);
+  kva_context_destroy(ctx);
+  kva_paged_view_release(pv);
+  kva_pool_destroy(pool);
+  att_free(&d);
+}

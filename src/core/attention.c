@@ -131,22 +131,22 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
         if (kv->seq_lens[b] < p->L || kv->seq_lens[b] > N)
           return kva_seterr(KVA_ESHAPE, "seq_lens[%lld] = %d must be in [L, N] = [%lld, %lld]",
                             (long long)b, kv->seq_lens[b], (long long)p->L, (long long)N);
-    const kva_tensor *ins[] = {q, &kv->k.data, &kv->k.scales, &kv->k.biases, &kv->v.data,
-                               &kv->v.scales, &kv->v.biases};
-    static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases"};
-    for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
-      if (i > 0 && (i == 2 || i == 3) && !kv->k.bits) continue;
-      if (i > 4 && !kv->v.bits) continue;
-      if (out && kva_tensors_overlap(out, ins[i]))
-        return kva_seterr(KVA_EINVAL, "out overlaps %s", in_names[i]);
-    }
   } else {
     if (backend == KVA_BACKEND_CPU)
       for (int64_t b = 0; b < B; ++b)
         if (kva_paged_view_len(kv, b) < p->L)
           return kva_seterr(KVA_ESHAPE, "sequence %lld of the paged view has %lld tokens < L = %lld",
                             (long long)b, (long long)kva_paged_view_len(kv, b), (long long)p->L);
-    if (out && kva_tensors_overlap(out, q)) return kva_seterr(KVA_EINVAL, "out overlaps q");
+  }
+  /* The output may not overlap any input (for a paged view, k/v describe the pools). */
+  const kva_tensor *ins[] = {q, &kv->k.data, &kv->k.scales, &kv->k.biases, &kv->v.data,
+                             &kv->v.scales, &kv->v.biases};
+  static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases"};
+  for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
+    if (i > 0 && (i == 2 || i == 3) && !kv->k.bits) continue;
+    if (i > 4 && !kv->v.bits) continue;
+    if (out && kva_tensors_overlap(out, ins[i]))
+      return kva_seterr(KVA_EINVAL, "out overlaps %s", in_names[i]);
   }
   if (!isfinite(params->scale))
     return kva_seterr(KVA_EINVAL, "scale = %g must be finite (0 = 1/sqrt(Dk))", (double)params->scale);

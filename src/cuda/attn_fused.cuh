@@ -210,6 +210,30 @@ __device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, floa
   }
 }
 
+/* Element d of query vector qv's combined state (log2-domain max M, sum
+ * Ls, output O): with one split, the sink joins and the output is written;
+ * otherwise the state goes to the split's slot for the merge kernel. */
+__device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, int hk, int qv, int d, float M,
+                                         float Ls, float O) {
+  const int h = hk * a.rep + qv / a.L, i = qv % a.L;
+  if (a.nsplit == 1) {
+    if (a.sinks && M != -INFINITY) {
+      float mn, f1, f2;
+      kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, f1, f2);
+      Ls = Ls * f1 + f2;
+      O *= f1;
+    }
+    kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
+  } else {
+    float *st = kvc_state_at(a, split, b, h, i);
+    if (d == 0) {
+      st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
+      st[1] = Ls;
+    }
+    st[2 + d] = O;
+  }
+}
+
 /* Blocks per SM the register budget is capped for (more warps, more loads in
  * flight): the decode instances (QW <= 2) of 16-bit and quantized rows, 4
  * blocks at E = 8 and 3 at E = 16 (under 64 bytes of spills); else uncapped. */
@@ -427,23 +451,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       Ls = Ls * f1 + sm_ml[w][j][1] * f2;
       O = O * f1 + sm_o[w][j][d] * f2;
     }
-    const int h = hk * a.rep + qv / a.L, i = qv % a.L;
-    if (a.nsplit == 1) {
-      if (a.sinks && M != -INFINITY) {
-        float mn, f1, f2;
-        kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, f1, f2);
-        Ls = Ls * f1 + f2;
-        O *= f1;
-      }
-      kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
-    } else {
-      float *st = kvc_state_at(a, split, b, h, i);
-      if (d == 0) {
-        st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
-        st[1] = Ls;
-      }
-      st[2 + d] = O;
-    }
+    kvc_emit(a, split, b, hk, qv, d, M, Ls, O);
   }
 }
 

@@ -330,23 +330,7 @@ __global__ void __launch_bounds__(KVC_MMA_THREADS, kvc_mma_min_blocks(D)) kvc_mm
       Ls = Ls * f1 + sm_ml[(w * KVC_MMA_QN + j) * 2 + 1] * f2;
       O = O * f1 + sm_o[(w * KVC_MMA_QN + j) * D + d] * f2;
     }
-    const int h = hk * a.rep + qv / a.L, i = qv % a.L;
-    if (a.nsplit == 1) {
-      if (a.sinks && M != -INFINITY) {
-        float mn, f1, f2;
-        kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, f1, f2);
-        Ls = Ls * f1 + f2;
-        O *= f1;
-      }
-      kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
-    } else {
-      float *st = kvc_state_at(a, split, b, h, i);
-      if (d == 0) {
-        st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
-        st[1] = Ls;
-      }
-      st[2 + d] = O;
-    }
+    kvc_emit(a, split, b, hk, qv, d, M, Ls, O);
   }
 }
 
