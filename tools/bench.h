@@ -152,6 +152,7 @@ struct kb_backend {
   kva_context *ctx;
   int threads;          /* resolved worker threads */
   bool host_memory;     /* backend memory is host memory (the master copy is copy 0) */
+  void *priv;           /* the backend's own state (CUDA: timing events) */
   void *(*alloc)(kb_backend *be, size_t bytes);
   void (*release)(kb_backend *be, void *p, size_t bytes);
   int (*copy_in)(kb_backend *be, void *dst, const void *src, size_t bytes);  /* host -> backend */
