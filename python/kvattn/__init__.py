@@ -417,7 +417,12 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     sinks: [H] per-head sink logits (join the softmax denominator only).
     A row that sees no key outputs zeros. Returns out [B, H, L, Dv] in q's
     dtype (or writes `out`). threads / context pick the CPU context.
+    CUDA arrays (PyTorch CUDA tensors, __cuda_array_interface__ objects) run
+    on the CUDA backend, on their device and stream: see kvattn.cuda.
     """
+    if _cuda.is_cuda_array(q):
+        return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
+                               clamp=clamp, seq_lens=seq_lens, out=out, context=context)
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
     ctx = context if context is not None else default_context(threads)
@@ -447,7 +452,9 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
     return {C.PATH_FUSED: "fused", C.PATH_FALLBACK: "fallback"}.get(path, path)
 
 
-# The paged KV cache (pools, sequences, immutable views) builds on the helpers above.
+# CUDA arrays (kvattn.cuda) and the paged KV cache (pools, sequences,
+# immutable views) build on the helpers above.
+from . import cuda as _cuda  # noqa: E402
 from .paged import PagedView, Pool, Sequence, paged_attention  # noqa: E402
 
 __all__ += ["PagedView", "Pool", "Sequence", "paged_attention"]

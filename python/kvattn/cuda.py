@@ -1,0 +1,186 @@
+"""CUDA arrays in kvattn.attention: PyTorch CUDA tensors and objects with
+__cuda_array_interface__ (CuPy, Numba) are described in place (device
+pointers, byte strides) and the call runs on the CUDA backend, on the
+tensors' device and on the producer's current stream (PyTorch:
+torch.cuda.current_stream(); __cuda_array_interface__: its "stream" entry).
+
+Supported element types: float32, float16, bfloat16 (PyTorch only: the array
+interface has no bfloat16), uint32/int32 for packed quantized words, int32
+lengths and segments, bool masks. Every array of one call must be on the same
+device; numpy arrays (sinks, seq_lens, masks) are refused for CUDA calls
+because the library reads them on the device.
+"""
+import ctypes
+import threading
+
+from . import _capi as C
+
+lib = C.lib
+C._proto("kva_context_set_stream", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+_TORCH_DTYPES = {"torch.float32": C.F32, "torch.float16": C.F16, "torch.bfloat16": C.BF16,
+                 "torch.int32": C.I32, "torch.uint32": C.U32, "torch.bool": C.BOOL}
+_CAI_DTYPES = {"<f4": C.F32, "<f2": C.F16, "<u4": C.U32, "<i4": C.I32, "|b1": C.BOOL, "<b1": C.BOOL}
+_ITEMSIZE = {C.F32: 4, C.F16: 2, C.BF16: 2, C.U32: 4, C.I32: 4, C.BOOL: 1}
+_LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3 code for the legacy default stream
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def is_cuda_array(x):
+    """A PyTorch tensor on a CUDA device, or an object exposing __cuda_array_interface__."""
+    if _is_torch(x):
+        return bool(getattr(x, "is_cuda", False))
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def _describe(x, name):
+    """(data pointer, shape, byte strides, kva dtype, device ordinal or None, stream or None)."""
+    if _is_torch(x):
+        if not x.is_cuda:
+            raise C.error(C.EINVAL, "%s is a CPU tensor in a CUDA call" % name)
+        dt = _TORCH_DTYPES.get(str(x.dtype))
+        if dt is None:
+            raise C.error(C.EDTYPE, "%s has unsupported dtype %s" % (name, x.dtype))
+        size = _ITEMSIZE[dt]
+        import torch  # present: x is a torch tensor
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        return x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), dt, x.device.index, stream
+    cai = x.__cuda_array_interface__
+    dt = _CAI_DTYPES.get(cai["typestr"])
+    if dt is None:
+        raise C.error(C.EDTYPE, "%s has unsupported typestr %s" % (name, cai["typestr"]))
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        strides, acc = [], _ITEMSIZE[dt]
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        strides = tuple(reversed(strides))
+    stream = cai.get("stream")
+    return cai["data"][0], shape, tuple(strides), dt, None, stream
+
+
+def _tensor(x, name, as_dtype=None):
+    ptr, shape, strides, dt, dev, stream = _describe(x, name)
+    if len(shape) > C.MAX_DIMS:
+        raise C.error(C.ESHAPE, "%s has rank %d (at most %d)" % (name, len(shape), C.MAX_DIMS))
+    t = C.kva_tensor()
+    t.dtype = as_dtype if as_dtype is not None and dt in (C.I32, C.U32) else dt
+    t.ndim = len(shape)
+    for d, (n, s) in enumerate(zip(shape, strides)):
+        t.shape[d] = n
+        t.stride[d] = (_ITEMSIZE[dt] if d == len(shape) - 1 else max(s, 0)) if n == 1 else s
+    t.data = ptr
+    return t, shape, dev, stream
+
+
+_contexts = {}
+_contexts_lock = threading.Lock()
+
+
+def _context(device):
+    from . import Context  # the package's Context class
+    with _contexts_lock:
+        ctx = _contexts.get(device)
+        if ctx is None:
+            ctx = _contexts[device] = Context(backend="cuda", device=device)
+        return ctx
+
+
+class _Call:
+    """Descriptors of one attention call over CUDA arrays."""
+
+    def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
+                 seq_lens, out):
+        from . import _check_int, _window
+        group_size, bits = _check_int(group_size, "group_size"), _check_int(bits, "bits")
+        self.keep = [q, k, v]
+        self.q, qshape, dev, stream = _tensor(q, "q")
+        self.device = 0 if dev is None else dev
+        self.stream = stream
+        view = self.view = C.kva_kv_view()
+        view.layout = C.LAYOUT_CONTIGUOUS
+        view.k, _, _ = self._kv(k, "k", bits, group_size)
+        view.v, vshape, dv = self._kv(v, "v", bits, group_size)
+        B, H, L = qshape[:3] if len(qshape) == 4 else (1, 1, 1)
+        if out is None:
+            if not _is_torch(q):
+                raise C.error(C.EINVAL, "out is required for CUDA arrays other than PyTorch tensors")
+            out = q.new_empty((B, H, L, dv))
+        self.out_array = out
+        self.keep.append(out)
+        self.out, _, _, _ = _tensor(out, "out")
+        if seq_lens is not None:
+            t, shape, _, _ = _tensor(self._device_array(seq_lens, "seq_lens"), "seq_lens")
+            if t.dtype != C.I32 or shape != (B,):
+                raise C.error(C.ESHAPE, "seq_lens must be int32 [B] = [%d] on the device" % B)
+            view.seq_lens = ctypes.cast(t.data, ctypes.POINTER(ctypes.c_int32))
+        p = self.params = C.kva_attn_params()
+        if scale is not None:
+            if float(scale) == 0.0:
+                raise C.error(C.EINVAL, "scale = 0 is not a scale (None = 1/sqrt(Dk))")
+            p.scale = float(scale)
+        if softcap is not None:
+            if float(softcap) == 0.0:
+                raise C.error(C.EINVAL, "softcap = 0 must be > 0 (None = no softcap)")
+            p.softcap = float(softcap)
+        if sinks is not None:
+            t, shape, _, _ = _tensor(self._device_array(sinks, "sinks"), "sinks")
+            if t.dtype != C.F32 or shape != (H,):
+                raise C.error(C.ESHAPE, "sinks must be float32 [H] = [%d] on the device" % H)
+            p.sinks = ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float))
+        m = p.mask
+        m.window = _window(window)
+        m.segments_clamp = int(bool(clamp))
+        if segments is not None:
+            m.segments, _, _, _ = _tensor(self._device_array(segments, "mask.segments"), "mask.segments")
+        if mask is None:
+            m.kind = C.MASK_NONE
+        elif isinstance(mask, str):
+            if mask != "causal":
+                raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
+            m.kind = C.MASK_CAUSAL
+        else:
+            m.kind = C.MASK_ARRAY
+            m.array, _, _, _ = _tensor(self._device_array(mask, "mask.array"), "mask.array")
+
+    def _device_array(self, x, name):
+        if not is_cuda_array(x):
+            raise C.error(C.EINVAL, "%s must be a CUDA array in a call on CUDA arrays" % name)
+        self.keep.append(x)
+        return x
+
+    def _kv(self, x, name, bits, group_size):
+        kv = C.kva_kv()
+        if isinstance(x, (tuple, list)):
+            if len(x) != 3:
+                raise C.error(C.EINVAL, "%s must be an array or a (packed, scales, biases) tuple" % name)
+            self.keep.extend(x)
+            kv.data, pshape, _, _ = _tensor(self._device_array(x[0], name + ".data"), name + ".data", C.U32)
+            kv.scales, _, _, _ = _tensor(self._device_array(x[1], name + ".scales"), name + ".scales")
+            kv.biases, _, _, _ = _tensor(self._device_array(x[2], name + ".biases"), name + ".biases")
+            kv.bits, kv.group_size = bits, group_size
+            return kv, pshape, (pshape[-1] * 32 // bits if pshape and bits in (2, 4, 8) else 0)
+        kv.data, shape, _, _ = _tensor(self._device_array(x, name), name)
+        return kv, shape, (shape[-1] if shape else 0)
+
+
+def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
+              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None):
+    """kvattn.attention on CUDA arrays (see its documentation); runs on the
+    arrays' device and the producer's current stream, asynchronously."""
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    ctx = context if context is not None else _context(call.device)
+    with ctx.lock:
+        stream = call.stream
+        if stream in (None, _LEGACY_DEFAULT_STREAM):
+            stream = 0
+        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
+        C.check(lib.kva_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(call.view),
+                                  ctypes.byref(call.params), ctypes.byref(call.out), None, 0))
+    return call.out_array

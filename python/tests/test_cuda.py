@@ -1,0 +1,57 @@
+"""kvattn.attention on PyTorch CUDA tensors against the CPU path on the same
+data. Skipped where PyTorch or a CUDA device is missing (CI: no GPU)."""
+import numpy as np
+import pytest
+
+import kvattn
+from kvref import BF16_PRODUCTS_ATOL, UNIT_ROUNDOFF, randn, rng_for
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or kvattn.cuda_device_count() == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def to_cuda(a):
+    if a.dtype == np.uint32:
+        a = a.view(np.int32)
+    if str(a.dtype) == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def to_numpy(t, dtype):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(dtype)
+    return t.cpu().numpy()
+
+
+@pytest.mark.parametrize("bits,L,rep", [(0, 1, 2), (4, 1, 2), (4, 8, 6), (8, 3, 1)])
+def test_cuda_matches_cpu(request, bits, L, rep):
+    rng = rng_for(request)
+    B, KVH, N, D = 2, 2, 300, 128
+    H = KVH * rep
+    q = randn(rng, (B, H, L, D), kvattn.bfloat16)
+    k = randn(rng, (B, KVH, N, D), kvattn.bfloat16)
+    v = randn(rng, (B, KVH, N, D), kvattn.bfloat16)
+    if bits:
+        k, v = kvattn.quantize(k, 64, bits), kvattn.quantize(v, 64, bits)
+    cpu = kvattn.attention(q, k, v, mask="causal", group_size=64, bits=bits).astype(np.float64)
+    qc = to_cuda(q)
+    kc = tuple(to_cuda(a) for a in k) if bits else to_cuda(k)
+    vc = tuple(to_cuda(a) for a in v) if bits else to_cuda(v)
+    out = kvattn.attention(qc, kc, vc, mask="causal", group_size=64, bits=bits)
+    torch.cuda.synchronize()
+    assert out.is_cuda and out.shape == (B, H, L, D) and out.dtype == torch.bfloat16
+    got = to_numpy(out, kvattn.bfloat16).astype(np.float64)
+    # both sides may compute with bf16 products (AMX / tensor cores): twice that allowance
+    bound = 2 * UNIT_ROUNDOFF[np.dtype(kvattn.bfloat16)] * np.abs(cpu) + 2 * BF16_PRODUCTS_ATOL * np.abs(cpu).max()
+    assert np.isfinite(got).all()
+    assert (np.abs(got - cpu) <= bound).all(), float(np.abs(got - cpu).max())
+
+
+def test_cuda_rejects_host_sinks(request):
+    rng = rng_for(request)
+    q = to_cuda(randn(rng, (1, 2, 1, 64), kvattn.bfloat16))
+    k = to_cuda(randn(rng, (1, 1, 16, 64), kvattn.bfloat16))
+    with pytest.raises(ValueError, match="sinks must be a CUDA array"):
+        kvattn.attention(q, k, k, mask="causal", bits=0, sinks=np.zeros(2, np.float32))
