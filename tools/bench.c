@@ -434,7 +434,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
            kva_dtype_name(cases[0].qdtype), kva_dtype_name(cases[0].odtype), o->min_reps,
            o->min_reps == 1 ? "" : "s", o->warmups, o->warmups == 1 ? "" : "s", rot,
            (unsigned long long)o->seed);
-    printf("GB/s = K/V data+scales+biases bytes / median; %%bw = GB/s / DRAM read bandwidth; "
+    printf("GB/s = K/V data+scales+biases bytes / median; %%bw = GB/s / the memory ceiling above; "
            "floor_us = those bytes at that bandwidth;\nfma_us = the case's FLOPs at the f32 FMA "
            "peak; * = K/V not rotated over 1 GiB (note below)\n\n");
     for (int i = 0; i < n; ++i) {
@@ -499,7 +499,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
     printf("\n");
   }
   if (bw_end > 0) {
-    fprintf(sum, "DRAM read bandwidth at the end: %.1f GB/s (start %.1f GB/s)%s\n", bw_end,
+    fprintf(sum, "memory ceiling at the end: %.1f GB/s (start %.1f GB/s)%s\n", bw_end,
             ri.bw_gbps,
             fabs(bw_end - ri.bw_gbps) > BW_DRIFT_WARN * ri.bw_gbps
                 ? ": the machine was not equally quiet during the run; repeat for stable figures"
