@@ -47,7 +47,7 @@ ASAN_OBJS = $(call objs,$(ASAN_DIR))
 .PHONY: all lib test test-c test-py bench bench-paged install clean format
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 
-$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h)
+$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -c $< -o $@
 $(foreach l,$(SIMD_LEVELS),$(eval $(BUILD)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
@@ -55,7 +55,7 @@ $(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
-$(ASAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h)
+$(ASAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) -c $< -o $@
 $(foreach l,$(SIMD_LEVELS),$(eval $(ASAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
