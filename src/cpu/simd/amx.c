@@ -1,11 +1,14 @@
-/* The multi-row (speculative verify) kernel on AMX tiles, for bf16 queries.
+/* The multi-vector kernel on AMX tiles: bf16 queries with >= AMX_MIN_NQ
+ * vectors per KV head (speculative verify rows, GQA >= 6).
  * Math: per tile of 32 keys and per block of 16 query vectors,
  *   Sᵀ[16 keys × 16 q] = K[16 keys × Dk] · Qᵀ (tdpbf16ps over Dk/32 steps),
  *   online softmax with the queries in vector lanes (vector exp),
  *   O[16 q × Dv] += P[16 q × 32 keys] · V[32 keys × Dv] (one tdpbf16ps per
  *   16 output dims). K and V are dequantized (or converted) to bf16 tiles and
  *   P is rounded to bf16: bf16 products, f32 accumulation, as tensor-core
- *   kernels do; so this path is taken only when q itself is bf16.
+ *   kernels do; so this path is taken only when q itself is bf16. A masked
+ *   key's V row is multiplied by P = 0 in the tile product, so a NaN stored
+ *   in it would reach the output (the vector kernels skip masked keys).
  * Traffic: each K/V row of the item's range is read once for all nq vectors;
  *   the bf16 K/V tiles (32 rows) and the f32 O block stay in L1/L2.
  * Geometry: tmm0 = accumulator (16×16 f32), tmm1 = A (16×32 bf16),

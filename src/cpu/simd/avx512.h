@@ -47,14 +47,6 @@ static inline void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
   }
 }
 
-/* Element index of permuted position pos (-1 for padding lanes). */
-static inline int64_t perm_elem(const fmt_plan *fp, int64_t D, int64_t pos) {
-  if (!fp->bits) return pos;
-  int64_t lane = pos % LANES, ck = pos / LANES, c = ck / fp->E, k = ck % fp->E;
-  int64_t d = (c * LANES + lane) * fp->E + k;
-  return d < D ? d : -1;
-}
-
 /* dst[pos] = src[elem(pos)] * scale in the format's permuted order (zero on
  * padding lanes): element d = w*E + k of word w goes to position
  * ((w / 16) * E + k) * 16 + w % 16. */

@@ -9,9 +9,14 @@
  *   word w lands in lane w of vector k, so q (and the V accumulator) live in
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
  *   (chunk*16 + lane)*E + k, E = 32/bits codes per word.
- * Traffic: each K/V row of the item's range is read once for all nq vectors;
- *   K codes are decoded in registers per block of <= 8 query vectors, V codes
- *   once per tile into an L1 buffer. */
+ * Traffic: each K/V row of the item's range is read once for all nq vectors
+ *   (tiles run across paged blocks; the next tile is prefetched); K codes are
+ *   decoded in registers per block of <= 8 query vectors; V codes in registers
+ *   per block of <= 2 vectors when nq <= 4, else once per tile into L1.
+ *   Codes become floats exactly for f32 queries, by mantissa placement for
+ *   16-bit queries (code_as_float). bf16 queries with >= 6 vectors per KV
+ *   head go to the AMX kernel (amx.c) instead.
+ * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
