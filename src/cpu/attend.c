@@ -16,7 +16,7 @@
 /* Tuning (never changes results beyond rounding of the merge order). */
 #define KVA_ITEMS_PER_THREAD 16 /* small chunks: ragged batches keep every thread busy */
 #define KVA_MIN_CHUNK 256
-#define KVA_MAX_CHUNK 16384
+#define KVA_MAX_CHUNK 4096
 #define KVA_ALIGN 64
 
 kva_rowfmt kva_rowfmt_of(const kva_kv *kv) {
