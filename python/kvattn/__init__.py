@@ -273,6 +273,34 @@ def image_mask(segments, window=None, clamp=False):
 # ----------------------------------------------------------------- attention
 
 
+def _params(scale, softcap):
+    """kva_attn_params with the scalar options checked (0 means "default" in
+    C; in Python that is spelled None)."""
+    p = C.kva_attn_params()
+    if scale is not None:
+        scale = float(scale)
+        if scale == 0.0:
+            raise C.error(C.EINVAL, "scale = 0 is not a scale (None = 1/sqrt(Dk))")
+        p.scale = scale
+    if softcap is not None:
+        softcap = float(softcap)
+        if softcap == 0.0:
+            raise C.error(C.EINVAL, "softcap = 0 must be > 0 (None = no softcap)")
+        p.softcap = softcap
+    return p
+
+
+def _mask_kind(mask):
+    """kva_mask_kind of the `mask` argument: None, "causal" or an array."""
+    if mask is None:
+        return C.MASK_NONE
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
+        return C.MASK_CAUSAL
+    return C.MASK_ARRAY
+
+
 def _kv_operand(x, name, bits, group_size, keep):
     """kva_kv of one K or V operand: an array [B, KVH, N, D] or a
     (packed, scales, biases) tuple (mlx-lm's quantized cache layout)."""
@@ -333,17 +361,7 @@ class _Call:
             keep.append(sl)
             view.seq_lens = sl.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
-        p = self.params = C.kva_attn_params()
-        if scale is not None:
-            scale = float(scale)
-            if scale == 0.0:
-                raise C.error(C.EINVAL, "scale = 0 is not a scale (None = 1/sqrt(Dk))")
-            p.scale = scale
-        if softcap is not None:
-            softcap = float(softcap)
-            if softcap == 0.0:
-                raise C.error(C.EINVAL, "softcap = 0 must be > 0 (None = no softcap)")
-            p.softcap = softcap
+        p = self.params = _params(scale, softcap)
         if sinks is not None:
             sk = np.ascontiguousarray(np.asarray(sinks), dtype=np.float32)
             if q.ndim == 4 and sk.shape != (H,):  # (a q of the wrong rank fails first in the library)
@@ -360,14 +378,8 @@ class _Call:
                 seg = seg.reshape(1, -1)
             keep.append(seg)
             m.segments = C.tensor(seg, "mask.segments")
-        if mask is None:
-            m.kind = C.MASK_NONE
-        elif isinstance(mask, str):
-            if mask != "causal":
-                raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
-            m.kind = C.MASK_CAUSAL
-        else:
-            m.kind = C.MASK_ARRAY
+        m.kind = _mask_kind(mask)
+        if m.kind == C.MASK_ARRAY:
             ma = self._mask_array(np.asarray(mask), (B, H, L, N))
             keep.append(ma)
             m.array = C.tensor(ma, "mask.array")

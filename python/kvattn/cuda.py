@@ -96,7 +96,7 @@ class _Call:
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
                  seq_lens, out):
-        from . import _check_int, _window
+        from . import _check_int, _mask_kind, _params, _window
         group_size, bits = _check_int(group_size, "group_size"), _check_int(bits, "bits")
         self.keep = [q, k, v]
         self.q, qshape, dev, stream = _tensor(q, "q")
@@ -119,15 +119,7 @@ class _Call:
             if t.dtype != C.I32 or shape != (B,):
                 raise C.error(C.ESHAPE, "seq_lens must be int32 [B] = [%d] on the device" % B)
             view.seq_lens = ctypes.cast(t.data, ctypes.POINTER(ctypes.c_int32))
-        p = self.params = C.kva_attn_params()
-        if scale is not None:
-            if float(scale) == 0.0:
-                raise C.error(C.EINVAL, "scale = 0 is not a scale (None = 1/sqrt(Dk))")
-            p.scale = float(scale)
-        if softcap is not None:
-            if float(softcap) == 0.0:
-                raise C.error(C.EINVAL, "softcap = 0 must be > 0 (None = no softcap)")
-            p.softcap = float(softcap)
+        p = self.params = _params(scale, softcap)
         if sinks is not None:
             t, shape, _, _ = _tensor(self._device_array(sinks, "sinks"), "sinks")
             if t.dtype != C.F32 or shape != (H,):
@@ -138,14 +130,8 @@ class _Call:
         m.segments_clamp = int(bool(clamp))
         if segments is not None:
             m.segments, _, _, _ = _tensor(self._device_array(segments, "mask.segments"), "mask.segments")
-        if mask is None:
-            m.kind = C.MASK_NONE
-        elif isinstance(mask, str):
-            if mask != "causal":
-                raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
-            m.kind = C.MASK_CAUSAL
-        else:
-            m.kind = C.MASK_ARRAY
+        m.kind = _mask_kind(mask)
+        if m.kind == C.MASK_ARRAY:
             m.array, _, _, _ = _tensor(self._device_array(mask, "mask.array"), "mask.array")
 
     def _device_array(self, x, name):
