@@ -44,7 +44,8 @@ ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
 
-.PHONY: all lib test test-c test-py bench bench-paged install clean format
+.PHONY: all lib test test-c test-py bench bench-paged install clean format FORCE
+FORCE:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 
 $(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
@@ -71,7 +72,7 @@ $(BUILD)/kvattn_tests: $(patsubst %.c,$(BUILD)/%.o,$(TEST_SRC)) $(BUILD)/libkvat
 	$(CC) -o $@ $^ $(LDLIBS)
 $(ASAN_DIR)/kvattn_tests: $(patsubst %.c,$(ASAN_DIR)/%.o,$(TEST_SRC)) $(ASAN_OBJS)
 	$(CC) $(ASAN_FLAGS) -o $@ $^ $(LDLIBS)
-$(BUILD)/kvattn.pc: Makefile
+$(BUILD)/kvattn.pc: FORCE # regenerated every time: it carries PREFIX
 	@mkdir -p $(BUILD)
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: kvattn\nDescription: fused attention over quantized/paged KV caches\nVersion: %s\nLibs: -L$${libdir} -lkvattn\nLibs.private: %s\nCflags: -I$${includedir}\n' \
 	  '$(PREFIX)' "$$(sed -n 's/^#define KVA_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)/\2/p' include/kvattn.h | paste -sd.)" '$(LDLIBS)' > $@
