@@ -25,7 +25,10 @@ def run_case(request, B, H, KVH, L, N, Dk, Dv, kv_dtype, q_dtype, bits=0, group_
     out = kvattn.attention(q, k, v, group_size=group_size, bits=bits, threads=threads, **kw)
     assert out.shape == (B, H, L, Dv) and out.dtype == q.dtype
     ref = ref_attention(q, k, v, group_size=group_size, bits=bits, **kw)
-    assert_close(out, ref, request.node.name, compute_atol(q, KVH))
+    # f32 rounding in the logits grows with their size: scale the allowance by
+    # how much an explicit scale enlarges them over the default 1/sqrt(Dk).
+    growth = max(1.0, abs(kw["scale"]) * Dk ** 0.5) if kw.get("scale") is not None else 1.0
+    assert_close(out, ref, request.node.name, compute_atol(q, KVH) * growth)
     return q, k, v, out, ref
 
 
@@ -204,7 +207,7 @@ def test_views_into_larger_cache(request, bits):
         k = kc[:, 1:, :N]
         v = vt[:, :N].transpose(0, 2, 1, 3)
     out = kvattn.attention(q, k, v, mask="causal", bits=bits)
-    assert_close(out, ref_attention(q, k, v, mask="causal", bits=bits), "views")
+    assert_close(out, ref_attention(q, k, v, mask="causal", bits=bits), "views", compute_atol(q, KVH))
 
 
 def test_noncontiguous_innermost_inputs_are_copied(request):
