@@ -8,6 +8,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 /* The six arrays of a pool, in memory order. */
 enum { ARR_K, ARR_V, ARR_KS, ARR_KB, ARR_VS, ARR_VB, ARR_COUNT };
@@ -86,6 +87,20 @@ static kva_tensor array_tensor(const kva_pool_desc *d, char *mem, const size_t o
   return kva_tensor_4d(mem + off[a], dt, d->num_blocks, d->kv_heads, d->block_size, elems);
 }
 
+/* Block memory owned by the pool: large pools get 2 MiB alignment and the
+ * advice to back them with huge pages, since a batch's blocks are scattered
+ * over the whole pool (one TLB entry per 2 MiB instead of per 4 KiB). */
+#define POOL_HUGE_PAGE ((size_t)2 << 20)
+static void *pool_alloc(size_t bytes) {
+  if (bytes < POOL_HUGE_PAGE) return aligned_alloc(KVA_POOL_ALIGN, (bytes + KVA_POOL_ALIGN - 1) / KVA_POOL_ALIGN * KVA_POOL_ALIGN);
+  const size_t rounded = (bytes + POOL_HUGE_PAGE - 1) / POOL_HUGE_PAGE * POOL_HUGE_PAGE;
+  void *m = aligned_alloc(POOL_HUGE_PAGE, rounded);
+#ifdef MADV_HUGEPAGE
+  if (m) madvise(m, rounded, MADV_HUGEPAGE); /* advice: failure is harmless */
+#endif
+  return m;
+}
+
 int kva_pool_create(kva_pool **out, const kva_pool_desc *desc, void *memory) {
   kva_clearerr();
   if (!out) return kva_seterr(KVA_EINVAL, "pool (output pointer) is NULL");
@@ -106,7 +121,7 @@ int kva_pool_create(kva_pool **out, const kva_pool_desc *desc, void *memory) {
     p->seq_ref = (int32_t *)calloc(nb, sizeof *p->seq_ref);
     p->reserved = (uint8_t *)calloc(nb, 1);
     p->free_stack = (int32_t *)malloc(nb * sizeof *p->free_stack);
-    p->mem = memory ? memory : aligned_alloc(KVA_POOL_ALIGN, total);
+    p->mem = memory ? memory : pool_alloc(total);
     p->own_mem = memory == NULL;
   }
   if (!p || !p->ref || !p->seq_ref || !p->reserved || !p->free_stack || !p->mem) {
