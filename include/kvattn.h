@@ -168,9 +168,14 @@ int kva_causal_mask(int64_t n, int64_t offset, int32_t window, kva_tensor *out);
 int kva_image_mask(const kva_tensor *segments, int32_t window, int clamp, kva_tensor *out);
 
 /* --------------------------------------------------------- KV views */
-typedef enum kva_layout { KVA_LAYOUT_CONTIGUOUS = 0, KVA_LAYOUT_PAGED = 1 } kva_layout;
+typedef enum kva_layout {
+  KVA_LAYOUT_CONTIGUOUS = 0, /* one [B, KVH, N, D] cache per operand */
+  KVA_LAYOUT_PAGED = 1,      /* a kva_paged_view of a library pool (CPU) */
+  KVA_LAYOUT_BLOCK_TABLE = 2 /* caller-owned pools + a kva_block_table (CPU and CUDA) */
+} kva_layout;
 
-struct kva_paged_view; /* opaque, see the paged API */
+struct kva_paged_view;  /* opaque, see the paged API */
+struct kva_block_table; /* see the paged API */
 
 /* What one attention call reads: K and V of B sequences. The kernels ask the
  * view for rows; the same call serves every layout. */
@@ -181,7 +186,8 @@ typedef struct kva_kv_view {
    * NULL: every sequence has length N. Host memory on the CPU backend,
    * device memory on CUDA. */
   const int32_t *seq_lens;
-  const struct kva_paged_view *paged; /* PAGED only */
+  const struct kva_paged_view *paged;  /* PAGED only */
+  const struct kva_block_table *table; /* BLOCK_TABLE only (k, v are then the pools) */
 } kva_kv_view;
 
 kva_kv_view kva_view_contiguous(const kva_kv *k, const kva_kv *v, const int32_t *seq_lens);
@@ -402,6 +408,52 @@ int kva_paged_view_csr(const kva_paged_view *view, kva_paged_csr *csr);
 /* Copies sequence b's rows (view indices 0..len-1) bit for bit into k, v:
  * kva_kv [1, KVH, >= len, D] in the pool's format. */
 int kva_paged_view_gather(const kva_paged_view *view, int64_t b, kva_kv *k, kva_kv *v);
+
+/* ---- caller-owned pools addressed by a block table (vLLM-style) */
+/* The layout for engines that manage blocks themselves, and the paged layout
+ * of the CUDA backend: the pools are kva_kv [num_blocks, KVH, block_size, D]
+ * (kva_pool_k/v of a library pool, or the caller's own arrays of that shape
+ * and any strides) and the table names each sequence's blocks in token
+ * order. Sequence b's tokens are the rows first_offset[b] ..
+ * first_offset[b] + seq_lens[b] - 1 of its table row read as one long array:
+ * row r lives in block blocks[b * row_stride + r / block_size], at row
+ * r % block_size. The CPU backend reads host arrays and validates every
+ * entry it will use (a bad id or length: an error, nothing written). On CUDA
+ * the pools and the three arrays are device memory, read by the kernels (so
+ * a captured graph follows later changes of lengths and tables); there a
+ * length is clamped into [0, max_blocks * block_size - first_offset] and a
+ * row in an out-of-range block reads as masked, so bad values never fault. */
+typedef struct kva_block_table {
+  int64_t batch;               /* B */
+  int64_t max_blocks;          /* table columns: a sequence spans at most max_blocks blocks */
+  int64_t row_stride;          /* int32 elements between table rows; 0 = max_blocks */
+  const int32_t *blocks;       /* [B, max_blocks] block ids; entries past a sequence's last block are never read */
+  const int32_t *seq_lens;     /* [B] tokens, 1 <= len <= max_blocks * block_size - first_offset */
+  const int32_t *first_offset; /* [B] rows of the first block before token 0 (window trims); NULL = 0 */
+} kva_block_table;
+
+/* The kva_kv_view for kva_attention (layout BLOCK_TABLE; the longest
+ * possible sequence, max_blocks * block_size, plays the role of N). */
+kva_kv_view kva_view_block_table(const kva_kv *k_pool, const kva_kv *v_pool, const kva_block_table *table);
+/* Fills a block table in host memory from a view of a library pool (to copy
+ * to the device with the pool's memory): blocks [B, max_blocks] (row stride
+ * max_blocks; unused entries -1), seq_lens [B], first_offset [B]. ESHAPE when
+ * a sequence has more than max_blocks blocks; nothing written on error. */
+int kva_paged_view_block_table(const kva_paged_view *view, int64_t max_blocks, int32_t *blocks,
+                               int32_t *seq_lens, int32_t *first_offset);
+
+/* Writes n new tokens into pool slots (the engine's append step):
+ * k [n, KVH, Dk] and v [n, KVH, Dv] (f32/f16/bf16, any strides, innermost
+ * contiguous), slots [n] int32 = block * block_size + row; a negative slot
+ * skips its token (padding). Float pools store the rows rounded to the pool
+ * dtype; quantized pools store kva_quantize of each row, bit for bit (also
+ * on CUDA). k_pool, v_pool: kva_kv [num_blocks, KVH, block_size, D] as for
+ * kva_view_block_table. Runs on ctx's backend: host memory on the CPU;
+ * device memory and ctx's stream on CUDA (asynchronous, graph-capturable;
+ * there an out-of-range slot is skipped, on the CPU it is an error). Two
+ * tokens naming the same slot: one of them wins. */
+int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                    const kva_tensor *v, const int32_t *slots, int64_t n);
 /* ---- end paged ---- */
 
 #ifdef __cplusplus
