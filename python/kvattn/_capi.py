@@ -112,7 +112,7 @@ class kva_mask(ctypes.Structure):
     ]
 
 
-LAYOUT_CONTIGUOUS, LAYOUT_PAGED = 0, 1
+LAYOUT_CONTIGUOUS, LAYOUT_PAGED, LAYOUT_BLOCK_TABLE = 0, 1, 2
 
 
 class kva_kv_view(ctypes.Structure):
@@ -121,7 +121,8 @@ class kva_kv_view(ctypes.Structure):
         ("k", kva_kv),
         ("v", kva_kv),
         ("seq_lens", ctypes.POINTER(ctypes.c_int32)),
-        ("paged", ctypes.c_void_p),
+        ("paged", ctypes.c_void_p),   # const struct kva_paged_view *
+        ("table", ctypes.c_void_p),   # const struct kva_block_table * (BLOCK_TABLE only; NULL otherwise)
     ]
 
 

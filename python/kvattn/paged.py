@@ -9,6 +9,12 @@ a view (the C API's kva_pool_* / kva_seq_* / kva_paged_view_*).
     t = s.fork()                                         # shares s's blocks (copy-on-write)
     with pool.view([s, t]) as view:                      # an immutable snapshot of both
         out = view.attention(q, mask="causal")           # q [2, H, L, Dk] -> [2, H, L, Dv]
+        blocks, lens, first = view.block_table()         # the same batch as a block table ...
+    out2 = block_table_attention(q, pool.k, pool.v, blocks, lens, first, mask="causal", bits=4)  # bit for bit
+
+block_table_attention reads caller pools [num_blocks, KVH, block_size, D]
+(float arrays or (packed, scales, biases) tuples) through a block table
+[B, max_blocks] (the vLLM-style layout; KVA_LAYOUT_BLOCK_TABLE in C).
 
 The pool's block memory is a numpy buffer owned by the Pool (pool.k / pool.v
 expose it as [num_blocks, KVH, block_size, ...] arrays); metadata lives in the
@@ -23,7 +29,8 @@ import numpy as np
 from . import _capi as C
 from ._capi import lib
 
-__all__ = ["Pool", "Sequence", "PagedView", "paged_attention"]
+__all__ = ["Pool", "Sequence", "PagedView", "block_table_attention", "block_table_reference_attention",
+           "paged_attention"]
 
 _POOL_ALIGN = 64  # KVA_POOL_ALIGN
 _WORD_BITS = 32
@@ -68,6 +75,17 @@ class kva_paged_csr(ctypes.Structure):
     ]
 
 
+class kva_block_table(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("max_blocks", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("blocks", _i32p),
+        ("seq_lens", _i32p),
+        ("first_offset", _i32p),
+    ]
+
+
 def _proto(name, restype, *argtypes):
     fn = getattr(lib, name)
     fn.restype = restype
@@ -102,6 +120,8 @@ _proto("kva_paged_view_release", None, _vp)
 _proto("kva_view_paged", C.kva_kv_view, _vp)
 _proto("kva_paged_view_csr", ctypes.c_int, _vp, _P(kva_paged_csr))
 _proto("kva_paged_view_gather", ctypes.c_int, _vp, ctypes.c_int64, _P(C.kva_kv), _P(C.kva_kv))
+_proto("kva_paged_view_block_table", ctypes.c_int, _vp, ctypes.c_int64, _i32p, _i32p, _i32p)
+_proto("kva_view_block_table", C.kva_kv_view, _P(C.kva_kv), _P(C.kva_kv), _P(kva_block_table))
 
 
 def _int(value, name):
@@ -448,6 +468,24 @@ class PagedView:
     def lens(self):
         return self.csr()["lens"]
 
+    def block_table(self, max_blocks=None):
+        """The view as a block table in host memory: (blocks [B, max_blocks],
+        seq_lens [B], first_offset [B]) int32 arrays, unused entries -1.
+        max_blocks None = the most blocks any sequence of the view has;
+        KvaError (ESHAPE) when a sequence has more than max_blocks. The table
+        holds no references: keep the view (or its sequences) alive while
+        the pool's blocks are read through it."""
+        c = self._csr_struct()
+        B = c.batch
+        if max_blocks is None:
+            indptr = np.ctypeslib.as_array(c.indptr, shape=(B + 1,))
+            max_blocks = int(np.diff(indptr).max())
+        mb = _int(max_blocks, "max_blocks")
+        blocks = np.empty((B, max(mb, 1)), np.int32)
+        seq_lens, first = np.empty(B, np.int32), np.empty(B, np.int32)
+        C.check(lib.kva_paged_view_block_table(self.handle, mb, _i32(blocks), _i32(seq_lens), _i32(first)))
+        return blocks, seq_lens, first
+
     def gather(self, b):
         """Sequence b's rows bit for bit in the pool's format: k, v as
         [KVH, len, D] float arrays, or (packed, scales, biases) tuples."""
@@ -540,3 +578,99 @@ def paged_attention(q, view, **kw):
         raise TypeError("view must be a kvattn.paged.PagedView, got %s" % type(view).__name__)
     return view.attention(q, **kw)
 
+
+
+# ------------------------------------------------------- block tables
+def _table_array(x, name, ndim):
+    arr = C.int32_array(x, name)
+    if arr.dtype != np.int32:
+        raise C.error(C.EDTYPE, "%s has unsupported dtype %s (int32 expected)" % (name, arr.dtype))
+    if arr.ndim != ndim:
+        raise C.error(C.ESHAPE, "%s must have rank %d, got shape %s" % (name, ndim, list(arr.shape)))
+    return arr
+
+
+def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp, softcap,
+                sinks, group_size, bits, out):
+    """The contiguous binding's call descriptors, with the pools and a
+    kva_block_table in place of K/V (layout BLOCK_TABLE)."""
+    from . import _Call
+
+    call = _Call(q, k_pool, v_pool, scale, None, window, segments, clamp, softcap, sinks, group_size, bits, None, out)
+    bl = _table_array(blocks, "blocks", 2)
+    B, mb = bl.shape
+    # Rows of blocks may be strided (e.g. table[:, :m] of a wider table):
+    # row_stride in int32 elements; overlapping or odd strides are copied.
+    if B > 1 and (bl.strides[0] % 4 or bl.strides[0] < 4 * mb):
+        bl = np.ascontiguousarray(bl)
+    row_stride = bl.strides[0] // 4 if B > 1 else 0
+    sl = np.ascontiguousarray(_table_array(seq_lens, "seq_lens", 1))
+    if sl.shape != (B,):
+        raise C.error(C.ESHAPE, "seq_lens must have shape [B] = [%d] (the rows of blocks), got %s"
+                      % (B, list(sl.shape)))
+    t = kva_block_table()
+    t.batch, t.max_blocks, t.row_stride = B, mb, row_stride
+    t.blocks, t.seq_lens = _i32(bl), _i32(sl)
+    call.keep += [bl, sl, t]
+    if first_offset is not None:
+        fo = np.ascontiguousarray(_table_array(first_offset, "first_offset", 1))
+        if fo.shape != (B,):
+            raise C.error(C.ESHAPE, "first_offset must have shape [B] = [%d], got %s" % (B, list(fo.shape)))
+        call.keep.append(fo)
+        t.first_offset = _i32(fo)
+    call.view = lib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
+    m = call.params.mask
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
+        m.kind = C.MASK_CAUSAL
+    elif mask is not None:
+        # N = max_blocks * block_size (the pools' shape[2]).
+        kp = k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool
+        kp = np.asarray(kp)
+        bs = kp.shape[2] if kp.ndim == 4 else 1
+        qa = np.asarray(q)
+        Bq, H, L = qa.shape[:3] if qa.ndim == 4 else (1, 1, 1)
+        ma = call._mask_array(np.asarray(mask), (Bq, H, L, mb * bs))
+        call.keep.append(ma)
+        m.kind = C.MASK_ARRAY
+        m.array = C.tensor(ma, "mask.array")
+    return call
+
+
+def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
+                          window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, threads=None,
+                          *, clamp=False, out=None, context=None):
+    """Attention of q [B, H, L, Dk] over caller pools addressed by a block table.
+
+    k_pool, v_pool: [num_blocks, KVH, block_size, D] float arrays or
+      (packed, scales, biases) tuples with `bits` / `group_size` (e.g.
+      Pool.k / Pool.v), read in place.
+    blocks [B, max_blocks] int32: sequence b's blocks in token order (entries
+      past its last block are never read; a strided slice of a wider table
+      is read in place); seq_lens [B]: tokens; first_offset [B] (None = 0):
+      rows of the first block before token 0. Token t of sequence b is row
+      r = first_offset[b] + t of its table row: block blocks[b, r // block_size],
+      row r % block_size.
+    Positions, masks and the other arguments as kvattn.attention (row i of
+    sequence b at position seq_lens[b] - L + i); N = max_blocks * block_size
+    for segments [B, N] and mask arrays [B, H, L, N]. Every used entry is
+    validated (KvaError, nothing written). Returns [B, H, L, Dv] in q's dtype."""
+    from . import default_context
+
+    call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
+                       softcap, sinks, group_size, bits, out)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_attention(ctx.handle, *call.refs(), None, 0))
+    return call.out_array
+
+
+def block_table_reference_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
+                                    window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
+                                    clamp=False, out=None):
+    """The library's double-precision oracle on block_table_attention's arguments."""
+    call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
+                       softcap, sinks, group_size, bits, out)
+    C.check(lib.kva_reference_attention(*call.refs()))
+    return call.out_array

@@ -6,7 +6,8 @@ import pytest
 
 import kvattn
 from kvattn import _capi as C
-from kvattn.paged import PagedView, Pool, paged_attention
+from kvattn.paged import (PagedView, Pool, block_table_attention, block_table_reference_attention,
+                          paged_attention)
 from kvref import BF16, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, compute_atol, randn, ref_attention, rng_for
 
 # (dtype, bits, group): float pools and every bits / group at least once
@@ -329,3 +330,129 @@ def test_view_type_and_release():
     with pytest.raises(kvattn.KvaError) as e:
         pool.view([])
     assert e.value.code == C.EINVAL
+
+
+# ------------------------------------------------------------ block tables
+TABLE_CASES = {
+    "decode_q4_causal": dict(fmt=(BF16, 4, 64), H=8, KVH=2, L=1, D=128, block=16, kw={"mask": "causal"}, q=BF16),
+    "verify_q8_window_sinks": dict(fmt=(F32, 8, 32), H=6, KVH=2, L=8, D=64, block=8,
+                                   kw={"mask": "causal", "window": 9, "sinks": True}),
+    "decode_f16_softcap": dict(fmt=(F16, 0, 0), H=4, KVH=4, L=1, D=64, block=32,
+                               kw={"mask": "causal", "softcap": 5.0}),
+    "fallback_L20_q4": dict(fmt=(F32, 4, 32), H=4, KVH=2, L=20, D=64, block=16, kw={"mask": "causal"}),
+}
+
+
+def _trimmed_view(rng, c):
+    """A shuffled pool with three ragged sequences, two trimmed (first_offset != 0)."""
+    dtype, bits, group = c["fmt"]
+    pool = Pool(64, c["block"], c["KVH"], c["D"], dtype=dtype, bits=bits, group_size=group or 64)
+    pool.shuffle(11)
+    seqs = []
+    for n, keep in ((45, 40), (130, 119), (77, 77)):
+        s = pool.sequence()
+        s.append(randn(rng, (c["KVH"], n, c["D"]), dtype), randn(rng, (c["KVH"], n, c["D"]), dtype))
+        seqs.append(s.trim(keep))
+    return pool, seqs, pool.view(seqs)
+
+
+@pytest.mark.parametrize("name", list(TABLE_CASES))
+def test_block_table_equals_paged(request, name):
+    c = TABLE_CASES[name]
+    rng = rng_for(request)
+    dtype, bits, group = c["fmt"]
+    pool, seqs, view = _trimmed_view(rng, c)
+    kw = dict(c["kw"])
+    if kw.pop("sinks", False):
+        kw["sinks"] = randn(rng, (c["H"],))
+    fmt = dict(group_size=group or 64, bits=bits or 4)
+    q = randn(rng, (3, c["H"], c["L"], c["D"]), c.get("q", F32))
+    want = paged_attention(q, view, **kw)
+    blocks, lens, first = view.block_table()
+    csr = view.csr()
+    assert blocks.shape == (3, int(np.diff(csr["indptr"]).max())) and blocks.dtype == np.int32
+    assert list(lens) == [40, 119, 77] and list(lens) == list(csr["lens"])
+    assert list(first) == list(csr["first_offset"]) and first.any()
+    for b in range(3):
+        nb = csr["indptr"][b + 1] - csr["indptr"][b]
+        assert list(blocks[b, :nb]) == list(csr["indices"][csr["indptr"][b]:csr["indptr"][b + 1]])
+        assert (blocks[b, nb:] == -1).all()
+    got = block_table_attention(q, pool.k, pool.v, blocks, lens, first, **fmt, **kw)
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), name
+    # A wider table (row stride > max_blocks, junk past each sequence's blocks), read in place.
+    mb = blocks.shape[1]
+    wide = np.full((3, mb + 5), 2**31 - 1, np.int32)
+    for b in range(3):
+        nb = csr["indptr"][b + 1] - csr["indptr"][b]
+        wide[b, :nb] = blocks[b, :nb]
+    got2 = block_table_attention(q, pool.k, pool.v, wide[:, :mb + 1], lens, first, **fmt, **kw)
+    assert np.array_equal(got2.view(np.uint8), want.view(np.uint8)), name + " (strided table)"
+    ref = block_table_reference_attention(q, pool.k, pool.v, blocks, lens, first, **fmt, **kw)
+    assert np.array_equal(ref.view(np.uint8), view.reference_attention(q, **kw).view(np.uint8))
+    assert_same_result(got, ref, name + " vs the library's oracle", compute_atol(q, c["KVH"]))
+    view.release()
+
+
+def test_block_table_mask_array_and_caller_pools(request):
+    """A caller's own float pools (block size 5) and an explicit mask [B, H, L, max_blocks * block_size]
+    against the float64 reference over the contiguous cache."""
+    rng = rng_for(request)
+    B, H, KVH, L, D, bs = 2, 4, 2, 3, 64, 5
+    lens = np.array([23, 9], np.int32)
+    first = np.array([3, 0], np.int32)
+    K, V = randn(rng, (B, KVH, 23, D), F32), randn(rng, (B, KVH, 23, D), F32)
+    k_pool = np.full((12, KVH, bs, D), np.nan, np.float32)
+    v_pool = np.full((12, KVH, bs, D), np.nan, np.float32)
+    max_blocks = 6
+    blocks = np.full((B, max_blocks), -1, np.int32)
+    free = list(rng.permutation(12))
+    for b in range(B):
+        for t in range(lens[b]):
+            r = first[b] + t
+            if blocks[b, r // bs] < 0:
+                blocks[b, r // bs] = free.pop()
+            k_pool[blocks[b, r // bs], :, r % bs] = K[b, :, t]
+            v_pool[blocks[b, r // bs], :, r % bs] = V[b, :, t]
+    q = randn(rng, (B, H, L, D), F32)
+    mask = rng.random((B, H, L, max_blocks * bs)) < 0.7
+    out = block_table_attention(q, k_pool, v_pool, blocks, lens, first, mask=mask)
+    ref = ref_attention(q, K, V, seq_lens=lens, mask=mask[..., :23])
+    assert_close(out, ref, "caller pools, mask array", compute_atol(q, KVH))
+    assert np.isfinite(out).all()
+
+
+def test_block_table_errors():
+    pool = Pool(8, 8, 1, 64, dtype=F32)
+    s = pool.sequence()
+    s.append(np.ones((1, 20, 64), np.float32), np.ones((1, 20, 64), np.float32))
+    q = np.zeros((1, 2, 1, 64), np.float32)
+    with pool.view([s]) as view:
+        blocks, lens, first = view.block_table()
+        assert blocks.shape == (1, 3)
+        with pytest.raises(kvattn.KvaError) as e:
+            view.block_table(2)
+        assert e.value.code == C.ESHAPE and "max_blocks = 2" in str(e.value)
+        wide, _, _ = view.block_table(5)
+        assert list(wide[0, 3:]) == [-1, -1]
+        good = block_table_attention(q, pool.k, pool.v, wide, lens, first)
+        assert np.array_equal(good, block_table_attention(q, pool.k, pool.v, blocks, lens))
+        bad = blocks.copy()
+        bad[0, 2] = 8
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v, bad, lens, first)
+        assert e.value.code == C.EINVAL and "table.blocks[0][2] = 8" in str(e.value)
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v, blocks, np.array([25], np.int32))
+        assert e.value.code == C.ESHAPE and "table.seq_lens[0] = 25" in str(e.value)
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v, blocks, lens, np.array([8], np.int32))
+        assert e.value.code == C.EINVAL and "first_offset[0] = 8" in str(e.value)
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v, blocks, np.array([20, 20], np.int32))
+        assert e.value.code == C.ESHAPE and "seq_lens must have shape [B] = [1]" in str(e.value)
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v[:4], blocks, lens)
+        assert e.value.code == C.ESHAPE and "v_pool.shape[0] = 4" in str(e.value)
+        with pytest.raises(kvattn.KvaError) as e:
+            block_table_attention(q, pool.k, pool.v, blocks.reshape(-1), lens)
+        assert e.value.code == C.ESHAPE and "blocks must have rank 2" in str(e.value)

@@ -3,6 +3,7 @@
 #include "core/attention.h"
 #include "core/backend.h"
 #include "cpu/threadpool.h"
+#include "paged/paged.h"
 
 #include <math.h>
 #include <string.h>
@@ -24,6 +25,7 @@ kva_attn_params kva_attn_defaults(void) {
 
 int64_t kva_problem_len(const kva_problem *p, int64_t b) {
   if (p->kv->layout == KVA_LAYOUT_PAGED) return kva_paged_view_len(p->kv, b);
+  if (p->kv->layout == KVA_LAYOUT_BLOCK_TABLE) return kva_block_table_len(p->kv, b);
   return p->seq_lens ? p->seq_lens[b] : p->N;
 }
 
@@ -90,6 +92,9 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   } else if (kv->layout == KVA_LAYOUT_PAGED) {
     if (!kv->paged) return kva_seterr(KVA_EINVAL, "kv.paged is NULL for a paged view");
     if ((rc = kva_paged_view_check(kv, &B, &KVH, &Dk, &Dv, &N))) return rc;
+  } else if (kv->layout == KVA_LAYOUT_BLOCK_TABLE) {
+    /* k, v are the pools; N = max_blocks * block_size (the longest possible sequence). */
+    if ((rc = kva_block_table_check(kv, &B, &KVH, &Dk, &Dv, &N))) return rc;
   } else {
     return kva_seterr(KVA_EINVAL, "kv.layout = %d is not a kva_layout", (int)kv->layout);
   }
@@ -131,6 +136,10 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
         if (kv->seq_lens[b] < p->L || kv->seq_lens[b] > N)
           return kva_seterr(KVA_ESHAPE, "seq_lens[%lld] = %d must be in [L, N] = [%lld, %lld]",
                             (long long)b, kv->seq_lens[b], (long long)p->L, (long long)N);
+  } else if (kv->layout == KVA_LAYOUT_BLOCK_TABLE) {
+    /* Host arrays on the CPU; on CUDA they are device memory, read (and
+     * clamped) by the kernels only. */
+    if (backend == KVA_BACKEND_CPU && (rc = kva_block_table_check_entries(kv, p->L))) return rc;
   } else {
     if (backend == KVA_BACKEND_CPU)
       for (int64_t b = 0; b < B; ++b)
@@ -138,7 +147,8 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
           return kva_seterr(KVA_ESHAPE, "sequence %lld of the paged view has %lld tokens < L = %lld",
                             (long long)b, (long long)kva_paged_view_len(kv, b), (long long)p->L);
   }
-  /* The output may not overlap any input (for a paged view, k/v describe the pools). */
+  /* The output may not overlap any input (for the paged and block-table
+   * layouts, k/v describe the whole pools). */
   const kva_tensor *ins[] = {q, &kv->k.data, &kv->k.scales, &kv->k.biases, &kv->v.data,
                              &kv->v.scales, &kv->v.biases};
   static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases"};

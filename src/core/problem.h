@@ -13,7 +13,8 @@
 typedef struct kva_problem {
   int64_t B, H, KVH, rep, L; /* rep = H / KVH query heads per KV head */
   int64_t Dk, Dv;
-  int64_t N;                 /* capacity: contiguous K.shape[2], paged: longest sequence */
+  int64_t N;                 /* capacity: contiguous K.shape[2], paged: longest sequence,
+                                block table: max_blocks * block_size */
   float scale;               /* resolved (never 0) */
   float softcap;             /* 0 = none */
   kva_mask mask;             /* as given; array/segments normalized below */
@@ -21,7 +22,7 @@ typedef struct kva_problem {
   const float *sinks;        /* [H] or NULL */
   const kva_tensor *q, *out;
   const kva_kv_view *kv;
-  const int32_t *seq_lens;   /* [B] or NULL (all N); contiguous layout only */
+  const int32_t *seq_lens;   /* [B] or NULL (all N); contiguous layout only (block table: kv->table) */
   kva_path path;
 } kva_problem;
 

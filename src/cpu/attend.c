@@ -274,8 +274,11 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
     int64_t len = kva_problem_len(p, b), span = len - visible_lo(p, len);
     r.item0[b + 1] = r.item0[b] + (span + r.pl.chunk - 1) / r.pl.chunk * p->KVH * r.pl.ngroups;
   }
-  if (p->kv->layout == KVA_LAYOUT_PAGED) kva_source_paged(&r.src, p->kv);
-  else kva_source_contiguous(&r.src, p->kv);
+  switch (p->kv->layout) {
+  case KVA_LAYOUT_PAGED: kva_source_paged(&r.src, p->kv); break;
+  case KVA_LAYOUT_BLOCK_TABLE: kva_source_block_table(&r.src, p->kv); break;
+  default: kva_source_contiguous(&r.src, p->kv); break;
+  }
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
   r.generic = kt->generic;
   r.fused = p->path == KVA_PATH_FUSED ? kt->fast(p) : NULL;

@@ -2,8 +2,8 @@
  *
  * A kva_span is a run of consecutive tokens of one (sequence, KV head) whose
  * rows are equally strided in memory: a contiguous cache gives one span per
- * token range, a paged cache one span per block. The kernels consume spans;
- * a kva_source produces them. */
+ * token range, a paged cache (view or block table) one span per block. The
+ * kernels consume spans; a kva_source produces them. */
 #ifndef KVA_CPU_SOURCE_H
 #define KVA_CPU_SOURCE_H
 
@@ -41,6 +41,8 @@ struct kva_source {
 void kva_source_contiguous(kva_source *src, const kva_kv_view *view);
 /* A source over a paged view (src/paged/). */
 void kva_source_paged(kva_source *src, const kva_kv_view *view);
+/* A source over caller pools addressed by a block table (src/paged/). */
+void kva_source_block_table(kva_source *src, const kva_kv_view *view);
 /* Row format of a kva_kv. */
 kva_rowfmt kva_rowfmt_of(const kva_kv *kv);
 #endif

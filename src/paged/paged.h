@@ -1,7 +1,8 @@
 /* Paged KV cache internals: the block pool, sequence state and the immutable
- * CSR views (src/paged/). Private to the library: the CPU driver and the
- * oracle read views through kva_source_paged (src/cpu/source.h) and validate
- * them with kva_paged_view_check / kva_paged_view_len.
+ * CSR views (src/paged/), and the block-table layout over caller pools.
+ * Private to the library: the CPU driver and the oracle read views through
+ * kva_source_paged / kva_source_block_table (src/cpu/source.h) and validate
+ * them with kva_paged_view_check / kva_block_table_check (+ _len).
  *
  * Token addressing: a sequence's tokens are the rows first_offset ..
  * first_offset+len-1 of its block table read as one long array; table row r
@@ -75,6 +76,29 @@ int kva_paged_view_check(const kva_kv_view *view, int64_t *B, int64_t *KVH, int6
                          int64_t *max_len);
 /* Tokens of sequence b of a checked paged view. */
 int64_t kva_paged_view_len(const kva_kv_view *view, int64_t b);
+
+/* ---- caller pools + a block table (KVA_LAYOUT_BLOCK_TABLE, src/paged/table.c) */
+/* int32 elements between table rows (row_stride 0 = max_blocks). */
+static inline int64_t kva_block_table_stride(const kva_block_table *t) {
+  return t->row_stride ? t->row_stride : t->max_blocks;
+}
+/* Rows of sequence b's first block before its token 0. */
+static inline int64_t kva_block_table_first(const kva_block_table *t, int64_t b) {
+  return t->first_offset ? t->first_offset[b] : 0;
+}
+/* Validation of a BLOCK_TABLE kva_kv_view's descriptors (never reads the
+ * table's arrays: on CUDA they are device memory). Pools rank 4
+ * [num_blocks, KVH, block_size, D], checked like contiguous operands, the
+ * same num_blocks, KVH and block_size (any block_size >= 1). Fills the
+ * batch, heads, head dims and N = max_blocks * block_size. */
+int kva_block_table_check(const kva_kv_view *view, int64_t *B, int64_t *KVH, int64_t *Dk, int64_t *Dv, int64_t *N);
+/* Host-side check of every table entry one call over L query rows reads:
+ * 0 <= first_offset[b] < block_size, L <= seq_lens[b], first_offset[b] +
+ * seq_lens[b] <= max_blocks * block_size, and each used block id in
+ * [0, num_blocks). CPU backend only (host arrays). */
+int kva_block_table_check_entries(const kva_kv_view *view, int64_t L);
+/* Tokens of sequence b of a checked block-table view (host arrays). */
+int64_t kva_block_table_len(const kva_kv_view *view, int64_t b);
 
 /* ---- helpers shared by pool.c, seq.c, view.c (caller holds pool->mu) */
 static inline void kva_pool_lock(kva_pool *p) { pthread_mutex_lock(&p->mu); }

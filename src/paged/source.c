@@ -1,9 +1,12 @@
-/* kva_source over a paged view: the span at token t of (sequence b, KV head
- * hk) is the run of rows of t's block, from t to the end of the block or
- * t_end. Rows of one (block, head) are equally strided (the pool's
- * stride[2]), so kernels read blocks in place, with no gather. Address of view
- * index t: table row r = first_offset[b] + t, block indices[indptr[b] + r / bs],
- * row r % bs. Cost per span: two divisions and six address computations. */
+/* kva_source over the two paged layouts: a paged view (PAGED) and caller
+ * pools addressed by a block table (BLOCK_TABLE). The span at token t of
+ * (sequence b, KV head hk) is the run of rows of t's block, from t to the
+ * end of the block or t_end. Rows of one (block, head) are equally strided
+ * (the pool's stride[2]), so kernels read blocks in place, with no gather.
+ * Address of view index t: table row r = first_offset[b] + t, block
+ *   PAGED:       indices[indptr[b] + r / bs]
+ *   BLOCK_TABLE: blocks[b * row_stride + r / bs]
+ * at row r % bs. Cost per span: two divisions and six address computations. */
 #include "cpu/source.h"
 #include "paged/paged.h"
 
@@ -12,26 +15,33 @@ static const char *row_or_null(const kva_tensor *t, int used, int64_t blk, int64
   return used ? kva_pool_row(t, blk, hk, row) : NULL;
 }
 
+/* The span of pools k, v that starts at row `row` of block blk, head hk,
+ * for view index t: up to the end of the block (bs rows) or t_end. */
+static void pool_span(const kva_kv *k, const kva_kv *v, int64_t bs, int64_t blk, int64_t hk, int64_t row, int64_t t,
+                      int64_t t_end, kva_span *sp) {
+  const int kq = k->bits != 0, vq = v->bits != 0;
+  sp->k = kva_pool_row(&k->data, blk, hk, row);
+  sp->ks = row_or_null(&k->scales, kq, blk, hk, row);
+  sp->kb = row_or_null(&k->biases, kq, blk, hk, row);
+  sp->v = kva_pool_row(&v->data, blk, hk, row);
+  sp->vs = row_or_null(&v->scales, vq, blk, hk, row);
+  sp->vb = row_or_null(&v->biases, vq, blk, hk, row);
+  sp->k_rs = k->data.stride[2];
+  sp->ks_rs = kq ? k->scales.stride[2] : 0;
+  sp->kb_rs = kq ? k->biases.stride[2] : 0;
+  sp->v_rs = v->data.stride[2];
+  sp->vs_rs = vq ? v->scales.stride[2] : 0;
+  sp->vb_rs = vq ? v->biases.stride[2] : 0;
+  sp->t0 = t;
+  sp->n = bs - row < t_end - t ? bs - row : t_end - t;
+}
+
 static void paged_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t t, int64_t t_end, kva_span *sp) {
   const kva_paged_view *v = (const kva_paged_view *)src->impl;
   const int64_t bs = v->block_size;
   const int64_t r = v->first_offset[b] + t, slot = r / bs, row = r - slot * bs;
   const int64_t blk = v->indices[v->indptr[b] + slot];
-  const int kq = v->k.bits != 0, vq = v->v.bits != 0;
-  sp->k = kva_pool_row(&v->k.data, blk, hk, row);
-  sp->ks = row_or_null(&v->k.scales, kq, blk, hk, row);
-  sp->kb = row_or_null(&v->k.biases, kq, blk, hk, row);
-  sp->v = kva_pool_row(&v->v.data, blk, hk, row);
-  sp->vs = row_or_null(&v->v.scales, vq, blk, hk, row);
-  sp->vb = row_or_null(&v->v.biases, vq, blk, hk, row);
-  sp->k_rs = v->k.data.stride[2];
-  sp->ks_rs = kq ? v->k.scales.stride[2] : 0;
-  sp->kb_rs = kq ? v->k.biases.stride[2] : 0;
-  sp->v_rs = v->v.data.stride[2];
-  sp->vs_rs = vq ? v->v.scales.stride[2] : 0;
-  sp->vb_rs = vq ? v->v.biases.stride[2] : 0;
-  sp->t0 = t;
-  sp->n = bs - row < t_end - t ? bs - row : t_end - t;
+  pool_span(&v->k, &v->v, bs, blk, hk, row, t, t_end, sp);
 }
 
 void kva_source_paged(kva_source *src, const kva_kv_view *view) {
@@ -40,4 +50,21 @@ void kva_source_paged(kva_source *src, const kva_kv_view *view) {
   src->vf = kva_rowfmt_of(&v->v);
   src->span_at = paged_span_at;
   src->impl = v;
+}
+
+/* impl: the kva_kv_view (k, v are the pools [num_blocks, KVH, bs, D]). */
+static void table_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t t, int64_t t_end, kva_span *sp) {
+  const kva_kv_view *view = (const kva_kv_view *)src->impl;
+  const kva_block_table *tb = view->table;
+  const int64_t bs = view->k.data.shape[2];
+  const int64_t r = kva_block_table_first(tb, b) + t, slot = r / bs, row = r - slot * bs;
+  const int64_t blk = tb->blocks[b * kva_block_table_stride(tb) + slot];
+  pool_span(&view->k, &view->v, bs, blk, hk, row, t, t_end, sp);
+}
+
+void kva_source_block_table(kva_source *src, const kva_kv_view *view) {
+  src->kf = kva_rowfmt_of(&view->k);
+  src->vf = kva_rowfmt_of(&view->v);
+  src->span_at = table_span_at;
+  src->impl = view;
 }

@@ -1,6 +1,7 @@
 /* Immutable CSR views of a batch of sequences: creation from live sequences
  * or from caller arrays (validated), release, the kva_kv_view wrapper, CSR
- * accessors, gather into contiguous rows, and the checks kva_attention calls
+ * accessors, the host block table of a view (kva_paged_view_block_table),
+ * gather into contiguous rows, and the checks kva_attention calls
  * (kva_paged_view_check / kva_paged_view_len). A view copies the block tables
  * and holds one reference per block entry, so later appends, forks, trims and
  * frees cannot change what it reads: appends into a partial last block that
@@ -198,6 +199,32 @@ int kva_paged_view_csr(const kva_paged_view *v, kva_paged_csr *c) {
   c->first_offset = v->first_offset;
   c->start = v->start;
   c->lens = v->lens;
+  return 0;
+}
+
+int kva_paged_view_block_table(const kva_paged_view *v, int64_t max_blocks, int32_t *blocks, int32_t *seq_lens,
+                               int32_t *first_offset) {
+  kva_clearerr();
+  int rc = check_handle(v, "view");
+  if (rc) return rc;
+  if (max_blocks < 1) return kva_seterr(KVA_EINVAL, "max_blocks = %lld must be >= 1", (long long)max_blocks);
+  if (!blocks || !seq_lens || !first_offset)
+    return kva_seterr(KVA_EINVAL, "blocks, seq_lens and first_offset (output arrays) are required");
+  for (int64_t b = 0; b < v->B; ++b) {
+    int64_t nb = (int64_t)v->indptr[b + 1] - v->indptr[b];
+    if (nb > max_blocks)
+      return kva_seterr(KVA_ESHAPE, "sequence %lld of the view has %lld blocks > max_blocks = %lld", (long long)b,
+                        (long long)nb, (long long)max_blocks);
+  }
+  /* Row b of blocks [B, max_blocks]: the view's indices, then -1. */
+  for (int64_t b = 0; b < v->B; ++b) {
+    int32_t *row = blocks + b * max_blocks;
+    int64_t nb = (int64_t)v->indptr[b + 1] - v->indptr[b];
+    memcpy(row, v->indices + v->indptr[b], (size_t)nb * sizeof *row);
+    for (int64_t i = nb; i < max_blocks; ++i) row[i] = -1;
+    seq_lens[b] = v->lens[b];
+    first_offset[b] = v->first_offset[b];
+  }
   return 0;
 }
 

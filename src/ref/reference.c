@@ -52,11 +52,12 @@ static ref_row ref_contig_row(const kva_kv *kv, int64_t b, int64_t hk, int64_t t
 }
 
 static ref_row ref_row_at(const kva_kv_view *view, int which, int64_t b, int64_t hk, int64_t t) {
-  if (view->layout == KVA_LAYOUT_PAGED) {
+  if (view->layout == KVA_LAYOUT_PAGED || view->layout == KVA_LAYOUT_BLOCK_TABLE) {
     /* Row addresses only: the layout's own lookup, no attention math. */
     kva_source src;
     kva_span sp;
-    kva_source_paged(&src, view);
+    if (view->layout == KVA_LAYOUT_PAGED) kva_source_paged(&src, view);
+    else kva_source_block_table(&src, view);
     src.span_at(&src, b, hk, t, t + 1, &sp);
     ref_row r = which ? (ref_row){sp.v, sp.vs, sp.vb} : (ref_row){sp.k, sp.ks, sp.kb};
     return r;
