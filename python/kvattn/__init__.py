@@ -29,8 +29,8 @@ from ._capi import BFLOAT16 as bfloat16
 from ._capi import KvaError, lib
 
 __all__ = [
-    "Context", "KvaError", "attention", "attention_path", "bfloat16", "build_info", "causal_mask",
-    "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
+    "Context", "KvaError", "attention", "attention_path", "bfloat16", "build_info", "cache_write",
+    "causal_mask", "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
     "reference_attention", "set_cpu_simd", "version",
 ]
 
@@ -464,9 +464,74 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
     return {C.PATH_FUSED: "fused", C.PATH_FALLBACK: "fallback"}.get(path, path)
 
 
+# ------------------------------------------------------------- cache write
+
+_cache_write_c = lib.kva_cache_write
+_cache_write_c.restype = ctypes.c_int
+_cache_write_c.argtypes = [ctypes.c_void_p, ctypes.POINTER(C.kva_kv), ctypes.POINTER(C.kva_kv),
+                           ctypes.POINTER(C.kva_tensor), ctypes.POINTER(C.kva_tensor),
+                           ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
+
+
+def _pool_operand(x, name, bits, group_size):
+    """kva_kv of a pool written in place: a float array [num_blocks, KVH,
+    block_size, D] or a (packed, scales, biases) tuple of arrays."""
+    parts = x if isinstance(x, (tuple, list)) else (x,)
+    if len(parts) not in (1, 3):
+        raise C.error(C.EINVAL, "%s must be an array or a (packed, scales, biases) tuple, got %d items"
+                      % (name, len(parts)))
+    for a in parts:
+        if not isinstance(a, np.ndarray):
+            raise TypeError("%s must be numpy arrays (written in place), got %s" % (name, type(a).__name__))
+    kv = C.kva_kv()
+    kv.data = C.tensor(parts[0], name + ".data", output=True)
+    if len(parts) == 3:
+        kv.scales = C.tensor(parts[1], name + ".scales", output=True)
+        kv.biases = C.tensor(parts[2], name + ".biases", output=True)
+        kv.bits = bits
+        kv.group_size = group_size
+    return kv
+
+
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None, *, context=None):
+    """Writes n new tokens into caller-owned pools, in place (the engine's
+    append step, kva_cache_write).
+
+    k_pool, v_pool: [num_blocks, KVH, block_size, D] numpy arrays (float32,
+      float16 or bfloat16), or (packed, scales, biases) tuples in MLX's affine
+      format with `bits` / `group_size`; written in place.
+    k [n, KVH, Dk], v [n, KVH, Dv]: the new rows (float); slots [n] int:
+      block * block_size + row, negative = skip the token. Float pools store
+      the rows rounded to their dtype; quantized pools store quantize() of
+      each row, bit for bit. A slot past the pools raises KvaError (nothing
+      is written then)."""
+    group_size = _check_int(group_size, "group_size")
+    bits = _check_int(bits, "bits")
+    kp = _pool_operand(k_pool, "k_pool", bits, group_size)
+    vp = _pool_operand(v_pool, "v_pool", bits, group_size)
+    k = C.prepare_input(k, "k")
+    v = C.prepare_input(v, "v")
+    sl = np.ascontiguousarray(C.int32_array(slots, "slots"))
+    if sl.dtype != np.int32:
+        raise C.error(C.EDTYPE, "slots has unsupported dtype %s (int32 expected)" % sl.dtype)
+    n = k.shape[0] if k.ndim else 0
+    if sl.shape != (n,):
+        raise C.error(C.ESHAPE, "slots must have shape [n] = [%d] (k.shape[0]), got %s" % (n, list(sl.shape)))
+    kt = C.tensor(k, "k")
+    vt = C.tensor(v, "v")
+    ctx = context if context is not None else default_context(threads)
+    if ctx.backend != "cpu":
+        raise C.error(C.EINVAL, "cache_write: numpy pools need a CPU context, got %r" % (ctx,))
+    with ctx.lock:
+        C.check(_cache_write_c(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt), ctypes.byref(vt),
+                               sl.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n))
+
+
 # CUDA arrays (kvattn.cuda) and the paged KV cache (pools, sequences,
 # immutable views) build on the helpers above.
 from . import cuda as _cuda  # noqa: E402
-from .paged import PagedView, Pool, Sequence, paged_attention  # noqa: E402
+from .paged import (PagedView, Pool, Sequence, block_table_attention,  # noqa: E402
+                    block_table_reference_attention, paged_attention)
 
-__all__ += ["PagedView", "Pool", "Sequence", "paged_attention"]
+__all__ += ["PagedView", "Pool", "Sequence", "block_table_attention", "block_table_reference_attention",
+            "paged_attention"]

@@ -28,6 +28,10 @@ int kva_cuda_context_init(kva_context *ctx);
 void kva_cuda_context_free(kva_context *ctx);
 size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p);
 int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
+/* kva_cache_write on ctx's stream (src/cuda/cache_write.cu): arguments
+ * validated by src/core/cache_write.c; slots out of range are skipped. */
+int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                         const kva_tensor *v, const int32_t *slots, int64_t n);
 /* Allocates / frees the context-owned workspace in device memory. */
 int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr);
 void kva_cuda_workspace_free(kva_context *ctx, void *ptr);

@@ -2,6 +2,7 @@
  * Traffic: quantize reads D values/row, writes D*bits/8 bytes + 2 params/group; dequant reverses.
  * Loops: rows (leading dims, any strides) -> groups (independent, f32) -> u32 words, low first. */
 #include "internal.h"
+#include "quant.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -110,7 +111,9 @@ static void load_row(const void *src, kva_dtype dt, int64_t n, float *dst) {
  * is (a < b ? b : a) and std::min(a, b) is (b < a ? b : a), written out here:
  * NaN elements take no part in min/max, a NaN range leaves the scale NaN, and a
  * NaN code passes the clamp and is stored as 0 (MLX casts it to an integer,
- * undefined in C++; 0 is what its arm64 and x86-64 builds give). */
+ * undefined in C++; 0 is what its arm64 and x86-64 builds give).
+ * src/cuda/cache_write.cu repeats these operations on the device, in this
+ * order and rounding: a change here must be made there too. */
 static void quantize_group(const float *w, int gs, int bits, float *scale_out, float *bias_out,
                            uint32_t *words) {
   const float n_bins = (float)((1 << bits) - 1);
@@ -147,6 +150,20 @@ static void quantize_group(const float *w, int gs, int bits, float *scale_out, f
   *bias_out = bias;
 }
 
+void kva_quantize_row(const void *w, kva_dtype wdt, int64_t D, int bits, int group_size, uint32_t *q,
+                      void *scales, void *biases, kva_dtype sdt) {
+  const int64_t wsz = (int64_t)kva_dtype_size(wdt), ssz = (int64_t)kva_dtype_size(sdt);
+  const int64_t words_per_group = group_size * bits / 32;
+  float buf[KVA_QMAX_GROUP];
+  for (int64_t g = 0; g < D / group_size; ++g) {
+    float scale, bias;
+    load_row((const char *)w + g * group_size * wsz, wdt, group_size, buf);
+    quantize_group(buf, group_size, bits, &scale, &bias, q + g * words_per_group);
+    kva_store_f((char *)scales + g * ssz, sdt, scale);
+    kva_store_f((char *)biases + g * ssz, sdt, bias);
+  }
+}
+
 int kva_quantize(const kva_tensor *w, kva_kv *out) {
   if (!w) return kva_seterr(KVA_EINVAL, "w is NULL");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
@@ -177,24 +194,12 @@ int kva_quantize(const kva_tensor *w, kva_kv *out) {
   lead_dims(&out->data, n, sq);
   lead_dims(&out->scales, n, ss);
   lead_dims(&out->biases, n, sb);
-  const kva_dtype sdt = out->scales.dtype;
-  const int64_t ssz = (int64_t)kva_dtype_size(sdt), wsz = (int64_t)kva_dtype_size(w->dtype);
-  const int64_t words_per_group = gs * bits / 32;
-  float buf[KVA_QMAX_GROUP];
   for (int64_t a = 0; a < n[0]; ++a)
     for (int64_t b = 0; b < n[1]; ++b)
-      for (int64_t c = 0; c < n[2]; ++c) {
-        const char *wr = row_ptr(w, sw, a, b, c);
-        uint32_t *qr = (uint32_t *)row_ptr(&out->data, sq, a, b, c);
-        char *sr = row_ptr(&out->scales, ss, a, b, c), *br = row_ptr(&out->biases, sb, a, b, c);
-        for (int64_t g = 0; g < D / gs; ++g) {
-          float scale, bias;
-          load_row(wr + g * gs * wsz, w->dtype, gs, buf);
-          quantize_group(buf, gs, bits, &scale, &bias, qr + g * words_per_group);
-          kva_store_f(sr + g * ssz, sdt, scale);
-          kva_store_f(br + g * ssz, sdt, bias);
-        }
-      }
+      for (int64_t c = 0; c < n[2]; ++c)
+        kva_quantize_row(row_ptr(w, sw, a, b, c), w->dtype, D, bits, gs,
+                         (uint32_t *)row_ptr(&out->data, sq, a, b, c), row_ptr(&out->scales, ss, a, b, c),
+                         row_ptr(&out->biases, sb, a, b, c), out->scales.dtype);
   return 0;
 }
 

@@ -1,0 +1,255 @@
+/* Math: kva_cache_write on the device: float pools store each row converted to the
+ *   pool dtype; quantized pools store MLX's affine quantization of each row, the
+ *   operations of src/core/quant.c in its order and rounding (no fma), so the bits
+ *   equal the CPU's. Out-of-range slots (device memory: not validated) are skipped.
+ * Traffic: reads n*KVH*(Dk+Dv) input values once, writes those rows of the pools.
+ * Launch: one block per token (grid n), KVC_CW_WARPS warps; a warp per (K|V, KV head)
+ *   row; no shared memory, no allocation, no sync (graph-capturable). Two tokens
+ *   naming one slot: the later wins (each block scans the later slots). */
+#include "cuda/common.cuh"
+
+#include <cuda_runtime.h>
+#include <string.h>
+
+#define KVC_CW_WARPS 8
+#define KVC_CW_THREADS (KVC_CW_WARPS * KVC_WARP)
+
+/* One pool and the rows written into it. */
+struct kvc_cw_operand {
+  char *data, *scales, *biases;    /* pool arrays [num_blocks, KVH, block_size, *] */
+  long long ds[3], ss[3], bs[3];   /* their byte strides of dims block, head, row */
+  const char *src;                 /* [n, KVH, D] input rows */
+  long long src_s[2];              /* byte strides of dims token, head */
+  int src_dtype, pool_dtype;       /* pool_dtype: float pools' element dtype */
+  int sdtype;                      /* quantized: scales/biases dtype */
+  int bits, group;                 /* 0 = float pool */
+  int D;
+};
+
+struct kvc_cw_args {
+  kvc_cw_operand op[2]; /* K, V */
+  const int32_t *slots; /* [n] */
+  long long n, nslots;  /* nslots = num_blocks * block_size */
+  long long KVH, block_size;
+};
+
+/* ---- the CPU's conversions (src/core/tensor.c), bit for bit, NaN payloads
+ * included (the cuda_fp16/bf16 intrinsics canonicalize NaNs) */
+__device__ __forceinline__ float kvc_cw_f16_to_f32(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)m, 1.0f / 16777216.0f)));
+  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+__device__ __forceinline__ uint16_t kvc_cw_f32_to_f16(float x) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+  if (a < 0x38800000u) return (uint16_t)(sign | (uint32_t)rintf(__fmul_rn(__uint_as_float(a), 16777216.0f)));
+  const uint32_t m = a + 0xfffu + ((a >> 13) & 1u);
+  return (uint16_t)(sign | ((m - 0x38000000u) >> 13));
+}
+__device__ __forceinline__ uint16_t kvc_cw_f32_to_bf16(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+__device__ __forceinline__ float kvc_cw_load(const char *p, int dt) {
+  switch (dt) {
+  case KVA_F32: return __uint_as_float(*(const uint32_t *)p);
+  case KVA_F16: return kvc_cw_f16_to_f32(*(const uint16_t *)p);
+  case KVA_BF16: return __uint_as_float((uint32_t)*(const uint16_t *)p << 16);
+  default: return 0.0f;
+  }
+}
+__device__ __forceinline__ void kvc_cw_store(char *p, int dt, float x) {
+  switch (dt) {
+  case KVA_F32: *(uint32_t *)p = __float_as_uint(x); break;
+  case KVA_F16: *(uint16_t *)p = kvc_cw_f32_to_f16(x); break;
+  case KVA_BF16: *(uint16_t *)p = kvc_cw_f32_to_bf16(x); break;
+  default: break;
+  }
+}
+__device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
+
+/* ---- f32 operations with x86-64 SSE's NaN results. A group's scale is NaN
+ * only for non-finite inputs (inf - inf, inf / inf); the CPU backend then
+ * stores the NaN SSE makes: an operand NaN, quieted (the first operand's when
+ * both are), else the default NaN 0xffc00000. The GPU's is 0x7fffffff, so the
+ * scale's few operations are written through these. */
+#define KVC_X86_DEFAULT_NAN 0xffc00000u
+__device__ __forceinline__ float kvc_quiet(float a) { return __uint_as_float(__float_as_uint(a) | 0x00400000u); }
+__device__ __forceinline__ float kvc_x86_result(float a, float b, float r) {
+  if (isnan(a)) return kvc_quiet(a);
+  if (isnan(b)) return kvc_quiet(b);
+  return isnan(r) ? __uint_as_float(KVC_X86_DEFAULT_NAN) : r;
+}
+__device__ __forceinline__ float kvc_x86_sub(float a, float b) { return kvc_x86_result(a, b, __fsub_rn(a, b)); }
+__device__ __forceinline__ float kvc_x86_div(float a, float b) { return kvc_x86_result(a, b, __fdiv_rn(a, b)); }
+__device__ __forceinline__ float kvc_x86_rint(float a) { return isnan(a) ? kvc_quiet(a) : rintf(a); }
+__device__ __forceinline__ float kvc_neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
+
+/* ---- addressing */
+__device__ __forceinline__ char *kvc_cw_at(char *base, const long long *s, long long blk, int h, long long row) {
+  return base + blk * s[0] + h * s[1] + row * s[2];
+}
+
+/* A float pool row: lanes stride over the D elements. */
+__device__ void kvc_cw_float_row(const kvc_cw_operand &o, const char *src, char *dst, int lane) {
+  const int ss = kvc_cw_size(o.src_dtype), ds = kvc_cw_size(o.pool_dtype);
+  for (int e = lane; e < o.D; e += KVC_WARP)
+    kvc_cw_store(dst + e * ds, o.pool_dtype, kvc_cw_load(src + e * ss, o.src_dtype));
+}
+
+/* A quantized row: lane l owns one packed word (32/bits elements) of each
+ * 32-word chunk; a group's words (gs*bits/32 in {2..32}, a power of two) are
+ * consecutive aligned lanes, which reduce min/max among themselves. Min/max
+ * skip NaN as quant.c's comparisons do; the sign of a zero extreme never
+ * reaches the output (a zero edge gives bias 0, a zero range the eps scale). */
+__device__ void kvc_cw_quant_row(const kvc_cw_operand &o, const char *src, uint32_t *q, char *srow, char *brow,
+                                 int lane) {
+  const int bits = o.bits, per_word = 32 / bits, wpg = o.group * bits / 32;
+  const int words = o.D * bits / 32, ss = kvc_cw_size(o.src_dtype), sz = kvc_cw_size(o.sdtype);
+  const float n_bins = (float)((1 << bits) - 1);
+  const float eps = (float)1e-7; /* quant.c, after MLX */
+  for (int w0 = 0; w0 < words; w0 += KVC_WARP) {
+    const int w = w0 + lane;
+    const bool active = w < words; /* whole groups: words and 32 are multiples of wpg */
+    float x[16];                   /* per_word <= 16 */
+    float wmin = INFINITY, wmax = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      if (e < per_word && active) {
+        x[e] = kvc_cw_load(src + (long long)(w * per_word + e) * ss, o.src_dtype);
+        if (wmax < x[e]) wmax = x[e];
+        if (x[e] < wmin) wmin = x[e];
+      }
+    }
+    for (int off = wpg >> 1; off > 0; off >>= 1) {
+      const float omin = __shfl_xor_sync(KVC_FULL_MASK, wmin, off);
+      const float omax = __shfl_xor_sync(KVC_FULL_MASK, wmax, off);
+      if (wmax < omax) wmax = omax;
+      if (omin < wmin) wmin = omin;
+    }
+    if (!active) continue;
+    /* quant.c's quantize_group, operation for operation */
+    const bool min_edge = fabsf(wmin) > fabsf(wmax);
+    float scale = kvc_x86_div(kvc_x86_sub(wmax, wmin), n_bins);
+    if (scale < eps) scale = eps;
+    if (!min_edge) scale = kvc_neg(scale);
+    const float edge = min_edge ? wmin : wmax;
+    const float q0 = kvc_x86_rint(kvc_x86_div(edge, scale));
+    float bias = 0.0f;
+    if (q0 != 0.0f) {
+      scale = kvc_x86_div(edge, q0);
+      bias = edge;
+    }
+    uint32_t word = 0;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      if (e < per_word) {
+        float v = rintf(__fdiv_rn(__fsub_rn(x[e], bias), scale));
+        v = v < 0.0f ? 0.0f : v;
+        v = n_bins < v ? n_bins : v;
+        const uint32_t c = isnan(v) ? 0u : (uint32_t)v;
+        word |= c << (e * bits);
+      }
+    }
+    q[w] = word;
+    if (w % wpg == 0) {
+      const int g = w / wpg;
+      kvc_cw_store(srow + g * sz, o.sdtype, scale);
+      kvc_cw_store(brow + g * sz, o.sdtype, bias);
+    }
+  }
+}
+
+/* Does a later token name the same slot? Then this one is skipped (the last
+ * token wins, as on the CPU). The block's threads read slots[i+1..n) together,
+ * KVC_CW_SCAN_UNROLL loads in flight per thread: O(n / threads) per token. */
+#define KVC_CW_SCAN_UNROLL 4
+__device__ bool kvc_cw_superseded(const kvc_cw_args &a, long long i, int32_t slot) {
+  int dup = 0;
+  for (long long j0 = i + 1; j0 < a.n; j0 += (long long)KVC_CW_THREADS * KVC_CW_SCAN_UNROLL) {
+#pragma unroll
+    for (int u = 0; u < KVC_CW_SCAN_UNROLL; ++u) {
+      const long long j = j0 + (long long)u * KVC_CW_THREADS + threadIdx.x;
+      if (j < a.n) dup |= a.slots[j] == slot;
+    }
+  }
+  return __syncthreads_or(dup) != 0;
+}
+
+__global__ void __launch_bounds__(KVC_CW_THREADS) kvc_cache_write_kernel(const kvc_cw_args a) {
+  const long long i = blockIdx.x; /* token */
+  const int32_t slot = a.slots[i];
+  if (slot < 0 || slot >= a.nslots) return; /* padding, or out of range: skipped */
+  if (kvc_cw_superseded(a, i, slot)) return;
+  const long long blk = slot / a.block_size, row = slot % a.block_size;
+  const int lane = threadIdx.x % KVC_WARP;
+  for (long long r = threadIdx.x / KVC_WARP; r < 2 * a.KVH; r += KVC_CW_WARPS) { /* rows (K|V, head) */
+    const int which = (int)(r / a.KVH), h = (int)(r % a.KVH);                   /* KVH < 2^31: a pool dim */
+    const kvc_cw_operand &o = a.op[which];
+    const char *src = o.src + i * o.src_s[0] + (long long)h * o.src_s[1];
+    if (o.bits == 0) {
+      kvc_cw_float_row(o, src, kvc_cw_at(o.data, o.ds, blk, h, row), lane);
+    } else {
+      kvc_cw_quant_row(o, src, (uint32_t *)kvc_cw_at(o.data, o.ds, blk, h, row),
+                       kvc_cw_at(o.scales, o.ss, blk, h, row), kvc_cw_at(o.biases, o.bs, blk, h, row), lane);
+    }
+  }
+}
+
+static kvc_cw_operand kvc_cw_operand_of(const kva_kv *pool, const kva_tensor *src) {
+  kvc_cw_operand o;
+  memset(&o, 0, sizeof o);
+  o.data = (char *)pool->data.data;
+  for (int d = 0; d < 3; ++d) o.ds[d] = pool->data.stride[d];
+  o.src = (const char *)src->data;
+  o.src_s[0] = src->stride[0];
+  o.src_s[1] = src->stride[1];
+  o.src_dtype = src->dtype;
+  o.pool_dtype = pool->data.dtype;
+  o.bits = pool->bits;
+  o.D = (int)src->shape[2];
+  if (pool->bits) {
+    o.scales = (char *)pool->scales.data;
+    o.biases = (char *)pool->biases.data;
+    for (int d = 0; d < 3; ++d) {
+      o.ss[d] = pool->scales.stride[d];
+      o.bs[d] = pool->biases.stride[d];
+    }
+    o.sdtype = pool->scales.dtype;
+    o.group = pool->group_size;
+  }
+  return o;
+}
+
+extern "C" int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                                    const kva_tensor *v, const int32_t *slots, int64_t n) {
+  if (!ctx->cuda) return kva_seterr(KVA_ENODEVICE, "ctx: CUDA context not initialized");
+  if (n > 0x7fffffffLL)
+    return kva_seterr(KVA_EUNSUPPORTED, "n = %lld tokens: at most 2^31 - 1 per call on CUDA", (long long)n);
+  if (k->shape[2] > 0x7fffffffLL / 32 || v->shape[2] > 0x7fffffffLL / 32)
+    return kva_seterr(KVA_EUNSUPPORTED, "head dim %lld / %lld is too large", (long long)k->shape[2],
+                      (long long)v->shape[2]);
+  int dev = -1;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && dev != ctx->device) e = cudaSetDevice(ctx->device);
+  if (e != cudaSuccess)
+    return kva_seterr(KVA_ECUDA, "selecting ctx's device: %s (%s)", cudaGetErrorName(e), cudaGetErrorString(e));
+  kvc_cw_args a;
+  memset(&a, 0, sizeof a);
+  a.op[0] = kvc_cw_operand_of(k_pool, k);
+  a.op[1] = kvc_cw_operand_of(v_pool, v);
+  a.slots = slots;
+  a.n = n;
+  a.KVH = k_pool->data.shape[1];
+  a.block_size = k_pool->data.shape[2];
+  a.nslots = (long long)k_pool->data.shape[0] * k_pool->data.shape[2];
+  kvc_cache_write_kernel<<<(unsigned)n, KVC_CW_THREADS, 0, (cudaStream_t)ctx->stream>>>(a);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "cache write kernel launch: %s", cudaGetErrorString(e));
+  return 0;
+}
