@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One device call for the CUDA backend: build (make), the GPU tests against the
-# oracle, compute-sanitizer memcheck + racecheck on a quick subset, the CUDA
-# benchmark (bench/cuda_bench.cu) and PyTorch SDPA on the same shapes
-# (bench/torch_sdpa.py) with the ratios. Logs go to $OUT (default build/cuda_logs):
-# summary, build, tests (+ the ASan run), sanitizer (memcheck + racecheck),
-# bench, kvattn_cuda.jsonl, torch_sdpa.
-#   STAGES="build test asan memcheck racecheck bench torch" (default: all)
+# oracle, compute-sanitizer memcheck + racecheck on a quick subset, the
+# issue's target shapes through `kvattn bench --backend cuda` (contiguous and
+# paged, checked against the oracle), the CUDA benchmark (bench/cuda_bench.cu)
+# and PyTorch SDPA on the same shapes (bench/torch_sdpa.py) with the ratios.
+# Logs go to $OUT (default build/cuda_logs): summary, build, tests (+ the ASan
+# run), sanitizer (memcheck + racecheck), kvbench, bench, kvattn_cuda.jsonl,
+# torch_sdpa, pytest.
+#   STAGES="build test asan memcheck racecheck kvbench bench torch pytest" (default: all)
 #   J=16 (make jobs)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/cuda_logs}
 J=${J:-16}
-STAGES=${STAGES:-build test asan memcheck racecheck bench torch}
+STAGES=${STAGES:-build test asan memcheck racecheck kvbench bench torch pytest}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
@@ -56,9 +58,23 @@ fi
 if has racecheck; then
   run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_nan_inf \
     >> "$OUT/sanitizer.log" 2>&1
-  run racecheck-mma 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_mma_path \
+  run racecheck-tc 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_mma_path \
     >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-table 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_block_table >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
+fi
+if has kvbench; then # the issue's target shapes, each checked against the oracle
+  KB="./build/kvattn bench --backend cuda --quiet --reps 30"
+  {
+    run kvbench-128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
+    run kvbench-b16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16
+    run kvbench-paged16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged --block 16
+    run kvbench-paged64 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 64
+    run kvbench-paged128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q4 --layout paged --block 16
+    run kvbench-bf16-256k 240 $KB --preset gemma3-4b --ctx 64k --batch 4 --rows 1 --kv bf16
+  } > "$OUT/kvbench.log" 2>&1
+  grep -vE "^\[|^$" "$OUT/kvbench.log" | grep -E "PASS|FAIL|ERROR|bandwidth|x$|==" | head -60
 fi
 if has bench; then
   rm -f "$OUT/kvattn_cuda.jsonl"
@@ -69,6 +85,12 @@ if has torch; then
   export PYTHONUNBUFFERED=1
   run torch 300 python3 bench/torch_sdpa.py "$OUT/kvattn_cuda.jsonl" > "$OUT/torch_sdpa.log" 2>&1
   tail -12 "$OUT/torch_sdpa.log"
+fi
+if has pytest; then
+  # the system Python (PyTorch with CUDA lives there on the device machine)
+  run pytest 300 env PYTHONPATH=python python3 -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_arrays.py \
+    > "$OUT/pytest.log" 2>&1
+  tail -3 "$OUT/pytest.log"
 fi
 cat "$OUT/summary.log"
 exit $status

@@ -30,6 +30,7 @@ TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_mma_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -112,20 +113,23 @@ static const att_case cases[] = {
 
 /* The arithmetic allowance of a case on the CUDA backend: bf16 products
  * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the q4
- * tensor-core kernel (src/cuda/context.cu, kvc_mma_dim_index: bf16 q, 4-bit K
- * and V with bf16 scales and biases, groups of multiples of 32, Dk = Dv in {64, 128, 256}, fused path:
- * no array mask, L <= 16); K, V and P enter its mma as bf16. Else f32 products. */
+ * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, 4-bit K
+ * and V with bf16 scales and biases, 2 to 8 groups per row, Dk = Dv in {64,
+ * 128, 256}, fused path: no array mask, L <= 16); K, V and P enter its mma
+ * as bf16. Else f32 products. */
 static double cuda_case_atol(const att_case *c) {
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
   const int dims = c->Dk == c->Dv && (c->Dk == 64 || c->Dk == 128 || c->Dk == 256);
-  if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && c->group % 32 == 0)
+  const int groups = c->group ? c->Dk / c->group : 0;
+  if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && groups >= 2 &&
+      groups <= 8)
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
 #define DEV_SENTINEL_BYTES 256
 #define DEV_SENTINEL_BYTE 0xA5
 #define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
-#define MAX_DEV_BUFS 16
+#define MAX_DEV_BUFS 32
 
 /* A case's operands mirrored to the device with the same strides. */
 typedef struct dev_data {
@@ -454,5 +458,118 @@ done:
   kva_context_destroy(ctx);
   dev_free(&dd);
   att_free(&hd);
+}
+
+/* BLOCK_TABLE views on the device: each case's cache goes into a library
+ * pool (kva_pool_from_contiguous, blocks shuffled), its table is read out
+ * (kva_paged_view_block_table), every sequence gets a first_offset and a
+ * shorter length (rows of its first block before token 0), and the pool
+ * arrays and the table are mirrored to device memory. The oracle reads the
+ * same table over the host pool. Covers the q4 tensor-core kernel (block 16,
+ * 64, 8), the fused kernel (bf16, q8, q4 with f32 queries) and the general
+ * kernel (bool mask, L > 16). */
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed) {
+  char name[256];
+  att_case_str(c, name, sizeof name);
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  kva_pool *pool = NULL;
+  kva_paged_view *pv = NULL;
+  int32_t *blocks = NULL, *lens = NULL, *fo = NULL;
+  int ok = 0;
+  if (att_make(&hd, c)) {
+    FAIL_("%s: could not build operands", name);
+    goto done;
+  }
+  int32_t seqs[64];
+  if (c->B > 64 || kva_pool_from_contiguous(&pool, &hd.view, bs, 3, seed, seqs) ||
+      kva_paged_view_create(pool, seqs, c->B, &pv)) {
+    FAIL_("%s: pool/view: %s", name, kva_last_error());
+    goto done;
+  }
+  const int64_t maxb = (c->N + bs - 1) / bs + 1; /* a spare column: row_stride > blocks used */
+  blocks = (int32_t *)malloc(sizeof(int32_t) * (size_t)(c->B * maxb));
+  lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->B);
+  fo = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->B);
+  if (!blocks || !lens || !fo || kva_paged_view_block_table(pv, maxb, blocks, lens, fo)) {
+    FAIL_("%s: block table: %s", name, kva_last_error());
+    goto done;
+  }
+  for (int b = 0; b < c->B; ++b) { /* start inside the first block, keep >= L tokens */
+    const int32_t f = (int32_t)((seed + 7 * (uint64_t)b) % (uint64_t)bs);
+    if (lens[b] - f >= c->L) {
+      fo[b] += f;
+      lens[b] -= f;
+    }
+  }
+  const kva_kv hk = kva_pool_k(pool), hv = kva_pool_v(pool);
+  const kva_block_table hbt = {c->B, maxb, 0, blocks, lens, fo};
+  const kva_kv_view hview = kva_view_block_table(&hk, &hv, &hbt);
+  kva_tensor ref = att_alloc_like(&hd, &hd.out);
+  if (kva_reference_attention(&hd.q, &hview, &hd.params, &ref)) {
+    FAIL_("%s: oracle over the table: %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_make(&dd, &hd)) {
+    FAIL_("%s: could not mirror operands to the device", name);
+    goto done;
+  }
+  kva_kv dk, dv;
+  void *dblocks, *dlens, *dfo;
+  if (!mirror_kv(&dd, &hk, &dk) || !mirror_kv(&dd, &hv, &dv) ||
+      !mirror_array(&dd, blocks, sizeof(int32_t) * (size_t)(c->B * maxb), &dblocks) ||
+      !mirror_array(&dd, lens, sizeof(int32_t) * (size_t)c->B, &dlens) ||
+      !mirror_array(&dd, fo, sizeof(int32_t) * (size_t)c->B, &dfo)) {
+    FAIL_("%s: could not mirror the pool to the device", name);
+    goto done;
+  }
+  const kva_block_table dbt = {c->B, maxb, 0, (const int32_t *)dblocks, (const int32_t *)dlens,
+                               (const int32_t *)dfo};
+  dd.view = kva_view_block_table(&dk, &dv, &dbt);
+  if (!dev_poison(&dd, 0)) goto done;
+  if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
+    FAIL_("%s block %lld: kva_attention(CUDA, BLOCK_TABLE): %s", name, (long long)bs, kva_last_error());
+    goto done;
+  }
+  if (!dev_fetch(&dd, &hd, name)) goto done;
+  double max_err = 0;
+  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), &max_err, NULL)) {
+    FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g)", name,
+          (long long)bs, max_err);
+    goto done;
+  }
+  ok = 1;
+done:
+  free(blocks);
+  free(lens);
+  free(fo);
+  kva_paged_view_release(pv);
+  kva_pool_destroy(pool);
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+
+TEST(cuda_block_table) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } tcases[] = {
+      {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
+      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
+      {{2, 8, 2, 3, 700, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_WINDOW, 50, 0, 0, 1, 0}, 8},
+      {{2, 4, 2, 2, 500, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 16},
+      {{2, 8, 4, 1, 900, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{2, 8, 4, 2, 900, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 64},
+      {{1, 6, 2, 4, 800, 128, 128, F32, F32, 8, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0}, 32},
+      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof tcases / sizeof tcases[0]; ++ci)
+    if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci)) break;
+  kva_context_destroy(ctx);
 }
 #endif

@@ -390,15 +390,6 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
     free(cases);
     return KB_EXIT_FAIL;
   }
-  if (be.kind == KVA_BACKEND_CUDA) { /* paged views are CPU-only for now */
-    int m = 0;
-    for (int i = 0; i < n; ++i)
-      if (cases[i].layout != KVA_LAYOUT_PAGED) cases[m++] = cases[i];
-    if (m < n)
-      fprintf(stderr, "kvattn bench: %d paged case%s skipped: paged views are not on the CUDA backend yet\n",
-              n - m, n - m == 1 ? "" : "s");
-    n = m;
-  }
   double t_start = kb_now();
   progress pg = {!o->quiet, isatty(STDERR_FILENO) != 0, 0, n, ""};
   run_info ri = {&be, 0, 0, kva_cpu_simd()};

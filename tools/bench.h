@@ -179,7 +179,9 @@ enum { KB_KD, KB_KS, KB_KB, KB_VD, KB_VS, KB_VB, KB_NPARTS };
  * Contiguous layout: copies of one contiguous cache [B, KVH, N, .].
  * Paged layout: a contiguous host master plus `copies` block pools made from
  * it (kva_pool_from_contiguous, blocks shuffled over the pool) and one view
- * of the B sequences per pool. */
+ * of the B sequences per pool. On a device backend each pool's memory and
+ * its block table (kva_paged_view_block_table) are copied to the device and
+ * the host pool is dropped: the timed calls read BLOCK_TABLE views. */
 typedef struct kb_cacheset {
   kb_case key;                  /* the case it was made for (B, KVH, N, D, format) */
   size_t off[KB_NPARTS], size[KB_NPARTS];
@@ -189,7 +191,12 @@ typedef struct kb_cacheset {
   char *base;                   /* contiguous: backend memory, copies * copy_bytes */
   char *host;                   /* host master (== base when backend memory is host) */
   struct kva_pool **pools;      /* paged: [copies] */
-  struct kva_paged_view **views; /* paged: [copies] */
+  struct kva_paged_view **views; /* paged, host memory: [copies] */
+  /* paged, device memory: per copy the pool image, its K/V descriptors and
+   * block table (arrays in dev_mem after the pool image) */
+  void **dev_mem;
+  kva_kv *dev_k, *dev_v;
+  kva_block_table *dev_bt;
   const char *note;             /* why the rotation is below 1 GiB, or NULL */
 } kb_cacheset;
 

@@ -65,6 +65,8 @@ void kb_cacheset_kv(const kb_cacheset *cs, int i, kva_kv *k, kva_kv *v) {
 
 kva_kv_view kb_cacheset_view(const kb_cacheset *cs, int i) {
   int c = i % cs->copies;
+  if (cs->key.layout == KVA_LAYOUT_PAGED && cs->dev_mem)
+    return kva_view_block_table(&cs->dev_k[c], &cs->dev_v[c], &cs->dev_bt[c]);
   if (cs->key.layout == KVA_LAYOUT_PAGED) return kva_view_paged(cs->views[c]);
   kva_kv k, v;
   kb_cacheset_kv(cs, c, &k, &v);
@@ -246,13 +248,69 @@ static void copy_thread(void *arg, int t) {
 }
 
 /* ------------------------------------------------------------ paged */
-/* cs->copies pools from the host master, blocks shuffled, one view each. */
-static int make_pools(kb_cacheset *cs, uint64_t seed, char *err, size_t errn) {
+/* A pool descriptor rebased from host block memory at hbase to dbase. */
+static kva_tensor rebase(kva_tensor t, const char *hbase, char *dbase) {
+  if (t.data) t.data = dbase + ((const char *)t.data - hbase);
+  return t;
+}
+
+/* Copies pool i's block memory and its view's block table to the device
+ * (one allocation: pool image, then blocks [B, max_blocks], lens, offsets). */
+static int pool_to_device(kb_backend *be, kb_cacheset *cs, int i, char *err, size_t errn) {
   const kb_case *c = &cs->key;
+  const kva_pool_desc d = kva_pool_get_desc(cs->pools[i]);
+  size_t pbytes = 0;
+  int rc = kva_pool_memory_size(&d, &pbytes);
+  const int64_t maxb = (c->N + c->block - 1) / c->block;
+  const size_t tbytes = sizeof(int32_t) * (size_t)(c->B * maxb + 2 * c->B);
+  int32_t *tab = malloc(tbytes);
+  if (rc == 0 && !tab) rc = KVA_ENOMEM;
+  if (rc == 0) rc = kva_paged_view_block_table(cs->views[i], maxb, tab, tab + c->B * maxb, tab + c->B * maxb + c->B);
+  const kva_kv hk = kva_pool_k(cs->pools[i]), hv = kva_pool_v(cs->pools[i]);
+  const char *hbase = (const char *)hk.data.data; /* block memory starts with the K array */
+  char *dev = rc == 0 ? be->alloc(be, pbytes + tbytes) : NULL;
+  if (rc == 0 && !dev) rc = KVA_ENOMEM;
+  if (rc == 0) rc = be->copy_in(be, dev, hbase, pbytes);
+  if (rc == 0) rc = be->copy_in(be, dev + pbytes, tab, tbytes);
+  free(tab);
+  if (rc < 0) {
+    if (dev) be->release(be, dev, 0);
+    snprintf(err, errn, "paged copy %d to the %s backend: %s", i, be->name, kva_last_error());
+    return rc;
+  }
+  cs->dev_mem[i] = dev;
+  kva_kv *dk = &cs->dev_k[i], *dv = &cs->dev_v[i];
+  *dk = hk;
+  *dv = hv;
+  dk->data = rebase(hk.data, hbase, dev);
+  dk->scales = rebase(hk.scales, hbase, dev);
+  dk->biases = rebase(hk.biases, hbase, dev);
+  dv->data = rebase(hv.data, hbase, dev);
+  dv->scales = rebase(hv.scales, hbase, dev);
+  dv->biases = rebase(hv.biases, hbase, dev);
+  const int32_t *dt = (const int32_t *)(dev + pbytes);
+  const kva_block_table bt = {c->B, maxb, 0, dt, dt + c->B * maxb, dt + c->B * maxb + c->B};
+  cs->dev_bt[i] = bt;
+  return 0;
+}
+
+/* cs->copies pools from the host master, blocks shuffled, one view each;
+ * on a device backend each goes to the device and the host pool is freed. */
+static int make_pools(kb_backend *be, kb_cacheset *cs, uint64_t seed, char *err, size_t errn) {
+  const kb_case *c = &cs->key;
+  const bool dev = !be->host_memory;
   cs->pools = calloc((size_t)cs->copies, sizeof *cs->pools);
   cs->views = calloc((size_t)cs->copies, sizeof *cs->views);
+  if (dev) {
+    cs->dev_mem = calloc((size_t)cs->copies, sizeof *cs->dev_mem);
+    cs->dev_k = calloc((size_t)cs->copies, sizeof *cs->dev_k);
+    cs->dev_v = calloc((size_t)cs->copies, sizeof *cs->dev_v);
+    cs->dev_bt = calloc((size_t)cs->copies, sizeof *cs->dev_bt);
+  }
   int32_t *seqs = malloc((size_t)c->B * sizeof *seqs);
-  int rc = cs->pools && cs->views && seqs ? 0 : KVA_ENOMEM;
+  int rc = cs->pools && cs->views && seqs && (!dev || (cs->dev_mem && cs->dev_k && cs->dev_v && cs->dev_bt))
+               ? 0
+               : KVA_ENOMEM;
   if (rc) snprintf(err, errn, "out of memory");
   kva_kv k, v;
   kb_cacheset_kv(cs, -1, &k, &v);
@@ -262,7 +320,17 @@ static int make_pools(kb_cacheset *cs, uint64_t seed, char *err, size_t errn) {
     if (shuffle == 0) shuffle = 1; /* 0 would keep the blocks in order */
     rc = kva_pool_from_contiguous(&cs->pools[i], &master, c->block, 0, shuffle, seqs);
     if (rc == 0) rc = kva_paged_view_create(cs->pools[i], seqs, c->B, &cs->views[i]);
-    if (rc < 0) snprintf(err, errn, "paged copy %d: %s", i, kva_last_error());
+    if (rc < 0) {
+      snprintf(err, errn, "paged copy %d: %s", i, kva_last_error());
+      break;
+    }
+    if (dev) {
+      rc = pool_to_device(be, cs, i, err, errn);
+      kva_paged_view_release(cs->views[i]);
+      kva_pool_destroy(cs->pools[i]);
+      cs->views[i] = NULL;
+      cs->pools[i] = NULL;
+    }
   }
   free(seqs);
   return rc;
@@ -279,10 +347,6 @@ int kb_cacheset_make(kb_backend *be, const kb_opts *o, const kb_case *c, uint64_
   /* Bytes of one rotated copy: a contiguous copy, or one pool. */
   double rb = cb;
   if (paged) {
-    if (!be->host_memory) {
-      snprintf(err, errn, "--layout paged is not yet supported on the %s backend", be->name);
-      return KVA_EUNSUPPORTED;
-    }
     int64_t per_seq = (c->N + c->block - 1) / c->block;
     kva_pool_desc d = {.num_blocks = c->B * per_seq, .block_size = c->block, .kv_heads = c->KVH,
                        .dk = c->Dk, .dv = c->Dv, .dtype = c->kv.dtype, .bits = c->kv.bits,
@@ -349,7 +413,7 @@ int kb_cacheset_make(kb_backend *be, const kb_opts *o, const kb_case *c, uint64_
     kb_cacheset_free(be, cs);
     return rc;
   }
-  if (paged && (rc = make_pools(cs, seed, err, errn)) < 0) {
+  if (paged && (rc = make_pools(be, cs, seed, err, errn)) < 0) {
     kb_cacheset_free(be, cs);
     return rc;
   }
@@ -359,8 +423,14 @@ int kb_cacheset_make(kb_backend *be, const kb_opts *o, const kb_case *c, uint64_
 void kb_cacheset_free(kb_backend *be, kb_cacheset *cs) {
   for (int i = 0; cs->views && i < cs->copies; ++i) kva_paged_view_release(cs->views[i]);
   for (int i = 0; cs->pools && i < cs->copies; ++i) kva_pool_destroy(cs->pools[i]);
+  for (int i = 0; cs->dev_mem && i < cs->copies; ++i)
+    if (cs->dev_mem[i]) be->release(be, cs->dev_mem[i], 0);
   free(cs->views);
   free(cs->pools);
+  free(cs->dev_mem);
+  free(cs->dev_k);
+  free(cs->dev_v);
+  free(cs->dev_bt);
   if (cs->host && cs->host != cs->base) free(cs->host);
   if (cs->base) be->release(be, cs->base, 0);
   memset(cs, 0, sizeof *cs);

@@ -45,35 +45,51 @@ template <int FMT, int E> struct kvc_chunk {
 };
 
 /* One lane's view of an operand: its chunk of row 0 of (b, h) and the row
- * strides (hoisted out of the token loop: row t is base + t * stride). */
+ * strides (hoisted out of the token loop: row t is base + t * stride). For a
+ * BLOCK_TABLE operand the bases hold (h, chunk) only and each token is
+ * located through the table (one table load per token); the table fields
+ * are read from the kernel's parameters (kvc_operand), not held here, so
+ * the contiguous loop keeps its registers. */
 struct kvc_lane_rows {
   const char *data, *scale, *bias;
-  long long ds, ss, bs; /* byte strides between tokens */
+  long long ds, ss, bs; /* byte strides between tokens (rows of a block) */
+  int fo;               /* BLOCK_TABLE: rows before token 0 in the first block */
 };
 template <int FMT, int E>
 __device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op, int b, int h, int c) {
   kvc_lane_rows r;
-  r.data = kvc_row(op, b, h, 0) + c * kvc_chunk<FMT, E>::BYTES;
+  const int ob = op.tbl ? 0 : b; /* the table supplies the block */
+  r.fo = kvc_first_offset(op, b);
+  r.data = op.data + ob * op.ds[0] + h * op.ds[1] + c * kvc_chunk<FMT, E>::BYTES;
   r.ds = op.ds[2];
   r.scale = r.bias = NULL;
   r.ss = r.bs = 0;
   if (kvc_fmt_traits<FMT>::QBITS) {
     const int g = c * E / op.group, es = kvc_dtype_size(op.sdtype);
-    r.scale = kvc_srow(op, b, h, 0) + g * es;
-    r.bias = kvc_brow(op, b, h, 0) + g * es;
+    r.scale = op.scales + ob * op.ss[0] + h * op.ss[1] + g * es;
+    r.bias = op.biases + ob * op.bs[0] + h * op.bs[1] + g * es;
     r.ss = op.ss[2];
     r.bs = op.bs[2];
   }
   return r;
 }
 
-/* Loads this lane's chunk of row t with one vector load of BYTES (the host
- * routes unaligned operands to the general path) and the raw scale/bias. */
+/* Loads this lane's chunk of row t of sequence b with one vector load of
+ * BYTES (the host routes unaligned operands to the general path) and the
+ * raw scale/bias. op: the operand r was made from. */
 template <int FMT, int E>
-__device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, int sdt,
-                                               long long t) {
+__device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, const kvc_operand &op,
+                                               int b, long long t) {
   typedef kvc_chunk<FMT, E> C;
-  const char *p = r.data + t * r.ds;
+  long long od = t * r.ds, os = t * r.ss, ob = t * r.bs;
+  if (op.tbl) {
+    const kvc_loc l = kvc_table_loc(op.tbl + b * op.tbl_rs, r.fo, op.bsz, op.nblk, t);
+    od = l.outer * op.ds[0] + l.row * r.ds;
+    os = l.outer * op.ss[0] + l.row * r.ss;
+    ob = l.outer * op.bs[0] + l.row * r.bs;
+  }
+  const int sdt = op.sdtype;
+  const char *p = r.data + od;
   if (C::BYTES >= 16) {
 #pragma unroll
     for (int k = 0; k < C::BYTES / 16; ++k) {
@@ -90,11 +106,11 @@ __device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_
   }
   if (kvc_fmt_traits<FMT>::QBITS) {
     if (sdt == KVA_F32) {
-      ch.s = __ldg((const unsigned int *)(r.scale + t * r.ss));
-      ch.z = __ldg((const unsigned int *)(r.bias + t * r.bs));
+      ch.s = __ldg((const unsigned int *)(r.scale + os));
+      ch.z = __ldg((const unsigned int *)(r.bias + ob));
     } else {
-      ch.s = __ldg((const unsigned short *)(r.scale + t * r.ss));
-      ch.z = __ldg((const unsigned short *)(r.bias + t * r.bs));
+      ch.s = __ldg((const unsigned short *)(r.scale + os));
+      ch.z = __ldg((const unsigned short *)(r.bias + ob));
     }
   }
 }
@@ -314,8 +330,8 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       st.valid[u] = st.t[u] < t_hi;
       kvc_zero_chunk(st.k[u]);
       kvc_zero_chunk(st.v[u]);
-      if (st.valid[u] && kact) kvc_load_chunk(st.k[u], krows, ksdt, st.t[u]);
-      if (st.valid[u] && vact) kvc_load_chunk(st.v[u], vrows, vsdt, st.t[u]);
+      if (st.valid[u] && kact) kvc_load_chunk(st.k[u], krows, a.k, b, st.t[u]);
+      if (st.valid[u] && vact) kvc_load_chunk(st.v[u], vrows, a.v, b, st.t[u]);
     }
   };
   /* Logits, online softmax and P.V of one loaded step. */

@@ -33,6 +33,13 @@ struct kvc_operand {
   int bits;   /* 0, 2, 4, 8 */
   int group;  /* group size (quantized) */
   int vec;    /* rows aligned for the fused kernel's vector loads */
+  /* BLOCK_TABLE layout (tbl != NULL): the arrays are pools [num_blocks, KVH,
+   * bs, D] and ds[0]/ss[0]/bs[0] their block strides. Token t of sequence b
+   * is table row r = fo[b] + t, in block tbl[b * tbl_rs + r / bs] (clamped
+   * into [0, nblk): a bad id never faults) at row r % bs. */
+  const int32_t *tbl, *fo;
+  long long tbl_rs;
+  int bsz, nblk;
 };
 
 /* A validated call, flattened for the device (passed by value). */
@@ -87,14 +94,47 @@ __device__ __forceinline__ void kvc_store(char *p, int dt, float x) {
 __device__ __forceinline__ int kvc_dtype_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
 
 /* ---- addressing: one helper per formula ---- */
+/* Rows of sequence b before its token 0 in its first table block (0 when
+ * contiguous), clamped into [0, bsz). */
+__device__ __forceinline__ int kvc_first_offset(const kvc_operand &op, int b) {
+  if (!op.tbl || !op.fo) return 0;
+  const int f = __ldg(op.fo + b);
+  return f < 0 ? 0 : (f >= op.bsz ? op.bsz - 1 : f);
+}
+/* Where token t of sequence b lives: (outer index, row) such that its
+ * address is base + outer * stride[0] + row * stride[2]. Contiguous: (b, t);
+ * BLOCK_TABLE: (block, row in block) through the table. fo = kvc_first_offset. */
+struct kvc_loc {
+  long long outer, row;
+};
+/* Token t through one sequence's table row (one table load). */
+__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int nblk, long long t) {
+  const long long r = t + fo, j = r / bsz;
+  int id = __ldg(tbl_row + j);
+  id = id < 0 ? 0 : (id >= nblk ? nblk - 1 : id);
+  kvc_loc l;
+  l.outer = id;
+  l.row = r - j * bsz;
+  return l;
+}
+__device__ __forceinline__ kvc_loc kvc_locate(const kvc_operand &op, int b, int fo, long long t) {
+  if (op.tbl) return kvc_table_loc(op.tbl + b * op.tbl_rs, fo, op.bsz, op.nblk, t);
+  kvc_loc l;
+  l.outer = b;
+  l.row = t;
+  return l;
+}
 __device__ __forceinline__ const char *kvc_row(const kvc_operand &op, int b, int h, long long t) {
-  return op.data + b * op.ds[0] + h * op.ds[1] + t * op.ds[2];
+  const kvc_loc l = kvc_locate(op, b, kvc_first_offset(op, b), t);
+  return op.data + l.outer * op.ds[0] + h * op.ds[1] + l.row * op.ds[2];
 }
 __device__ __forceinline__ const char *kvc_srow(const kvc_operand &op, int b, int h, long long t) {
-  return op.scales + b * op.ss[0] + h * op.ss[1] + t * op.ss[2];
+  const kvc_loc l = kvc_locate(op, b, kvc_first_offset(op, b), t);
+  return op.scales + l.outer * op.ss[0] + h * op.ss[1] + l.row * op.ss[2];
 }
 __device__ __forceinline__ const char *kvc_brow(const kvc_operand &op, int b, int h, long long t) {
-  return op.biases + b * op.bs[0] + h * op.bs[1] + t * op.bs[2];
+  const kvc_loc l = kvc_locate(op, b, kvc_first_offset(op, b), t);
+  return op.biases + l.outer * op.bs[0] + h * op.bs[1] + l.row * op.bs[2];
 }
 __device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + d * a.qs[3];
@@ -127,12 +167,14 @@ __device__ __forceinline__ float kvc_kv_elem(const kvc_operand &op, int b, int h
   return fmaf(s, (float)code, bias);
 }
 
-/* Cache length of sequence b, clamped into [0, N] (lengths live on the device
- * and cannot be validated on the host; out-of-range values never fault). */
+/* Cache length of sequence b, clamped into [0, N] (BLOCK_TABLE: into
+ * [0, N - first_offset]; lengths live on the device and cannot be validated
+ * on the host; out-of-range values never fault). */
 __device__ __forceinline__ long long kvc_seq_len(const kvc_args &a, int b) {
   if (!a.seq_lens) return a.N;
   long long n = a.seq_lens[b];
-  return n < 0 ? 0 : (n > a.N ? a.N : n);
+  const long long hi = a.N - kvc_first_offset(a.k, b);
+  return n < 0 ? 0 : (n > hi ? hi : n);
 }
 
 /* The causal-family rule (DESIGN.md): row at position p sees key t iff

@@ -14,17 +14,19 @@
 #define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split */
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
-#define KVC_MMA_WAVES 1           /* one wave of long-running q4 mma blocks: the load pipeline's prologue amortized */
-#define KVC_MMA_NDIMS 3           /* head dims of the q4 mma kernel: 64 << i */
-#define KVC_MMA_MIN_D 64
-#define KVC_MMA_GROUP_ALIGN 32    /* dims of one 16-byte load of 4-bit codes: within one group */
+#define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
+#define KVC_TC_NDIMS 3            /* head dims of the q4 tensor-core kernel: 64 << i */
+#define KVC_TC_MIN_D 64
+#define KVC_TC_NTM_BIG 4          /* n-tiles per block of its wide instance (32 query vectors) */
+#define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
 
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int mma_occupancy[KVC_MMA_NDIMS];    /* resident q4 mma blocks per SM by head dim 64, 128, 256 */
+  int tc_occupancy[KVC_TC_NDIMS][2];   /* resident q4 tensor-core blocks per SM by head dim, wide instance */
+  int tc_smem[KVC_TC_NDIMS][2];        /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -157,26 +159,44 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
 
 /* Does the tensor-core q4 kernel cover the problem? bf16 queries (its
  * products are bf16: tests compare it at the bf16 allowance), 4-bit K and V
- * with bf16 scales and biases, groups of whole 32-dim loads, Dk = Dv in {64, 128, 256}, rows aligned
- * for 16-byte loads. (The caller has checked the fused path and layout.) */
-static int kvc_mma_dim_index(const kva_problem *p) {
+ * with bf16 scales and biases (with f16/f32 ones the bf16 rounding of K
+ * measured up to 1.5x the bf16 allowance: fused path), Dk = Dv in {64, 128,
+ * 256}, at least two groups per row (scale rows of 4, 8 or 16 bytes: one
+ * cp.async each), rows and scale rows aligned for their copies, the query's
+ * dims contiguous. Returns the head-dim index or -1. (The caller has checked
+ * the fused path.) */
+static bool kvc_aligned(const kva_tensor *t, long long align) {
+  if ((uintptr_t)t->data % align) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t->stride[d] % align) return false;
+  return true;
+}
+static int kvc_tc_dim_index(const kva_problem *p) {
   const kva_kv_view *kv = p->kv;
-  if (p->q->dtype != KVA_BF16 || kv->k.bits != 4 || kv->v.bits != 4 || p->Dk != p->Dv) return -1;
-  /* bf16 scales and biases (exact as bf16x2 operands); with f16/f32 ones the
-   * bf16 rounding of K measured up to 1.5x the bf16 allowance: fused path */
+  if (p->q->dtype != KVA_BF16 || p->q->stride[3] != 2) return -1;
+  if (kv->k.bits != 4 || kv->v.bits != 4 || p->Dk != p->Dv) return -1;
   if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
-  if (kv->k.group_size % KVC_MMA_GROUP_ALIGN || kv->v.group_size % KVC_MMA_GROUP_ALIGN) return -1;
-  if (!kvc_rows_aligned(&kv->k, KVC_MMA_GROUP_ALIGN) || !kvc_rows_aligned(&kv->v, KVC_MMA_GROUP_ALIGN)) return -1;
-  for (int i = 0; i < KVC_MMA_NDIMS; ++i)
-    if (p->Dk == (KVC_MMA_MIN_D << i)) return i;
+  const kva_kv *ops[2] = {&kv->k, &kv->v};
+  for (int i = 0; i < 2; ++i) {
+    const int groups = (int)(p->Dk / ops[i]->group_size);
+    if (groups < 2 || groups > 8) return -1;
+    if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
+        !kvc_aligned(&ops[i]->biases, 2 * groups))
+      return -1;
+  }
+  for (int i = 0; i < KVC_TC_NDIMS; ++i)
+    if (p->Dk == (KVC_TC_MIN_D << i)) return i;
   return -1;
 }
 
-static int kvc_mma_blocks_per_sm(const kva_context *ctx, int di) {
+static int kvc_tc_blocks_per_sm(const kva_context *ctx, int di, int wide, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  int *slot = &st->mma_occupancy[di];
-  if (*slot == 0) *slot = kvc_mma_occupancy(KVC_MMA_MIN_D << di);
+  int *slot = &st->tc_occupancy[di][wide];
+  if (*slot == 0 || st->tc_smem[di][wide] != smem) {
+    *slot = kvc_tc_occupancy(KVC_TC_MIN_D << di, wide ? KVC_TC_NTM_BIG : 1, smem);
+    st->tc_smem[di][wide] = smem;
+  }
   return *slot > 0 ? *slot : 1;
 }
 
@@ -212,21 +232,28 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   memset(&pl, 0, sizeof pl);
   pl.fmt = -1;
   const kva_kv_view *kv = p->kv;
-  if (p->path != KVA_PATH_FUSED || kv->layout != KVA_LAYOUT_CONTIGUOUS) return pl;
+  if (p->path != KVA_PATH_FUSED || kv->layout == KVA_LAYOUT_PAGED) return pl;
   const int fk = kvc_fmt_of(&kv->k), fv = kvc_fmt_of(&kv->v);
   if (fk < 0 || fk != fv) return pl;
   const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
   const int Q = (int)(p->rep * p->L);
   const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
-  const int di = kvc_mma_dim_index(p);
+  const int di = kvc_tc_dim_index(p);
   if (di >= 0) {
-    pl.fmt = KVC_Q4;
-    pl.mma = 1;
-    pl.QW = KVC_MMA_QN;
-    pl.qtiles = (Q + KVC_MMA_QN - 1) / KVC_MMA_QN;
-    const long long resident = (long long)sms * kvc_mma_blocks_per_sm(ctx, di);
-    kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_MMA_STEP, KVC_MMA_WAVES);
-    return pl;
+    /* one n-tile of 8 query vectors per block for decode-sized rep * L; else
+     * 4 (fewer re-reads of K/V per extra query vectors, more registers) */
+    const int wide = Q > 8;
+    const int ntm = wide ? KVC_TC_NTM_BIG : 1;
+    const int smem = kvc_tc_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size), ntm);
+    if (smem <= KVC_TC_SMEM_MAX) {
+      pl.fmt = KVC_Q4;
+      pl.tc = 1;
+      pl.QW = 8 * ntm;
+      pl.qtiles = (Q + pl.QW - 1) / pl.QW;
+      const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, di, wide, smem);
+      kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES);
+      return pl;
+    }
   }
   /* 16 elements per lane for wide rows, and for small query tiles (fewer
    * lanes per row: per-row shuffles and softmax work amortized over more
@@ -315,10 +342,22 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
   a->out = (char *)p->out->data;
   a->out_dtype = p->out->dtype;
   kvc_copy_strides(a->os, p->out, 4);
-  const int E = pl.fmt >= 0 && !pl.mma ? pl.E : 8;
+  const int E = pl.fmt >= 0 && !pl.tc ? pl.E : 8;
   a->k = kvc_operand_of(&p->kv->k, E);
   a->v = kvc_operand_of(&p->kv->v, E);
   a->seq_lens = p->seq_lens;
+  if (p->kv->layout == KVA_LAYOUT_BLOCK_TABLE) { /* pools + table: device arrays, read by the kernels */
+    const kva_block_table *bt = p->kv->table;
+    kvc_operand *ops[2] = {&a->k, &a->v};
+    for (int i = 0; i < 2; ++i) {
+      ops[i]->tbl = bt->blocks;
+      ops[i]->fo = bt->first_offset;
+      ops[i]->tbl_rs = bt->row_stride ? bt->row_stride : bt->max_blocks;
+      ops[i]->bsz = (int)p->kv->k.data.shape[2];
+      ops[i]->nblk = (int)p->kv->k.data.shape[0];
+    }
+    a->seq_lens = bt->seq_lens;
+  }
   a->lanes_log2 = pl.lanes_log2;
   a->nsplit = pl.nsplit > 0 ? pl.nsplit : 1;
   a->chunk = pl.chunk;
@@ -327,8 +366,9 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
 
 extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
   if (!ctx->cuda) return kva_seterr(KVA_ENODEVICE, "ctx: CUDA context not initialized");
-  if (p->kv->layout != KVA_LAYOUT_CONTIGUOUS)
-    return kva_seterr(KVA_EUNSUPPORTED, "kv: paged views are not yet supported on the CUDA backend");
+  if (p->kv->layout == KVA_LAYOUT_PAGED)
+    return kva_seterr(KVA_EUNSUPPORTED, "kv: a kva_paged_view lives in host memory; on the CUDA backend use "
+                                        "a BLOCK_TABLE view of device pools (kva_view_block_table)");
   const kvc_plan pl = kvc_select(ctx, p);
   const size_t need = kvc_ws_bytes(p, pl);
   if (ws_bytes < need || (need && !ws))
@@ -341,7 +381,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   kvc_args_of(p, pl, ws, &a);
   cudaStream_t stream = (cudaStream_t)ctx->stream;
   if (pl.fmt < 0) return kvc_launch_generic(a, stream);
-  int rc = pl.mma ? kvc_launch_mma(a, pl, stream) : kvc_launch_fused(a, pl, stream);
+  int rc = pl.tc ? kvc_launch_tc(a, pl, stream) : kvc_launch_fused(a, pl, stream);
   if (rc < 0 || pl.nsplit <= 1) return rc;
   return kvc_launch_merge(a, stream);
 }

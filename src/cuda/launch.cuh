@@ -28,17 +28,14 @@ struct kvc_plan {
   int lanes_log2;
   int nsplit;
   long long chunk;
-  int mma;       /* 1: the tensor-core q4 kernel (attn_mma_q4.cu) instead of the fused one */
+  int tc;        /* 1: the tensor-core q4 kernel (attn_q4_tc.cu; QW = 8 or 32) instead of the fused one */
 };
 
-/* The tensor-core q4 kernel (attn_mma_q4.cu): warps per block, query vectors
- * per block (the mma N), tokens per warp tile; blocks per SM its register
- * budget is capped for. */
-#define KVC_MMA_WARPS 4
-#define KVC_MMA_THREADS (KVC_MMA_WARPS * KVC_WARP)
-#define KVC_MMA_QN 8
-#define KVC_MMA_STEP (KVC_MMA_WARPS * 16)
-__host__ __device__ constexpr int kvc_mma_min_blocks(int D) { return D >= 256 ? 2 : 4; }
+/* The tensor-core q4 kernel (attn_q4_tc.cu): warps per block (each takes 16
+ * tokens of a 64-token stage). */
+#define KVC_TC_WARPS 4
+#define KVC_TC_THREADS (KVC_TC_WARPS * KVC_WARP)
+#define KVC_TC_STEP 64 /* tokens per stage: split chunks are whole stages */
 
 /* Formats with a fused instance (K and V share one). */
 enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT };
@@ -46,9 +43,11 @@ enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT 
 int kvc_launch_generic(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream);
-int kvc_launch_mma(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
-/* Resident blocks per SM of the q4 mma kernel for head dim D (0: none). */
-int kvc_mma_occupancy(int D);
+int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
+/* Dynamic shared memory of the q4 tensor-core kernel for head dim D, groups
+ * per K and V row, ntm n-tiles of 8 query vectors; its resident blocks per SM (0: none). */
+int kvc_tc_smem(int D, int gk, int gv, int ntm);
+int kvc_tc_occupancy(int D, int ntm, int smem);
 /* The fused kernel's launcher for one format (attn_fused.cuh; instances in
  * attn_fused_float.cu and attn_fused_quant.cu). */
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);

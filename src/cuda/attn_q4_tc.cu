@@ -1,0 +1,557 @@
+/* Tensor-core decode/verify kernel over 4-bit MLX-affine K/V with bf16
+ * scales and biases: bf16 queries, Dk = Dv = D in {64, 128, 256}, at least
+ * two groups per row (scale rows of >= 4 bytes, for cp.async), causal-family
+ * masks, L <= 16; contiguous or BLOCK_TABLE layout. Split over token blocks
+ * like the fused kernel and merged by the same merge launch (attn_merge.cu).
+ *
+ *   memory: the packed K/V rows and their scales/biases of a 64-token stage
+ *         are copied raw into shared memory with cp.async (16-byte pieces
+ *         for the rows, one 4/8/16-byte piece per scale row), in a ring of
+ *         STAGES stages: three stages (~60 KB at D = 256) are in
+ *         flight per block while it computes on the fourth, without holding
+ *         registers. Each K/V byte is read from DRAM once per block of up to
+ *         8 * NTM query vectors (all rep * L vectors of a KV head when
+ *         rep * L <= 8 * NTM). Tokens are located per stage through the
+ *         table (BLOCK_TABLE) or by stride: one lookup per token, not per load.
+ *   math: per stage, warp w takes tokens 16w..16w+15 for S^T = K Q^T
+ *         (mma.sync m16n8k16 bf16, tokens as M, query vectors as N, f32
+ *         accumulation); K fragments are dequantized straight from the raw
+ *         words into mma A registers (no bf16 tile): one word of 8 codes
+ *         feeds two k-steps, code pairs (c, c + 4) by LOP3 under the 2^7
+ *         exponent (128 + c exact), minus 128, then scale * c + bias in one
+ *         bf16x2 FMA (one rounding). Query fragments were stored once per
+ *         block in shared memory in the matching dim order. Logits get the
+ *         scale, softcap and mask in f32 (log2 units); the stage maximum per
+ *         query is shared through shared memory, so every warp applies the
+ *         same running max m; P = 2^(s - m) rounded to bf16 (l sums the
+ *         rounded values) goes to shared memory. Then warp w takes head dims
+ *         [w D / 4, (w + 1) D / 4) of O^T += V^T P^T over all 64 tokens: its
+ *         V fragments (two tokens of one dim per register) come from a PRMT
+ *         that interleaves two tokens' code halves, then the same LOP3/FMA
+ *         dequantization with the two tokens' scales and biases.
+ *         Products are bf16 x bf16 (K, V and P carry bf16 rounding, 2^-9
+ *         relative): tests compare this path at the bf16 allowance.
+ *   launch: grid (qgroups, nsplit, B * KVH) of KVC_TC_THREADS threads;
+ *         qgroups = ceil(rep * L / (8 * NTM)), NTM in {1, 4} n-tiles of 8
+ *         query vectors per block; three __syncthreads per stage; dynamic
+ *         shared memory kvc_tc_smem() (~100 KB at D = 256, NTM = 4: 2 blocks
+ *         per SM). */
+#include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_factors2, kvc_emit */
+
+#define KVC_TC_TOK KVC_TC_STEP        /* tokens per stage (4 warps x 16) */
+#define KVC_TC_ROWPAD 16              /* bytes after each raw row: conflict-free fragment reads */
+#define KVC_TC_PS (KVC_TC_TOK + 8)    /* bf16 per P row */
+#define KVC_TC_SUB 16                 /* tokens per warp in the S phase (mma M) */
+/* Stages in the cp.async ring: 3 for the decode instance (its ~65 KB at
+ * D = 256 lets 3 blocks share an SM: 12 warps, 6 stages in flight), 4 for
+ * the wide one (registers allow 2 blocks per SM). */
+__host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 3 : 4; }
+/* bf16x2 constants (both halves) */
+#define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
+#define KVC_BF16X2_ONE 0x3F803F80u
+#define KVC_BF16X2_M128 0xC300C300u /* -128.0 */
+#define KVC_NIB_PAIR 0x000F000Fu    /* a code in each 16-bit half */
+
+/* ---- PTX helpers ---- */
+__device__ __forceinline__ uint32_t kvc_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d; /* (a & b) | c in one LOP3 */
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t kvc_fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+/* d += a (16x16, row) * b (16x8, col), bf16 operands, f32 accumulators. */
+__device__ __forceinline__ void kvc_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* d += a (16x32 u8, row) * b (32x8 s8, col), s32 accumulators (exact). */
+__device__ __forceinline__ void kvc_mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* cp.async of BYTES (4, 8 or 16) from global to shared; src_bytes = 0
+ * writes zeros and reads nothing. */
+template <int BYTES> __device__ __forceinline__ void kvc_cp_async(void *dst, const void *src, int src_bytes) {
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(BYTES), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void kvc_cp_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kvc_cp_wait(void) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+/* Codes (k, k + 4) of word w (k < 4) -> bf16x2 of scale * code + bias. */
+__device__ __forceinline__ uint32_t kvc_deq_pair(uint32_t w, int k, uint32_t s2, uint32_t b2) {
+  const uint32_t x = kvc_and_or(w >> (4 * k), KVC_NIB_PAIR, KVC_BF16X2_128); /* 128 + c, exact */
+  const uint32_t c = kvc_fma_bf16x2(x, KVC_BF16X2_ONE, KVC_BF16X2_M128);     /* c, exact */
+  return kvc_fma_bf16x2(c, s2, b2);                                          /* s c + b, one rounding */
+}
+__device__ __forceinline__ uint32_t kvc_lds16(const unsigned char *p) { return *(const unsigned short *)p; }
+
+/* Shared-memory layout of one block (bytes), from D, the groups per row
+ * and the n-tiles: a ring of stages {K rows, V rows, K scales, K biases,
+ * V scales, V biases}, then the query fragments, P, the per-warp maxima and
+ * sums. Host and device compute it alike. */
+struct kvc_tc_layout {
+  int rs;                 /* bytes per raw row in shared memory */
+  int kd, vd, ks, kb, vs, vb, stage; /* offsets within a stage, stage bytes */
+  int qf, p, wmax, lsum, qsig, qsum, total;
+};
+__host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int D, int gk, int gv, int ntm) {
+  const int stages = kvc_tc_stages(ntm);
+  kvc_tc_layout l;
+  l.rs = D / 2 + KVC_TC_ROWPAD;
+  l.kd = 0;
+  l.vd = l.kd + KVC_TC_TOK * l.rs;
+  l.ks = l.vd + KVC_TC_TOK * l.rs;
+  l.kb = l.ks + KVC_TC_TOK * gk * 2;
+  l.vs = l.kb + KVC_TC_TOK * gk * 2;
+  l.vb = l.vs + KVC_TC_TOK * gv * 2;
+  l.stage = (l.vb + KVC_TC_TOK * gv * 2 + 127) / 128 * 128;
+  l.qf = stages * l.stage;
+  l.p = l.qf + (D / 32) * 2 * ntm * KVC_WARP * 8;
+  l.wmax = l.p + ntm * 8 * KVC_TC_PS * 2;
+  l.lsum = l.wmax + KVC_TC_WARPS * ntm * 8 * 4;
+  l.qsig = l.lsum + KVC_TC_WARPS * ntm * 8 * 4;
+  l.qsum = l.qsig + ntm * 8 * 4;
+  l.total = l.qsum + gk * ntm * 8 * 4;
+  return l;
+}
+
+/* Copies stage tokens t0..t0+63 (zeros past t_hi) into ring slot `st`.
+ * Rows: 16-byte piece p = thread + 128 k is piece p % CPR of token p / CPR,
+ * so a warp's pieces of one instruction are 512 contiguous bytes of
+ * consecutive rows (contiguous layout). Scale rows: thread 2 tok takes the
+ * K scale/bias rows of token tok, thread 2 tok + 1 the V ones. */
+template <int D>
+__device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, unsigned char *st,
+                                                  int b, int hk, int fo, long long t0, long long t_hi) {
+  constexpr int CPR = D / 32;                            /* 16-byte pieces per packed row */
+  constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
+  constexpr int TSTEP = KVC_TC_THREADS / CPR;            /* tokens between a thread's pieces */
+  const kvc_operand &K = a.k, &V = a.v;
+  const int c = threadIdx.x % CPR, tok0 = threadIdx.x / CPR;
+  if (!K.tbl) { /* contiguous: one address, then a constant step */
+    const long long t = t0 + tok0;
+    const char *kr = K.data + b * K.ds[0] + hk * K.ds[1] + t * K.ds[2] + 16 * c;
+    const char *vr = V.data + b * V.ds[0] + hk * V.ds[1] + t * V.ds[2] + 16 * c;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int tok = tok0 + TSTEP * k, n = t + TSTEP * k < t_hi ? 16 : 0;
+      kvc_cp_async<16>(st + L.kd + tok * L.rs + 16 * c, n ? kr : K.data, n);
+      kvc_cp_async<16>(st + L.vd + tok * L.rs + 16 * c, n ? vr : V.data, n);
+      kr += TSTEP * K.ds[2];
+      vr += TSTEP * V.ds[2];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int tok = tok0 + TSTEP * k;
+      const long long t = t0 + tok;
+      const bool ok = t < t_hi;
+      kvc_loc l = {0, 0};
+      if (ok) l = kvc_locate(K, b, fo, t);
+      const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
+      const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
+      kvc_cp_async<16>(st + L.kd + tok * L.rs + 16 * c, kr + 16 * c, ok ? 16 : 0);
+      kvc_cp_async<16>(st + L.vd + tok * L.rs + 16 * c, vr + 16 * c, ok ? 16 : 0);
+    }
+  }
+  const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const long long t = t0 + tok;
+  const bool ok = t < t_hi;
+  kvc_loc l = {0, 0};
+  if (ok) l = kvc_locate(K, b, fo, t);
+  const kvc_operand &O = half ? V : K;
+  const int rb = 2 * (O.group ? D / O.group : 0); /* bytes of one scale row: 4, 8 or 16 */
+  const char *sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
+  const char *br = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2];
+  unsigned char *sd = st + (half ? L.vs : L.ks) + tok * rb, *bd = st + (half ? L.vb : L.kb) + tok * rb;
+  const int n = ok ? rb : 0;
+  if (rb == 16) {
+    kvc_cp_async<16>(sd, sr, n);
+    kvc_cp_async<16>(bd, br, n);
+  } else if (rb == 8) {
+    kvc_cp_async<8>(sd, sr, n);
+    kvc_cp_async<8>(bd, br, n);
+  } else {
+    kvc_cp_async<4>(sd, sr, n);
+    kvc_cp_async<4>(bd, br, n);
+  }
+}
+
+template <int D, int NTM>
+__global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_kernel(const kvc_args a) {
+  constexpr int STAGES = kvc_tc_stages(NTM);
+  constexpr int WPL = D / 32; /* K words per lane and token row (S phase); V words per warp slice */
+  constexpr int MT = D / 64;  /* m-tiles (16 dims) of O^T per warp */
+  extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
+  const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
+  const int g = lane >> 2, tq = lane & 3; /* mma fragment row group and thread-in-group */
+  const int qg = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const int gk = D / a.k.group, gv = D / a.v.group;
+  const kvc_tc_layout L = kvc_tc_layout_of(D, gk, gv, NTM);
+  const long long len = kvc_seq_len(a, b);
+  const int fo = kvc_first_offset(a.k, b);
+  const int Q = a.rep * a.L, q0 = qg * NTM * 8;
+  const int ntc = min(NTM, (Q - q0 + 7) / 8); /* n-tiles with query vectors in this block */
+
+  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
+  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) /* keys before row 0's window */
+    t_lo = max(t_lo, len - a.L - a.window + 1);
+  const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
+
+  /* prologue: the first STAGES - 1 stages in flight (one commit group each) */
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nst)
+      kvc_tc_load_stage<D>(a, L, kvc_tc_buf + s * L.stage, b, hk, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi);
+    kvc_cp_commit();
+  }
+
+  /* Queries as two int8 parts: q ~= sigma (128 qh + ql), sigma = max|q| /
+   * (127 * 128), |qh| <= 127, |ql| <= 64 (error <= sigma / 2 per dim), so
+   * q.codes per group is exact integer mma work; plus sigma and the exact
+   * per-group sums of q (the bias term) in shared memory. */
+  float *qsig = (float *)(kvc_tc_buf + L.qsig), *qsum = (float *)(kvc_tc_buf + L.qsum);
+  const long long qds = a.qs[3] / 2; /* bf16 elements between dims (1: innermost contiguous) */
+  for (int j = threadIdx.x; j < NTM * 8; j += KVC_TC_THREADS) {
+    const int qv = q0 + j;
+    float amax = 0.0f;
+    for (int gi = 0; gi < gk; ++gi) qsum[gi * NTM * 8 + j] = 0.0f;
+    if (qv < Q) {
+      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+      for (int gi = 0; gi < gk; ++gi) {
+        float sum = 0.0f;
+        for (int d = gi * a.k.group; d < (gi + 1) * a.k.group; ++d) {
+          const float x = kvc_bf16_bits(qp[d * qds]);
+          amax = fmaxf(amax, fabsf(x));
+          sum += x;
+        }
+        qsum[gi * NTM * 8 + j] = sum;
+      }
+    }
+    qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
+  }
+  __syncthreads();
+  /* B fragments of k-step kj (32 dims) for lane (g, tq): bytes i of b0, b1
+   * hold dims d0 + 2 i and d0 + 2 i + 1 of query 8 nt + g, d0 = 8 (4 kj + tq):
+   * the codes the K word 4 kj + tq yields (S phase) */
+  uint2 *qf = (uint2 *)(kvc_tc_buf + L.qf);
+  for (int idx = threadIdx.x; idx < (D / 32) * 2 * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
+    const int kj = idx / (2 * NTM * KVC_WARP), part = (idx / (NTM * KVC_WARP)) % 2;
+    const int nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
+    const int jq = 8 * nt + (ln >> 2), qv = q0 + jq;
+    uint32_t f[2] = {0u, 0u};
+    if (qv < Q) {
+      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+      const int d0 = 8 * (4 * kj + (ln & 3));
+      const float inv = 1.0f / qsig[jq];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const float y = kvc_bf16_bits(qp[(d0 + 2 * i + hh) * qds]) * inv;
+          const float qh = rintf(y * (1.0f / 128.0f));
+          const float v = part ? rintf(y - 128.0f * qh) : qh;
+          const int iv = (v == v) ? (int)fminf(fmaxf(v, -127.0f), 127.0f) : 0;
+          f[hh] |= (uint32_t)(iv & 0xff) << (8 * i);
+        }
+    }
+    qf[idx] = make_uint2(f[0], f[1]);
+  }
+
+  /* this lane's query columns 8 nt + 2 tq + j: positions, segments, state */
+  long long pos[NTM][2];
+  int32_t segp[NTM][2];
+  float m[NTM][2], l[NTM][2], sig[NTM][2];
+#pragma unroll
+  for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int qv = q0 + 8 * nt + 2 * tq + j;
+      sig[nt][j] = qsig[8 * nt + 2 * tq + j];
+      const bool ok = qv < Q;
+      pos[nt][j] = len - a.L + (ok ? qv % a.L : 0);
+      segp[nt][j] = ok ? kvc_seg_of_row(a, b, pos[nt][j]) : 0;
+      m[nt][j] = -INFINITY;
+      l[nt][j] = 0.0f;
+    }
+  float acc[MT][NTM][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NTM; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
+
+  __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
+  float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
+  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group);
+  /* V slice of this lane: word xw of each token row, codes cb .. cb + 2 MT - 1 */
+  const int xw = warp * WPL + g % WPL, cb = (g / WPL) * 2 * MT;
+  const int vgi = (8 * xw) >> gv_sh;
+
+  for (int s = 0; s < nst; ++s) {
+    kvc_cp_wait<STAGES - 2>(); /* this thread's copies of stage s landed */
+    __syncthreads();                  /* everyone's; and slot (s - 1) % STAGES is free */
+    {
+      const int sn = s + STAGES - 1;
+      if (sn < nst)
+        kvc_tc_load_stage<D>(a, L, kvc_tc_buf + (sn % STAGES) * L.stage, b, hk, fo,
+                             t_lo + (long long)sn * KVC_TC_TOK, t_hi);
+      kvc_cp_commit();
+    }
+    const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
+    const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
+
+    /* ---- S phase: tokens r0 = 16 warp + g and r1 = r0 + 8 of the stage ----
+     * k-step kj (32 dims, inside one group): lane tq's K word 4 kj + tq of
+     * each token gives the u8 codes (even codes: w & 0x0F0F0F0F, odd:
+     * (w >> 4) & 0x0F0F0F0F) of mma A; integer dots with qh and ql; at the
+     * group's end dot += scale * (128 dot_h + dot_l) and the bias term
+     * bias * sum(q over the group) accumulates apart; q.k = sigma dot + bias terms. */
+    float sc[NTM][4], sbias[NTM][4];
+    {
+      const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
+      const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
+      const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;
+      int ah[NTM][4], al[NTM][4];
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[nt][e] = sbias[nt][e] = 0.0f;
+          ah[nt][e] = al[nt][e] = 0;
+        }
+#pragma unroll
+      for (int kj = 0; kj < D / 32; ++kj) {
+        const uint32_t w0 = p0[4 * kj], w1 = p1[4 * kj];
+        const uint32_t af[4] = {w0 & KVC_NIBBLES, w1 & KVC_NIBBLES, (w0 >> 4) & KVC_NIBBLES, (w1 >> 4) & KVC_NIBBLES};
+#pragma unroll
+        for (int nt = 0; nt < NTM; ++nt)
+          if (nt < ntc) {
+            const uint2 fh = qf[((2 * kj) * NTM + nt) * KVC_WARP + lane];
+            const uint2 fl = qf[((2 * kj + 1) * NTM + nt) * KVC_WARP + lane];
+            kvc_mma_u8s8(ah[nt], af, fh.x, fh.y);
+            kvc_mma_u8s8(al[nt], af, fl.x, fl.y);
+          }
+        if ((((kj + 1) * 32) & (a.k.group - 1)) == 0) { /* the group ends with this k-step */
+          const int gi = (kj * 32) >> gk_sh;
+          const float s0 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r0 * gk + gi) * 2));
+          const float z0 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r0 * gk + gi) * 2));
+          const float s1 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r1 * gk + gi) * 2));
+          const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r1 * gk + gi) * 2));
+#pragma unroll
+          for (int nt = 0; nt < NTM; ++nt)
+            if (nt < ntc) {
+              const float2 qs = *(const float2 *)(qsum + gi * NTM * 8 + 8 * nt + 2 * tq);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float sv = (e >> 1) ? s1 : s0, zv = (e >> 1) ? z1 : z0;
+                sc[nt][e] = fmaf(sv, (float)(128 * ah[nt][e] + al[nt][e]), sc[nt][e]);
+                sbias[nt][e] = fmaf(zv, (e & 1) ? qs.y : qs.x, sbias[nt][e]);
+                ah[nt][e] = al[nt][e] = 0;
+              }
+            }
+        }
+      }
+    }
+    /* masks and logits (log2 units); c0 (token g, query 2tq), c1 (g, 2tq + 1),
+     * c2/c3 (token g + 8). A stage wholly inside every row's causal window
+     * (the common case) skips the per-key mask test. */
+    const bool full = t0 + KVC_TC_TOK <= t_hi &&
+                      (a.mask_kind == KVA_MASK_NONE ||
+                       (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
+                        (a.window <= 0 || t0 > len - 1 - a.window)));
+    bool vis[NTM][4];
+#pragma unroll
+    for (int nt = 0; nt < NTM; ++nt) {
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1, qv = q0 + 8 * nt + 2 * tq + j;
+        const long long t = t0 + KVC_TC_SUB * warp + g + 8 * (e >> 1);
+        bool v = qv < Q;
+        if (!full) {
+          v = v && t < t_hi;
+          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[nt][j], segp[nt][j]);
+        }
+        const float dot = fmaf(sc[nt][e], sig[nt][j], sbias[nt][e]);
+        const float xl = v ? kvc_logit(a, dot) * KVC_LOG2E : -INFINITY;
+        vis[nt][e] = v && xl != -INFINITY;
+        sc[nt][e] = xl;
+        mx[j] = kvc_max(mx[j], xl);
+      }
+#pragma unroll
+      for (int off = 4; off < KVC_WARP; off <<= 1)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mx[j] = kvc_max(mx[j], __shfl_xor_sync(KVC_FULL_MASK, mx[j], off));
+      if (g == 0)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmax[warp * NTM * 8 + 8 * nt + 2 * tq + j] = mx[j];
+    }
+    __syncthreads();
+    /* the stage max over the warps (fixed order: every warp gets the same m) */
+    float corr[NTM][2];
+#pragma unroll
+    for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < KVC_TC_WARPS; ++w) mx = kvc_max(mx, wmax[w * NTM * 8 + 8 * nt + 2 * tq + j]);
+        const float mn = kvc_max(m[nt][j], mx);
+        corr[nt][j] = 1.0f;
+        if (mn != -INFINITY && !(mn == m[nt][j])) { /* the max grew (or is NaN) */
+          corr[nt][j] = kvc_exp2(m[nt][j] - mn);    /* 0 when m = -inf */
+          m[nt][j] = mn;
+          l[nt][j] *= corr[nt][j];
+        }
+      }
+    /* P (bf16) to [query][token]; l sums the rounded values */
+#pragma unroll
+    for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1;
+        const float p = vis[nt][e] ? kvc_exp2(sc[nt][e] - m[nt][j]) : 0.0f;
+        const __nv_bfloat16 pb = __float2bfloat16_rn(p);
+        l[nt][j] += __bfloat162float(pb);
+        ps[(8 * nt + 2 * tq + j) * KVC_TC_PS + KVC_TC_SUB * warp + g + 8 * (e >> 1)] = pb;
+      }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt) {
+        acc[i][nt][0] *= corr[nt][0];
+        acc[i][nt][1] *= corr[nt][1];
+        acc[i][nt][2] *= corr[nt][0];
+        acc[i][nt][3] *= corr[nt][1];
+      }
+    __syncthreads();
+
+    /* ---- PV phase: O^T[dims of this warp] += V^T P^T over the 64 tokens ---- */
+#pragma unroll
+    for (int kq = 0; kq < KVC_TC_TOK / 16; ++kq) {
+      const int ta = 16 * kq + 2 * tq; /* tokens ta, ta + 1 (a0, a1) and ta + 8, ta + 9 (a2, a3) */
+      const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + xw);
+      const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + xw);
+      const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + xw);
+      const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + xw);
+      const uint32_t s01 = kvc_lds16(st + L.vs + (ta * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
+      const uint32_t b01 = kvc_lds16(st + L.vb + (ta * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
+      const uint32_t s89 = kvc_lds16(st + L.vs + ((ta + 8) * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
+      const uint32_t b89 = kvc_lds16(st + L.vb + ((ta + 8) * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+      /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
+      const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
+      const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
+      uint32_t pb[NTM][2];
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+        if (nt < ntc) {
+          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + 16 * kq + 2 * tq;
+          pb[nt][0] = *(const uint32_t *)pr;
+          pb[nt][1] = *(const uint32_t *)(pr + 8);
+        }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int c0 = cb + 2 * i, c1 = c0 + 1; /* codes of rows g and g + 8 */
+        uint32_t af[4];
+        af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
+        af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
+        af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
+        af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
+#pragma unroll
+        for (int nt = 0; nt < NTM; ++nt)
+          if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+      }
+    }
+  }
+  kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion(); /* the merge waits for this grid's completion */
+#endif
+  /* l: over the 8 lanes of a query column, then over the warps (fixed order) */
+#pragma unroll
+  for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int off = 4; off < KVC_WARP; off <<= 1) l[nt][j] += __shfl_xor_sync(KVC_FULL_MASK, l[nt][j], off);
+      if (g == 0) lsum[warp * NTM * 8 + 8 * nt + 2 * tq + j] = l[nt][j];
+    }
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int qv = q0 + 8 * nt + 2 * tq + j;
+      if (qv >= Q) continue;
+      float Ls = 0.0f;
+#pragma unroll
+      for (int w = 0; w < KVC_TC_WARPS; ++w) Ls += lsum[w * NTM * 8 + 8 * nt + 2 * tq + j];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
+          const int d = 8 * xw + cb + 2 * i + r;
+          kvc_emit(a, split, b, hk, qv, d, m[nt][j], Ls, acc[i][nt][2 * r + j]);
+        }
+    }
+}
+
+/* ---- host side ---- */
+template <int D, int NTM> static cudaError_t kvc_tc_prepare(int smem) {
+  return cudaFuncSetAttribute(kvc_tc_q4_kernel<D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+}
+
+#define KVC_TC_INSTANCES(X) X(64, 1) X(64, 4) X(128, 1) X(128, 4) X(256, 1) X(256, 4)
+
+int kvc_tc_smem(int D, int gk, int gv, int ntm) { return kvc_tc_layout_of(D, gk, gv, ntm).total; }
+
+int kvc_tc_occupancy(int D, int ntm, int smem) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_OCC(D_, N_)                                                                            \
+  if (D == D_ && ntm == N_ && (e = kvc_tc_prepare<D_, N_>(smem)) == cudaSuccess)                  \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tc_q4_kernel<D_, N_>, KVC_TC_THREADS, smem);
+  KVC_TC_INSTANCES(KVC_OCC)
+#undef KVC_OCC
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
+  dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
+  const int smem = kvc_tc_smem(a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, plan.QW / 8);
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_CASE(D_, N_)                                                                           \
+  if (a.Dk == D_ && plan.QW == 8 * N_ && (e = kvc_tc_prepare<D_, N_>(smem)) == cudaSuccess) {     \
+    kvc_tc_q4_kernel<D_, N_><<<grid, KVC_TC_THREADS, smem, stream>>>(a);                           \
+    e = cudaGetLastError();                                                                        \
+  }
+  KVC_TC_INSTANCES(KVC_CASE)
+#undef KVC_CASE
+  if (e != cudaSuccess)
+    return kva_seterr(KVA_ECUDA, "q4 tensor-core attention kernel (D = %d, %d query vectors per block): %s", a.Dk,
+                      plan.QW, cudaGetErrorString(e));
+  return 0;
+}
