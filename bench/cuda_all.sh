@@ -51,7 +51,7 @@ if has asan; then # make test-c's second run: the tests under ASan + UBSan, quic
   grep -E "ERROR|FAIL|passed" "$OUT/tests.log" | tail -5
 fi
 if has memcheck; then
-  run memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/kvattn_tests --quick cuda \
+  run memcheck 400 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/kvattn_tests --quick cuda \
     > "$OUT/sanitizer.log" 2>&1
   grep -E "ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi

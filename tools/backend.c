@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #ifdef KVA_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -169,6 +170,9 @@ static int cuda_open(const kb_opts *o, kb_backend *be, char *err, size_t errn) {
   be->name = "cuda";
   be->kind = KVA_BACKEND_CUDA;
   be->threads = 1;
+  be->host_threads = (int)sysconf(_SC_NPROCESSORS_ONLN); /* the device computes; the host fills and checks */
+  if (be->host_threads < 1) be->host_threads = 1;
+  if (be->host_threads > KB_MAX_THREADS) be->host_threads = KB_MAX_THREADS;
   be->host_memory = false;
   be->alloc = cuda_alloc;
   be->release = cuda_release;
@@ -216,6 +220,7 @@ int kb_backend_open(const kb_opts *o, kb_backend *be, char *err, size_t errn) {
   be->kind = KVA_BACKEND_CPU;
   be->threads = kva_context_threads(be->ctx);
   if (be->threads < 1) be->threads = 1;
+  be->host_threads = be->threads;
   be->host_memory = true;
   be->alloc = cpu_alloc;
   be->release = cpu_release;

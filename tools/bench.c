@@ -323,7 +323,7 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
     if (o->check) {
       prog_stage(pg, "checking against the oracle");
       t0 = kb_now();
-      rc = kb_check(c, cs, &cb.q_host, &cb.out_host, &p, be->threads, r, err, sizeof err);
+      rc = kb_check(c, cs, &cb.q_host, &cb.out_host, &p, be->host_threads, r, err, sizeof err);
       r->check_s = kb_now() - t0;
       if (rc < 0) {
         set_error(r, "check", err);

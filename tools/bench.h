@@ -151,6 +151,7 @@ struct kb_backend {
   kva_backend kind;
   kva_context *ctx;
   int threads;          /* resolved worker threads */
+  int host_threads;     /* threads for host-side work: filling caches, the oracle check */
   bool host_memory;     /* backend memory is host memory (the master copy is copy 0) */
   void *priv;           /* the backend's own state (CUDA: timing events) */
   void *(*alloc)(kb_backend *be, size_t bytes);

@@ -393,7 +393,7 @@ int kb_cacheset_make(kb_backend *be, const kb_opts *o, const kb_case *c, uint64_
     size_t next = i + 1 < KB_NPARTS ? cs->off[i + 1] : cs->copy_bytes;
     memset(cs->host + end, 0, next - end);
   }
-  int rc = fill_copy(cs, cs->host, seed, be->threads, err, errn);
+  int rc = fill_copy(cs, cs->host, seed, be->host_threads, err, errn);
   if (rc < 0) {
     kb_cacheset_free(be, cs);
     return rc;

@@ -76,14 +76,16 @@ __device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op,
 
 /* Loads this lane's chunk of row t of sequence b with one vector load of
  * BYTES (the host routes unaligned operands to the general path) and the
- * raw scale/bias. op: the operand r was made from. */
-template <int FMT, int E>
+ * raw scale/bias. op: the operand r was made from; TABLE: op is a
+ * BLOCK_TABLE operand (the caller branches once per step, so the contiguous
+ * loads stay straight-line code). */
+template <int FMT, int E, bool TABLE>
 __device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, const kvc_operand &op,
                                                int b, long long t) {
   typedef kvc_chunk<FMT, E> C;
   long long od = t * r.ds, os = t * r.ss, ob = t * r.bs;
-  if (op.tbl) {
-    const kvc_loc l = kvc_table_loc(op.tbl + b * op.tbl_rs, r.fo, op.bsz, op.nblk, t);
+  if (TABLE) {
+    const kvc_loc l = kvc_table_loc(op.tbl + b * op.tbl_rs, r.fo, op.bsz, op.bsh, op.nblk, t);
     od = l.outer * op.ds[0] + l.row * r.ds;
     os = l.outer * op.ss[0] + l.row * r.ss;
     ob = l.outer * op.bs[0] + l.row * r.bs;
@@ -330,8 +332,19 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       st.valid[u] = st.t[u] < t_hi;
       kvc_zero_chunk(st.k[u]);
       kvc_zero_chunk(st.v[u]);
-      if (st.valid[u] && kact) kvc_load_chunk(st.k[u], krows, a.k, b, st.t[u]);
-      if (st.valid[u] && vact) kvc_load_chunk(st.v[u], vrows, a.v, b, st.t[u]);
+    }
+    if (!a.k.tbl) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (st.valid[u] && kact) kvc_load_chunk<FMT, E, false>(st.k[u], krows, a.k, b, st.t[u]);
+        if (st.valid[u] && vact) kvc_load_chunk<FMT, E, false>(st.v[u], vrows, a.v, b, st.t[u]);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (st.valid[u] && kact) kvc_load_chunk<FMT, E, true>(st.k[u], krows, a.k, b, st.t[u]);
+        if (st.valid[u] && vact) kvc_load_chunk<FMT, E, true>(st.v[u], vrows, a.v, b, st.t[u]);
+      }
     }
   };
   /* Logits, online softmax and P.V of one loaded step. */

@@ -130,10 +130,12 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int D, int gk, int gv,
 }
 
 /* Copies stage tokens t0..t0+63 (zeros past t_hi) into ring slot `st`.
- * Rows: 16-byte piece p = thread + 128 k is piece p % CPR of token p / CPR,
- * so a warp's pieces of one instruction are 512 contiguous bytes of
- * consecutive rows (contiguous layout). Scale rows: thread 2 tok takes the
- * K scale/bias rows of token tok, thread 2 tok + 1 the V ones. */
+ * Contiguous rows: 16-byte piece p = thread + 128 k is piece p % CPR of
+ * token p / CPR, so one instruction of a warp copies 512 contiguous bytes.
+ * BLOCK_TABLE rows: thread pair (2 tok, 2 tok + 1) takes token tok, half of
+ * each row each, so each thread locates one token (one table load). Scale
+ * rows: thread 2 tok takes the K scale/bias rows of token tok, 2 tok + 1 the
+ * V ones. */
 template <int D>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, unsigned char *st,
                                                   int b, int hk, int fo, long long t0, long long t_hi) {
@@ -141,38 +143,35 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;            /* tokens between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
-  const int c = threadIdx.x % CPR, tok0 = threadIdx.x / CPR;
+  const int tok = threadIdx.x >> 1, half = threadIdx.x & 1; /* the token this thread locates */
+  const long long t = t0 + tok;
+  const bool ok = t < t_hi;
+  kvc_loc l = {b, t};
   if (!K.tbl) { /* contiguous: one address, then a constant step */
-    const long long t = t0 + tok0;
-    const char *kr = K.data + b * K.ds[0] + hk * K.ds[1] + t * K.ds[2] + 16 * c;
-    const char *vr = V.data + b * V.ds[0] + hk * V.ds[1] + t * V.ds[2] + 16 * c;
+    const int c = threadIdx.x % CPR, tk0 = threadIdx.x / CPR;
+    const long long tc = t0 + tk0;
+    const char *kr = K.data + b * K.ds[0] + hk * K.ds[1] + tc * K.ds[2] + 16 * c;
+    const char *vr = V.data + b * V.ds[0] + hk * V.ds[1] + tc * V.ds[2] + 16 * c;
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-      const int tok = tok0 + TSTEP * k, n = t + TSTEP * k < t_hi ? 16 : 0;
-      kvc_cp_async<16>(st + L.kd + tok * L.rs + 16 * c, n ? kr : K.data, n);
-      kvc_cp_async<16>(st + L.vd + tok * L.rs + 16 * c, n ? vr : V.data, n);
+      const int tk = tk0 + TSTEP * k, n = tc + TSTEP * k < t_hi ? 16 : 0;
+      kvc_cp_async<16>(st + L.kd + tk * L.rs + 16 * c, n ? kr : K.data, n);
+      kvc_cp_async<16>(st + L.vd + tk * L.rs + 16 * c, n ? vr : V.data, n);
       kr += TSTEP * K.ds[2];
       vr += TSTEP * V.ds[2];
     }
   } else {
+    if (ok) l = kvc_locate(K, b, fo, t);
+    else l.outer = l.row = 0;
+    const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
+    const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
 #pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int tok = tok0 + TSTEP * k;
-      const long long t = t0 + tok;
-      const bool ok = t < t_hi;
-      kvc_loc l = {0, 0};
-      if (ok) l = kvc_locate(K, b, fo, t);
-      const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
-      const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
+    for (int c = half * (CPR / 2); c < (half + 1) * (CPR / 2); ++c) {
       kvc_cp_async<16>(st + L.kd + tok * L.rs + 16 * c, kr + 16 * c, ok ? 16 : 0);
       kvc_cp_async<16>(st + L.vd + tok * L.rs + 16 * c, vr + 16 * c, ok ? 16 : 0);
     }
   }
-  const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
-  const long long t = t0 + tok;
-  const bool ok = t < t_hi;
-  kvc_loc l = {0, 0};
-  if (ok) l = kvc_locate(K, b, fo, t);
+  if (!ok) l.outer = l.row = 0;
   const kvc_operand &O = half ? V : K;
   const int rb = 2 * (O.group ? D / O.group : 0); /* bytes of one scale row: 4, 8 or 16 */
   const char *sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
@@ -194,6 +193,10 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
 template <int D, int NTM>
 __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
+  /* q.k: exact integer products (split queries) for the decode instance;
+   * bf16 dequantized K for the wide one (its per-group epilogue would cost
+   * more than the dequantization it saves at 4 n-tiles) */
+  constexpr bool I8 = NTM == 1;
   constexpr int WPL = D / 32; /* K words per lane and token row (S phase); V words per warp slice */
   constexpr int MT = D / 64;  /* m-tiles (16 dims) of O^T per warp */
   extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
@@ -221,56 +224,76 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
     kvc_cp_commit();
   }
 
-  /* Queries as two int8 parts: q ~= sigma (128 qh + ql), sigma = max|q| /
-   * (127 * 128), |qh| <= 127, |ql| <= 64 (error <= sigma / 2 per dim), so
-   * q.codes per group is exact integer mma work; plus sigma and the exact
-   * per-group sums of q (the bias term) in shared memory. */
   float *qsig = (float *)(kvc_tc_buf + L.qsig), *qsum = (float *)(kvc_tc_buf + L.qsum);
-  const long long qds = a.qs[3] / 2; /* bf16 elements between dims (1: innermost contiguous) */
-  for (int j = threadIdx.x; j < NTM * 8; j += KVC_TC_THREADS) {
-    const int qv = q0 + j;
-    float amax = 0.0f;
-    for (int gi = 0; gi < gk; ++gi) qsum[gi * NTM * 8 + j] = 0.0f;
-    if (qv < Q) {
-      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-      for (int gi = 0; gi < gk; ++gi) {
-        float sum = 0.0f;
-        for (int d = gi * a.k.group; d < (gi + 1) * a.k.group; ++d) {
-          const float x = kvc_bf16_bits(qp[d * qds]);
-          amax = fmaxf(amax, fabsf(x));
-          sum += x;
-        }
-        qsum[gi * NTM * 8 + j] = sum;
-      }
-    }
-    qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
-  }
-  __syncthreads();
-  /* B fragments of k-step kj (32 dims) for lane (g, tq): bytes i of b0, b1
-   * hold dims d0 + 2 i and d0 + 2 i + 1 of query 8 nt + g, d0 = 8 (4 kj + tq):
-   * the codes the K word 4 kj + tq yields (S phase) */
   uint2 *qf = (uint2 *)(kvc_tc_buf + L.qf);
-  for (int idx = threadIdx.x; idx < (D / 32) * 2 * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
-    const int kj = idx / (2 * NTM * KVC_WARP), part = (idx / (NTM * KVC_WARP)) % 2;
-    const int nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
-    const int jq = 8 * nt + (ln >> 2), qv = q0 + jq;
-    uint32_t f[2] = {0u, 0u};
-    if (qv < Q) {
-      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-      const int d0 = 8 * (4 * kj + (ln & 3));
-      const float inv = 1.0f / qsig[jq];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const float y = kvc_bf16_bits(qp[(d0 + 2 * i + hh) * qds]) * inv;
-          const float qh = rintf(y * (1.0f / 128.0f));
-          const float v = part ? rintf(y - 128.0f * qh) : qh;
-          const int iv = (v == v) ? (int)fminf(fmaxf(v, -127.0f), 127.0f) : 0;
-          f[hh] |= (uint32_t)(iv & 0xff) << (8 * i);
+  const long long qds = a.qs[3] / 2; /* bf16 elements between dims (1: innermost contiguous) */
+  if (I8) {
+    /* Queries as two int8 parts: q ~= sigma (128 qh + ql), sigma = max|q| /
+     * (127 * 128), |qh| <= 127, |ql| <= 64 (error <= sigma / 2 per dim), so
+     * q.codes per group is exact integer mma work; plus sigma and the exact
+     * per-group sums of q (the bias term) in shared memory. */
+    for (int j = threadIdx.x; j < NTM * 8; j += KVC_TC_THREADS) {
+      const int qv = q0 + j;
+      float amax = 0.0f;
+      for (int gi = 0; gi < gk; ++gi) qsum[gi * NTM * 8 + j] = 0.0f;
+      if (qv < Q) {
+        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+        for (int gi = 0; gi < gk; ++gi) {
+          float sum = 0.0f;
+          for (int d = gi * a.k.group; d < (gi + 1) * a.k.group; ++d) {
+            const float x = kvc_bf16_bits(qp[d * qds]);
+            amax = fmaxf(amax, fabsf(x));
+            sum += x;
+          }
+          qsum[gi * NTM * 8 + j] = sum;
         }
+      }
+      qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
     }
-    qf[idx] = make_uint2(f[0], f[1]);
+    __syncthreads();
+    /* B fragments of k-step kj (32 dims) for lane (g, tq): bytes i of b0, b1
+     * hold dims d0 + 2 i and d0 + 2 i + 1 of query 8 nt + g, d0 = 8 (4 kj + tq):
+     * the codes the K word 4 kj + tq yields (S phase) */
+    for (int idx = threadIdx.x; idx < (D / 32) * 2 * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
+      const int kj = idx / (2 * NTM * KVC_WARP), part = (idx / (NTM * KVC_WARP)) % 2;
+      const int nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
+      const int jq = 8 * nt + (ln >> 2), qv = q0 + jq;
+      uint32_t f[2] = {0u, 0u};
+      if (qv < Q) {
+        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+        const int d0 = 8 * (4 * kj + (ln & 3));
+        const float inv = 1.0f / qsig[jq];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float y = kvc_bf16_bits(qp[(d0 + 2 * i + hh) * qds]) * inv;
+            const float qh = rintf(y * (1.0f / 128.0f));
+            const float v = part ? rintf(y - 128.0f * qh) : qh;
+            const int iv = (v == v) ? (int)fminf(fmaxf(v, -127.0f), 127.0f) : 0;
+            f[hh] |= (uint32_t)(iv & 0xff) << (8 * i);
+          }
+      }
+      qf[idx] = make_uint2(f[0], f[1]);
+    }
+  } else {
+    /* bf16 query fragments (mma B of S^T per k-step, n-tile, lane): k-step
+     * 2P + h of lane (g, tq) pairs dims (d0, d0 + 4) and (d0 + 1, d0 + 5),
+     * d0 = 8 (tq WPL + P) + 2 h: the dims its dequantized K word yields */
+    for (int idx = threadIdx.x; idx < (D / 16) * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
+      const int kk = idx / (NTM * KVC_WARP), nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
+      const int qv = q0 + 8 * nt + (ln >> 2);
+      uint2 f = make_uint2(0u, 0u);
+      if (qv < Q) {
+        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+        const int d0 = 8 * ((ln & 3) * WPL + (kk >> 1)) + 2 * (kk & 1);
+        f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
+        f.y = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
+      }
+      qf[idx] = f;
+    }
+    for (int j = threadIdx.x; j < NTM * 8; j += KVC_TC_THREADS) qsig[j] = 1.0f;
+    __syncthreads();
   }
 
   /* this lane's query columns 8 nt + 2 tq + j: positions, segments, state */
@@ -322,7 +345,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
      * group's end dot += scale * (128 dot_h + dot_l) and the bias term
      * bias * sum(q over the group) accumulates apart; q.k = sigma dot + bias terms. */
     float sc[NTM][4], sbias[NTM][4];
-    {
+    if (I8) {
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
       const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;
@@ -366,6 +389,51 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
             }
         }
       }
+    }
+    else { /* bf16: K dequantized into mma A registers, one bf16 rounding per element */
+      const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
+      uint32_t kw0[WPL], kw1[WPL];
+      const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq * WPL;
+      const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq * WPL;
+#pragma unroll
+      for (int k = 0; k < WPL; k += 2) {
+        const uint2 x0 = *(const uint2 *)(p0 + k), x1 = *(const uint2 *)(p1 + k);
+        kw0[k] = x0.x; kw0[k + 1] = x0.y;
+        kw1[k] = x1.x; kw1[k + 1] = x1.y;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = sbias[nt][e] = 0.0f;
+#pragma unroll
+      for (int P = 0; P < WPL; ++P) {
+        const int gi = (8 * (tq * WPL + P)) >> gk_sh;
+        const uint32_t sa = kvc_lds16(st + L.ks + (r0 * gk + gi) * 2), ba = kvc_lds16(st + L.kb + (r0 * gk + gi) * 2);
+        const uint32_t sb = kvc_lds16(st + L.ks + (r1 * gk + gi) * 2), bb = kvc_lds16(st + L.kb + (r1 * gk + gi) * 2);
+        const uint32_t sa2 = sa | (sa << 16), ba2 = ba | (ba << 16), sb2 = sb | (sb << 16), bb2 = bb | (bb << 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) { /* k-step 2P + h: codes (2h, 2h + 4) and (2h + 1, 2h + 5) */
+          uint32_t af[4];
+          af[0] = kvc_deq_pair(kw0[P], 2 * h, sa2, ba2);
+          af[1] = kvc_deq_pair(kw1[P], 2 * h, sb2, bb2);
+          af[2] = kvc_deq_pair(kw0[P], 2 * h + 1, sa2, ba2);
+          af[3] = kvc_deq_pair(kw1[P], 2 * h + 1, sb2, bb2);
+          const int kk = 2 * P + h;
+#pragma unroll
+          for (int nt = 0; nt < NTM; ++nt)
+            if (nt < ntc) {
+              const uint2 f = qf[(kk * NTM + nt) * KVC_WARP + lane];
+              kvc_mma_bf16(h ? sbias[nt] : sc[nt], af, f.x, f.y); /* two chains; summed below */
+            }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[nt][e] += sbias[nt][e];
+          sbias[nt][e] = 0.0f;
+        }
     }
     /* masks and logits (log2 units); c0 (token g, query 2tq), c1 (g, 2tq + 1),
      * c2/c3 (token g + 8). A stage wholly inside every row's causal window

@@ -40,6 +40,7 @@ struct kvc_operand {
   const int32_t *tbl, *fo;
   long long tbl_rs;
   int bsz, nblk;
+  int bsh; /* log2(bsz) when bsz is a power of two, else -1 */
 };
 
 /* A validated call, flattened for the device (passed by value). */
@@ -107,9 +108,11 @@ __device__ __forceinline__ int kvc_first_offset(const kvc_operand &op, int b) {
 struct kvc_loc {
   long long outer, row;
 };
-/* Token t through one sequence's table row (one table load). */
-__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int nblk, long long t) {
-  const long long r = t + fo, j = r / bsz;
+/* Token t through one sequence's table row (one table load; a shift for
+ * power-of-two blocks, bsh = log2(bsz), else a division). */
+__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int bsh, int nblk,
+                                                 long long t) {
+  const long long r = t + fo, j = bsh >= 0 ? r >> bsh : r / bsz;
   int id = __ldg(tbl_row + j);
   id = id < 0 ? 0 : (id >= nblk ? nblk - 1 : id);
   kvc_loc l;
@@ -118,7 +121,7 @@ __device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo,
   return l;
 }
 __device__ __forceinline__ kvc_loc kvc_locate(const kvc_operand &op, int b, int fo, long long t) {
-  if (op.tbl) return kvc_table_loc(op.tbl + b * op.tbl_rs, fo, op.bsz, op.nblk, t);
+  if (op.tbl) return kvc_table_loc(op.tbl + b * op.tbl_rs, fo, op.bsz, op.bsh, op.nblk, t);
   kvc_loc l;
   l.outer = b;
   l.row = t;

@@ -355,6 +355,7 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
       ops[i]->tbl_rs = bt->row_stride ? bt->row_stride : bt->max_blocks;
       ops[i]->bsz = (int)p->kv->k.data.shape[2];
       ops[i]->nblk = (int)p->kv->k.data.shape[0];
+      ops[i]->bsh = (ops[i]->bsz & (ops[i]->bsz - 1)) == 0 ? kvc_log2(ops[i]->bsz) : -1;
     }
     a->seq_lens = bt->seq_lens;
   }
