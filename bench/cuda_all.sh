@@ -58,7 +58,7 @@ fi
 if has racecheck; then
   run racecheck 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_nan_inf \
     >> "$OUT/sanitizer.log" 2>&1
-  run racecheck-tc 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_mma_path \
+  run racecheck-tc 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick cuda_q4_tc_path \
     >> "$OUT/sanitizer.log" 2>&1
   run racecheck-table 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
     cuda_block_table >> "$OUT/sanitizer.log" 2>&1

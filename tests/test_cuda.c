@@ -29,7 +29,7 @@ TEST(cuda_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
-TEST(cuda_mma_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
@@ -301,7 +301,7 @@ TEST(cuda_vs_oracle) {
 
 /* The q4 tensor-core path alone, small (racecheck runs it): decode GQA 2,
  * verify GQA 6 with splits, head dims 64/128/256. */
-TEST(cuda_mma_path) {
+TEST(cuda_q4_tc_path) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   static const att_case mcases[] = {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
