@@ -421,8 +421,9 @@ int kva_paged_view_gather(const kva_paged_view *view, int64_t b, kva_kv *k, kva_
  * entry it will use (a bad id or length: an error, nothing written). On CUDA
  * the pools and the three arrays are device memory, read by the kernels (so
  * a captured graph follows later changes of lengths and tables); there a
- * length is clamped into [0, max_blocks * block_size - first_offset] and a
- * row in an out-of-range block reads as masked, so bad values never fault. */
+ * length is clamped into [0, max_blocks * block_size - first_offset], a
+ * first_offset into [0, block_size) and a block id into [0, num_blocks), so
+ * bad values never fault (the result is then meaningless, not an error). */
 typedef struct kva_block_table {
   int64_t batch;               /* B */
   int64_t max_blocks;          /* table columns: a sequence spans at most max_blocks blocks */
