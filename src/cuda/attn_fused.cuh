@@ -44,6 +44,11 @@ template <int FMT, int E> struct kvc_chunk {
   uint32_t s, z; /* scale, bias bits of the chunk's group (quantized) */
 };
 
+/* Compile-time layout tag of a token loop (BLOCK_TABLE or contiguous). */
+template <bool B> struct kvc_table_tag {
+  static constexpr bool value = B;
+};
+
 /* One lane's view of an operand: its chunk of row 0 of (b, h) and the row
  * strides (hoisted out of the token loop: row t is base + t * stride). For a
  * BLOCK_TABLE operand the bases hold (h, chunk) only and each token is
@@ -324,27 +329,19 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
 
   const int step = KVC_FUSED_WARPS * TPW * U;
   typedef kvc_step<FMT, E, U> S;
-  /* Issues the loads of the step starting at token `base` (none past t_hi). */
-  auto load = [&](S &st, long long base) {
+  /* Issues the loads of the step starting at token `base` (none past t_hi);
+   * tb: kvc_table_tag<true> for a BLOCK_TABLE view (the token loop below
+   * is instantiated once per layout, so the contiguous loop is unchanged). */
+  auto load = [&](S &st, long long base, auto tb) {
+    constexpr bool TB = decltype(tb)::value;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       st.t[u] = base + (long long)(u * KVC_FUSED_WARPS + warp) * TPW + slot;
       st.valid[u] = st.t[u] < t_hi;
       kvc_zero_chunk(st.k[u]);
       kvc_zero_chunk(st.v[u]);
-    }
-    if (!a.k.tbl) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (st.valid[u] && kact) kvc_load_chunk<FMT, E, false>(st.k[u], krows, a.k, b, st.t[u]);
-        if (st.valid[u] && vact) kvc_load_chunk<FMT, E, false>(st.v[u], vrows, a.v, b, st.t[u]);
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (st.valid[u] && kact) kvc_load_chunk<FMT, E, true>(st.k[u], krows, a.k, b, st.t[u]);
-        if (st.valid[u] && vact) kvc_load_chunk<FMT, E, true>(st.v[u], vrows, a.v, b, st.t[u]);
-      }
+      if (st.valid[u] && kact) kvc_load_chunk<FMT, E, TB>(st.k[u], krows, a.k, b, st.t[u]);
+      if (st.valid[u] && vact) kvc_load_chunk<FMT, E, TB>(st.v[u], vrows, a.v, b, st.t[u]);
     }
   };
   /* Logits, online softmax and P.V of one loaded step. */
@@ -415,18 +412,22 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   };
   /* Two steps in flight: the next step's loads are issued before this one's
    * math (ping-pong buffers, so no register copy waits on a load). */
-  S sa, sb;
-  long long base = t_lo;
-  if (base < t_hi) load(sa, base);
-  while (base < t_hi) {
-    load(sb, base + step);
-    compute(sa);
-    base += step;
-    if (base >= t_hi) break;
-    load(sa, base + step);
-    compute(sb);
-    base += step;
-  }
+  auto run = [&](auto tb) {
+    S sa, sb;
+    long long base = t_lo;
+    if (base < t_hi) load(sa, base, tb);
+    while (base < t_hi) {
+      load(sb, base + step, tb);
+      compute(sa);
+      base += step;
+      if (base >= t_hi) break;
+      load(sa, base + step, tb);
+      compute(sb);
+      base += step;
+    }
+  };
+  if (a.k.tbl) run(kvc_table_tag<true>());
+  else run(kvc_table_tag<false>());
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   /* the merge launch (programmatic dependent launch) may start now; it waits
    * for this grid's completion before reading the workspace */

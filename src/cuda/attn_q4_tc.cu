@@ -133,12 +133,13 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int D, int gk, int gv,
  * Contiguous rows: 16-byte piece p = thread + 128 k is piece p % CPR of
  * token p / CPR, so one instruction of a warp copies 512 contiguous bytes.
  * BLOCK_TABLE rows: thread pair (2 tok, 2 tok + 1) takes token tok, half of
- * each row each, so each thread locates one token (one table load). Scale
+ * each row each, so each thread locates one token, from the block id `id`
+ * that kvc_tc_table_id loaded one stage earlier (its latency hidden). Scale
  * rows: thread 2 tok takes the K scale/bias rows of token tok, 2 tok + 1 the
  * V ones. */
 template <int D>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, unsigned char *st,
-                                                  int b, int hk, int fo, long long t0, long long t_hi) {
+                                                  int b, int hk, int fo, long long t0, long long t_hi, int id) {
   constexpr int CPR = D / 32;                            /* 16-byte pieces per packed row */
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;            /* tokens between a thread's pieces */
@@ -161,8 +162,12 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
       vr += TSTEP * V.ds[2];
     }
   } else {
-    if (ok) l = kvc_locate(K, b, fo, t);
-    else l.outer = l.row = 0;
+    l.outer = l.row = 0;
+    if (ok) { /* kvc_table_loc with the prefetched id */
+      const long long r = t + fo, j = K.bsh >= 0 ? r >> K.bsh : r / K.bsz;
+      l.outer = id < 0 ? 0 : (id >= K.nblk ? K.nblk - 1 : id);
+      l.row = r - j * K.bsz;
+    }
     const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
     const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
 #pragma unroll
@@ -188,6 +193,15 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     kvc_cp_async<4>(sd, sr, n);
     kvc_cp_async<4>(bd, br, n);
   }
+}
+
+/* The block id of this thread's loader token in the stage at t0 (0 when
+ * contiguous or past t_hi): issued a stage before kvc_tc_load_stage uses it. */
+__device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
+  const long long t = t0 + (threadIdx.x >> 1);
+  if (!a.k.tbl || t >= t_hi) return 0;
+  const long long r = t + fo, j = a.k.bsh >= 0 ? r >> a.k.bsh : r / a.k.bsz;
+  return __ldg(a.k.tbl + b * a.k.tbl_rs + j);
 }
 
 template <int D, int NTM>
@@ -219,10 +233,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
   /* prologue: the first STAGES - 1 stages in flight (one commit group each) */
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
+    const long long ts = t_lo + (long long)s * KVC_TC_TOK;
     if (s < nst)
-      kvc_tc_load_stage<D>(a, L, kvc_tc_buf + s * L.stage, b, hk, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi);
+      kvc_tc_load_stage<D>(a, L, kvc_tc_buf + s * L.stage, b, hk, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
     kvc_cp_commit();
   }
+  int id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi);
 
   float *qsig = (float *)(kvc_tc_buf + L.qsig), *qsum = (float *)(kvc_tc_buf + L.qsum);
   uint2 *qf = (uint2 *)(kvc_tc_buf + L.qf);
@@ -332,8 +348,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
       const int sn = s + STAGES - 1;
       if (sn < nst)
         kvc_tc_load_stage<D>(a, L, kvc_tc_buf + (sn % STAGES) * L.stage, b, hk, fo,
-                             t_lo + (long long)sn * KVC_TC_TOK, t_hi);
+                             t_lo + (long long)sn * KVC_TC_TOK, t_hi, id_next);
       kvc_cp_commit();
+      id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi); /* for the next stage */
     }
     const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
