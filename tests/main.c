@@ -32,6 +32,25 @@ float test_randn(void) {
   return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
 }
 
+float test_load(const void *p, kva_dtype dt) {
+  uint16_t h;
+  switch (dt) {
+  case KVA_F32: { float x; memcpy(&x, p, 4); return x; }
+  case KVA_F16: memcpy(&h, p, 2); return kva_f16_to_f32(h);
+  case KVA_BF16: memcpy(&h, p, 2); return kva_bf16_to_f32(h);
+  default: return NAN;
+  }
+}
+void test_store(void *p, kva_dtype dt, float x) {
+  uint16_t h;
+  switch (dt) {
+  case KVA_F32: memcpy(p, &x, 4); break;
+  case KVA_F16: h = kva_f32_to_f16(x); memcpy(p, &h, 2); break;
+  case KVA_BF16: h = kva_f32_to_bf16(x); memcpy(p, &h, 2); break;
+  default: break;
+  }
+}
+
 static uint64_t hash_str(const char *s) {
   uint64_t h = 1469598103934665603ull;
   for (; *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;

@@ -81,4 +81,9 @@ extern bool test_quick; /* --quick: smaller case tables (used under sanitizers) 
 uint64_t test_rand_u64(void);
 float test_randn(void);    /* ~N(0,1) */
 float test_randu(float lo, float hi);
+
+/* One f32/f16/bf16 element at p as float, and x stored at p rounded to dt
+ * (the library's conversions; NaN for other dtypes / nothing stored). */
+float test_load(const void *p, kva_dtype dt);
+void test_store(void *p, kva_dtype dt, float x);
 #endif

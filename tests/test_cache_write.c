@@ -171,15 +171,6 @@ static void fill_group(float *x, int gs, int kind, kva_dtype dt) {
   case 13: for (int j = 0; j < gs; ++j) x[j] = (j & 1) ? INFINITY : -1.0f; break;
   }
 }
-static void store_f(void *p, kva_dtype dt, float x) {
-  uint16_t h;
-  switch (dt) {
-  case KVA_F32: memcpy(p, &x, 4); break;
-  case KVA_F16: h = kva_f32_to_f16(x); memcpy(p, &h, 2); break;
-  case KVA_BF16: h = kva_f32_to_bf16(x); memcpy(p, &h, 2); break;
-  default: break;
-  }
-}
 /* Fills every row of t [n, KVH, D] (groups of gs). */
 static void fill_rows(kva_tensor *t, int gs, bool nonfinite) {
   const int64_t es = (int64_t)kva_dtype_size(t->dtype), D = t->shape[2];
@@ -188,7 +179,7 @@ static void fill_rows(kva_tensor *t, int gs, bool nonfinite) {
     for (int64_t h = 0; h < t->shape[1]; ++h)
       for (int64_t g = 0; g < D / gs; ++g) {
         fill_group(x, gs, rnd_int(0, nonfinite ? NKINDS - 1 : NKINDS_FINITE - 1), t->dtype);
-        for (int j = 0; j < gs; ++j) store_f(at4(t, i, h, 0) + (g * gs + j) * es, t->dtype, x[j]);
+        for (int j = 0; j < gs; ++j) test_store(at4(t, i, h, 0) + (g * gs + j) * es, t->dtype, x[j]);
       }
 }
 

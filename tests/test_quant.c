@@ -12,24 +12,6 @@
 static uint32_t fbits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static float bitsf(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
-static float ld(const void *p, kva_dtype dt) {
-  uint16_t h;
-  switch (dt) {
-  case KVA_F32: { float x; memcpy(&x, p, 4); return x; }
-  case KVA_F16: memcpy(&h, p, 2); return kva_f16_to_f32(h);
-  case KVA_BF16: memcpy(&h, p, 2); return kva_bf16_to_f32(h);
-  default: return NAN;
-  }
-}
-static void st(void *p, kva_dtype dt, float x) {
-  uint16_t h;
-  switch (dt) {
-  case KVA_F32: memcpy(p, &x, 4); break;
-  case KVA_F16: h = kva_f32_to_f16(x); memcpy(p, &h, 2); break;
-  case KVA_BF16: h = kva_f32_to_bf16(x); memcpy(p, &h, 2); break;
-  default: break;
-  }
-}
 /* Bits of the stored element (f32: 32 bits, f16/bf16: 16 bits). */
 static uint32_t raw(const void *p, kva_dtype dt) {
   if (dt == KVA_F16 || dt == KVA_BF16) { uint16_t h; memcpy(&h, p, 2); return h; }
@@ -38,7 +20,7 @@ static uint32_t raw(const void *p, kva_dtype dt) {
 /* x rounded to dt, as stored bits. */
 static uint32_t to_raw(kva_dtype dt, float x) {
   unsigned char b[4] = {0, 0, 0, 0};
-  st(b, dt, x);
+  test_store(b, dt, x);
   return raw(b, dt);
 }
 static int rnd_int(int lo, int hi) { return lo + (int)(test_rand_u64() % (uint64_t)(hi - lo + 1)); }
@@ -217,7 +199,7 @@ static int64_t check_against_ref(const view *w, const kva_kv *out, const char *l
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < D / gs; ++g) {
       const char *wr = rowp(&w->t, r);
-      for (int j = 0; j < gs; ++j) x[j] = ld(wr + (g * gs + j) * wsz, w->t.dtype);
+      for (int j = 0; j < gs; ++j) x[j] = test_load(wr + (g * gs + j) * wsz, w->t.dtype);
       ref_group(x, gs, bits, &s, &b, q);
       ref_pack(q, gs, bits, words);
       const uint32_t *got = (const uint32_t *)rowp(&out->data, r) + g * gs * bits / 32;
@@ -290,7 +272,7 @@ TEST(quant_matches_reference) {
           for (int64_t r = 0; r < rows; ++r) {
             float mag = mags[rnd_int(0, 4)], off = rnd_int(0, 2) ? 0.0f : mag * test_randu(-3, 3);
             for (int64_t d = 0; d < shape[nd - 1]; ++d)
-              st(rowp(&w.t, r) + d * es, wdt, random_value(mag, off));
+              test_store(rowp(&w.t, r) + d * es, wdt, random_value(mag, off));
           }
           view_snap(&w);
           qviews o;
@@ -359,7 +341,7 @@ TEST(quant_special_groups) {
             for (int k = 0; k < NSPECIAL; ++k) {
               fill_special(x, gs, (k + (int)r * 5) % NSPECIAL);
               for (int j = 0; j < gs; ++j)
-                st(rowp(&w.t, r) + ((int64_t)k * gs + j) * es, wdt, x[j]);
+                test_store(rowp(&w.t, r) + ((int64_t)k * gs + j) * es, wdt, x[j]);
             }
           view_snap(&w);
           qviews o;
@@ -430,7 +412,7 @@ TEST(quant_rows_equal_whole) {
       view w;
       view_init(&w, wdt, 4, shape, rnd_int(0, 3), true);
       int64_t n = numel(&w.t);
-      for (int64_t i = 0; i < n; ++i) st(elp(&w.t, i), wdt, test_randn());
+      for (int64_t i = 0; i < n; ++i) test_store(elp(&w.t, i), wdt, test_randn());
       qviews o;
       qviews_init(&o, 4, shape, bits, gs, sdt, true);
       ASSERT_OK(kva_quantize(&w.t, &o.kv));
@@ -495,7 +477,7 @@ TEST(quant_roundtrip_error_bound) {
           view_init(&w, wdt, 3, shape, 1, false);
           for (int64_t r = 0; r < nrows(&w.t); ++r) {
             float mag = mags[rnd_int(0, 2)], off = rnd_int(0, 1) ? 0.0f : mag * test_randu(-2, 2);
-            for (int64_t d = 0; d < D; ++d) st(elp(&w.t, r * D + d), wdt, random_value(mag, off));
+            for (int64_t d = 0; d < D; ++d) test_store(elp(&w.t, r * D + d), wdt, random_value(mag, off));
           }
           qviews o;
           qviews_init(&o, 3, shape, bits, gs, sdt, true);
@@ -509,9 +491,9 @@ TEST(quant_roundtrip_error_bound) {
           double worst = 0; /* error / (|s|/2) where not clamped */
           for (int64_t r = 0; r < nrows(&w.t); ++r)
             for (int64_t d = 0; d < D; ++d) {
-              double x = ld(elp(&w.t, r * D + d), wdt), y = ld(elp(&back.t, r * D + d), KVA_F32);
-              double s = ld(rowp(&o.scales.t, r) + (d / gs) * ssz, sdt);
-              double b = ld(rowp(&o.biases.t, r) + (d / gs) * ssz, sdt);
+              double x = test_load(elp(&w.t, r * D + d), wdt), y = test_load(elp(&back.t, r * D + d), KVA_F32);
+              double s = test_load(rowp(&o.scales.t, r) + (d / gs) * ssz, sdt);
+              double b = test_load(rowp(&o.biases.t, r) + (d / gs) * ssz, sdt);
               double idx = (x - b) / s, dist = idx < 0 ? -idx : idx > n ? idx - n : 0.0;
               double M = fabs(x) + fabs(b) + n * fabs(s), slack = (6 * u + 4 * uf) * M + sub;
               double err = fabs(x - y), allowed = fabs(s) * fmax(0.5, dist) + slack;
@@ -721,8 +703,8 @@ TEST(dequant_matches_double_reference) {
             for (int64_t g = 0; g < ng; ++g) {
               /* Some huge scales: the product overflows T (MLX gives inf). */
               float big = T == KVA_F16 ? 3e4f : 1e37f, mag = rnd_int(0, 15) ? 1.0f : big;
-              st(rowp(&q.scales.t, r) + g * tsz, T, mag * test_randn());
-              st(rowp(&q.biases.t, r) + g * tsz, T, 4.0f * test_randn());
+              test_store(rowp(&q.scales.t, r) + g * tsz, T, mag * test_randn());
+              test_store(rowp(&q.biases.t, r) + g * tsz, T, 4.0f * test_randn());
             }
           }
           qviews_snap(&q);
@@ -733,8 +715,8 @@ TEST(dequant_matches_double_reference) {
           int64_t bad = 0;
           for (int64_t r = 0; r < rows && !rc; ++r)
             for (int64_t d = 0; d < shape[nd - 1]; ++d) {
-              double s = ld(rowp(&q.scales.t, r) + (d / gs) * tsz, T);
-              double b = ld(rowp(&q.biases.t, r) + (d / gs) * tsz, T);
+              double s = test_load(rowp(&q.scales.t, r) + (d / gs) * tsz, T);
+              double b = test_load(rowp(&q.biases.t, r) + (d / gs) * tsz, T);
               uint32_t c = code_at(&q.data.t, r, d, bits);
               /* MLX: multiply(q, scales) then add(biases), each rounded to T;
                * then cast to the output dtype. s*q is exact in double. */
@@ -954,14 +936,14 @@ TEST(convert_strided) {
       for (int64_t i = 0; i < n; ++i) {
         /* Mostly normal values, some arbitrary bit patterns (NaN, inf, subnormals). */
         float x = rnd_int(0, 7) ? 100.0f * test_randn() : bitsf((uint32_t)test_rand_u64());
-        st(elp(&src.t, i), sdt, x);
+        test_store(elp(&src.t, i), sdt, x);
       }
       view_snap(&src);
       view_snap(&dst);
       ASSERT_OK(kva_convert(&src.t, &dst.t));
       int64_t bad = 0;
       for (int64_t i = 0; i < n; ++i) {
-        float x = ld(elp(&src.t, i), sdt);
+        float x = test_load(elp(&src.t, i), sdt);
         uint32_t want = to_raw(ddt, x), got = raw(elp(&dst.t, i), ddt);
         bad += !same_param(got, want, ddt);
       }
