@@ -1,41 +1,48 @@
 /* Tensor-core decode/verify kernel over 4-bit MLX-affine K/V with bf16
- * scales and biases: bf16 queries, Dk = Dv = D in {64, 128, 256}, at least
- * two groups per row (scale rows of >= 4 bytes, for cp.async), causal-family
- * masks, L <= 16; contiguous or BLOCK_TABLE layout. Split over token blocks
- * like the fused kernel and merged by the same merge launch (attn_merge.cu).
+ * scales and biases: bf16 queries, Dk = Dv = D in {64, 128, 256}, 2 to 8
+ * groups per row (scale rows of 4, 8 or 16 bytes, one cp.async each),
+ * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split over
+ * token blocks like the fused kernel and merged by the same merge launch
+ * (attn_merge.cu).
  *
  *   memory: the packed K/V rows and their scales/biases of a 64-token stage
- *         are copied raw into shared memory with cp.async (16-byte pieces
- *         for the rows, one 4/8/16-byte piece per scale row), in a ring of
- *         STAGES stages: three stages (~60 KB at D = 256) are in
- *         flight per block while it computes on the fourth, without holding
- *         registers. Each K/V byte is read from DRAM once per block of up to
- *         8 * NTM query vectors (all rep * L vectors of a KV head when
- *         rep * L <= 8 * NTM). Tokens are located per stage through the
- *         table (BLOCK_TABLE) or by stride: one lookup per token, not per load.
- *   math: per stage, warp w takes tokens 16w..16w+15 for S^T = K Q^T
- *         (mma.sync m16n8k16 bf16, tokens as M, query vectors as N, f32
- *         accumulation); K fragments are dequantized straight from the raw
- *         words into mma A registers (no bf16 tile): one word of 8 codes
- *         feeds two k-steps, code pairs (c, c + 4) by LOP3 under the 2^7
- *         exponent (128 + c exact), minus 128, then scale * c + bias in one
- *         bf16x2 FMA (one rounding). Query fragments were stored once per
- *         block in shared memory in the matching dim order. Logits get the
- *         scale, softcap and mask in f32 (log2 units); the stage maximum per
- *         query is shared through shared memory, so every warp applies the
+ *         (18 KB at D = 256, group 64) are copied raw into shared memory with
+ *         cp.async, in a ring of STAGES slots: STAGES - 1 stages are in
+ *         flight per block while it computes on one, without holding
+ *         registers (decode instance: 3 slots, 3 blocks per SM, ~110 KB in
+ *         flight per SM). Each K/V byte is read from DRAM once per block of
+ *         up to 8 * NTM query vectors (all rep * L vectors of a KV head when
+ *         rep * L <= 8 * NTM). Contiguous rows: a warp copies 512 contiguous
+ *         bytes per instruction; BLOCK_TABLE rows: one table entry per
+ *         thread and stage, loaded a stage ahead.
+ *   math, S = K Q^T (tokens as mma M, query vectors as N; warp w takes
+ *         tokens 16w..16w+15 of the stage):
+ *         - decode instance (I8): u8 codes straight from the raw words
+ *           (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F) times the query split
+ *           into two s8 parts, q ~= sigma (128 qh + ql), with mma.m16n8k32
+ *           into s32: exact integer dots per group; per group and token
+ *           dot += scale * (128 dot_h + dot_l) and the bias term
+ *           bias * sum_group(q) in f32. K is never rounded.
+ *         - wide instance: K dequantized to bf16 in registers (LOP3 under
+ *           the 2^7 exponent gives 128 + c exactly, minus 128, then
+ *           scale * c + bias in one bf16x2 FMA), mma.m16n8k16 bf16.
+ *         Query fragments are stored once per block in shared memory in the
+ *         dim order the K words yield.
+ *   softmax: scale, softcap and mask in f32 (log2 units); the stage maximum
+ *         per query goes through shared memory, so every warp applies the
  *         same running max m; P = 2^(s - m) rounded to bf16 (l sums the
- *         rounded values) goes to shared memory. Then warp w takes head dims
- *         [w D / 4, (w + 1) D / 4) of O^T += V^T P^T over all 64 tokens: its
- *         V fragments (two tokens of one dim per register) come from a PRMT
- *         that interleaves two tokens' code halves, then the same LOP3/FMA
- *         dequantization with the two tokens' scales and biases.
- *         Products are bf16 x bf16 (K, V and P carry bf16 rounding, 2^-9
- *         relative): tests compare this path at the bf16 allowance.
+ *         rounded values) goes to shared memory.
+ *   math, O^T += V^T P^T: warp w takes head dims [w D / 4, (w + 1) D / 4)
+ *         over all 64 tokens; its V fragments (two tokens of one dim per
+ *         register) come from a PRMT that interleaves two tokens' code
+ *         halves, then the LOP3/FMA dequantization with the two tokens'
+ *         scales and biases. V and P carry bf16 rounding (2^-9 relative):
+ *         tests compare this path at the bf16 allowance.
  *   launch: grid (qgroups, nsplit, B * KVH) of KVC_TC_THREADS threads;
  *         qgroups = ceil(rep * L / (8 * NTM)), NTM in {1, 4} n-tiles of 8
  *         query vectors per block; three __syncthreads per stage; dynamic
- *         shared memory kvc_tc_smem() (~100 KB at D = 256, NTM = 4: 2 blocks
- *         per SM). */
+ *         shared memory kvc_tc_smem() (~65 KB at D = 256 for the decode
+ *         instance, ~100 KB for the wide one: 2 blocks per SM). */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_factors2, kvc_emit */
 
 #define KVC_TC_TOK KVC_TC_STEP        /* tokens per stage (4 warps x 16) */
