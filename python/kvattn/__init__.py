@@ -504,7 +504,10 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       block * block_size + row, negative = skip the token. Float pools store
       the rows rounded to their dtype; quantized pools store quantize() of
       each row, bit for bit. A slot past the pools raises KvaError (nothing
-      is written then)."""
+      is written then). CUDA arrays (pools, rows and slots on the device)
+      run on the CUDA backend: kvattn.cuda.cache_write."""
+    if _cuda.is_cuda_array(k):
+        return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context)
     group_size = _check_int(group_size, "group_size")
     bits = _check_int(bits, "bits")
     kp = _pool_operand(k_pool, "k_pool", bits, group_size)

@@ -4,6 +4,10 @@ pointers, byte strides) and the call runs on the CUDA backend, on the
 tensors' device and on the producer's current stream (PyTorch:
 torch.cuda.current_stream(); __cuda_array_interface__: its "stream" entry).
 
+Also on CUDA arrays: block_table_attention (caller pools + block table,
+layout BLOCK_TABLE; the table, lengths and offsets int32 on the device) and
+cache_write (the append step into such pools, quantize on write).
+
 Supported element types: float32, float16, bfloat16 (PyTorch only: the array
 interface has no bfloat16), uint32/int32 for packed quantized words, int32
 lengths and segments, bool masks. Every array of one call must be on the same
@@ -155,12 +159,7 @@ class _Call:
         return kv, shape, (shape[-1] if shape else 0)
 
 
-def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None):
-    """kvattn.attention on CUDA arrays (see its documentation); runs on the
-    arrays' device and the producer's current stream, asynchronously."""
-    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+def _run(call, context):
     ctx = context if context is not None else _context(call.device)
     with ctx.lock:
         stream = call.stream
@@ -170,3 +169,80 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
         C.check(lib.kva_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(call.view),
                                   ctypes.byref(call.params), ctypes.byref(call.out), None, 0))
     return call.out_array
+
+
+def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
+              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None):
+    """kvattn.attention on CUDA arrays (see its documentation); runs on the
+    arrays' device and the producer's current stream, asynchronously."""
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    return _run(call, context)
+
+
+def _int32_device(call, x, name, ndim):
+    t, shape, _, _ = _tensor(call._device_array(x, name), name)
+    if t.dtype != C.I32 or len(shape) != ndim:
+        raise C.error(C.EDTYPE, "%s must be an int32 CUDA array of rank %d, got shape %s" % (name, ndim, list(shape)))
+    return t, shape
+
+
+def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
+                          window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
+                          clamp=False, out=None, context=None):
+    """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
+    block_size, D] (or (packed, scales, biases) tuples), blocks [B,
+    max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
+    (read by the kernels: a captured CUDA graph follows later changes). On
+    the device a bad length or block id is clamped, never a fault."""
+    from .paged import kva_block_table
+
+    call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
+                 out)
+    bl, bshape = _int32_device(call, blocks, "blocks", 2)
+    B, mb = bshape
+    if B > 1 and (bl.stride[0] % 4 or bl.stride[0] < 4 * mb):
+        raise C.error(C.ESTRIDE, "blocks: row stride %d bytes must be a multiple of 4 and >= 4 * max_blocks"
+                      % bl.stride[0])
+    sl, sshape = _int32_device(call, seq_lens, "seq_lens", 1)
+    if sshape != (B,):
+        raise C.error(C.ESHAPE, "seq_lens must have shape [B] = [%d] (the rows of blocks)" % B)
+    t = kva_block_table()
+    t.batch, t.max_blocks, t.row_stride = B, mb, (bl.stride[0] // 4 if B > 1 else 0)
+    t.blocks = ctypes.cast(bl.data, ctypes.POINTER(ctypes.c_int32))
+    t.seq_lens = ctypes.cast(sl.data, ctypes.POINTER(ctypes.c_int32))
+    if first_offset is not None:
+        fo, fshape = _int32_device(call, first_offset, "first_offset", 1)
+        if fshape != (B,):
+            raise C.error(C.ESHAPE, "first_offset must have shape [B] = [%d]" % B)
+        t.first_offset = ctypes.cast(fo.data, ctypes.POINTER(ctypes.c_int32))
+    call.keep.append(t)
+    from .paged import lib as plib
+    call.view = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
+    return _run(call, context)
+
+
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=None):
+    """kvattn.cache_write on CUDA arrays: writes the rows k [n, KVH, Dk],
+    v [n, KVH, Dv] into the device pools at slots [n] (int32, device), on the
+    arrays' device and the producer's current stream; out-of-range slots are
+    skipped on the device (negative ones by definition)."""
+    from . import _cache_write_c, _check_int
+
+    group_size, bits = _check_int(group_size, "group_size"), _check_int(bits, "bits")
+    call = _Call.__new__(_Call)  # only its array helpers (_device_array, _kv) and keep list
+    call.keep = []
+    kt, kshape, dev, stream = _tensor(call._device_array(k, "k"), "k")
+    vt, _, _, _ = _tensor(call._device_array(v, "v"), "v")
+    kp, _, _ = call._kv(k_pool, "k_pool", bits, group_size)
+    vp, _, _ = call._kv(v_pool, "v_pool", bits, group_size)
+    st, sshape = _int32_device(call, slots, "slots", 1)
+    n = kshape[0] if kshape else 0
+    if sshape != (n,):
+        raise C.error(C.ESHAPE, "slots must have shape [n] = [%d] (k.shape[0])" % n)
+    ctx = context if context is not None else _context(0 if dev is None else dev)
+    with ctx.lock:
+        s = 0 if stream in (None, _LEGACY_DEFAULT_STREAM) else stream
+        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(s)))
+        C.check(_cache_write_c(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt), ctypes.byref(vt),
+                               ctypes.cast(st.data, ctypes.POINTER(ctypes.c_int32)), n))

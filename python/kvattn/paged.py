@@ -655,9 +655,15 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     Positions, masks and the other arguments as kvattn.attention (row i of
     sequence b at position seq_lens[b] - L + i); N = max_blocks * block_size
     for segments [B, N] and mask arrays [B, H, L, N]. Every used entry is
-    validated (KvaError, nothing written). Returns [B, H, L, Dv] in q's dtype."""
-    from . import default_context
+    validated (KvaError, nothing written). Returns [B, H, L, Dv] in q's dtype.
+    CUDA arrays (PyTorch tensors, __cuda_array_interface__) run on the CUDA
+    backend: kvattn.cuda.block_table_attention."""
+    from . import cuda, default_context
 
+    if cuda.is_cuda_array(q):
+        return cuda.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
+                                          segments, softcap, sinks, group_size, bits, clamp=clamp, out=out,
+                                          context=context)
     call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
                        softcap, sinks, group_size, bits, out)
     ctx = context if context is not None else default_context(threads)

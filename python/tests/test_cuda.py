@@ -55,3 +55,37 @@ def test_cuda_rejects_host_sinks(request):
     k = to_cuda(randn(rng, (1, 1, 16, 64), kvattn.bfloat16))
     with pytest.raises(ValueError, match="sinks must be a CUDA array"):
         kvattn.attention(q, k, k, mask="causal", bits=0, sinks=np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("bits,block", [(4, 16), (0, 64)])
+def test_cuda_block_table_and_cache_write(request, bits, block):
+    """Pools filled by kvattn.cache_write on the device equal the CPU's
+    bytes; attention over the device block table matches the CPU's."""
+    rng = rng_for(request)
+    B, KVH, rep, L, D, n_tok = 2, 2, 3, 2, 128, 200
+    H = KVH * rep
+    k = randn(rng, (B, KVH, n_tok, D), kvattn.bfloat16)
+    v = randn(rng, (B, KVH, n_tok, D), kvattn.bfloat16)
+    kv = (kvattn.quantize(k, 64, bits), kvattn.quantize(v, 64, bits)) if bits else (k, v)
+    cpu_pool, seqs = kvattn.Pool.from_contiguous(*kv, block_size=block, shuffle_seed=7, group_size=64, bits=bits)
+    blocks, lens, first = cpu_pool.view(seqs).block_table()
+    q = randn(rng, (B, H, L, D), kvattn.bfloat16)
+    cpu = kvattn.block_table_attention(q, cpu_pool.k, cpu_pool.v, blocks, lens, first, mask="causal",
+                                       group_size=64, bits=bits).astype(np.float64)
+    # device pools written token by token with cache_write
+    def dev_pool(p):
+        return tuple(torch.zeros_like(to_cuda(a)) for a in p) if bits else torch.zeros_like(to_cuda(p))
+    kd, vd = dev_pool(cpu_pool.k), dev_pool(cpu_pool.v)
+    slots = np.array([[blocks[b, t // block] * block + t % block for t in range(n_tok)] for b in range(B)],
+                     np.int32)
+    for b in range(B):
+        kvattn.cache_write(kd, vd, to_cuda(np.ascontiguousarray(k[b].transpose(1, 0, 2))),
+                           to_cuda(np.ascontiguousarray(v[b].transpose(1, 0, 2))), to_cuda(slots[b]),
+                           group_size=64, bits=bits)
+    out = kvattn.block_table_attention(to_cuda(q), kd, vd, to_cuda(blocks), to_cuda(lens), to_cuda(first),
+                                       mask="causal", group_size=64, bits=bits)
+    torch.cuda.synchronize()
+    got = to_numpy(out, kvattn.bfloat16).astype(np.float64)
+    bound = 2 * UNIT_ROUNDOFF[np.dtype(kvattn.bfloat16)] * np.abs(cpu) + 2 * BF16_PRODUCTS_ATOL * np.abs(cpu).max()
+    assert np.isfinite(got).all()
+    assert (np.abs(got - cpu) <= bound).all(), float(np.abs(got - cpu).max())
