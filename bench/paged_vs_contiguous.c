@@ -3,7 +3,10 @@
  * > 1.1 GiB) of the same shapes on a contiguous cache and on paged pools of
  * block 16 and 64 (blocks shuffled), 2 threads, median of `reps` calls; and a
  * ragged batch of 8 sequences (1k..32k) decoded in one paged call vs the
- * same sequences one by one on contiguous caches.
+ * same sequences one by one on contiguous caches. Ratios are contiguous /
+ * paged (above 1: paged faster), of the medians and, in brackets, the
+ * median of the per-rep ratios (calls timed next to each other: steadier
+ * on a shared host whose speed drifts during a run).
  * Usage: paged_vs_contiguous [reps=21] [all|decode|verify|ragged] */
 #include "kvattn.h"
 
@@ -20,6 +23,15 @@ static double now(void) {
 static uint64_t rs = 88172645463325252ull;
 static uint32_t rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return (uint32_t)rs; }
 static int cmpd(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return x < y ? -1 : x > y; }
+/* Median of num[r] / den[r] over reps (before num and den are sorted). */
+static double paired(const double *num, const double *den, int reps) {
+  double *q = malloc(sizeof(double) * reps), m;
+  for (int r = 0; r < reps; ++r) q[r] = num[r] / den[r];
+  qsort(q, reps, sizeof(double), cmpd);
+  m = q[reps / 2];
+  free(q);
+  return m;
+}
 
 typedef struct cache { kva_kv k, v; void *mem[6]; } cache;
 
@@ -90,11 +102,12 @@ static void run_case(kva_context *ctx, int bits, int H, int KVH, int D, int64_t 
       if (r >= 0) t[j][r] = now() - t0;
     }
   }
+  const double p16 = paired(t[0], t[1], reps), p64 = paired(t[0], t[2], reps);
   for (int j = 0; j < 3; ++j) qsort(t[j], reps, sizeof(double), cmpd);
   double c = t[0][reps / 2];
-  printf("%s %d/%d/%d N=%lld L=%d (%d copies, %.0f MB each): contiguous %.2f ms, paged/16 %.2f ms (%.0f%%), paged/64 %.2f ms (%.0f%%)\n",
+  printf("%s %d/%d/%d N=%lld L=%d (%d copies, %.0f MB each): contiguous %.2f ms, paged/16 %.2f ms (%.0f%% [%.0f%%]), paged/64 %.2f ms (%.0f%% [%.0f%%])\n",
          bits ? "q4g64" : "bf16", H, KVH, D, (long long)N, L, copies, bytes / 1e6, c * 1e3, t[1][reps / 2] * 1e3,
-         100 * c / t[1][reps / 2], t[2][reps / 2] * 1e3, 100 * c / t[2][reps / 2]);
+         100 * c / t[1][reps / 2], 100 * p16, t[2][reps / 2] * 1e3, 100 * c / t[2][reps / 2], 100 * p64);
   fflush(stdout);
   for (int i = 0; i < copies; ++i) {
     free_cache(&cs[i]);
@@ -147,15 +160,18 @@ static void run_ragged(kva_context *ctx, int bits, int H, int KVH, int D, int re
     if (kva_attention(ctx, &qt, &v, &p, &ot, NULL, 0)) { fprintf(stderr, "%s\n", kva_last_error()); exit(1); }
     if (r >= 0) t[1][r] = now() - t0;
   }
+  const double pr = paired(t[0], t[1], reps);
   qsort(t[0], reps, sizeof(double), cmpd);
   qsort(t[1], reps, sizeof(double), cmpd);
-  printf("ragged B=8 lens 1k..32k %s %d/%d/%d decode (%d copies, %.0f MB each): 8 contiguous calls %.2f ms, one paged/16 call %.2f ms (%.2fx)\n",
-         bits ? "q4g64" : "bf16", H, KVH, D, copies, bytes / 1e6, t[0][reps / 2] * 1e3, t[1][reps / 2] * 1e3, t[0][reps / 2] / t[1][reps / 2]);
+  printf("ragged B=8 lens 1k..32k %s %d/%d/%d decode (%d copies, %.0f MB each): 8 contiguous calls %.2f ms, one paged/16 call %.2f ms (%.2fx [%.2fx])\n",
+         bits ? "q4g64" : "bf16", H, KVH, D, copies, bytes / 1e6, t[0][reps / 2] * 1e3, t[1][reps / 2] * 1e3, t[0][reps / 2] / t[1][reps / 2], pr);
   for (int i = 0; i < copies; ++i) {
     for (int b = 0; b < B; ++b) free_cache(&cs[i][b]);
     kva_paged_view_release(views[i]);
     kva_pool_destroy(pools[i]);
   }
+  free(t[0]); free(t[1]);
+  free(q); free(o);
 }
 
 int main(int argc, char **argv) {

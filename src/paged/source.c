@@ -6,7 +6,11 @@
  * Address of view index t: table row r = first_offset[b] + t, block
  *   PAGED:       indices[indptr[b] + r / bs]
  *   BLOCK_TABLE: blocks[b * row_stride + r / bs]
- * at row r % bs. Cost per span: two divisions and six address computations. */
+ * at row r % bs. span_at (the general kernel, the oracle) pays two divisions
+ * and six address computations per span; the fast kernels' row cursors take
+ * the row map of (b, hk) once per item (seqmap: table row pointer, first
+ * row, per-array bases and strides, log2 bs for power-of-two blocks) and
+ * then one table load, a shift and two multiply-adds per array per block. */
 #include "cpu/source.h"
 #include "paged/paged.h"
 
@@ -44,11 +48,40 @@ static void paged_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t 
   pool_span(&v->k, &v->v, bs, blk, hk, row, t, t_end, sp);
 }
 
+/* The row map of head hk over pools k, v [num_blocks, KVH, bs, D] (block ids
+ * and first row filled by the caller). */
+static void pool_array(const kva_tensor *t, int used, int64_t hk, kva_seqmap *m, int a) {
+  m->base[a] = used ? kva_pool_row(t, 0, hk, 0) : NULL;
+  m->bstride[a] = used ? t->stride[0] : 0;
+  m->rstride[a] = used ? t->stride[2] : 0;
+}
+static void pool_seqmap(const kva_kv *k, const kva_kv *v, int64_t bs, int64_t hk, kva_seqmap *m) {
+  const int kq = k->bits != 0, vq = v->bits != 0;
+  m->bs = bs;
+  m->shift = -1;
+  for (int s = 0; s < 62 && m->shift < 0; ++s)
+    if ((int64_t)1 << s == bs) m->shift = s;
+  pool_array(&k->data, 1, hk, m, KVA_ARR_K);
+  pool_array(&k->scales, kq, hk, m, KVA_ARR_KS);
+  pool_array(&k->biases, kq, hk, m, KVA_ARR_KB);
+  pool_array(&v->data, 1, hk, m, KVA_ARR_V);
+  pool_array(&v->scales, vq, hk, m, KVA_ARR_VS);
+  pool_array(&v->biases, vq, hk, m, KVA_ARR_VB);
+}
+
+static void paged_seqmap(const kva_source *src, int64_t b, int64_t hk, kva_seqmap *m) {
+  const kva_paged_view *v = (const kva_paged_view *)src->impl;
+  m->ids = v->indices + v->indptr[b];
+  m->first = v->first_offset[b];
+  pool_seqmap(&v->k, &v->v, v->block_size, hk, m);
+}
+
 void kva_source_paged(kva_source *src, const kva_kv_view *view) {
   const kva_paged_view *v = view->paged;
   src->kf = kva_rowfmt_of(&v->k);
   src->vf = kva_rowfmt_of(&v->v);
   src->span_at = paged_span_at;
+  src->seqmap = paged_seqmap;
   src->impl = v;
 }
 
@@ -62,9 +95,18 @@ static void table_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t 
   pool_span(&view->k, &view->v, bs, blk, hk, row, t, t_end, sp);
 }
 
+static void table_seqmap(const kva_source *src, int64_t b, int64_t hk, kva_seqmap *m) {
+  const kva_kv_view *view = (const kva_kv_view *)src->impl;
+  const kva_block_table *tb = view->table;
+  m->ids = tb->blocks + b * kva_block_table_stride(tb);
+  m->first = kva_block_table_first(tb, b);
+  pool_seqmap(&view->k, &view->v, view->k.data.shape[2], hk, m);
+}
+
 void kva_source_block_table(kva_source *src, const kva_kv_view *view) {
   src->kf = kva_rowfmt_of(&view->k);
   src->vf = kva_rowfmt_of(&view->v);
   src->span_at = table_span_at;
+  src->seqmap = table_seqmap;
   src->impl = view;
 }

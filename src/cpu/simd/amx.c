@@ -174,8 +174,6 @@ static void attend_amx(const kva_item *it) {
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const int64_t krow_bytes = kf.bits ? p->Dk * kf.bits / 8 : p->Dk * (int64_t)kva_dtype_size(kf.sdt);
-  const int64_t vrow_bytes = vf.bits ? p->Dv * vf.bits / 8 : p->Dv * (int64_t)kva_dtype_size(vf.sdt);
   const int32_t *seg = simd_segments_row(p, it->b);
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + rows - 1;
   const int32_t win = p->mask.window;
@@ -185,25 +183,27 @@ static void attend_amx(const kva_item *it) {
   /* word 2q <- word q, word 2q+1 <- word 16+q (one source) */
   const __m512i halves_interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                      7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  /* Tiles of 32 tokens run across span (paged block) boundaries: rows are
-   * looked up one by one through a cursor; a second cursor prefetches the
-   * next tile's rows. */
-  kva_cursor cur, ahead;
+  /* Tiles of 32 tokens run across span (paged block) boundaries: row
+   * addresses come from a cursor, one tile ahead; the next tile's rows are
+   * prefetched one per K row converted (avx512.h, prefetch_row). */
+  kva_cursor cur;
   kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
-  kva_cursor_init(&ahead, src, it->b, it->hk, it->t1);
-  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE) {
+  kva_rows rowbuf[2][KVA_TILE];
+  kva_prefetch pf;
+  prefetch_init(&pf, &kf, p->Dk, &vf, p->Dv);
+  kva_cursor_tile(&cur, it->t0, it->t1 - it->t0 < KVA_TILE ? it->t1 - it->t0 : KVA_TILE, rowbuf[0]);
+  int64_t ti = 0;
+  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE, ++ti) {
     const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
-    const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
-    kva_rows trow[KVA_TILE], next[KVA_TILE];
-    kva_cursor_tile(&ahead, tf + n, nn, next);
-    const kva_prefetch pf = {next, nn, krow_bytes, vrow_bytes};
-    prefetch_tile(&pf, fmt_group_bytes(&kf), fmt_group_bytes(&vf));
-    kva_cursor_tile(&cur, tf, n, trow);
+    const kva_rows *trow = rowbuf[ti & 1];
+    pf.rows = rowbuf[(ti + 1) & 1];
+    pf.n = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
+    kva_cursor_tile(&cur, tf + n, pf.n, rowbuf[(ti + 1) & 1]);
     /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
     for (int64_t r = 0; r < KVA_TILE; ++r) {
+      if (r < pf.n) prefetch_row(&pf, r);
       if (r < n) {
-        const kva_rows w = kva_cursor_row(&cur, tf + r);
-        row_to_bf16(&kf, w.k, w.ks, w.kb, kb + r * kf.P);
+        row_to_bf16(&kf, trow[r].k, trow[r].ks, trow[r].kb, kb + r * kf.P);
       } else {
         memset(kb + r * kf.P, 0, sizeof(uint16_t) * (size_t)kf.P);
       }
@@ -211,14 +211,12 @@ static void attend_amx(const kva_item *it) {
     for (int64_t r = 0; r < KVA_TILE; r += 2) {
       uint16_t va[AMX_MAX_P] __attribute__((aligned(64))), vb2[AMX_MAX_P] __attribute__((aligned(64)));
       if (r < n) {
-        const kva_rows w = kva_cursor_row(&cur, tf + r);
-        row_to_bf16(&vf, w.v, w.vs, w.vb, va);
+        row_to_bf16(&vf, trow[r].v, trow[r].vs, trow[r].vb, va);
       } else {
         memset(va, 0, sizeof(uint16_t) * (size_t)vf.P);
       }
       if (r + 1 < n) {
-        const kva_rows w = kva_cursor_row(&cur, tf + r + 1);
-        row_to_bf16(&vf, w.v, w.vs, w.vb, vb2);
+        row_to_bf16(&vf, trow[r + 1].v, trow[r + 1].vs, trow[r + 1].vb, vb2);
       } else {
         memset(vb2, 0, sizeof(uint16_t) * (size_t)vf.P);
       }

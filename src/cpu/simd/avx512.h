@@ -119,50 +119,54 @@ ALWAYS __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(finite_or_nan, _mm512_scalef_ps(p, n));
 }
 
-/* Rows of the next tile, prefetched at the start of the current one: blocks
- * of a paged pool sit at random places, where the hardware prefetcher cannot
- * follow (block 16 runs at about half speed without this). */
+/* Software prefetch of the rows of the next tile, spread over the current
+ * one: while a kernel handles row t of this tile (the K phase of fast.c,
+ * the K conversion of amx.c), it prefetches row t of the next tile, every
+ * array, into L1: about one tile (32 rows, 1-2 microseconds on one core)
+ * before use. Blocks of a paged pool sit at random places where the
+ * hardware prefetchers cannot follow (block 16 ran at about half speed
+ * without any software prefetch), and contiguous caches gain too. A burst
+ * of the whole next tile (about 140 lines for q4 D = 256) at the start of
+ * each tile, the earlier form, keeps the L1 fill buffers full for a
+ * stretch and stalls the kernel: one row at a time measured 20-40 % faster
+ * (hot and cold, contiguous and paged; BENCHMARKS.md). */
 typedef struct kva_prefetch {
-  const kva_rows *rows;
-  int64_t n, kbytes, vbytes;
+  const kva_rows *rows;    /* the next tile's rows */
+  int64_t n;               /* how many (0: nothing to prefetch) */
+  int64_t bytes[KVA_ARRS]; /* bytes of one row of each array (0: unused array) */
 } kva_prefetch;
 
 /* Bytes of one scale (or bias) row; 0 for float rows. */
 static inline int64_t fmt_group_bytes(const fmt_plan *fp) {
   return fp->bits ? fp->ngroups * (int64_t)kva_dtype_size(fp->sdt) : 0;
 }
-
-/* Prefetch of a tile's rows array by array (K data, V data, then scale and
- * bias rows), each cache line once. */
-static inline void prefetch_lines(const char *const *addr, int64_t n, int64_t bytes) {
-  uintptr_t next = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    uintptr_t a = (uintptr_t)addr[r] & ~(uintptr_t)63;
-    const uintptr_t end = (uintptr_t)addr[r] + (uintptr_t)bytes;
-    if (a < next && next <= end) a = next;
-    for (; a < end; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T0);
-    next = a;
-  }
+/* Bytes of one data row of D elements. */
+static inline int64_t fmt_row_bytes(const fmt_plan *fp, int64_t D) {
+  return fp->bits ? D * fp->bits / 8 : D * (int64_t)kva_dtype_size(fp->sdt);
 }
-static inline void prefetch_tile(const kva_prefetch *pf, int64_t gk, int64_t gv) {
-  const char *a[6][KVA_TILE];
-  for (int64_t r = 0; r < pf->n; ++r) {
-    a[0][r] = pf->rows[r].k;
-    a[1][r] = pf->rows[r].v;
-    a[2][r] = pf->rows[r].ks;
-    a[3][r] = pf->rows[r].kb;
-    a[4][r] = pf->rows[r].vs;
-    a[5][r] = pf->rows[r].vb;
-  }
-  prefetch_lines(a[0], pf->n, pf->kbytes);
-  prefetch_lines(a[1], pf->n, pf->vbytes);
-  if (gk) {
-    prefetch_lines(a[2], pf->n, gk);
-    prefetch_lines(a[3], pf->n, gk);
-  }
-  if (gv) {
-    prefetch_lines(a[4], pf->n, gv);
-    prefetch_lines(a[5], pf->n, gv);
+static inline void prefetch_init(kva_prefetch *pf, const fmt_plan *kf, int64_t Dk, const fmt_plan *vf, int64_t Dv) {
+  pf->rows = NULL;
+  pf->n = 0;
+  pf->bytes[KVA_ARR_K] = fmt_row_bytes(kf, Dk);
+  pf->bytes[KVA_ARR_KS] = pf->bytes[KVA_ARR_KB] = fmt_group_bytes(kf);
+  pf->bytes[KVA_ARR_V] = fmt_row_bytes(vf, Dv);
+  pf->bytes[KVA_ARR_VS] = pf->bytes[KVA_ARR_VB] = fmt_group_bytes(vf);
+}
+
+/* Row r of the prefetch tile: the cache lines of each array's row, less the
+ * line that row r-1 ended in (scale/bias rows of a few bytes share lines:
+ * one prefetch per line, not per row). */
+ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r) {
+  for (int a = 0; a < KVA_ARRS; ++a) {
+    const int64_t bytes = pf->bytes[a];
+    if (!bytes) continue;
+    const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)bytes;
+    uintptr_t line = p & ~(uintptr_t)63;
+    if (r > 0) {
+      const uintptr_t prev_last = ((uintptr_t)pf->rows[r - 1].a[a] + (uintptr_t)bytes - 1) & ~(uintptr_t)63;
+      if (prev_last == line) line += 64;
+    }
+    for (; line < end; line += 64) _mm_prefetch((const char *)line, _MM_HINT_T0);
   }
 }
 

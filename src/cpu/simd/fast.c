@@ -10,9 +10,10 @@
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
  *   (chunk*16 + lane)*E + k, E = 32/bits codes per word.
  * Traffic: each K/V row of the item's range is read once for all nq vectors
- *   (tiles run across paged blocks; the next tile is prefetched); K codes are
- *   decoded in registers per block of <= 8 query vectors; V codes in registers
- *   per block of <= 2 vectors when nq <= 4, else once per tile into L1.
+ *   (tiles run across paged blocks; the next tile's rows are prefetched one
+ *   per row of the K phase, avx512.h); K codes are decoded in registers per
+ *   block of <= 8 query vectors; V codes in registers per block of <= 2
+ *   vectors when nq <= 4, else once per tile into L1.
  *   Codes become floats exactly for f32 queries, by mantissa placement for
  *   16-bit queries (code_as_float). bf16 queries with >= 6 vectors per KV
  *   head go to the AMX kernel (amx.c) instead.
@@ -28,12 +29,14 @@
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 /* Scores of a block of J vectors against n rows: row t's per-lane partial
- * sums are collected 16 rows at a time and reduced by one shuffle tree. */
+ * sums are collected 16 rows at a time and reduced by one shuffle tree.
+ * pf (or NULL): row t of the next tile is prefetched with row t. */
 ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                         const float *qs, int J, int bits, int exact, float *S) {
+                         const float *qs, int J, int bits, int exact, float *S, const kva_prefetch *pf) {
   const int E = 32 / bits;
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t);
     const char *row = rows[t].k;
     const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
@@ -67,10 +70,11 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
 }
 
 ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, int J,
-                         float *S) {
+                         float *S, const kva_prefetch *pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t);
     const char *row = rows[t].k;
     __m512 acc[KQB];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
@@ -90,31 +94,33 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
 }
 
 /* One block of J <= KQB vectors; J is a constant after inlining. */
-#define KPHASE_BLOCK(J_)                                                                              \
-  static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,         \
-                                const float *qp, const float *qs, float *S) {                          \
-    switch (fp->bits * 2 + fp->exact) {                                                                \
-    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 2, 0, S); break;                                    \
-    case 5: kphase_quant(fp, rows, n, qp, qs, J_, 2, 1, S); break;                                    \
-    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 4, 0, S); break;                                    \
-    case 9: kphase_quant(fp, rows, n, qp, qs, J_, 4, 1, S); break;                                    \
-    case 16: kphase_quant(fp, rows, n, qp, qs, J_, 8, 0, S); break;                                   \
-    case 17: kphase_quant(fp, rows, n, qp, qs, J_, 8, 1, S); break;                                   \
-    default: kphase_float(fp, rows, n, qp, J_, S); break;                                            \
-    }                                                                                                  \
+#define KPHASE_BLOCK(J_)                                                                                       \
+  static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,                           \
+                                const float *qp, const float *qs, float *S, const kva_prefetch *pf) {          \
+    switch (fp->bits * 2 + fp->exact) {                                                                        \
+    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 2, 0, S, pf); break;                                         \
+    case 5: kphase_quant(fp, rows, n, qp, qs, J_, 2, 1, S, pf); break;                                         \
+    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 4, 0, S, pf); break;                                         \
+    case 9: kphase_quant(fp, rows, n, qp, qs, J_, 4, 1, S, pf); break;                                         \
+    case 16: kphase_quant(fp, rows, n, qp, qs, J_, 8, 0, S, pf); break;                                        \
+    case 17: kphase_quant(fp, rows, n, qp, qs, J_, 8, 1, S, pf); break;                                        \
+    default: kphase_float(fp, rows, n, qp, J_, S, pf); break;                                                  \
+    }                                                                                                          \
   }
 KPHASE_BLOCK(1)
 KPHASE_BLOCK(2)
 KPHASE_BLOCK(4)
 KPHASE_BLOCK(8)
 
+/* All nq vectors, in register blocks of 8, 4, 2, 1; the first block issues
+ * the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                   const float *qs, int64_t nq, float *S) {
+                   const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
-  for (; j + 8 <= nq; j += 8) kphase_block_8(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
-  if (j + 4 <= nq) { kphase_block_4(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 4; }
-  if (j + 2 <= nq) { kphase_block_2(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE); j += 2; }
-  if (j < nq) kphase_block_1(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE);
+  for (; j + 8 <= nq; j += 8, pf = NULL) kphase_block_8(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf);
+  if (j + 4 <= nq) { kphase_block_4(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf); j += 4; pf = NULL; }
+  if (j + 2 <= nq) { kphase_block_2(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf); j += 2; pf = NULL; }
+  if (j < nq) kphase_block_1(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf);
 }
 
 /* ---- V phase ---- */
@@ -407,34 +413,34 @@ static void attend_fast(const kva_item *it) {
     l[j] = 0.0f;
   }
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
-  const int64_t krow_bytes = kf.bits ? p->Dk * kf.bits / 8 : p->Dk * (int64_t)kva_dtype_size(kf.sdt);
-  const int64_t vrow_bytes = vf.bits ? p->Dv * vf.bits / 8 : p->Dv * (int64_t)kva_dtype_size(vf.sdt);
   const int32_t *seg = simd_segments_row(p, it->b);
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
   const int32_t win = p->mask.window;
   /* Tiles of up to KVA_TILE tokens, across span (paged block) boundaries:
-   * row addresses come from a cursor; a second one prefetches the next tile. */
-  kva_cursor cur, ahead;
+   * row addresses come from a cursor, one tile ahead; the next tile's rows
+   * are prefetched during this tile's K phase (avx512.h, prefetch_row). */
+  kva_cursor cur;
   kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
-  kva_cursor_init(&ahead, src, it->b, it->hk, it->t1);
-  kva_rows rows[KVA_TILE], next[KVA_TILE];
-  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE) {
+  kva_rows rowbuf[2][KVA_TILE];
+  kva_prefetch pf;
+  prefetch_init(&pf, &kf, p->Dk, &vf, p->Dv);
+  kva_cursor_tile(&cur, it->t0, it->t1 - it->t0 < KVA_TILE ? it->t1 - it->t0 : KVA_TILE, rowbuf[0]);
+  int64_t ti = 0;
+  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE, ++ti) {
     const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
-    const int64_t nn = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
-    kva_cursor_tile(&ahead, tf + n, nn, next);
-    const kva_prefetch pf = {next, nn, krow_bytes, vrow_bytes};
-    prefetch_tile(&pf, fmt_group_bytes(&kf), fmt_group_bytes(&vf));
-    kva_cursor_tile(&cur, tf, n, rows);
-    kphase(&kf, rows, n, qp, qs, nq, S);
+    const kva_rows *rows = rowbuf[ti & 1];
+    pf.rows = rowbuf[(ti + 1) & 1];
+    pf.n = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
+    kva_cursor_tile(&cur, tf + n, pf.n, rowbuf[(ti + 1) & 1]);
+    kphase(&kf, rows, n, qp, qs, nq, S, &pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
       for (int64_t j = 0; j < nq; ++j)
         for (int64_t r = 0; r < n; ++r)
           if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % nrows, win, seg, p->mask.segments_clamp))
             S[j * KVA_TILE + r] = -INFINITY;
-    if (!tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
     /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
-    vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq);
+    if (tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq);
   }
   /* Back to element order, bias lanes added: the kva_softmax_state layout. */
   for (int64_t j = 0; j < nq; ++j) {

@@ -44,52 +44,62 @@ static inline const int32_t *simd_segments_row(const kva_problem *p, int64_t b) 
   return (const int32_t *)((const char *)p->mask.segments.data + b * p->mask.segments.stride[0]);
 }
 
-/* Row addresses of token t of one (sequence, KV head), looked up through the
- * source's spans (one span_at per run of equally strided rows), for kernels
- * whose tiles may cross span (paged block) boundaries. */
-typedef struct kva_rows {
-  const char *k, *ks, *kb, *v, *vs, *vb; /* ks..vb NULL for float rows */
+/* Row addresses of token t of one (sequence, KV head): k, ks, kb, v, vs, vb
+ * (the order of KVA_ARR_*; ks..vb NULL for float rows). */
+typedef union kva_rows {
+  struct {
+    const char *k, *ks, *kb, *v, *vs, *vb;
+  };
+  const char *a[KVA_ARRS];
 } kva_rows;
+
+/* A row cursor over one (sequence, KV head), for kernels whose tiles run
+ * across span (paged block) boundaries. It keeps the span that holds the
+ * last token looked up (the rest of its block, or [t, t1) when contiguous)
+ * and computes the next span inline from the source's row map: one table
+ * load, a shift (power-of-two blocks) and two multiply-adds per array; rows
+ * inside a span are one add of the row stride apart. */
 typedef struct kva_cursor {
-  const kva_source *src;
-  int64_t b, hk, t1;
-  kva_span sp;
+  kva_seqmap m;
+  int64_t t1;              /* end of the item's range: spans stop there */
+  int64_t s0, s1;          /* tokens [s0, s1) of the current span */
+  const char *a[KVA_ARRS]; /* row addresses of token s0 (NULL: unused array) */
 } kva_cursor;
 
 static inline void kva_cursor_init(kva_cursor *c, const kva_source *src, int64_t b, int64_t hk, int64_t t1) {
-  c->src = src;
-  c->b = b;
-  c->hk = hk;
+  src->seqmap(src, b, hk, &c->m);
   c->t1 = t1;
-  c->sp.t0 = 0;
-  c->sp.n = 0;
+  c->s0 = c->s1 = 0;
 }
-static inline kva_rows kva_cursor_row(kva_cursor *c, int64_t t) {
-  if (t < c->sp.t0 || t >= c->sp.t0 + c->sp.n) c->src->span_at(c->src, c->b, c->hk, t, c->t1, &c->sp);
-  const int64_t r = t - c->sp.t0;
-  const kva_span *sp = &c->sp;
-  kva_rows w = {sp->k + r * sp->k_rs, sp->ks ? sp->ks + r * sp->ks_rs : NULL, sp->kb ? sp->kb + r * sp->kb_rs : NULL,
-                sp->v + r * sp->v_rs, sp->vs ? sp->vs + r * sp->vs_rs : NULL, sp->vb ? sp->vb + r * sp->vb_rs : NULL};
-  return w;
+/* Moves the cursor to the span that starts at token t. */
+static inline void kva_cursor_seek(kva_cursor *c, int64_t t) {
+  const kva_seqmap *m = &c->m;
+  int64_t blk = 0, row = t, end = c->t1;
+  if (m->ids) {
+    const int64_t r = m->first + t, slot = m->shift >= 0 ? r >> m->shift : r / m->bs;
+    row = r - slot * m->bs;
+    blk = m->ids[slot];
+    if (t + m->bs - row < end) end = t + m->bs - row;
+  }
+  for (int a = 0; a < KVA_ARRS; ++a)
+    c->a[a] = m->base[a] ? m->base[a] + blk * m->bstride[a] + row * m->rstride[a] : NULL;
+  c->s0 = t;
+  c->s1 = end;
 }
-
-/* Row addresses of tokens [t, t+n): by stride within a span, with a lookup
+/* Row addresses of tokens [t, t+n): by stride within a span, with a seek
  * at each span boundary. */
 static inline void kva_cursor_tile(kva_cursor *c, int64_t t, int64_t n, kva_rows *rows) {
   for (int64_t r = 0; r < n;) {
-    rows[r] = kva_cursor_row(c, t + r);
-    const kva_span *sp = &c->sp;
-    int64_t run = sp->t0 + sp->n - (t + r); /* rows left in this span */
-    if (run > n - r) run = n - r;
-    for (int64_t u = 1; u < run; ++u) {
-      const kva_rows *a = &rows[r + u - 1];
-      kva_rows *w = &rows[r + u];
-      w->k = a->k + sp->k_rs;
-      w->v = a->v + sp->v_rs;
-      w->ks = a->ks ? a->ks + sp->ks_rs : NULL;
-      w->kb = a->kb ? a->kb + sp->kb_rs : NULL;
-      w->vs = a->vs ? a->vs + sp->vs_rs : NULL;
-      w->vb = a->vb ? a->vb + sp->vb_rs : NULL;
+    const int64_t tt = t + r;
+    if (tt < c->s0 || tt >= c->s1) kva_cursor_seek(c, tt);
+    const int64_t off = tt - c->s0, run = c->s1 - tt < n - r ? c->s1 - tt : n - r;
+    for (int a = 0; a < KVA_ARRS; ++a) {
+      const char *x = c->a[a];
+      const int64_t rs = c->m.rstride[a];
+      if (x)
+        for (int64_t u = 0; u < run; ++u) rows[r + u].a[a] = x + (off + u) * rs;
+      else
+        for (int64_t u = 0; u < run; ++u) rows[r + u].a[a] = NULL;
     }
     r += run;
   }
