@@ -522,18 +522,7 @@ class PagedView:
                      p.bits or 4, None, out)
         call.keep.append(self)
         call.view = lib.kva_view_paged(self.handle)
-        m = call.params.mask
-        if isinstance(mask, str):
-            if mask != "causal":
-                raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
-            m.kind = C.MASK_CAUSAL
-        elif mask is not None:
-            qa = np.asarray(q)
-            B, H, L = qa.shape[:3] if qa.ndim == 4 else (1, 1, 1)
-            ma = call._mask_array(np.asarray(mask), (B, H, L, int(lens.max())))
-            call.keep.append(ma)
-            m.kind = C.MASK_ARRAY
-            m.array = C.tensor(ma, "mask.array")
+        _set_mask(call, q, mask, int(lens.max()))
         return call
 
     def attention(self, q, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
@@ -590,6 +579,21 @@ def _table_array(x, name, ndim):
     return arr
 
 
+def _set_mask(call, q, mask, N):
+    """The mask of a paged call: None, "causal", or an array broadcast to
+    [B, H, L, N] with N the layout's longest sequence (set after the view)."""
+    from . import _mask_kind
+
+    m = call.params.mask
+    m.kind = _mask_kind(mask)
+    if m.kind == C.MASK_ARRAY:
+        qa = np.asarray(q)
+        B, H, L = qa.shape[:3] if qa.ndim == 4 else (1, 1, 1)
+        ma = call._mask_array(np.asarray(mask), (B, H, L, N))
+        call.keep.append(ma)
+        m.array = C.tensor(ma, "mask.array")
+
+
 def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp, softcap,
                 sinks, group_size, bits, out):
     """The contiguous binding's call descriptors, with the pools and a
@@ -619,22 +623,8 @@ def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, 
         call.keep.append(fo)
         t.first_offset = _i32(fo)
     call.view = lib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
-    m = call.params.mask
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise C.error(C.EINVAL, "mask = %r: the only string mask is 'causal'" % mask)
-        m.kind = C.MASK_CAUSAL
-    elif mask is not None:
-        # N = max_blocks * block_size (the pools' shape[2]).
-        kp = k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool
-        kp = np.asarray(kp)
-        bs = kp.shape[2] if kp.ndim == 4 else 1
-        qa = np.asarray(q)
-        Bq, H, L = qa.shape[:3] if qa.ndim == 4 else (1, 1, 1)
-        ma = call._mask_array(np.asarray(mask), (Bq, H, L, mb * bs))
-        call.keep.append(ma)
-        m.kind = C.MASK_ARRAY
-        m.array = C.tensor(ma, "mask.array")
+    kp = np.asarray(k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool)
+    _set_mask(call, q, mask, mb * (kp.shape[2] if kp.ndim == 4 else 1))  # N = max_blocks * block_size
     return call
 
 
