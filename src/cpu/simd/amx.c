@@ -87,6 +87,35 @@ static inline void row_to_bf16(const fmt_plan *fp, const char *row, const char *
   }
 }
 
+/* Two rows a, b (NULL: a zero row) of a quantized V, dequantized in the
+ * format's permuted order and interleaved as a token pair for the B tiles:
+ * dword l of block i (permuted positions 16i..16i+15) = (a[16i+l],
+ * b[16i+l]) as bf16, stored at vp + i*16*32 (vp: this pair's row of block 0).
+ * The same values as row_to_bf16 of each row (f32 FMA, one rounding to
+ * bf16), without the round trip through two row buffers; bits is a
+ * constant after inlining. */
+ALWAYS void qpair_to_vp(const fmt_plan *fp, const kva_rows *a, const kva_rows *b, uint16_t *vp, __m512i interleave,
+                        int bits) {
+  const int E = 32 / bits;
+  const __m512 Sa = load_groups(a->vs, fp->sdt, fp->ngroups), Ba = load_groups(a->vb, fp->sdt, fp->ngroups);
+  const __m512 Sb = b ? load_groups(b->vs, fp->sdt, fp->ngroups) : _mm512_setzero_ps();
+  const __m512 Bb = b ? load_groups(b->vb, fp->sdt, fp->ngroups) : _mm512_setzero_ps();
+  for (int c = 0; c < fp->nch; ++c) {
+    const __m512i xa = _mm512_maskz_loadu_epi32(fp->chmask[c], a->v + c * 64);
+    const __m512i xb = b ? _mm512_maskz_loadu_epi32(fp->chmask[c], b->v + c * 64) : _mm512_setzero_si512();
+    __m512 sa = _mm512_permutexvar_ps(fp->gidx[c], Sa), ba = _mm512_permutexvar_ps(fp->gidx[c], Ba);
+    __m512 sb = _mm512_permutexvar_ps(fp->gidx[c], Sb), bb = _mm512_permutexvar_ps(fp->gidx[c], Bb);
+    affine_f(&sa, &ba, bits);
+    affine_f(&sb, &bb, bits); /* a zero row: s = b = 0, so every value is 0 */
+    for (int k = 0; k < E; ++k) {
+      const __m512 va = _mm512_fmadd_ps(code_f(xa, k, bits), sa, ba);
+      const __m512 vb = _mm512_fmadd_ps(code_f(xb, k, bits), sb, bb);
+      _mm512_storeu_si512(vp + (int64_t)(c * E + k) * 16 * 32,
+                          _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(vb, va)));
+    }
+  }
+}
+
 /* In-register transpose of a 16×16 matrix of dwords (rows r[0..15]). */
 static inline void transpose16_epi32(__m512i r[16]) {
   __m512i t[16];
@@ -149,6 +178,7 @@ static void attend_amx(const kva_item *it) {
   uint16_t *pb = (uint16_t *)(l + nqp);
   /* Qᵀ in VNNI pairs: qt[blk][s][kk][q] = (q[2kk], q[2kk+1]) of dims 32s.., permuted like K. */
   float qrow[KVA_MAX_HEAD_DIM], qperm[AMX_MAX_P];
+  uint32_t qpair[AMX_MAX_P / 2] __attribute__((aligned(64))), *qt32 = (uint32_t *)qt;
   for (int64_t j = 0; j < nqp; ++j) {
     const int64_t blk = j / QT, q = j % QT;
     if (j < nq) {
@@ -158,10 +188,13 @@ static void attend_amx(const kva_item *it) {
     } else {
       memset(qperm, 0, sizeof(float) * (size_t)kf.P);
     }
-    for (int64_t pos = 0; pos < kf.P; ++pos) {
-      const int64_t s = pos / 32, kk = (pos % 32) / 2, e = pos % 2;
-      qt[((blk * ksteps + s) * 16 + kk) * 32 + q * 2 + e] = kva_f32_to_bf16(qperm[pos]);
-    }
+    /* bf16 pair w = positions (2w, 2w+1) = dword kk = w % 16 of step s = w / 16;
+     * vcvtne2ps2bf16 rounds to nearest even like kva_f32_to_bf16 (denormals
+     * become zero, as in the K tiles and the tile products) */
+    for (int64_t d = 0; d < kf.P; d += 32)
+      _mm512_storeu_si512(qpair + d / 2,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qperm + d + 16), _mm512_loadu_ps(qperm + d)));
+    for (int64_t w = 0; w < kf.P / 2; ++w) qt32[(blk * ksteps * 16 + w) * 16 + q] = qpair[w];
     m[j] = -INFINITY;
     l[j] = 0.0f;
   }
@@ -209,6 +242,15 @@ static void attend_amx(const kva_item *it) {
       }
     }
     for (int64_t r = 0; r < KVA_TILE; r += 2) {
+      if (vf.bits && r < n) { /* quantized: dequantized straight into pairs */
+        const kva_rows *rb = r + 1 < n ? &trow[r + 1] : NULL;
+        switch (vf.bits) {
+        case 2: qpair_to_vp(&vf, &trow[r], rb, vp + r / 2 * 32, halves_interleave, 2); break;
+        case 4: qpair_to_vp(&vf, &trow[r], rb, vp + r / 2 * 32, halves_interleave, 4); break;
+        default: qpair_to_vp(&vf, &trow[r], rb, vp + r / 2 * 32, halves_interleave, 8); break;
+        }
+        continue;
+      }
       uint16_t va[AMX_MAX_P] __attribute__((aligned(64))), vb2[AMX_MAX_P] __attribute__((aligned(64)));
       if (r < n) {
         row_to_bf16(&vf, trow[r].v, trow[r].vs, trow[r].vb, va);
