@@ -216,25 +216,16 @@ static void attend_amx(const kva_item *it) {
   /* word 2q <- word q, word 2q+1 <- word 16+q (one source) */
   const __m512i halves_interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                      7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  /* Tiles of 32 tokens run across span (paged block) boundaries: row
-   * addresses come from a cursor, one tile ahead; the next tile's rows are
-   * prefetched one per K row converted (avx512.h, prefetch_row). */
-  kva_cursor cur;
-  kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
-  kva_rows rowbuf[2][KVA_TILE];
-  kva_prefetch pf;
-  prefetch_init(&pf, &kf, p->Dk, &vf, p->Dv);
-  kva_cursor_tile(&cur, it->t0, it->t1 - it->t0 < KVA_TILE ? it->t1 - it->t0 : KVA_TILE, rowbuf[0]);
-  int64_t ti = 0;
-  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE, ++ti) {
-    const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
-    const kva_rows *trow = rowbuf[ti & 1];
-    pf.rows = rowbuf[(ti + 1) & 1];
-    pf.n = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
-    kva_cursor_tile(&cur, tf + n, pf.n, rowbuf[(ti + 1) & 1]);
+  /* Tiles of 32 tokens across span (paged block) boundaries; the next
+   * tile's rows are prefetched one per K row converted (avx512.h, kva_tiles). */
+  kva_tiles tl;
+  tiles_init(&tl, it, &kf, p->Dk, &vf, p->Dv);
+  const kva_rows *trow;
+  int64_t tf, n;
+  while ((trow = tiles_next(&tl, &tf, &n))) {
     /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
     for (int64_t r = 0; r < KVA_TILE; ++r) {
-      if (r < pf.n) prefetch_row(&pf, r);
+      if (r < tl.pf.n) prefetch_row(&tl.pf, r);
       if (r < n) {
         row_to_bf16(&kf, trow[r].k, trow[r].ks, trow[r].kb, kb + r * kf.P);
       } else {

@@ -170,6 +170,40 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r) {
   }
 }
 
+/* The tiles of an item's token range [t0, t1), KVA_TILE tokens each,
+ * across span (paged block) boundaries: row addresses come from a cursor one
+ * tile ahead, and pf holds the next tile's rows for prefetch_row while the
+ * current tile runs (the kernels prefetch one row per row they process). */
+typedef struct kva_tiles {
+  kva_cursor cur;
+  kva_rows buf[2][KVA_TILE];
+  kva_prefetch pf;
+  int64_t t, t1, i; /* the next tile's first token, the end, its index */
+} kva_tiles;
+static inline void tiles_init(kva_tiles *w, const kva_item *it, const fmt_plan *kf, int64_t Dk, const fmt_plan *vf,
+                              int64_t Dv) {
+  kva_cursor_init(&w->cur, it->src, it->b, it->hk, it->t1);
+  prefetch_init(&w->pf, kf, Dk, vf, Dv);
+  w->t = it->t0;
+  w->t1 = it->t1;
+  w->i = 0;
+  kva_cursor_tile(&w->cur, w->t, w->t1 - w->t < KVA_TILE ? w->t1 - w->t : KVA_TILE, w->buf[0]);
+}
+/* The next tile's rows (NULL past the end), its first token and size; the
+ * tile after it is located into w->pf. */
+static inline const kva_rows *tiles_next(kva_tiles *w, int64_t *tf, int64_t *n) {
+  if (w->t >= w->t1) return NULL;
+  *tf = w->t;
+  *n = w->t1 - w->t < KVA_TILE ? w->t1 - w->t : KVA_TILE;
+  const kva_rows *rows = w->buf[w->i & 1];
+  w->pf.rows = w->buf[(w->i + 1) & 1];
+  w->pf.n = w->t1 - w->t - *n < KVA_TILE ? w->t1 - w->t - *n : KVA_TILE;
+  kva_cursor_tile(&w->cur, w->t + *n, w->pf.n, w->buf[(w->i + 1) & 1]);
+  w->t += *n;
+  w->i++;
+  return rows;
+}
+
 /* Codes as floats in [1, 2): code k (bits wide, lowest first) of each word is
  * moved to the top of the mantissa and given the exponent of 1.0, so
  * f = 1 + c / 2^bits, two operations instead of shift/and/convert. With

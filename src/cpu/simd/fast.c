@@ -416,23 +416,14 @@ static void attend_fast(const kva_item *it) {
   const int32_t *seg = simd_segments_row(p, it->b);
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
   const int32_t win = p->mask.window;
-  /* Tiles of up to KVA_TILE tokens, across span (paged block) boundaries:
-   * row addresses come from a cursor, one tile ahead; the next tile's rows
-   * are prefetched during this tile's K phase (avx512.h, prefetch_row). */
-  kva_cursor cur;
-  kva_cursor_init(&cur, src, it->b, it->hk, it->t1);
-  kva_rows rowbuf[2][KVA_TILE];
-  kva_prefetch pf;
-  prefetch_init(&pf, &kf, p->Dk, &vf, p->Dv);
-  kva_cursor_tile(&cur, it->t0, it->t1 - it->t0 < KVA_TILE ? it->t1 - it->t0 : KVA_TILE, rowbuf[0]);
-  int64_t ti = 0;
-  for (int64_t tf = it->t0; tf < it->t1; tf += KVA_TILE, ++ti) {
-    const int64_t n = it->t1 - tf < KVA_TILE ? it->t1 - tf : KVA_TILE;
-    const kva_rows *rows = rowbuf[ti & 1];
-    pf.rows = rowbuf[(ti + 1) & 1];
-    pf.n = it->t1 - tf - n < KVA_TILE ? it->t1 - tf - n : KVA_TILE;
-    kva_cursor_tile(&cur, tf + n, pf.n, rowbuf[(ti + 1) & 1]);
-    kphase(&kf, rows, n, qp, qs, nq, S, &pf);
+  /* Tiles across span (paged block) boundaries; the next tile's rows are
+   * prefetched during this tile's K phase (avx512.h, kva_tiles). */
+  kva_tiles tl;
+  tiles_init(&tl, it, &kf, p->Dk, &vf, p->Dv);
+  const kva_rows *rows;
+  int64_t tf, n;
+  while ((rows = tiles_next(&tl, &tf, &n))) {
+    kphase(&kf, rows, n, qp, qs, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
       for (int64_t j = 0; j < nq; ++j)
