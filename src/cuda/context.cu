@@ -2,8 +2,9 @@
  * device queries, and kva_cuda_attention, which flattens a validated
  * kva_problem into kvc_args, picks the kernel (the one selector, kvc_select)
  * and enqueues it on the context's stream. Nothing here allocates,
- * synchronizes or depends on cache lengths per call: lengths stay in device
- * memory, so a captured CUDA graph replays across changing lengths. */
+ * synchronizes or depends on cache lengths per call: lengths and block
+ * tables (BLOCK_TABLE views) stay in device memory, so a captured CUDA graph
+ * replays across changing lengths and tables. */
 #include "cuda/launch.cuh"
 
 #include <stdlib.h>
