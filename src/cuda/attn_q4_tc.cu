@@ -170,11 +170,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     }
   } else {
     l.outer = l.row = 0;
-    if (ok) { /* kvc_table_loc with the prefetched id */
-      const long long r = t + fo, j = K.bsh >= 0 ? r >> K.bsh : r / K.bsz;
-      l.outer = id < 0 ? 0 : (id >= K.nblk ? K.nblk - 1 : id);
-      l.row = r - j * K.bsz;
-    }
+    if (ok) l = kvc_table_loc_id(K, fo, id, t); /* the id was loaded a stage ahead */
     const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
     const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
 #pragma unroll
@@ -206,9 +202,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
  * contiguous or past t_hi): issued a stage before kvc_tc_load_stage uses it. */
 __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
   const long long t = t0 + (threadIdx.x >> 1);
-  if (!a.k.tbl || t >= t_hi) return 0;
-  const long long r = t + fo, j = a.k.bsh >= 0 ? r >> a.k.bsh : r / a.k.bsz;
-  return __ldg(a.k.tbl + b * a.k.tbl_rs + j);
+  return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
 template <int D, int NTM>

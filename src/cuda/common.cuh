@@ -108,20 +108,36 @@ __device__ __forceinline__ int kvc_first_offset(const kvc_operand &op, int b) {
 struct kvc_loc {
   long long outer, row;
 };
-/* Token t through one sequence's table row (one table load; a shift for
- * power-of-two blocks, bsh = log2(bsz), else a division). */
-__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int bsh, int nblk,
-                                                 long long t) {
-  const long long r = t + fo, j = bsh >= 0 ? r >> bsh : r / bsz;
-  int id = __ldg(tbl_row + j);
-  id = id < 0 ? 0 : (id >= nblk ? nblk - 1 : id);
+/* Table row r = t + fo of a sequence sits in column r / bsz (a shift for
+ * power-of-two blocks, bsh = log2(bsz), else a division), row r % bsz of
+ * that column's block; a block id is clamped into [0, nblk). */
+__device__ __forceinline__ long long kvc_table_col(long long r, int bsz, int bsh) {
+  return bsh >= 0 ? r >> bsh : r / bsz;
+}
+__device__ __forceinline__ kvc_loc kvc_loc_of(int id, long long r, long long j, int bsz, int nblk) {
   kvc_loc l;
-  l.outer = id;
+  l.outer = id < 0 ? 0 : (id >= nblk ? nblk - 1 : id);
   l.row = r - j * bsz;
   return l;
 }
+/* The table entry of token t of sequence b (the load alone, so a kernel can
+ * issue it ahead of use), and the location from such an entry. */
+__device__ __forceinline__ int kvc_table_id(const kvc_operand &op, int b, int fo, long long t) {
+  return __ldg(op.tbl + b * op.tbl_rs + kvc_table_col(t + fo, op.bsz, op.bsh));
+}
+__device__ __forceinline__ kvc_loc kvc_table_loc_id(const kvc_operand &op, int fo, int id, long long t) {
+  const long long r = t + fo;
+  return kvc_loc_of(id, r, kvc_table_col(r, op.bsz, op.bsh), op.bsz, op.nblk);
+}
+/* Both steps in one, from a sequence's table row and the raw fields (the
+ * fused kernel's per-lane form). */
+__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int bsh, int nblk,
+                                                 long long t) {
+  const long long r = t + fo, j = kvc_table_col(r, bsz, bsh);
+  return kvc_loc_of(__ldg(tbl_row + j), r, j, bsz, nblk);
+}
 __device__ __forceinline__ kvc_loc kvc_locate(const kvc_operand &op, int b, int fo, long long t) {
-  if (op.tbl) return kvc_table_loc(op.tbl + b * op.tbl_rs, fo, op.bsz, op.bsh, op.nblk, t);
+  if (op.tbl) return kvc_table_loc_id(op, fo, kvc_table_id(op, b, fo, t), t);
   kvc_loc l;
   l.outer = b;
   l.row = t;
