@@ -88,7 +88,7 @@ if has torch; then
 fi
 if has pytest; then
   # the system Python (PyTorch with CUDA lives there on the device machine)
-  run pytest 300 env PYTHONPATH=python python3 -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_arrays.py \
+  run pytest 300 env PYTHONPATH=python python3 -m pytest -q -rs python/tests/test_cuda.py python/tests/test_cuda_arrays.py \
     > "$OUT/pytest.log" 2>&1
   tail -3 "$OUT/pytest.log"
 fi

@@ -9,10 +9,11 @@
  *         (18 KB at D = 256, group 64) are copied raw into shared memory with
  *         cp.async, in a ring of STAGES slots: STAGES - 1 stages are in
  *         flight per block while it computes on one, without holding
- *         registers (decode instance: 3 slots, 3 blocks per SM, ~110 KB in
+ *         registers (decode instance: 2 slots, 4 blocks per SM, ~80 KB in
  *         flight per SM). Each K/V byte is read from DRAM once per block of
  *         up to 8 * NTM query vectors (all rep * L vectors of a KV head when
- *         rep * L <= 8 * NTM). Contiguous rows: a warp copies 512 contiguous
+ *         rep * L <= 8 * NTM). Each thread's copy addresses are set up once
+ *         (kvc_tc_loader); contiguous rows: a warp copies 512 contiguous
  *         bytes per instruction; BLOCK_TABLE rows: one table entry per
  *         thread and stage, loaded a stage ahead.
  *   math, S = K Q^T (tokens as mma M, query vectors as N; warp w takes
@@ -27,8 +28,11 @@
  *           the 2^7 exponent gives 128 + c exactly, minus 128, then
  *           scale * c + bias in one bf16x2 FMA), mma.m16n8k16 bf16.
  *         Query fragments are stored once per block in shared memory in the
- *         dim order the K words yield.
- *   softmax: scale, softcap and mask in f32 (log2 units); the stage maximum
+ *         dim order the K words yield (the decode instance stages the raw
+ *         queries in the free ring slot first: one round of loads, sigma
+ *         and the group sums by shuffles).
+ *   softmax: scale, softcap and mask in f32 (log2 units: the scale folded into
+ *         sigma and the group sums of q); the stage maximum
  *         per query goes through shared memory, so every warp applies the
  *         same running max m; P = 2^(s - m) rounded to bf16 (l sums the
  *         rounded values) goes to shared memory.
@@ -41,18 +45,21 @@
  *   launch: grid (qgroups, nsplit, B * KVH) of KVC_TC_THREADS threads;
  *         qgroups = ceil(rep * L / (8 * NTM)), NTM in {1, 4} n-tiles of 8
  *         query vectors per block; three __syncthreads per stage; dynamic
- *         shared memory kvc_tc_smem() (~65 KB at D = 256 for the decode
- *         instance, ~100 KB for the wide one: 2 blocks per SM). */
+ *         shared memory kvc_tc_smem() (~45 KB at D = 256 for the decode
+ *         instance, whose 127 registers let 4 blocks = 16 warps share an SM;
+ *         ~100 KB for the wide one: 2 blocks per SM). Measured on the H200
+ *         (BENCHMARKS.md): 2 slots x 4 blocks beat 3 slots x 3 blocks by
+ *         3-8 %. */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_factors2, kvc_emit */
 
 #define KVC_TC_TOK KVC_TC_STEP        /* tokens per stage (4 warps x 16) */
 #define KVC_TC_ROWPAD 16              /* bytes after each raw row: conflict-free fragment reads */
 #define KVC_TC_PS (KVC_TC_TOK + 8)    /* bf16 per P row */
 #define KVC_TC_SUB 16                 /* tokens per warp in the S phase (mma M) */
-/* Stages in the cp.async ring: 3 for the decode instance (its ~65 KB at
- * D = 256 lets 3 blocks share an SM: 12 warps, 6 stages in flight), 4 for
- * the wide one (registers allow 2 blocks per SM). */
-__host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 3 : 4; }
+/* Stages in the cp.async ring: 2 for the decode instance (its ~45 KB at
+ * D = 256 and 127 registers let 4 blocks share an SM: 16 warps, 4 stages in
+ * flight), 4 for the wide one (registers allow 2 blocks per SM). */
+__host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
 /* bf16x2 constants (both halves) */
 #define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
 #define KVC_BF16X2_ONE 0x3F803F80u
@@ -84,10 +91,9 @@ __device__ __forceinline__ void kvc_mma_u8s8(int (&d)[4], const uint32_t (&a)[4]
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-/* cp.async of BYTES (4, 8 or 16) from global to shared; src_bytes = 0
- * writes zeros and reads nothing. */
-template <int BYTES> __device__ __forceinline__ void kvc_cp_async(void *dst, const void *src, int src_bytes) {
-  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+/* cp.async of BYTES (4, 8 or 16) from global to the shared address d;
+ * src_bytes = 0 writes zeros and reads nothing. */
+template <int BYTES> __device__ __forceinline__ void kvc_cp_async(uint32_t d, const void *src, int src_bytes) {
   if (BYTES == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
   else
@@ -136,69 +142,133 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int D, int gk, int gv,
   return l;
 }
 
-/* Copies stage tokens t0..t0+63 (zeros past t_hi) into ring slot `st`.
- * Contiguous rows: 16-byte piece p = thread + 128 k is piece p % CPR of
- * token p / CPR, so one instruction of a warp copies 512 contiguous bytes.
- * BLOCK_TABLE rows: thread pair (2 tok, 2 tok + 1) takes token tok, half of
- * each row each, so each thread locates one token, from the block id `id`
- * that kvc_tc_table_id loaded one stage earlier (its latency hidden). Scale
- * rows: thread 2 tok takes the K scale/bias rows of token tok, 2 tok + 1 the
- * V ones. */
+/* A thread's share of the stage copies, set up once per block so that a
+ * stage costs its cp.async instructions and a few pointer increments.
+ * Contiguous rows: 16-byte piece p = thread + 128 k of a stage is piece
+ * p % CPR of row p / CPR, so one instruction of a warp copies 512
+ * contiguous bytes; the thread's pieces are TSTEP rows apart. BLOCK_TABLE
+ * rows: thread pair (2 tok, 2 tok + 1) copies row tok, half of it each, from
+ * the block id `id` that kvc_tc_table_id loaded one stage earlier (its
+ * latency hidden). Scale rows: thread 2 tok copies the K scale/bias rows of
+ * row tok, 2 tok + 1 the V ones (rb bytes each: one cp.async). */
+struct kvc_tc_loader {
+  const char *k, *v;       /* contiguous: its first K / V piece of the next stage */
+  const char *s, *z;       /* its scale / bias rows: of the next stage (contiguous), of head hk (table) */
+  long long kstep, vstep;  /* contiguous: bytes between its pieces */
+  long long kst, vst;      /* contiguous: bytes per stage */
+  long long sst, zst;      /* bytes per stage (contiguous), per pool block (table) */
+  long long srs, zrs;      /* table: bytes per scale / bias row */
+  uint32_t dk, ds, dz;     /* shared offsets in a slot: its first K piece (its V piece at + vd - kd), scale and bias rows */
+  int tk;                  /* contiguous: stage row of its first piece */
+  int rb;                  /* bytes of a scale row: 4, 8 or 16 */
+};
+
 template <int D>
-__device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, unsigned char *st,
-                                                  int b, int hk, int fo, long long t0, long long t_hi, int id) {
-  constexpr int CPR = D / 32;                            /* 16-byte pieces per packed row */
-  constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
-  constexpr int TSTEP = KVC_TC_THREADS / CPR;            /* tokens between a thread's pieces */
+__device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
+                                                         long long t_lo) {
+  constexpr int CPR = D / 32;                  /* 16-byte pieces per packed row */
+  constexpr int TSTEP = KVC_TC_THREADS / CPR;  /* rows between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
-  const int tok = threadIdx.x >> 1, half = threadIdx.x & 1; /* the token this thread locates */
-  const long long t = t0 + tok;
-  const bool ok = t < t_hi;
-  kvc_loc l = {b, t};
-  if (!K.tbl) { /* contiguous: one address, then a constant step */
-    const int c = threadIdx.x % CPR, tk0 = threadIdx.x / CPR;
-    const long long tc = t0 + tk0;
-    const char *kr = K.data + b * K.ds[0] + hk * K.ds[1] + tc * K.ds[2] + 16 * c;
-    const char *vr = V.data + b * V.ds[0] + hk * V.ds[1] + tc * V.ds[2] + 16 * c;
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int tk = tk0 + TSTEP * k, n = tc + TSTEP * k < t_hi ? 16 : 0;
-      kvc_cp_async<16>(st + L.kd + tk * L.rs + 16 * c, n ? kr : K.data, n);
-      kvc_cp_async<16>(st + L.vd + tk * L.rs + 16 * c, n ? vr : V.data, n);
-      kr += TSTEP * K.ds[2];
-      vr += TSTEP * V.ds[2];
-    }
-  } else {
-    l.outer = l.row = 0;
-    if (ok) l = kvc_table_loc_id(K, fo, id, t); /* the id was loaded a stage ahead */
-    const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2];
-    const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2];
-#pragma unroll
-    for (int c = half * (CPR / 2); c < (half + 1) * (CPR / 2); ++c) {
-      kvc_cp_async<16>(st + L.kd + tok * L.rs + 16 * c, kr + 16 * c, ok ? 16 : 0);
-      kvc_cp_async<16>(st + L.vd + tok * L.rs + 16 * c, vr + 16 * c, ok ? 16 : 0);
-    }
-  }
-  if (!ok) l.outer = l.row = 0;
+  const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
   const kvc_operand &O = half ? V : K;
-  const int rb = 2 * (O.group ? D / O.group : 0); /* bytes of one scale row: 4, 8 or 16 */
-  const char *sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
-  const char *br = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2];
-  unsigned char *sd = st + (half ? L.vs : L.ks) + tok * rb, *bd = st + (half ? L.vb : L.kb) + tok * rb;
-  const int n = ok ? rb : 0;
-  if (rb == 16) {
-    kvc_cp_async<16>(sd, sr, n);
-    kvc_cp_async<16>(bd, br, n);
-  } else if (rb == 8) {
-    kvc_cp_async<8>(sd, sr, n);
-    kvc_cp_async<8>(bd, br, n);
+  kvc_tc_loader ld;
+  ld.rb = 2 * (D / O.group);
+  ld.ds = (half ? L.vs : L.ks) + tok * ld.rb;
+  ld.dz = (half ? L.vb : L.kb) + tok * ld.rb;
+  if (!K.tbl) {
+    const int c = threadIdx.x % CPR;
+    ld.tk = threadIdx.x / CPR;
+    ld.dk = L.kd + ld.tk * L.rs + 16 * c;
+    ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + (t_lo + ld.tk) * K.ds[2] + 16 * c;
+    ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + (t_lo + ld.tk) * V.ds[2] + 16 * c;
+    ld.kstep = TSTEP * K.ds[2];
+    ld.vstep = TSTEP * V.ds[2];
+    ld.kst = KVC_TC_TOK * K.ds[2];
+    ld.vst = KVC_TC_TOK * V.ds[2];
+    ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + (t_lo + tok) * O.ss[2];
+    ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + (t_lo + tok) * O.bs[2];
+    ld.sst = KVC_TC_TOK * O.ss[2];
+    ld.zst = KVC_TC_TOK * O.bs[2];
   } else {
-    kvc_cp_async<4>(sd, sr, n);
-    kvc_cp_async<4>(bd, br, n);
+    ld.tk = tok;
+    ld.dk = L.kd + tok * L.rs + 16 * half * (CPR / 2);
+    ld.s = O.scales + hk * O.ss[1];
+    ld.z = O.biases + hk * O.bs[1];
+    ld.sst = O.ss[0];
+    ld.zst = O.bs[0];
+    ld.srs = O.ss[2];
+    ld.zrs = O.bs[2];
   }
+  return ld;
 }
 
-/* The block id of this thread's loader token in the stage at t0 (0 when
+/* cp.async of one scale row of rb bytes (4, 8 or 16; n = rb or 0). */
+__device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int rb, int n) {
+  if (rb == 16)
+    kvc_cp_async<16>(d, src, n);
+  else if (rb == 8)
+    kvc_cp_async<8>(d, src, n);
+  else
+    kvc_cp_async<4>(d, src, n);
+}
+
+/* Copies stage rows t0..t0+63 (zeros past t_hi) into the ring slot at shared
+ * address `slot`, and moves the loader on to the next stage. */
+template <int D>
+__device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
+                                                  uint32_t slot, int fo, long long t0, long long t_hi, int id) {
+  constexpr int CPR = D / 32;
+  constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
+  constexpr int TSTEP = KVC_TC_THREADS / CPR;
+  const uint32_t dv = L.vd - L.kd, rstep = TSTEP * L.rs;
+  const bool full = t0 + KVC_TC_TOK <= t_hi;
+  const char *sr, *zr;
+  bool sok;
+  if (!a.k.tbl) {
+    if (full) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        kvc_cp_async<16>(slot + ld.dk + k * rstep, ld.k + k * ld.kstep, 16);
+        kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, ld.v + k * ld.vstep, 16);
+      }
+    } else { /* the last stage of a split: rows past t_hi read nothing (and a valid address) */
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const bool ok = t0 + ld.tk + TSTEP * k < t_hi;
+        kvc_cp_async<16>(slot + ld.dk + k * rstep, ok ? ld.k + k * ld.kstep : a.k.data, ok ? 16 : 0);
+        kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, ok ? ld.v + k * ld.vstep : a.v.data, ok ? 16 : 0);
+      }
+    }
+    ld.k += ld.kst;
+    ld.v += ld.vst;
+    sok = full || t0 + (threadIdx.x >> 1) < t_hi;
+    sr = sok ? ld.s : a.k.scales;
+    zr = sok ? ld.z : a.k.biases;
+    ld.s += ld.sst;
+    ld.z += ld.zst;
+  } else {
+    const kvc_operand &K = a.k, &V = a.v;
+    const long long t = t0 + ld.tk;
+    sok = t < t_hi;
+    kvc_loc l = {0, 0};
+    if (sok) l = kvc_table_loc_id(K, fo, id, t); /* the id was loaded a stage ahead */
+    const int hk = blockIdx.z % a.KVH;
+    const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + 16 * (threadIdx.x & 1) * (CPR / 2);
+    const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + 16 * (threadIdx.x & 1) * (CPR / 2);
+#pragma unroll
+    for (int c = 0; c < CPR / 2; ++c) {
+      kvc_cp_async<16>(slot + ld.dk + 16 * c, kr + 16 * c, sok ? 16 : 0);
+      kvc_cp_async<16>(slot + ld.dk + dv + 16 * c, vr + 16 * c, sok ? 16 : 0);
+    }
+    sr = ld.s + l.outer * ld.sst + l.row * ld.srs;
+    zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
+  }
+  const int n = sok ? ld.rb : 0;
+  kvc_cp_async_rb(slot + ld.ds, sr, ld.rb, n);
+  kvc_cp_async_rb(slot + ld.dz, zr, ld.rb, n);
+}
+
+/* The block id of this thread's loader row in the stage at t0 (0 when
  * contiguous or past t_hi): issued a stage before kvc_tc_load_stage uses it. */
 __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
   const long long t = t0 + (threadIdx.x >> 1);
@@ -206,7 +276,7 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
 }
 
 template <int D, int NTM>
-__global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_kernel(const kvc_args a) {
+__global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
   /* q.k: exact integer products (split queries) for the decode instance;
    * bf16 dequantized K for the wide one (its per-group epilogue would cost
@@ -220,6 +290,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int gk = D / a.k.group, gv = D / a.v.group;
+  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group); /* log2 of the group sizes */
   const kvc_tc_layout L = kvc_tc_layout_of(D, gk, gv, NTM);
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b);
@@ -231,12 +302,17 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
     t_lo = max(t_lo, len - a.L - a.window + 1);
   const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
 
+  /* logits in log2 units: x = scl2 * q.k, a softcap c as (c log2 e) tanh(x / (c log2 e)) */
+  const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
+  const bool capped = a.softcap > 0.0f;
+
   /* prologue: the first STAGES - 1 stages in flight (one commit group each) */
+  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tc_buf);
+  kvc_tc_loader ld = kvc_tc_loader_of<D>(a, L, b, hk, t_lo);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-    if (s < nst)
-      kvc_tc_load_stage<D>(a, L, kvc_tc_buf + s * L.stage, b, hk, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
+    if (s < nst) kvc_tc_load_stage<D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
     kvc_cp_commit();
   }
   int id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi);
@@ -249,23 +325,30 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
      * (127 * 128), |qh| <= 127, |ql| <= 64 (error <= sigma / 2 per dim), so
      * q.codes per group is exact integer mma work; plus sigma and the exact
      * per-group sums of q (the bias term) in shared memory. */
-    for (int j = threadIdx.x; j < NTM * 8; j += KVC_TC_THREADS) {
-      const int qv = q0 + j;
-      float amax = 0.0f;
-      for (int gi = 0; gi < gk; ++gi) qsum[gi * NTM * 8 + j] = 0.0f;
-      if (qv < Q) {
-        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-        for (int gi = 0; gi < gk; ++gi) {
-          float sum = 0.0f;
-          for (int d = gi * a.k.group; d < (gi + 1) * a.k.group; ++d) {
-            const float x = kvc_bf16_bits(qp[d * qds]);
-            amax = fmaxf(amax, fabsf(x));
-            sum += x;
-          }
-          qsum[gi * NTM * 8 + j] = sum;
-        }
+    /* Stage the block's query vectors in ring slot STAGES - 1 (free until
+     * the first stage of the loop is issued, after a barrier): TPQ threads
+     * per vector, DPT dims each, one round of independent loads; sigma and
+     * the group sums by shuffles over those threads. */
+    constexpr int TPQ = KVC_TC_THREADS / (NTM * 8), DPT = D / TPQ;
+    unsigned short *qst = (unsigned short *)(kvc_tc_buf + (STAGES - 1) * L.stage); /* [NTM * 8][D] bf16 */
+    {
+      const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT, qv = q0 + j;
+      const unsigned short *qp =
+          qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
+      float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) {
+        const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
+        qst[j * D + pd + d] = x;
+        amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
+        sum += kvc_bf16_bits(x);
       }
-      qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
+#pragma unroll
+      for (int off = TPQ / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
+      const int tpg = a.k.group / DPT; /* threads per quantization group (2 .. TPQ / 2) */
+      for (int off = 1; off < tpg; off <<= 1) sum += __shfl_xor_sync(KVC_FULL_MASK, sum, off);
+      if ((pd & (a.k.group - 1)) == 0) qsum[(pd >> gk_sh) * NTM * 8 + j] = sum * scl2; /* pre-scaled bias term */
+      if (pd == 0) qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
     }
     __syncthreads();
     /* B fragments of k-step kj (32 dims) for lane (g, tq): bytes i of b0, b1
@@ -277,14 +360,14 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
       const int jq = 8 * nt + (ln >> 2), qv = q0 + jq;
       uint32_t f[2] = {0u, 0u};
       if (qv < Q) {
-        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+        const unsigned short *qp = qst + jq * D;
         const int d0 = 8 * (4 * kj + (ln & 3));
         const float inv = 1.0f / qsig[jq];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const float y = kvc_bf16_bits(qp[(d0 + 2 * i + hh) * qds]) * inv;
+            const float y = kvc_bf16_bits(qp[d0 + 2 * i + hh]) * inv;
             const float qh = rintf(y * (1.0f / 128.0f));
             const float v = part ? rintf(y - 128.0f * qh) : qh;
             const int iv = (v == v) ? (int)fminf(fmaxf(v, -127.0f), 127.0f) : 0;
@@ -322,7 +405,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int qv = q0 + 8 * nt + 2 * tq + j;
-      sig[nt][j] = qsig[8 * nt + 2 * tq + j];
+      sig[nt][j] = qsig[8 * nt + 2 * tq + j] * scl2; /* q.k -> logit in log2 units in the same multiply */
       const bool ok = qv < Q;
       pos[nt][j] = len - a.L + (ok ? qv % a.L : 0);
       segp[nt][j] = ok ? kvc_seg_of_row(a, b, pos[nt][j]) : 0;
@@ -337,7 +420,6 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
 
   __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
   float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
-  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group);
   /* V slice of this lane: word xw of each token row, codes cb .. cb + 2 MT - 1 */
   const int xw = warp * WPL + g % WPL, cb = (g / WPL) * 2 * MT;
   const int vgi = (8 * xw) >> gv_sh;
@@ -348,8 +430,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
     {
       const int sn = s + STAGES - 1;
       if (sn < nst)
-        kvc_tc_load_stage<D>(a, L, kvc_tc_buf + (sn % STAGES) * L.stage, b, hk, fo,
-                             t_lo + (long long)sn * KVC_TC_TOK, t_hi, id_next);
+        kvc_tc_load_stage<D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
+                             id_next);
       kvc_cp_commit();
       id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi); /* for the next stage */
     }
@@ -463,18 +545,22 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
     bool vis[NTM][4];
 #pragma unroll
     for (int nt = 0; nt < NTM; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = fmaf(sc[nt][e], sig[nt][e & 1], sbias[nt][e]); /* x = scl2 q.k */
+      if (capped)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = cap2 * tanhf(sc[nt][e] * cap2_inv);
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = e & 1, qv = q0 + 8 * nt + 2 * tq + j;
-        const long long t = t0 + KVC_TC_SUB * warp + g + 8 * (e >> 1);
         bool v = qv < Q;
         if (!full) {
+          const long long t = t0 + KVC_TC_SUB * warp + g + 8 * (e >> 1);
           v = v && t < t_hi;
           if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[nt][j], segp[nt][j]);
         }
-        const float dot = fmaf(sc[nt][e], sig[nt][j], sbias[nt][e]);
-        const float xl = v ? kvc_logit(a, dot) * KVC_LOG2E : -INFINITY;
+        const float xl = v ? sc[nt][e] : -INFINITY;
         vis[nt][e] = v && xl != -INFINITY;
         sc[nt][e] = xl;
         mx[j] = kvc_max(mx[j], xl);
@@ -602,8 +688,13 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 3 : 2) kvc_tc_q4_ke
 }
 
 /* ---- host side ---- */
-template <int D, int NTM> static cudaError_t kvc_tc_prepare(int smem) {
-  return cudaFuncSetAttribute(kvc_tc_q4_kernel<D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+/* The instance's dynamic shared memory limit, set to its largest layout (8
+ * groups per row) so that every caller sets the same value; the selector
+ * calls it (through kvc_tc_occupancy) before an instance's first launch in a
+ * context, so launches do not repeat it. */
+template <int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
+  return cudaFuncSetAttribute(kvc_tc_q4_kernel<D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kvc_tc_layout_of(D, 8, 8, NTM).total);
 }
 
 #define KVC_TC_INSTANCES(X) X(64, 1) X(64, 4) X(128, 1) X(128, 4) X(256, 1) X(256, 4)
@@ -614,7 +705,7 @@ int kvc_tc_occupancy(int D, int ntm, int smem) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_OCC(D_, N_)                                                                            \
-  if (D == D_ && ntm == N_ && (e = kvc_tc_prepare<D_, N_>(smem)) == cudaSuccess)                  \
+  if (D == D_ && ntm == N_ && (e = kvc_tc_prepare<D_, N_>()) == cudaSuccess)                      \
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tc_q4_kernel<D_, N_>, KVC_TC_THREADS, smem);
   KVC_TC_INSTANCES(KVC_OCC)
 #undef KVC_OCC
@@ -630,7 +721,7 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
   const int smem = kvc_tc_smem(a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, plan.QW / 8);
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_CASE(D_, N_)                                                                           \
-  if (a.Dk == D_ && plan.QW == 8 * N_ && (e = kvc_tc_prepare<D_, N_>(smem)) == cudaSuccess) {     \
+  if (a.Dk == D_ && plan.QW == 8 * N_) {                                                          \
     kvc_tc_q4_kernel<D_, N_><<<grid, KVC_TC_THREADS, smem, stream>>>(a);                           \
     e = cudaGetLastError();                                                                        \
   }

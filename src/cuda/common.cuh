@@ -217,8 +217,17 @@ __device__ __forceinline__ float kvc_logit(const kvc_args &a, float dot) {
   return x;
 }
 
-/* NaN-propagating max (a NaN logit makes the row NaN, as in the oracle). */
-__device__ __forceinline__ float kvc_max(float a, float b) { return (a > b || a != a) ? a : b; }
+/* NaN-propagating max (a NaN logit makes the row NaN, as in the oracle):
+ * one max.NaN instruction from sm_80 on. */
+__device__ __forceinline__ float kvc_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#else
+  return (a > b || a != a) ? a : b;
+#endif
+}
 
 /* Final output element of a state {m, l, o} after the sink joined:
  * o / l, or 0 for a row that saw no key (kva_softmax_out). */

@@ -12,7 +12,8 @@
 
 /* Fused grid sizing (tuning only; never changes results beyond rounding). */
 #define KVC_MAX_WAVES 4             /* waves of resident blocks considered */
-#define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split */
+#define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split (fused kernel) */
+#define KVC_TC_MIN_SPLIT_TOKENS 128 /* q4 tensor-core kernel: two stages, so short caches use more SMs */
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
@@ -202,10 +203,10 @@ static int kvc_tc_blocks_per_sm(const kva_context *ctx, int di, int wide, int sm
 }
 
 /* Splits: whole waves of `resident` blocks with the least idle tail, each
- * split at least KVC_MIN_SPLIT_TOKENS tokens, chunks whole steps. */
+ * split at least min_tokens tokens, chunks whole steps. */
 static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, long long resident, long long step,
-                            int max_waves) {
-  long long most = (p->N + KVC_MIN_SPLIT_TOKENS - 1) / KVC_MIN_SPLIT_TOKENS;
+                            int max_waves, long long min_tokens) {
+  long long most = (p->N + min_tokens - 1) / min_tokens;
   if (most > KVC_MAX_SPLITS) most = KVC_MAX_SPLITS;
   long long want = 1;
   double best = 0.0;
@@ -252,7 +253,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       pl.QW = 8 * ntm;
       pl.qtiles = (Q + pl.QW - 1) / pl.QW;
       const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, di, wide, smem);
-      kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES);
+      kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
       return pl;
     }
   }
@@ -273,7 +274,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const long long base = p->B * p->KVH * pl.qtiles;
   /* Splits: whole waves of resident blocks with the least idle tail. */
   const long long resident = (long long)sms * kvc_blocks_per_sm(ctx, pl.fmt, E, pl.QW);
-  kvc_plan_splits(&pl, p, base, resident, step, KVC_MAX_WAVES);
+  kvc_plan_splits(&pl, p, base, resident, step, KVC_MAX_WAVES, KVC_MIN_SPLIT_TOKENS);
   return pl;
 }
 
