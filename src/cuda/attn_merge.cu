@@ -1,48 +1,44 @@
 /* Merge of the split states (flash-decoding's second pass).
  *   math: per query row, the nsplit states {m_s, l_s, o_s[Dv]} of
- *         core/softmax_state.h fold into M = max_s m_s (NaN-propagating),
- *         w_s = exp(m_s - M) (0 for an empty split, whose o_s is 0), l = sum_s w_s l_s,
- *         o = sum_s w_s o_s, the same result as folding them pairwise with
- *         kva_softmax_merge up to rounding; the sink then joins with
- *         kva_softmax_factors and out = o / l (0 for a row that saw no key).
+ *         core/softmax_state.h fold into one with kva_softmax_factors
+ *         (M = max_s m_s, NaN-propagating; l = sum_s exp(m_s - M) l_s;
+ *         o = sum_s exp(m_s - M) o_s; an empty split, m_s = -inf, adds
+ *         nothing); the sink then joins and out = o / l (0 for a row that
+ *         saw no key). The folding order differs from a pairwise left fold
+ *         only by rounding.
  *   memory: reads nsplit * (Dv + 2) floats per query row (from L2: the split
  *         kernel wrote them just before), writes Dv outputs.
  *   launch: grid (L * ceil(Dv / MERGE_DIMS), H, B), MERGE_THREADS threads,
  *         launched as a programmatic dependent of the split kernel (sm_90).
- *         Each block takes MERGE_DIMS output dims of one row: M, the
- *         weights (dynamic shared memory, nsplit floats) and l over the
- *         threads (every block of the row computes them again: 2 nsplit
- *         floats), then thread (r, c) sums splits r, r + MERGE_ROWS, ... for
- *         dims 4c .. 4c + 3 of the block's slice, all its loads independent
- *         (the states come from L2: latency, not bandwidth, is what a
- *         serial split loop would pay), and the MERGE_ROWS partial sums
- *         are added in a fixed order. */
+ *         A block takes MERGE_DIMS output dims of one row: thread (r, c)
+ *         takes splits r, r + MERGE_ROWS, ... for dims 4c .. 4c + 3 of the
+ *         slice, merge_chunk of them at a time: their loads all issued
+ *         before any is used (one round trip to L2 per chunk: one in all
+ *         for up to MERGE_ROWS * merge_chunk = 64 splits), the chunk's max,
+ *         weights and sums, one fold per chunk; then the MERGE_ROWS partial
+ *         states of a dim fold in a fixed order through shared memory: one
+ *         barrier, no second pass over the splits. */
 #include "cuda/launch.cuh"
 
 #define MERGE_THREADS 128
-#define MERGE_WARPS (MERGE_THREADS / KVC_WARP)
-#define MERGE_DIMS 64                              /* output dims per block */
-#define MERGE_COLS (MERGE_DIMS / 4)                /* threads per split row: 4 dims each */
-#define MERGE_ROWS (MERGE_THREADS / MERGE_COLS)    /* splits summed in parallel */
-static constexpr int merge_unroll = 4;             /* splits in flight per thread (x 4 dims) */
+#define MERGE_DIMS 64                           /* output dims per block */
+#define MERGE_COLS (MERGE_DIMS / 4)             /* threads per split row: 4 dims each */
+#define MERGE_ROWS (MERGE_THREADS / MERGE_COLS) /* split rows folded in parallel */
+static constexpr int merge_chunk = 8;           /* splits per thread loaded together */
 
-template <bool IS_MAX> __device__ float merge_block_reduce(float x, float *red) {
-  for (int off = KVC_WARP / 2; off > 0; off >>= 1) {
-    const float y = __shfl_xor_sync(KVC_FULL_MASK, x, off);
-    x = IS_MAX ? kvc_max(x, y) : x + y;
-  }
-  __syncthreads(); /* red[] may still be read by an earlier reduction */
-  if (threadIdx.x % KVC_WARP == 0) red[threadIdx.x / KVC_WARP] = x;
-  __syncthreads();
-  float r = red[0];
-  for (int w = 1; w < MERGE_WARPS; ++w) r = IS_MAX ? kvc_max(r, red[w]) : r + red[w];
-  return r;
+/* state (m, l, o[0..3]) <- fold with (ms, ls, os[0..3]) */
+__device__ __forceinline__ void merge_fold(float &m, float &l, float (&o)[4], float ms, float ls, const float (&os)[4]) {
+  if (ms == -INFINITY) return; /* empty: nothing to add */
+  float mn, f1, f2;
+  kva_softmax_factors(m, ms, &mn, &f1, &f2);
+  m = mn;
+  l = l * f1 + ls * f2;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = o[j] * f1 + os[j] * f2;
 }
 
 __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args a) {
-  extern __shared__ float merge_w[]; /* [nsplit] weights w_s */
-  __shared__ float red[MERGE_WARPS];
-  __shared__ float part[MERGE_ROWS][MERGE_DIMS + 1];
+  __shared__ float part_m[MERGE_ROWS], part_l[MERGE_ROWS], part_o[MERGE_ROWS][MERGE_DIMS + 1];
   const int nch = (a.Dv + MERGE_DIMS - 1) / MERGE_DIMS;
   const int i = blockIdx.x / nch, d_lo = (blockIdx.x % nch) * MERGE_DIMS;
   const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
@@ -51,51 +47,61 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
 #endif
   const size_t split_stride = (size_t)a.B * a.H * a.L * KVA_STATE_FLOATS(a.Dv); /* floats */
   const float *st0 = kvc_state_at(a, 0, b, h, i);
-  float mloc = -INFINITY;
-  for (int s = tid; s < a.nsplit; s += MERGE_THREADS) mloc = kvc_max(mloc, st0[s * split_stride]);
-  const float M = merge_block_reduce<true>(mloc, red);
-  float lloc = 0.0f;
-  for (int s = tid; s < a.nsplit; s += MERGE_THREADS) {
-    const float ms = st0[s * split_stride];
-    const float w = ms == -INFINITY ? 0.0f : expf(ms - M); /* NaN when M is NaN */
-    merge_w[s] = w;
-    lloc += w * st0[s * split_stride + 1];
-  }
-  float Ls = merge_block_reduce<false>(lloc, red); /* its barriers publish merge_w */
-
-  /* o over the splits: thread (r, c) takes splits r + MERGE_ROWS k, dims d_lo + 4c + j */
   const int r = tid / MERGE_COLS, c = tid % MERGE_COLS, d0 = d_lo + 4 * c;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  if (M != -INFINITY && d0 < a.Dv) {
-    const float *o = st0 + 2 + d0;
-    if (d0 + 4 <= a.Dv) {
-#pragma unroll merge_unroll
-      for (int s = r; s < a.nsplit; s += MERGE_ROWS) {
-        const float w = merge_w[s], *os = o + s * split_stride;
+  const int nd = min(4, a.Dv - d0); /* dims of this thread (<= 0: none, its m and l still count) */
+  float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s0 = r; s0 < a.nsplit; s0 += MERGE_ROWS * merge_chunk) {
+    /* a chunk of this thread's splits: all loads first, then its max and
+     * independent weights (no exp chain from split to split) */
+    float cm[merge_chunk], cl[merge_chunk], co[merge_chunk][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] = fmaf(w, os[j], acc[j]);
-      }
-    } else {
-      for (int s = r; s < a.nsplit; s += MERGE_ROWS)
-        for (int j = 0; d0 + j < a.Dv; ++j) acc[j] = fmaf(merge_w[s], o[s * split_stride + j], acc[j]);
+    for (int k = 0; k < merge_chunk; ++k) {
+      const int sk = s0 + MERGE_ROWS * k;
+      const float *st = st0 + (size_t)sk * split_stride;
+      const bool ok = sk < a.nsplit;
+      cm[k] = ok ? st[0] : -INFINITY;
+      cl[k] = ok ? st[1] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) co[k][j] = ok && j < nd ? st[2 + d0 + j] : 0.0f;
     }
+    float M = cm[0];
+#pragma unroll
+    for (int k = 1; k < merge_chunk; ++k) M = kvc_max(M, cm[k]);
+    float L = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < merge_chunk; ++k) {
+        const float w = cm[k] == -INFINITY ? 0.0f : expf(cm[k] - M); /* NaN when M is NaN */
+        L = fmaf(w, cl[k], L);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) O[j] = fmaf(w, co[k][j], O[j]);
+      }
+    }
+    merge_fold(m, l, o, M, L, O);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) part[r][4 * c + j] = acc[j];
+  for (int j = 0; j < 4; ++j) part_o[r][4 * c + j] = o[j];
+  if (c == 0) {
+    part_m[r] = m;
+    part_l[r] = l;
+  }
   __syncthreads();
   const int d = d_lo + tid;
   if (tid >= MERGE_DIMS || d >= a.Dv) return;
-  float O = 0.0f;
-#pragma unroll
-  for (int k = 0; k < MERGE_ROWS; ++k) O += part[k][tid]; /* fixed order */
+  float M = -INFINITY, Ls = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < MERGE_ROWS; ++k) { /* fixed order */
+    const float os[4] = {part_o[k][tid], 0.0f, 0.0f, 0.0f};
+    merge_fold(M, Ls, O, part_m[k], part_l[k], os);
+  }
+  float Od = O[0];
   if (a.sinks && M != -INFINITY) {
     float mn, f1, f2;
     kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
     Ls = Ls * f1 + f2;
-    O *= f1;
+    Od *= f1;
   }
   if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
-  kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
+  kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(Od, Ls));
 }
 
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
@@ -104,7 +110,7 @@ int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(MERGE_THREADS);
-  cfg.dynamicSmemBytes = sizeof(float) * (size_t)a.nsplit;
+  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1] = {};
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
