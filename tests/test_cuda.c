@@ -30,6 +30,7 @@ TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
@@ -359,6 +360,45 @@ TEST(cuda_nan_inf) {
       break;
     }
   if (!run_case(ctx, &ragged, plant, 4)) FAIL_("NaN past the sequence lengths reached the output");
+  kva_context_destroy(ctx);
+}
+
+/* NaN/Inf on the q4 tensor-core path (bf16 queries, 4-bit K/V, bf16
+ * scales): a NaN query element (that row NaN, the other query vectors of the
+ * block untouched), a NaN K scale in one visible row (every row of that KV
+ * head NaN), an Inf V bias in one visible row (Inf in its group's dims). */
+static void plant_q4(att_data *d, int variant) {
+  const att_case *c = &d->c;
+  uint16_t *q = (uint16_t *)d->q.data;
+  const int64_t last = (c->N - 1);
+  switch (variant) {
+  case 0: q[3] = 0x7FC0u; break; /* NaN in (b0, h0, row 0) */
+  case 1: /* NaN scale of group 1 in the last K row of (b0, hk0) */
+    ((uint16_t *)((char *)d->k.scales.data + last * d->k.scales.stride[2]))[1] = 0x7FC0u;
+    break;
+  case 2: /* +Inf bias of group 0 in the first V row of (b0, hk0) */
+    ((uint16_t *)d->v.biases.data)[0] = 0x7F80u;
+    break;
+  }
+}
+
+TEST(cuda_q4_tc_nan_inf) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* rep 2 x 4 groups = 8 columns: the groups-in-columns S phase; rep 6: the per-group one */
+  static const att_case qc[] = {
+      {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof qc / sizeof qc[0]; ++ci)
+    for (int variant = 0; variant < 3; ++variant)
+      if (!run_case(ctx, &qc[ci], plant_q4, variant)) {
+        FAIL_("case %zu, variant %d", ci, variant);
+        goto done;
+      }
+done:
   kva_context_destroy(ctx);
 }
 
