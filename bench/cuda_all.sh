@@ -4,14 +4,17 @@
 # issue's target shapes through `kvattn bench --backend cuda` (contiguous and
 # paged, checked against the oracle), the CUDA benchmark (bench/cuda_bench.cu)
 # and PyTorch SDPA on the same shapes (bench/torch_sdpa.py) with the ratios.
-# Logs go to $OUT (default build/cuda_logs): summary, build, tests (+ the ASan
+# Logs go to $LOG (default build/cuda_logs): summary, build, tests (+ the ASan
 # run), sanitizer (memcheck + racecheck), kvbench, bench, kvattn_cuda.jsonl,
-# torch_sdpa, pytest.
+# torch_sdpa, pytest. With OUT set (the device tool's folder that comes back,
+# at most 8 files), they are also written there as two files: cuda_all.log
+# (every log, each under a header) and kvattn_cuda.jsonl.
 #   STAGES="build test asan memcheck racecheck kvbench bench torch pytest" (default: all)
 #   J=16 (make jobs)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-build/cuda_logs}
+RET=${OUT:-}
+OUT=${LOG:-build/cuda_logs} # where the logs are written (below: $OUT)
 J=${J:-16}
 STAGES=${STAGES:-build test asan memcheck racecheck kvbench bench torch pytest}
 mkdir -p "$OUT"
@@ -93,4 +96,11 @@ if has pytest; then
   tail -3 "$OUT/pytest.log"
 fi
 cat "$OUT/summary.log"
+if [ -n "$RET" ] && [ "$RET" != "$OUT" ]; then # two files back, not one per log
+  mkdir -p "$RET"
+  for f in summary build tests sanitizer kvbench bench torch_sdpa pytest; do
+    [ -f "$OUT/$f.log" ] && { echo "===== $f.log"; cat "$OUT/$f.log"; }
+  done > "$RET/cuda_all.log"
+  [ -f "$OUT/kvattn_cuda.jsonl" ] && cp "$OUT/kvattn_cuda.jsonl" "$RET/"
+fi
 exit $status
