@@ -300,6 +300,21 @@ TEST(cuda_vs_oracle) {
   kva_context_destroy(ctx);
 }
 
+/* Each case of a table with each variant 0 .. variants - 1 of tweak (NULL:
+ * as made), on one CUDA context; stops at the first failure. */
+static void run_case_table(const att_case *cs, size_t n, void (*tweak)(att_data *, int), int variants) {
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < n; ++ci)
+    for (int variant = 0; variant < variants; ++variant)
+      if (!run_case(ctx, &cs[ci], tweak, variant)) {
+        FAIL_("case %zu, variant %d", ci, variant);
+        goto done;
+      }
+done:
+  kva_context_destroy(ctx);
+}
+
 /* The q4 tensor-core path alone, small (racecheck runs it): decode GQA 2,
  * verify GQA 6 with splits, head dims 64/128/256. */
 TEST(cuda_q4_tc_path) {
@@ -310,11 +325,7 @@ TEST(cuda_q4_tc_path) {
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
   };
-  kva_context *ctx;
-  if (!make_cuda_ctx(&ctx, NULL)) return;
-  for (size_t ci = 0; ci < sizeof mcases / sizeof mcases[0]; ++ci)
-    if (!run_case(ctx, &mcases[ci], NULL, 0)) break;
-  kva_context_destroy(ctx);
+  run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1);
 }
 
 /* NaN/Inf planted in q, in visible K/V rows, and beyond each sequence's
@@ -390,16 +401,7 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
-  kva_context *ctx;
-  if (!make_cuda_ctx(&ctx, NULL)) return;
-  for (size_t ci = 0; ci < sizeof qc / sizeof qc[0]; ++ci)
-    for (int variant = 0; variant < 3; ++variant)
-      if (!run_case(ctx, &qc[ci], plant_q4, variant)) {
-        FAIL_("case %zu, variant %d", ci, variant);
-        goto done;
-      }
-done:
-  kva_context_destroy(ctx);
+  run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3);
 }
 
 /* One capture, replayed while the lengths in device memory change. */
