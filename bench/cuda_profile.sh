@@ -4,7 +4,8 @@
 # Compute on one decode launch and its merge (speed of light, instruction
 # mix, warp states, per-instruction execution counts), and a sweep over the
 # cache length whose intercept is the fixed cost of a call.
-# Logs go to $OUT (default build/cuda_logs): profile.log, tc.sass, ncu_source.csv.
+# Logs go to $OUT (default build/cuda_logs): profile.log (with the opcode
+# mix and stall reasons of bench/ncu_mix.py), tc.sass, ncu_source.csv.
 #   CASE="--preset gemma3-4b --ctx 128k --rows 1 --kv q4" (the profiled case)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,7 @@ if [ -n "$NCU" ]; then
   } >> "$OUT/profile.log" 2>&1
   timeout 120 "$NCU" --import "$OUT/prof.ncu-rep" --page source --print-source sass --csv --kernel-name regex:"kvc_(tc_q4|dec)" \
     > "$OUT/ncu_source.csv" 2>&1
+  python3 bench/ncu_mix.py "$OUT/ncu_source.csv" >> "$OUT/profile.log" 2>&1 # opcode mix, stalls, hot spots
   rm -f "$OUT/prof.ncu-rep"
 else
   echo "no ncu on this machine" >> "$OUT/profile.log"
