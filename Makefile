@@ -45,8 +45,8 @@ ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
 
 .PHONY: all lib test test-c test-py bench bench-paged install clean format FORCE
-FORCE:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
+FORCE:
 
 $(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)

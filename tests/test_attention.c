@@ -48,6 +48,18 @@ static const att_case cases[] = {
     {1, 8, 4, 1, 500, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 30.0f, 0, 0, 0},
     {2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 1, 0},
     {1, 8, 2, 1, 300, 64, 64, F32, F32, 8, 8, 64, BF16, MASK_NONE, 0, 0, 1, 0, 0},
+    /* AVX-512 variants with f32 outputs (the strict allowance): bf16 rows in
+     * split order (D = 80: a 16-element tail; nq = 5: V through the L1 tile),
+     * integer q.k (kphase_vnni) for 16-bit queries and 2/4/8-bit K */
+    {1, 8, 4, 1, 4097, 256, 256, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 2, 150, 80, 80, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 5, 1, 1, 300, 128, 128, F16, F32, 0, 0, 0, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
+    {1, 8, 4, 1, 4097, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 1, 500, 128, 128, F16, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 1, 300, 64, 64, BF16, F32, 2, 2, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 1, 200, 512, 512, BF16, F32, 2, 4, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 5, 1, 1, 200, 256, 256, F16, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
+    {1, 8, 4, 1, 500, 256, 256, BF16, F32, 4, 8, 64, BF16, MASK_CAUSAL, 0, 30.0f, 1, 0, 0},
     /* explicit array masks (fallback) and long L (fallback row groups) */
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
@@ -123,6 +135,23 @@ TEST(attention_cpu_vs_oracle) {
   kva_context_destroy(ctx2);
 }
 
+/* d (operands with planted values) through kva_attention against the oracle
+ * (NaN/Inf exact, f32 allowance) with a poisoned output and its sentinel;
+ * frees d. Returns 1 when they match (0 also when a call fails: reported). */
+static int planted_matches_oracle(kva_context *ctx, att_data *d) {
+  kva_tensor ref = att_alloc_like(d, &d->out);
+  int ok = kva_reference_attention(&d->q, &d->view, &d->params, &ref) == 0;
+  if (!ok) fprintf(stderr, "    oracle: %s\n", kva_last_error());
+  att_poison(d);
+  if (ok && kva_attention(ctx, &d->q, &d->view, &d->params, &d->out, NULL, 0) != 0) {
+    fprintf(stderr, "    kva_attention: %s\n", kva_last_error());
+    ok = 0;
+  }
+  ok = ok && att_compare(&d->out, &ref, ATOL_REL, 0, NULL, NULL) && att_sentinel_ok(d);
+  att_free(d);
+  return ok;
+}
+
 /* NaN and Inf propagate exactly as in the oracle; nothing is written beyond out. */
 TEST(attention_nan_inf) {
   const att_case c = {1, 4, 2, 2, 100, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
@@ -138,15 +167,57 @@ TEST(attention_nan_inf) {
     case 2: v[7] = INFINITY; break;                    /* first key's V element 7 = +inf */
     case 3: k[(int64_t)(c.N - 1) * c.Dk] = INFINITY; k[(int64_t)(c.N - 1) * c.Dk + 1] = INFINITY; break;
     }
-    kva_tensor ref = att_alloc_like(&d, &d.out);
-    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
-    att_poison(&d);
-    ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
-    int ok = att_compare(&d.out, &ref, ATOL_REL, 0, NULL, NULL) && att_sentinel_ok(&d);
-    att_free(&d);
+    const int ok = planted_matches_oracle(ctx, &d);
     if (!ok) {
       FAIL_("variant %d", variant);
       break;
+    }
+  }
+  kva_context_destroy(ctx);
+}
+
+/* The same with 16-bit queries, bf16 or 4-bit K/V (the split-order and
+ * integer-query kernels): NaN/Inf propagate as in the oracle, and queries
+ * or keys of denormal size give the oracle's result (no flush to zero).
+ * Integer queries need finite values of normal size: non-finite or
+ * all-tiny queries take the float path. */
+TEST(attention_nan_inf_16bit) {
+  const att_case cases16[] = {
+      {1, 4, 2, 1, 100, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 4, 2, 1, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (int ci = 0; ci < 2; ++ci) {
+    const att_case *c = &cases16[ci];
+    for (int variant = 0; variant < 6; ++variant) {
+      att_data d;
+      ASSERT_TRUE(att_make(&d, c) == 0);
+      char *q = (char *)d.q.data, *k = (char *)d.k.data.data, *v = (char *)d.v.data.data;
+      const int64_t qrow = d.q.stride[2], krow = d.k.data.stride[2];
+      switch (variant) {
+      case 0: test_store(q + 3 * 2, BF16, NAN); break;   /* head 0: NaN query */
+      case 1: test_store(q + 5 * 2, BF16, INFINITY); break; /* head 0: Inf query */
+      case 2: /* head 0: every element denormal (integer queries not usable) */
+        for (int e = 0; e < c->Dk; ++e) test_store(q + e * 2, BF16, (e % 3 - 1) * 0x1p-130f);
+        break;
+      case 3: /* head 1: one normal element, the others denormal */
+        for (int e = 0; e < c->Dk; ++e) test_store(q + qrow + e * 2, BF16, e ? 0x1p-128f : 1.5f);
+        break;
+      case 4: /* last key of KV head 0: Inf (float K) or an Inf scale (4-bit K) */
+        if (c->kbits) test_store((char *)d.k.scales.data + (c->N - 1) * d.k.scales.stride[2], BF16, INFINITY);
+        else test_store(k + (c->N - 1) * krow + 2 * 2, BF16, INFINITY);
+        break;
+      case 5: /* first key's V: NaN (float V) or a NaN bias (4-bit V) */
+        if (c->vbits) test_store(d.v.biases.data, BF16, NAN);
+        else test_store(v + 7 * 2, BF16, NAN);
+        break;
+      }
+      const int ok = planted_matches_oracle(ctx, &d);
+      if (!ok) {
+        FAIL_("case %d variant %d", ci, variant);
+        break;
+      }
     }
   }
   kva_context_destroy(ctx);

@@ -12,6 +12,7 @@
 #include "cpu/kernel.h"
 #include "cpu/threadpool.h"
 
+#include <stdatomic.h>
 #include <string.h>
 
 /* Tuning (never changes results beyond rounding of the merge order). */
@@ -113,7 +114,19 @@ static const kva_cpu_kernels *best_kernels(void) {
 static const kva_cpu_kernels *best_kernels(void) { return &kva_cpu_kernels_portable; }
 #endif
 
-const kva_cpu_kernels *kva_cpu_kernels_get(void) { return forced ? forced : best_kernels(); }
+/* best_kernels, run once: cpuid traps to the hypervisor in a virtual
+ * machine (it took ~10 % of a 60 µs call when run on every call). */
+static const kva_cpu_kernels *detected_kernels(void) {
+  static _Atomic(const kva_cpu_kernels *) best;
+  const kva_cpu_kernels *k = atomic_load_explicit(&best, memory_order_acquire);
+  if (!k) {
+    k = best_kernels();
+    atomic_store_explicit(&best, k, memory_order_release);
+  }
+  return k;
+}
+
+const kva_cpu_kernels *kva_cpu_kernels_get(void) { return forced ? forced : detected_kernels(); }
 
 const char *kva_cpu_simd(void) { return kva_cpu_kernels_get()->level; }
 
@@ -124,7 +137,7 @@ int kva_cpu_set_simd(const char *level) {
     return 0;
   }
   const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
-  const kva_cpu_kernels *best = best_kernels();
+  const kva_cpu_kernels *best = detected_kernels();
   int best_rank = best == &kva_cpu_kernels_avx512 ? 2 : best == &kva_cpu_kernels_avx2 ? 1 : 0;
   for (int i = 0; i < 3; ++i)
     if (!strcmp(level, all[i]->level)) {
@@ -161,8 +174,9 @@ size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq) {
   /* general kernel: queries, K/V tiles, scores */
   size_t gen = (size_t)(nq * p->Dk + KVA_TILE * (p->Dk + p->Dv) + nq * KVA_TILE);
   /* fast kernels: permuted rows are at most 4x D (2-bit, D = 64) plus <= 512
-   * lanes of per-chunk sums; see src/cpu/simd/fast.c */
-  size_t fast = (size_t)(nq * (4 * p->Dk + 512) + nq * (4 * p->Dv + 512) + 2 * nq + nq * KVA_TILE +
+   * lanes of per-chunk sums, 3 floats per vector (m, l, post); see
+   * src/cpu/simd/fast.c */
+  size_t fast = (size_t)(nq * (4 * p->Dk + 512) + nq * (4 * p->Dv + 512) + 3 * nq + nq * KVA_TILE +
                          KVA_TILE * (4 * p->Dv + 2 * 512));
   /* AMX verify kernel: bf16 Qᵀ/K/V tiles and the O block (src/cpu/simd/amx.c) */
   size_t amx = (size_t)((nq + 16) * (2 * p->Dk + 4 * p->Dv) + 64 * (p->Dk + p->Dv) + 2048);

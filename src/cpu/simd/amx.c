@@ -217,7 +217,8 @@ static void attend_amx(const kva_item *it) {
   const __m512i halves_interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                      7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   /* Tiles of 32 tokens across span (paged block) boundaries; the next
-   * tile's rows are prefetched one per K row converted (avx512.h, kva_tiles). */
+   * tile's K rows are prefetched (into L2) one per K row converted, its V
+   * rows one per V row (avx512.h, kva_tiles). */
   kva_tiles tl;
   tiles_init(&tl, it, &kf, p->Dk, &vf, p->Dv);
   const kva_rows *trow;
@@ -225,7 +226,7 @@ static void attend_amx(const kva_item *it) {
   while ((trow = tiles_next(&tl, &tf, &n))) {
     /* bf16 K rows (zero rows past n), and V as token pairs interleaved per 16 dims. */
     for (int64_t r = 0; r < KVA_TILE; ++r) {
-      if (r < tl.pf.n) prefetch_row(&tl.pf, r);
+      if (r < tl.pf.n) prefetch_row(&tl.pf, r, KVA_ARR_K, KVA_ARR_V);
       if (r < n) {
         row_to_bf16(&kf, trow[r].k, trow[r].ks, trow[r].kb, kb + r * kf.P);
       } else {
@@ -233,6 +234,7 @@ static void attend_amx(const kva_item *it) {
       }
     }
     for (int64_t r = 0; r < KVA_TILE; r += 2) {
+      for (int64_t u = r; u < r + 2 && u < tl.pf.n; ++u) prefetch_row(&tl.pf, u, KVA_ARR_V, KVA_ARRS);
       if (vf.bits && r < n) { /* quantized: dequantized straight into pairs */
         const kva_rows *rb = r + 1 < n ? &trow[r + 1] : NULL;
         switch (vf.bits) {

@@ -15,9 +15,14 @@ typedef struct fmt_plan {
   int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
   int exact;                      /* codes converted exactly (f32 queries), see code_as_float */
+  int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (kphase_vnni) */
+  int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
+                                     as its 16 even elements, then its 16 odd ones (load_bf16_split) */
   kva_dtype sdt;                  /* scales dtype (quantized) or element dtype (float) */
   __mmask16 chmask[MAXCH];        /* valid words of each chunk */
   __m512i gidx[MAXCH];            /* group of each lane of each chunk */
+  __m512i gidxw[MAXCH];           /* the same as vpermw indices: word 2l+1 = group of lane l (chunk_groups) */
+  __mmask32 gmask;                /* the ngroups low words */
 } fmt_plan;
 
 static inline void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
@@ -44,7 +49,22 @@ static inline void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
       idx[l] = g < fp->ngroups ? g : fp->ngroups - 1;
     }
     fp->gidx[c] = _mm512_loadu_si512(idx);
+    int16_t widx[2 * LANES];
+    for (int l = 0; l < LANES; ++l) {
+      widx[2 * l] = 0;
+      widx[2 * l + 1] = (int16_t)idx[l];
+    }
+    fp->gidxw[c] = _mm512_loadu_si512(widx);
   }
+  fp->gmask = (__mmask32)((1u << fp->ngroups) - 1u);
+}
+
+/* Position of element e of a float row of D elements: e itself, or in the
+ * split order of a full 32-element block (even elements first). */
+static inline int64_t float_pos(const fmt_plan *fp, int64_t D, int64_t e) {
+  const int64_t b0 = e - e % 32;
+  if (!fp->split || b0 + 32 > D) return e;
+  return b0 + (e & 1) * 16 + (e % 32) / 2;
 }
 
 /* dst[pos] = src[elem(pos)] * scale in the format's permuted order (zero on
@@ -52,7 +72,7 @@ static inline void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
  * ((w / 16) * E + k) * 16 + w % 16. */
 static inline void permute_row(const fmt_plan *fp, int64_t D, const float *src, float scale, float *dst) {
   if (!fp->bits) {
-    for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+    for (int64_t d = 0; d < D; ++d) dst[float_pos(fp, D, d)] = src[d] * scale;
     return;
   }
   memset(dst, 0, sizeof(float) * (size_t)fp->P);
@@ -63,7 +83,7 @@ static inline void permute_row(const fmt_plan *fp, int64_t D, const float *src, 
 /* The inverse: dst[d] = src[pos(d)] + (bias lane of pos, when given). */
 static inline void unpermute_row(const fmt_plan *fp, int64_t D, const float *src, const float *bias, float *dst) {
   if (!fp->bits) {
-    memcpy(dst, src, sizeof(float) * (size_t)D);
+    for (int64_t d = 0; d < D; ++d) dst[d] = src[float_pos(fp, D, d)];
     return;
   }
   const int64_t words = D / fp->E;
@@ -72,6 +92,15 @@ static inline void unpermute_row(const fmt_plan *fp, int64_t D, const float *src
     const float b = bias ? bias[c * LANES + lane] : 0.0f;
     for (int k = 0; k < fp->E; ++k) dst[w * fp->E + k] = src[(c * fp->E + k) * LANES + lane] + b;
   }
+}
+
+/* 32 bf16 elements as f32 in split order: the even ones (bf16 in the low
+ * half of each dword: a shift left by 16) and the odd ones (already in the
+ * high half: an and), one operation per 16 values instead of two. */
+ALWAYS void load_bf16_split(const char *p, __m512 *even, __m512 *odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* One row of D (a multiple of 16) f32/f16/bf16 values as f32. */
@@ -84,6 +113,17 @@ ALWAYS __m512 load_groups(const char *p, kva_dtype dt, int n) {
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
   if (dt == KVA_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The group scales (or biases) at p for the 16 lanes of chunk c, as f32.
+ * bf16 groups: one vpermw moves each lane's group value to the high half of
+ * its dword (the f32 of a bf16) and zeroes the low half; other dtypes:
+ * load_groups and a permute. */
+ALWAYS __m512 chunk_groups(const fmt_plan *fp, const char *p, int c) {
+  if (fp->sdt == KVA_BF16)
+    return _mm512_castsi512_ps(
+        _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, fp->gidxw[c], _mm512_maskz_loadu_epi16(fp->gmask, p)));
+  return _mm512_permutexvar_ps(fp->gidx[c], load_groups(p, fp->sdt, fp->ngroups));
 }
 
 /* 16 float elements of a row as f32. */
@@ -120,16 +160,21 @@ ALWAYS __m512 exp512(__m512 x) {
 }
 
 /* Software prefetch of the rows of the next tile, spread over the current
- * one: while a kernel handles row t of this tile (the K phase of fast.c,
- * the K conversion of amx.c), it prefetches row t of the next tile, every
- * array, into L1: about one tile (32 rows, 1-2 microseconds on one core)
+ * one: while a kernel handles row t of this tile, it prefetches row t of
+ * the next tile, about one tile (32 rows, 1-2 microseconds on one core)
  * before use. Blocks of a paged pool sit at random places where the
  * hardware prefetchers cannot follow (block 16 ran at about half speed
  * without any software prefetch), and contiguous caches gain too. A burst
  * of the whole next tile (about 140 lines for q4 D = 256) at the start of
  * each tile, the earlier form, keeps the L1 fill buffers full for a
  * stretch and stalls the kernel: one row at a time measured 20-40 % faster
- * (hot and cold, contiguous and paged; BENCHMARKS.md). */
+ * (hot and cold, contiguous and paged; BENCHMARKS.md).
+ * Each phase prefetches its own arrays (K, its scales and biases while K
+ * rows are used; V's while V rows are used) into L2 (prefetcht1): 5-10 %
+ * faster than all six arrays into L1 during the K phase for bf16 decode
+ * (cold, 2 threads, calls alternated; bf16 verify on AMX 6-7 %;
+ * BENCHMARKS.md), where the prefetches of a 1 KiB K+V row per K row
+ * stalled on full fill buffers. */
 typedef struct kva_prefetch {
   const kva_rows *rows;    /* the next tile's rows */
   int64_t n;               /* how many (0: nothing to prefetch) */
@@ -153,11 +198,11 @@ static inline void prefetch_init(kva_prefetch *pf, const fmt_plan *kf, int64_t D
   pf->bytes[KVA_ARR_VS] = pf->bytes[KVA_ARR_VB] = fmt_group_bytes(vf);
 }
 
-/* Row r of the prefetch tile: the cache lines of each array's row, less the
- * line that row r-1 ended in (scale/bias rows of a few bytes share lines:
- * one prefetch per line, not per row). */
-ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r) {
-  for (int a = 0; a < KVA_ARRS; ++a) {
+/* Row r of the prefetch tile, arrays [a0, a1), into L2: the cache lines of
+ * each array's row, less the line that row r-1 ended in (scale/bias rows of
+ * a few bytes share lines: one prefetch per line, not per row). */
+ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r, int a0, int a1) {
+  for (int a = a0; a < a1; ++a) {
     const int64_t bytes = pf->bytes[a];
     if (!bytes) continue;
     const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)bytes;
@@ -166,7 +211,7 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r) {
       const uintptr_t prev_last = ((uintptr_t)pf->rows[r - 1].a[a] + (uintptr_t)bytes - 1) & ~(uintptr_t)63;
       if (prev_last == line) line += 64;
     }
-    for (; line < end; line += 64) _mm_prefetch((const char *)line, _MM_HINT_T0);
+    for (; line < end; line += 64) _mm_prefetch((const char *)line, _MM_HINT_T1);
   }
 }
 

@@ -3,17 +3,22 @@
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
- *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); quantized V accumulates
- *   (p*s_g)*c per element and p*b_g once per group lane.
+ *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
+ *   an exact integer dot product (vpdpbusd, kphase_vnni) of the codes with
+ *   q rounded to 21-bit integers. Quantized V accumulates (p*s_g)*c per
+ *   element and p*b_g once per group lane.
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
  *   word w lands in lane w of vector k, so q (and the V accumulator) live in
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
- *   (chunk*16 + lane)*E + k, E = 32/bits codes per word.
+ *   (chunk*16 + lane)*E + k, E = 32/bits codes per word. bf16 rows are
+ *   converted 32 elements at a time, even elements then odd (split order,
+ *   load_bf16_split), and q / the V accumulator follow.
  * Traffic: each K/V row of the item's range is read once for all nq vectors
- *   (tiles run across paged blocks; the next tile's rows are prefetched one
- *   per row of the K phase, avx512.h); K codes are decoded in registers per
- *   block of <= 8 query vectors; V codes in registers per block of <= 2
- *   vectors when nq <= 4, else once per tile into L1.
+ *   (tiles run across paged blocks; the next tile's K rows are prefetched
+ *   into L2 one per row of the K phase, its V rows one per row of the V
+ *   phase, avx512.h); K codes are decoded in registers per block of <= 8
+ *   query vectors; V codes in registers per block of <= 2 vectors when
+ *   nq <= 4, else once per tile into L1.
  *   Codes become floats exactly for f32 queries, by mantissa placement for
  *   16-bit queries (code_as_float). bf16 queries with >= 6 vectors per KV
  *   head go to the AMX kernel (amx.c) instead.
@@ -36,7 +41,7 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
   const int E = 32 / bits;
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t);
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
     const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
@@ -74,11 +79,21 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t);
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
     __m512 acc[KQB];
     for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
-    for (int d = 0; d < fp->P; d += LANES) {
+    int d = 0;
+    if (fp->split) /* bf16: q is in split order */
+      for (; d + 2 * LANES <= fp->P; d += 2 * LANES) {
+        __m512 ke, ko;
+        load_bf16_split(row + d * es, &ke, &ko);
+        for (int j = 0; j < J; ++j) {
+          acc[j] = _mm512_fmadd_ps(ke, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
+          acc[j] = _mm512_fmadd_ps(ko, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d + LANES), acc[j]);
+        }
+      }
+    for (; d < fp->P; d += LANES) {
       const __m512 kv = load_f16x(row + d * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
     }
@@ -93,10 +108,79 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
   }
 }
 
+#ifdef __AVX512VNNI__
+/* Quantized K and 16-bit queries by integer dot products (vpdpbusd: 4 u8
+ * codes x 4 s8 query bytes summed into an int32 lane, exact). Query j is
+ * held as q_int = rint(q * 2^k_j), |q_int| <= 2^20 (k_j from max|q_j|),
+ * split into three signed bytes, q_int = h*2^16 + m*2^8 + l (balanced
+ * digits). Codes are unpacked to bytes by a shift and an and per code of
+ * each byte (CB = 8/bits byte vectors per chunk); byte m of lane w of byte
+ * vector i holds code m*CB + i of word w, and the query bytes follow that
+ * order. Per chunk and lane (word) I = sum_word c*q_int in int32 (no
+ * overflow: |I| <= E*(2^bits-1)*2^20 <= 1020*2^20 < 2^31), then sc += s_lane*I +
+ * b_lane*qs_lane with qs the lane's sum of q*2^k_j; the reduced scores are
+ * multiplied by post[j] = scale*2^-k_j. The only rounding is that of q_int
+ * (<= 2^-21 of max|q_j|: no bf16/f16 element with over 20 bits between its
+ * exponent and the max loses anything) and of the f32 epilogue; 8-bit codes
+ * need no unpacking. qb of vector j: [chunk][i][piece h,m,l][64 bytes] at
+ * qp + j*P floats. */
+ALWAYS void kphase_vnni(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
+                        const float *post, int J, int bits, float *S, const kva_prefetch *pf) {
+  const int CB = 8 / bits;
+  const __m512i cmask = _mm512_set1_epi8((char)((1 << bits) - 1));
+  __m512 part[KQB][LANES];
+  for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+    const char *row = rows[t].k;
+    const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
+    const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
+    __m512 sc[KQB];
+    for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
+      __m512i ah[KQB], am[KQB], al[KQB];
+      for (int j = 0; j < J; ++j) ah[j] = am[j] = al[j] = _mm512_setzero_si512();
+      for (int i = 0; i < CB; ++i) {
+        const __m512i v = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
+        for (int j = 0; j < J; ++j) {
+          const char *qb = (const char *)(qp + (int64_t)j * fp->P) + ((int64_t)(c * CB + i) * 3) * 64;
+          ah[j] = _mm512_dpbusd_epi32(ah[j], v, _mm512_loadu_si512(qb));
+          am[j] = _mm512_dpbusd_epi32(am[j], v, _mm512_loadu_si512(qb + 64));
+          al[j] = _mm512_dpbusd_epi32(al[j], v, _mm512_loadu_si512(qb + 128));
+        }
+      }
+      const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      for (int j = 0; j < J; ++j) {
+        const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[j], 8), am[j]), 8), al[j]);
+        sc[j] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(I), sc[j]);
+        sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
+      }
+    }
+    for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
+    if (t % LANES == LANES - 1 || t == n - 1) {
+      const int64_t t0 = t - t % LANES;
+      for (int j = 0; j < J; ++j) {
+        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
+        _mm512_storeu_ps(S + j * KVA_TILE + t0, _mm512_mul_ps(reduce16(part[j]), _mm512_set1_ps(post[j])));
+      }
+    }
+  }
+}
+#define KPHASE_VNNI(J_, B_) kphase_vnni(fp, rows, n, qp, qs, post, J_, B_, S, pf)
+#else
+#define KPHASE_VNNI(J_, B_) (void)post
+#endif
+
 /* One block of J <= KQB vectors; J is a constant after inlining. */
 #define KPHASE_BLOCK(J_)                                                                                       \
-  static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,                           \
-                                const float *qp, const float *qs, float *S, const kva_prefetch *pf) {          \
+  static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,          \
+                                const float *qs, const float *post, float *S, const kva_prefetch *pf) {        \
+    if (fp->vnni) {                                                                                            \
+      if (fp->bits == 4) KPHASE_VNNI(J_, 4);                                                                   \
+      else if (fp->bits == 8) KPHASE_VNNI(J_, 8);                                                              \
+      else KPHASE_VNNI(J_, 2);                                                                                 \
+      return;                                                                                                  \
+    }                                                                                                          \
     switch (fp->bits * 2 + fp->exact) {                                                                        \
     case 4: kphase_quant(fp, rows, n, qp, qs, J_, 2, 0, S, pf); break;                                         \
     case 5: kphase_quant(fp, rows, n, qp, qs, J_, 2, 1, S, pf); break;                                         \
@@ -115,28 +199,40 @@ KPHASE_BLOCK(8)
 /* All nq vectors, in register blocks of 8, 4, 2, 1; the first block issues
  * the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                   const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
+                   const float *qs, const float *post, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
-  for (; j + 8 <= nq; j += 8, pf = NULL) kphase_block_8(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf);
-  if (j + 4 <= nq) { kphase_block_4(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf); j += 4; pf = NULL; }
-  if (j + 2 <= nq) { kphase_block_2(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf); j += 2; pf = NULL; }
-  if (j < nq) kphase_block_1(fp, rows, n, qp + j * fp->P, qs + j * fp->nch * LANES, S + j * KVA_TILE, pf);
+#define KARGS(J) rows, n, qp + (J) * fp->P, qs + (J) * fp->nch * LANES, post + (J), S + (J) * KVA_TILE, pf
+  for (; j + 8 <= nq; j += 8, pf = NULL) kphase_block_8(fp, KARGS(j));
+  if (j + 4 <= nq) { kphase_block_4(fp, KARGS(j)); j += 4; pf = NULL; }
+  if (j + 2 <= nq) { kphase_block_2(fp, KARGS(j)); j += 2; pf = NULL; }
+  if (j < nq) kphase_block_1(fp, KARGS(j));
+#undef KARGS
 }
 
 /* ---- V phase ---- */
 /* Decodes the tile's V rows into vt[t][P] (codes, or values for float rows)
  * and, when quantized, per-token group scale/bias lanes svt/bvt[t][chunk]. */
 static void decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *vt, float *svt,
-                          float *bvt) {
+                          float *bvt, const kva_prefetch *pf) {
   if (!fp->bits) {
     const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
     for (int64_t t = 0; t < n; ++t) {
+      if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
       const char *row = rows[t].v;
-      for (int d = 0; d < fp->P; d += LANES) _mm512_storeu_ps(vt + t * fp->P + d, load_f16x(row + d * es, fp->sdt));
+      int d = 0;
+      if (fp->split)
+        for (; d + 2 * LANES <= fp->P; d += 2 * LANES) {
+          __m512 ve, vo;
+          load_bf16_split(row + d * es, &ve, &vo);
+          _mm512_storeu_ps(vt + t * fp->P + d, ve);
+          _mm512_storeu_ps(vt + t * fp->P + d + LANES, vo);
+        }
+      for (; d < fp->P; d += LANES) _mm512_storeu_ps(vt + t * fp->P + d, load_f16x(row + d * es, fp->sdt));
     }
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
     const char *row = rows[t].v;
     const __m512 Sv = load_groups(rows[t].vs, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].vb, fp->sdt, fp->ngroups);
@@ -230,7 +326,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * w = P*scale lane; keys with P == 0 add exactly nothing (masked lanes). */
 #define VDIRECT_QUANT(BITS, J, EXACT)                                                                 \
   static void vdirect_q##BITS##_##J##_##EXACT(const fmt_plan *fp, const kva_rows *rows, int64_t n,     \
-                                    const float *P, float *o, float *ob) {                            \
+                                    const float *P, float *o, float *ob, const kva_prefetch *pf) {    \
     enum { E = 32 / BITS };                                                                           \
     for (int c = 0; c < fp->nch; ++c) {                                                               \
       __m512 acc[J][E], bacc[J];                                                                      \
@@ -239,13 +335,13 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
         bacc[j] = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);                           \
       }                                                                                               \
       for (int64_t t = 0; t < n; ++t) {                                                               \
+        if (pf && c == 0 && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);                      \
         __mmask16 pm[J];                                                                              \
         int live = 0;                                                                                 \
         for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \
         if (!live) continue;                                                                          \
         const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);                 \
-        __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vs, fp->sdt, fp->ngroups)); \
-        __m512 bv = _mm512_permutexvar_ps(fp->gidx[c], load_groups(rows[t].vb, fp->sdt, fp->ngroups)); \
+        __m512 sv = chunk_groups(fp, rows[t].vs, c), bv = chunk_groups(fp, rows[t].vb, c);            \
         affine_for(&sv, &bv, BITS, EXACT);                                                            \
         __m512 w[J];                                                                                  \
         for (int j = 0; j < J; ++j) {                                                                 \
@@ -276,14 +372,16 @@ VDIRECT_QUANT(4, 2, 1)
 VDIRECT_QUANT(2, 1, 1)
 
 #define VFB 8 /* vectors of 16 values per pass over the tile (float V) */
-/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 16*NV) over the tile's tokens. */
+/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 16*NV) over the tile's tokens;
+ * split: positions in split order, NV even (full 32-element blocks). */
 ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *P,
-                               float *o, int d0, int J, int NV) {
+                               float *o, int d0, int J, int NV, int split, const kva_prefetch *pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m512 acc[2][VFB];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) acc[j][k] = _mm512_loadu_ps(o + (int64_t)j * fp->P + d0 + k * LANES);
   for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
     __mmask16 pm[2];
     __m512 w[2];
     int live = 0;
@@ -294,10 +392,20 @@ ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_rows *rows, int64_t
     }
     if (!live) continue;
     const char *row = rows[t].v + d0 * es;
-    for (int k = 0; k < NV; ++k) {
-      const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);
-      for (int j = 0; j < J; ++j) acc[j][k] = _mm512_mask3_fmadd_ps(w[j], v, acc[j][k], pm[j]);
-    }
+    if (split)
+      for (int k = 0; k < NV; k += 2) {
+        __m512 ve, vo;
+        load_bf16_split(row + k * LANES * es, &ve, &vo);
+        for (int j = 0; j < J; ++j) {
+          acc[j][k] = _mm512_mask3_fmadd_ps(w[j], ve, acc[j][k], pm[j]);
+          acc[j][k + 1] = _mm512_mask3_fmadd_ps(w[j], vo, acc[j][k + 1], pm[j]);
+        }
+      }
+    else
+      for (int k = 0; k < NV; ++k) {
+        const __m512 v = load_f16x(row + k * LANES * es, fp->sdt);
+        for (int j = 0; j < J; ++j) acc[j][k] = _mm512_mask3_fmadd_ps(w[j], v, acc[j][k], pm[j]);
+      }
   }
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) _mm512_storeu_ps(o + (int64_t)j * fp->P + d0 + k * LANES, acc[j][k]);
@@ -305,17 +413,21 @@ ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_rows *rows, int64_t
 
 #define VDIRECT_FLOAT(J)                                                                              \
   static void vdirect_f_##J(const fmt_plan *fp, const kva_rows *rows, int64_t n,             \
-                            const float *P, float *o) {                                               \
+                            const float *P, float *o, const kva_prefetch *pf) {                       \
     int d0 = 0;                                                                                       \
-    for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES) vdirect_float_pass(fp, rows, n, P, o, d0, J, VFB); \
-    for (; d0 < fp->P; d0 += LANES) vdirect_float_pass(fp, rows, n, P, o, d0, J, 1);                \
+    if (fp->split) {                                                                                  \
+      for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES, pf = NULL) vdirect_float_pass(fp, rows, n, P, o, d0, J, VFB, 1, pf); \
+      for (; d0 + 2 * LANES <= fp->P; d0 += 2 * LANES, pf = NULL) vdirect_float_pass(fp, rows, n, P, o, d0, J, 2, 1, pf); \
+    }                                                                                                 \
+    for (; d0 + VFB * LANES <= fp->P; d0 += VFB * LANES, pf = NULL) vdirect_float_pass(fp, rows, n, P, o, d0, J, VFB, 0, pf); \
+    for (; d0 < fp->P; d0 += LANES, pf = NULL) vdirect_float_pass(fp, rows, n, P, o, d0, J, 1, 0, pf); \
   }
 VDIRECT_FLOAT(1)
 VDIRECT_FLOAT(2)
 
 /* V phase for one tile: direct for blocks of <= 2 vectors, else via an L1 tile. */
 static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt,
-                        float *svt, float *bvt, float *o, float *ob, int64_t nq) {
+                        float *svt, float *bvt, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
   /* direct in blocks of two vectors up to 4 (codes decoded once per block);
    * q2 takes one vector per block (16 codes per word: too many registers) */
   const int direct = nq == 1 || (nq <= 4 && fp->bits != 2);
@@ -325,25 +437,26 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
       const int two = j + 1 < nq;
       const float *Pj = S + j * KVA_TILE;
       float *oj = o + j * fp->P, *obj = ob + j * obn;
+      const kva_prefetch *vpf = j == 0 ? pf : NULL; /* the first block prefetches */
       switch ((fp->bits * 2 + two) * 2 + fp->exact) {
-      case 0: case 1: vdirect_f_1(fp, rows, n, Pj, oj); break;
-      case 2: case 3: vdirect_f_2(fp, rows, n, Pj, oj); break;
-      case 8: vdirect_q2_1_0(fp, rows, n, Pj, oj, obj); break;
-      case 9: vdirect_q2_1_1(fp, rows, n, Pj, oj, obj); break;
-      case 16: vdirect_q4_1_0(fp, rows, n, Pj, oj, obj); break;
-      case 17: vdirect_q4_1_1(fp, rows, n, Pj, oj, obj); break;
-      case 18: vdirect_q4_2_0(fp, rows, n, Pj, oj, obj); break;
-      case 19: vdirect_q4_2_1(fp, rows, n, Pj, oj, obj); break;
-      case 32: vdirect_q8_1_0(fp, rows, n, Pj, oj, obj); break;
-      case 33: vdirect_q8_1_1(fp, rows, n, Pj, oj, obj); break;
-      case 34: vdirect_q8_2_0(fp, rows, n, Pj, oj, obj); break;
-      case 35: vdirect_q8_2_1(fp, rows, n, Pj, oj, obj); break;
+      case 0: case 1: vdirect_f_1(fp, rows, n, Pj, oj, vpf); break;
+      case 2: case 3: vdirect_f_2(fp, rows, n, Pj, oj, vpf); break;
+      case 8: vdirect_q2_1_0(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 9: vdirect_q2_1_1(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 16: vdirect_q4_1_0(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 17: vdirect_q4_1_1(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 18: vdirect_q4_2_0(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 19: vdirect_q4_2_1(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 32: vdirect_q8_1_0(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 33: vdirect_q8_1_1(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 34: vdirect_q8_2_0(fp, rows, n, Pj, oj, obj, vpf); break;
+      case 35: vdirect_q8_2_1(fp, rows, n, Pj, oj, obj, vpf); break;
       default: break;
       }
     }
     return;
   }
-  decode_v_tile(fp, rows, n, vt, svt, bvt);
+  decode_v_tile(fp, rows, n, vt, svt, bvt, pf);
   vphase(fp, n, S, vt, svt, bvt, o, ob, nq);
 }
 
@@ -384,8 +497,62 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
   return any;
 }
 
+#ifdef __AVX512VNNI__
+/* Integer queries (kphase_vnni) need every query element finite and the
+ * largest of each query 0 or >= 2^-100 (so that scale * 2^-k stays normal). */
+
+static int queries_vnni_ok(const kva_item *it, int64_t nrows, int64_t nq) {
+  const kva_problem *p = it->p;
+  float qrow[KVA_MAX_HEAD_DIM];
+  for (int64_t j = 0; j < nq; ++j) {
+    load_row_f32(kva_at4(p->q, it->b, it->hk * p->rep + j / nrows, it->i0 + j % nrows, 0), p->q->dtype, p->Dk, qrow);
+    float mx = 0.0f;
+    for (int64_t d = 0; d < p->Dk; ++d) {
+      if (!isfinite(qrow[d])) return 0;
+      mx = fabsf(qrow[d]) > mx ? fabsf(qrow[d]) : mx;
+    }
+    if (mx != 0.0f && mx < 0x1p-100f) return 0;
+  }
+  return 1;
+}
+
+/* One query as kphase_vnni's bytes qb, its lane sums qs (times 2^k) and
+ * post = scale * 2^-k. */
+static void query_vnni(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs,
+                       float *post) {
+  float mx = 0.0f;
+  for (int64_t d = 0; d < D; ++d) mx = fabsf(q[d]) > mx ? fabsf(q[d]) : mx;
+  int e = 0;
+  if (mx > 0.0f) frexpf(mx, &e); /* mx < 2^e */
+  const int k = 20 - e;          /* |q| * 2^k < 2^20; -108 <= k <= 120 (queries_vnni_ok) */
+  const float f = ldexpf(1.0f, k);
+  const int CB = 8 / fp->bits, E = fp->E;
+  const int64_t words = D / E;
+  for (int c = 0; c < fp->nch; ++c)
+    for (int l = 0; l < LANES; ++l) {
+      const int64_t w = (int64_t)c * LANES + l;
+      float sum = 0.0f;
+      for (int i = 0; i < CB; ++i)
+        for (int b = 0; b < 4; ++b) {
+          const float x = w < words ? q[w * E + b * CB + i] * f : 0.0f; /* exact */
+          const int32_t v = (int32_t)rintf(x);
+          const int32_t lo = ((v + 128) & 255) - 128, r = (v - lo) / 256;
+          const int32_t mid = ((r + 128) & 255) - 128, hi = (r - mid) / 256;
+          char *dst = qb + ((int64_t)(c * CB + i) * 3) * 64 + 4 * l + b;
+          dst[0] = (char)hi;
+          dst[64] = (char)mid;
+          dst[128] = (char)lo;
+          sum += x;
+        }
+      qs[c * LANES + l] = sum;
+    }
+  *post = ldexpf(scale, -k);
+}
+#endif
+
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
- * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
+ * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16],
+ * post[nq]. */
 static void attend_fast(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -394,23 +561,36 @@ static void attend_fast(const kva_item *it) {
   plan_format(&src->kf, &kf);
   plan_format(&src->vf, &vf);
   kf.exact = vf.exact = p->q->dtype == KVA_F32; /* see code_as_float */
+  kf.split = !kf.bits && kf.sdt == KVA_BF16; /* one conversion per 16 values (load_bf16_split) */
+  vf.split = !vf.bits && vf.sdt == KVA_BF16;
   const int64_t kqs = (int64_t)kf.nch * LANES, vbn = (int64_t)vf.nch * LANES;
   float *qp = it->scratch, *qs = qp + nq * kf.P, *o = qs + nq * kqs, *ob = o + nq * vf.P;
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
-  float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn;
-  /* Queries, scaled, in K's permuted order; their per-lane sums per chunk. */
+  float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn, *post = bvt + KVA_TILE * vbn;
+  /* Queries, scaled, in K's permuted order and their per-lane sums per
+   * chunk; or, for kphase_vnni, as integer bytes (query_vnni). */
   float qrow[KVA_MAX_HEAD_DIM];
+#ifdef __AVX512VNNI__
+  kf.vnni = kf.bits && !kf.exact && queries_vnni_ok(it, nrows, nq);
+#endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
     load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
+#ifdef __AVX512VNNI__
+    if (kf.vnni) {
+      query_vnni(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs, &post[j]);
+      continue;
+    }
+#endif
+    post[j] = 1.0f;
     permute_row(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
     for (int c = 0; c < kf.nch; ++c) {
       __m512 sum = _mm512_setzero_ps();
       for (int k = 0; k < kf.E; ++k) sum = _mm512_add_ps(sum, _mm512_loadu_ps(qp + j * kf.P + (c * kf.E + k) * LANES));
       _mm512_storeu_ps(qs + j * kqs + c * LANES, sum);
     }
-    m[j] = -INFINITY;
-    l[j] = 0.0f;
   }
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
   const int32_t *seg = simd_segments_row(p, it->b);
@@ -423,7 +603,7 @@ static void attend_fast(const kva_item *it) {
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
-    kphase(&kf, rows, n, qp, qs, nq, S, &tl.pf);
+    kphase(&kf, rows, n, qp, qs, post, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
       for (int64_t j = 0; j < nq; ++j)
@@ -431,7 +611,7 @@ static void attend_fast(const kva_item *it) {
           if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % nrows, win, seg, p->mask.segments_clamp))
             S[j * KVA_TILE + r] = -INFINITY;
     /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
-    if (tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq);
+    if (tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq, &tl.pf);
   }
   /* Back to element order, bias lanes added: the kva_softmax_state layout. */
   for (int64_t j = 0; j < nq; ++j) {
