@@ -76,6 +76,7 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-paged64 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 64
     run kvbench-paged128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q4 --layout paged --block 16
     run kvbench-bf16-256k 240 $KB --preset gemma3-4b --ctx 64k --batch 4 --rows 1 --kv bf16
+    run kvbench-bf16-gqa6 240 $KB --preset gqa6-256 --ctx 128k --rows 1,8 --kv bf16
   } > "$OUT/kvbench.log" 2>&1
   grep -vE "^\[|^$" "$OUT/kvbench.log" | grep -E "PASS|FAIL|ERROR|bandwidth|x$|==" | head -60
 fi
