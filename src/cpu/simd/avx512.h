@@ -215,6 +215,35 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r, int a0, int a1) {
   }
 }
 
+/* The first line of each array at each block start of the prefetch tile
+ * (paged layouts: tokens [t, t + pf->n) of the row map m), all at once into
+ * L2 when the tile is located, before the current tile's K phase. Blocks
+ * sit at random places of a pool, so a block start is usually a new page
+ * and a new DRAM row in each of the six arrays; the per-row prefetch
+ * reaches the K arrays' block starts during the K phase and the V arrays'
+ * during the V phase, one block at a time. Issued together, their misses
+ * (and presumably page walks) overlap: the ragged batch at block 16 on a
+ * shuffled pool ran 2-5 % faster (cold, 2 threads, paired calls; ~3 % in
+ * `make bench-paged`), bf16 decode at block 16 ~4 %; neutral within noise
+ * on a pool in table order. Block starts come from the table,
+ * not from a scan of the tile's rows (a 32-row scan cost ~2 % on the
+ * in-order pool). Two or four tiles ahead, or K's or V's arrays alone,
+ * measured slower (BENCHMARKS.md, "Paged and ragged batches"). */
+ALWAYS void prefetch_block_starts(const kva_seqmap *m, const kva_prefetch *pf, int64_t t) {
+  const int64_t r = m->first + t;
+  int64_t slot = m->shift >= 0 ? r >> m->shift : r / m->bs;
+  int64_t u = slot * m->bs - r; /* row of the tile where block `slot` starts (<= 0) */
+  if (u < 0) { /* the tile begins inside a block, already being read: the next one */
+    u += m->bs;
+    ++slot;
+  }
+  for (; u < pf->n; u += m->bs, ++slot) {
+    const int64_t blk = m->ids[slot];
+    for (int a = 0; a < KVA_ARRS; ++a)
+      if (pf->bytes[a]) _mm_prefetch(m->base[a] + blk * m->bstride[a], _MM_HINT_T1);
+  }
+}
+
 /* The tiles of an item's token range [t0, t1), KVA_TILE tokens each,
  * across span (paged block) boundaries: row addresses come from a cursor one
  * tile ahead, and pf holds the next tile's rows for prefetch_row while the
@@ -235,7 +264,8 @@ static inline void tiles_init(kva_tiles *w, const kva_item *it, const fmt_plan *
   kva_cursor_tile(&w->cur, w->t, w->t1 - w->t < KVA_TILE ? w->t1 - w->t : KVA_TILE, w->buf[0]);
 }
 /* The next tile's rows (NULL past the end), its first token and size; the
- * tile after it is located into w->pf. */
+ * tile after it is located into w->pf (and, for paged layouts, the first
+ * lines of its blocks prefetched: prefetch_block_starts). */
 static inline const kva_rows *tiles_next(kva_tiles *w, int64_t *tf, int64_t *n) {
   if (w->t >= w->t1) return NULL;
   *tf = w->t;
@@ -244,6 +274,7 @@ static inline const kva_rows *tiles_next(kva_tiles *w, int64_t *tf, int64_t *n) 
   w->pf.rows = w->buf[(w->i + 1) & 1];
   w->pf.n = w->t1 - w->t - *n < KVA_TILE ? w->t1 - w->t - *n : KVA_TILE;
   kva_cursor_tile(&w->cur, w->t + *n, w->pf.n, w->buf[(w->i + 1) & 1]);
+  if (w->cur.m.ids) prefetch_block_starts(&w->cur.m, &w->pf, w->t + *n);
   w->t += *n;
   w->i++;
   return rows;
