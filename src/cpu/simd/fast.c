@@ -33,6 +33,21 @@
 #define VKB 4      /* accumulator vectors per query in the V phase */
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
+/* Row t's J lane-partial score vectors into part; after every 16th row (or
+ * the last, n - 1) the 16-row block is transposed and summed (reduce16) into
+ * S[j][t0 .. t0 + 16), times post[j] when post is not NULL. */
+ALWAYS void put_scores(__m512 (*part)[LANES], const __m512 *sc, int J, int64_t t, int64_t n, float *S,
+                       const float *post) {
+  for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
+  if (t % LANES != LANES - 1 && t != n - 1) return;
+  const int64_t t0 = t - t % LANES;
+  for (int j = 0; j < J; ++j) {
+    for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
+    const __m512 r = reduce16(part[j]);
+    _mm512_storeu_ps(S + j * KVA_TILE + t0, post ? _mm512_mul_ps(r, _mm512_set1_ps(post[j])) : r);
+  }
+}
+
 /* Scores of a block of J vectors against n rows: row t's per-lane partial
  * sums are collected 16 rows at a time and reduced by one shuffle tree.
  * pf (or NULL): row t of the next tile is prefetched with row t. */
@@ -63,14 +78,7 @@ ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
       }
     }
-    for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
-    if (t % LANES == LANES - 1 || t == n - 1) {
-      const int64_t t0 = t - t % LANES;
-      for (int j = 0; j < J; ++j) {
-        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
-        _mm512_storeu_ps(S + j * KVA_TILE + t0, reduce16(part[j]));
-      }
-    }
+    put_scores(part, sc, J, t, n, S, NULL);
   }
 }
 
@@ -97,14 +105,7 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
       const __m512 kv = load_f16x(row + d * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
     }
-    for (int j = 0; j < J; ++j) part[j][t % LANES] = acc[j];
-    if (t % LANES == LANES - 1 || t == n - 1) {
-      const int64_t t0 = t - t % LANES;
-      for (int j = 0; j < J; ++j) {
-        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
-        _mm512_storeu_ps(S + j * KVA_TILE + t0, reduce16(part[j]));
-      }
-    }
+    put_scores(part, acc, J, t, n, S, NULL);
   }
 }
 
@@ -156,14 +157,7 @@ ALWAYS void kphase_vnni(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
       }
     }
-    for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
-    if (t % LANES == LANES - 1 || t == n - 1) {
-      const int64_t t0 = t - t % LANES;
-      for (int j = 0; j < J; ++j) {
-        for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
-        _mm512_storeu_ps(S + j * KVA_TILE + t0, _mm512_mul_ps(reduce16(part[j]), _mm512_set1_ps(post[j])));
-      }
-    }
+    put_scores(part, sc, J, t, n, S, post);
   }
 }
 #define KPHASE_VNNI(J_, B_) kphase_vnni(fp, rows, n, qp, qs, post, J_, B_, S, pf)
