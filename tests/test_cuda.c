@@ -113,17 +113,21 @@ static const att_case cases[] = {
 #define ATOL_REL 3e-5
 
 /* The arithmetic allowance of a case on the CUDA backend: bf16 products
- * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the q4
- * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, 4-bit K
- * and V with bf16 scales and biases, 2 to 8 groups per row, Dk = Dv in {64,
- * 128, 256}, fused path: no array mask, L <= 16); K, V and P enter its mma
- * as bf16. Else f32 products. */
+ * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the
+ * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, Dk = Dv
+ * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
+ * with bf16 scales and biases, 2 to 8 groups per row, or bf16 K and V with
+ * at least 6 query vectors per KV head); K, V and P enter its mma as bf16.
+ * Else f32 products. */
 static double cuda_case_atol(const att_case *c) {
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
   const int dims = c->Dk == c->Dv && (c->Dk == 64 || c->Dk == 128 || c->Dk == 256);
   const int groups = c->group ? c->Dk / c->group : 0;
   if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && groups >= 2 &&
       groups <= 8)
+    return ATT_ATOL_BF16;
+  if (fused && dims && c->qdt == BF16 && c->kbits == 0 && c->vbits == 0 && c->kvdt == BF16 &&
+      (int64_t)(c->H / c->KVH) * c->L >= 6)
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
@@ -324,6 +328,12 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      /* bf16 K/V on the same kernel (>= 6 query vectors per KV head): decode
+       * instance, wide instance (verify), D = 128 / 64, window, softcap, sinks, ragged, strided */
+      {1, 24, 4, 1, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {2, 12, 2, 2, 333, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 8, 1, 3, 150, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 0, 1},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1);
 }
@@ -605,6 +615,7 @@ TEST(cuda_block_table) {
       {{2, 4, 2, 2, 500, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 16},
       {{2, 8, 4, 1, 900, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
       {{2, 8, 4, 2, 900, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 64},
+      {{2, 24, 4, 2, 900, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16}, /* bf16 tensor-core kernel */
       {{1, 6, 2, 4, 800, 128, 128, F32, F32, 8, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0}, 32},
       {{1, 4, 2, 20, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
   };

@@ -1,9 +1,14 @@
-/* Tensor-core decode/verify kernel over 4-bit MLX-affine K/V with bf16
- * scales and biases: bf16 queries, Dk = Dv = D in {64, 128, 256}, 2 to 8
- * groups per row (scale rows of 4, 8 or 16 bytes, one cp.async each),
- * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split over
- * token blocks like the fused kernel and merged by the same merge launch
- * (attn_merge.cu).
+/* Tensor-core decode/verify kernel, template on the K/V format F: 4-bit
+ * MLX-affine K/V with bf16 scales and biases (KVC_Q4: 2 to 8 groups per
+ * row, scale rows of 4, 8 or 16 bytes, one cp.async each), or bf16 K/V rows
+ * (KVC_BF16: the rows are the mma operands, no dequantization, no scale
+ * rows; 2 ring slots of 64 rows x 2 D bytes per operand). bf16 queries, Dk =
+ * Dv = D in {64, 128, 256}, causal-family masks, L <= 16; contiguous or
+ * BLOCK_TABLE layout. Split over token blocks like the fused kernel and
+ * merged by the same merge launch (attn_merge.cu). What follows describes
+ * the q4 format; for bf16, S takes K fragments straight from the staged
+ * rows (dims 16 kk + 2 tq, + 8 of the k-step) and P.V pairs two tokens of a
+ * dim by one PRMT of their words.
  *
  *   memory: the packed K/V rows and their scales/biases of a 64-token stage
  *         (18 KB at D = 256, group 64) are copied raw into shared memory with
@@ -65,7 +70,7 @@
 /* Stages in the cp.async ring: 2 for the decode instance (its ~45 KB at
  * D = 256 and 127 registers let 4 blocks share an SM: 16 warps, 4 stages in
  * flight), 4 for the wide one (registers allow 2 blocks per SM). */
-__host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
+__host__ __device__ constexpr int kvc_tc_stages(int f, int ntm) { return f == KVC_BF16 || ntm == 1 ? 2 : 4; }
 /* bf16x2 constants (both halves) */
 #define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
 #define KVC_BF16X2_ONE 0x3F803F80u
@@ -127,10 +132,10 @@ struct kvc_tc_layout {
   int kd, vd, ks, kb, vs, vb, stage; /* offsets within a stage, stage bytes */
   int qf, p, wmax, lsum, qsig, qsum, total;
 };
-__host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int D, int gk, int gv, int ntm) {
-  const int stages = kvc_tc_stages(ntm);
+__host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
+  const int stages = kvc_tc_stages(f, ntm);
   kvc_tc_layout l;
-  l.rs = D / 2 + KVC_TC_ROWPAD;
+  l.rs = (f == KVC_BF16 ? 2 * D : D / 2) + KVC_TC_ROWPAD; /* bf16 rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
   l.ks = l.vd + KVC_TC_TOK * l.rs;
@@ -169,16 +174,16 @@ struct kvc_tc_loader {
   int rb;                  /* bytes of a scale row: 4, 8 or 16 */
 };
 
-template <int D>
+template <int F, int D>
 __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
                                                          long long t_lo) {
-  constexpr int CPR = D / 32;                  /* 16-byte pieces per packed row */
+  constexpr int CPR = F == KVC_BF16 ? D / 8 : D / 32; /* 16-byte pieces per row */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;  /* rows between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
   const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
   const kvc_operand &O = half ? V : K;
   kvc_tc_loader ld;
-  ld.rb = 2 * (D / O.group);
+  ld.rb = F == KVC_BF16 ? 0 : 2 * (D / O.group);
   ld.ds = (half ? L.vs : L.ks) + tok * ld.rb;
   ld.dz = (half ? L.vb : L.kb) + tok * ld.rb;
   if (!K.tbl) {
@@ -220,10 +225,10 @@ __device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int
 
 /* Copies stage rows t0..t0+63 (zeros past t_hi) into the ring slot at shared
  * address `slot`, and moves the loader on to the next stage. */
-template <int D>
+template <int F, int D>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
                                                   uint32_t slot, int fo, long long t0, long long t_hi, int id) {
-  constexpr int CPR = D / 32;
+  constexpr int CPR = F == KVC_BF16 ? D / 8 : D / 32;
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;
   const uint32_t dv = L.vd - L.kd, rstep = TSTEP * L.rs;
@@ -269,6 +274,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     sr = ld.s + l.outer * ld.sst + l.row * ld.srs;
     zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
   }
+  if (F == KVC_BF16) return; /* no scale rows */
   const int n = sok ? ld.rb : 0;
   kvc_cp_async_rb(slot + ld.ds, sr, ld.rb, n);
   kvc_cp_async_rb(slot + ld.dz, zr, ld.rb, n);
@@ -281,13 +287,15 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
-template <int D, int NTM>
-__global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_kernel(const kvc_args a) {
-  constexpr int STAGES = kvc_tc_stages(NTM);
+template <int F, int D, int NTM>
+__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F == KVC_Q4 || D < 256 ? 2 : 1)
+    kvc_tc_kernel(const kvc_args a) {
+  constexpr int STAGES = kvc_tc_stages(F, NTM);
+  constexpr bool BF = F == KVC_BF16; /* bf16 K/V rows: mma operands as they are, no scale rows */
   /* q.k: exact integer products (split queries) for the decode instance;
    * bf16 dequantized K for the wide one (its per-group epilogue would cost
    * more than the dequantization it saves at 4 n-tiles) */
-  constexpr bool I8 = NTM == 1;
+  constexpr bool I8 = !BF && NTM == 1;
   constexpr int WPL = D / 32; /* K words per lane and token row (S phase); V words per warp slice */
   constexpr int MT = D / 64;  /* m-tiles (16 dims) of O^T per warp */
   extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
@@ -295,16 +303,16 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
   const int g = lane >> 2, tq = lane & 3; /* mma fragment row group and thread-in-group */
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
-  const int gk = D / a.k.group, gv = D / a.v.group;
-  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group); /* log2 of the group sizes */
-  const kvc_tc_layout L = kvc_tc_layout_of(D, gk, gv, NTM);
+  const int gk = BF ? 0 : D / a.k.group, gv = BF ? 0 : D / a.v.group;
+  const int gk_sh = BF ? 0 : 31 - __clz(a.k.group), gv_sh = BF ? 0 : 31 - __clz(a.v.group); /* log2 of the group sizes */
+  const kvc_tc_layout L = kvc_tc_layout_of(F, D, gk, gv, NTM);
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b);
   const int Q = a.rep * a.L, q0 = qg * NTM * 8;
   const int ntc = min(NTM, (Q - q0 + 7) / 8); /* n-tiles with query vectors in this block */
   /* decode instance with (query vectors of the block) x (groups per row) <= 8:
    * the groups go into the mma columns (see the S phase) */
-  const bool packed = NTM == 1 && min(Q - q0, 8) * gk <= 8;
+  const bool packed = I8 && min(Q - q0, 8) * gk <= 8;
 
   long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
   if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) /* keys before row 0's window */
@@ -317,11 +325,11 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
 
   /* prologue: the first STAGES - 1 stages in flight (one commit group each) */
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tc_buf);
-  kvc_tc_loader ld = kvc_tc_loader_of<D>(a, L, b, hk, t_lo);
+  kvc_tc_loader ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-    if (s < nst) kvc_tc_load_stage<D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
+    if (s < nst) kvc_tc_load_stage<F, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
     kvc_cp_commit();
   }
   int id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi);
@@ -329,7 +337,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
   float *qsig = (float *)(kvc_tc_buf + L.qsig), *qsum = (float *)(kvc_tc_buf + L.qsum);
   uint2 *qf = (uint2 *)(kvc_tc_buf + L.qf);
   const long long qds = a.qs[3] / 2; /* bf16 elements between dims (1: innermost contiguous) */
-  if (I8) {
+  if constexpr (I8) {
     /* Queries as two int8 parts: q ~= sigma (128 qh + ql), sigma = max|q| /
      * (127 * 128), |qh| <= 127, |ql| <= 64 (error <= sigma / 2 per dim), so
      * q.codes per group is exact integer mma work; plus sigma and the exact
@@ -387,18 +395,26 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
       qf[idx] = make_uint2(f[0], f[1]);
     }
   } else {
-    /* bf16 query fragments (mma B of S^T per k-step, n-tile, lane): k-step
-     * 2P + h of lane (g, tq) pairs dims (d0, d0 + 4) and (d0 + 1, d0 + 5),
-     * d0 = 8 (tq WPL + P) + 2 h: the dims its dequantized K word yields */
+    /* bf16 query fragments (mma B of S^T per k-step, n-tile, lane). q4 K
+     * (dequantized): k-step 2P + h of lane (g, tq) pairs dims (d0, d0 + 4)
+     * and (d0 + 1, d0 + 5), d0 = 8 (tq WPL + P) + 2 h: the dims its K word
+     * yields. bf16 K: the mma's own order, dims (16 kk + 2 tq, + 1) and
+     * (16 kk + 8 + 2 tq, + 1). */
     for (int idx = threadIdx.x; idx < (D / 16) * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
       const int kk = idx / (NTM * KVC_WARP), nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
       const int qv = q0 + 8 * nt + (ln >> 2);
       uint2 f = make_uint2(0u, 0u);
       if (qv < Q) {
         const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-        const int d0 = 8 * ((ln & 3) * WPL + (kk >> 1)) + 2 * (kk & 1);
-        f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
-        f.y = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
+        if (BF) {
+          const int d0 = 16 * kk + 2 * (ln & 3);
+          f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 1) * qds] << 16);
+          f.y = (uint32_t)qp[(d0 + 8) * qds] | ((uint32_t)qp[(d0 + 9) * qds] << 16);
+        } else {
+          const int d0 = 8 * ((ln & 3) * WPL + (kk >> 1)) + 2 * (kk & 1);
+          f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
+          f.y = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
+        }
       }
       qf[idx] = f;
     }
@@ -423,7 +439,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
       l[nt][j] = 0.0f;
     }
   /* packed groups: this lane's columns 2 tq, 2 tq + 1 are query pq, groups pg, pg + 1 */
-  const int pq = (2 * tq) / gk, pg = (2 * tq) % gk;
+  const int pq = packed ? (2 * tq) / gk : 0, pg = packed ? (2 * tq) % gk : 0;
   const bool pok = packed && q0 + pq < Q;
   const float psig = packed ? qsig[pq] * scl2 : 0.0f;
   const float pqs[2] = {packed ? qsum[pg * 8 + pq] : 0.0f, packed ? qsum[(pg + 1) * 8 + pq] : 0.0f};
@@ -445,7 +461,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
     {
       const int sn = s + STAGES - 1;
       if (sn < nst)
-        kvc_tc_load_stage<D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
+        kvc_tc_load_stage<F, D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
                              id_next);
       kvc_cp_commit();
       id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi); /* for the next stage */
@@ -550,7 +566,30 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[nt][e] = fmaf(sc[nt][e], sig[nt][e & 1], sbias[nt][e]); /* x = scl2 q.k */
     }
-    else { /* bf16: K dequantized into mma A registers, one bf16 rounding per element */
+    else if (BF) { /* bf16 K rows: A fragments straight from shared memory (dims 16 kk + 2 tq, + 8) */
+      const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
+      const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
+      const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = sbias[nt][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t af[4] = {p0[8 * kk], p1[8 * kk], p0[8 * kk + 4], p1[8 * kk + 4]};
+#pragma unroll
+        for (int nt = 0; nt < NTM; ++nt)
+          if (nt < ntc) {
+            const uint2 f = qf[(kk * NTM + nt) * KVC_WARP + lane];
+            kvc_mma_bf16((kk & 1) ? sbias[nt] : sc[nt], af, f.x, f.y); /* two chains; summed below */
+          }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = (sc[nt][e] + sbias[nt][e]) * sig[nt][e & 1]; /* x = scl2 q.k */
+    }
+    else { /* q4 K dequantized to bf16 into mma A registers, one rounding per element */
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
       uint32_t kw0[WPL], kw1[WPL];
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq * WPL;
@@ -672,6 +711,32 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
 #pragma unroll
     for (int kq = 0; kq < KVC_TC_TOK / 16; ++kq) {
       const int ta = 16 * kq + 2 * tq; /* tokens ta, ta + 1 (a0, a1) and ta + 8, ta + 9 (a2, a3) */
+      uint32_t pb[NTM][2];
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+        if (nt < ntc) {
+          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + 16 * kq + 2 * tq;
+          pb[nt][0] = *(const uint32_t *)pr;
+          pb[nt][1] = *(const uint32_t *)(pr + 8);
+        }
+      if (BF) {
+        /* bf16 V: m-tile i rows g, g + 8 are dims 2x, 2x + 1 of word x = warp D/8 + 8 i + g;
+         * a register pairs two tokens of one dim (PRMT of the two tokens' words) */
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int x = warp * (D / 8) + 8 * i + g;
+          const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + x);
+          const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + x);
+          const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + x);
+          const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + x);
+          const uint32_t af[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                                  __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
+#pragma unroll
+          for (int nt = 0; nt < NTM; ++nt)
+            if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+        }
+        continue;
+      }
       const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + xw);
       const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + xw);
       const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + xw);
@@ -687,14 +752,6 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
       /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
       const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
       const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
-      uint32_t pb[NTM][2];
-#pragma unroll
-      for (int nt = 0; nt < NTM; ++nt)
-        if (nt < ntc) {
-          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + 16 * kq + 2 * tq;
-          pb[nt][0] = *(const uint32_t *)pr;
-          pb[nt][1] = *(const uint32_t *)(pr + 8);
-        }
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         const int c0 = cb + 2 * i, c1 = c0 + 1; /* codes of rows g and g + 8 */
@@ -736,7 +793,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
-          const int d = 8 * xw + cb + 2 * i + r;
+          const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r : 8 * xw + cb + 2 * i + r;
           kvc_emit(a, split, b, hk, qv, d, m[nt][j], Ls, acc[i][nt][2 * r + j]);
         }
     }
@@ -747,21 +804,25 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, NTM == 1 ? 4 : 2) kvc_tc_q4_ke
  * groups per row) so that every caller sets the same value; the selector
  * calls it (through kvc_tc_occupancy) before an instance's first launch in a
  * context, so launches do not repeat it. */
-template <int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
-  return cudaFuncSetAttribute(kvc_tc_q4_kernel<D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              kvc_tc_layout_of(D, 8, 8, NTM).total);
+template <int F, int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
+  return cudaFuncSetAttribute(kvc_tc_kernel<F, D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              F == KVC_BF16 ? kvc_tc_layout_of(F, D, 0, 0, NTM).total
+                                            : kvc_tc_layout_of(F, D, 8, 8, NTM).total);
 }
 
-#define KVC_TC_INSTANCES(X) X(64, 1) X(64, 4) X(128, 1) X(128, 4) X(256, 1) X(256, 4)
+#define KVC_TC_INSTANCES(X)                                                                         \
+  X(KVC_Q4, 64, 1) X(KVC_Q4, 64, 4) X(KVC_Q4, 128, 1) X(KVC_Q4, 128, 4) X(KVC_Q4, 256, 1) X(KVC_Q4, 256, 4) \
+  X(KVC_BF16, 64, 1) X(KVC_BF16, 64, 4) X(KVC_BF16, 128, 1) X(KVC_BF16, 128, 4) X(KVC_BF16, 256, 1)       \
+  X(KVC_BF16, 256, 4)
 
-int kvc_tc_smem(int D, int gk, int gv, int ntm) { return kvc_tc_layout_of(D, gk, gv, ntm).total; }
+int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) { return kvc_tc_layout_of(f, D, gk, gv, ntm).total; }
 
-int kvc_tc_occupancy(int D, int ntm, int smem) {
+int kvc_tc_occupancy(int f, int D, int ntm, int smem) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
-#define KVC_OCC(D_, N_)                                                                            \
-  if (D == D_ && ntm == N_ && (e = kvc_tc_prepare<D_, N_>()) == cudaSuccess)                      \
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tc_q4_kernel<D_, N_>, KVC_TC_THREADS, smem);
+#define KVC_OCC(F_, D_, N_)                                                                        \
+  if (f == F_ && D == D_ && ntm == N_ && (e = kvc_tc_prepare<F_, D_, N_>()) == cudaSuccess)        \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tc_kernel<F_, D_, N_>, KVC_TC_THREADS, smem);
   KVC_TC_INSTANCES(KVC_OCC)
 #undef KVC_OCC
   if (e != cudaSuccess) {
@@ -773,17 +834,19 @@ int kvc_tc_occupancy(int D, int ntm, int smem) {
 
 int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
-  const int smem = kvc_tc_smem(a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, plan.QW / 8);
+  const int f = plan.fmt, ntm = plan.QW / 8;
+  const int smem = f == KVC_BF16 ? kvc_tc_smem(f, a.Dk, 0, 0, ntm)
+                                 : kvc_tc_smem(f, a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, ntm);
   cudaError_t e = cudaErrorInvalidValue;
-#define KVC_CASE(D_, N_)                                                                           \
-  if (a.Dk == D_ && plan.QW == 8 * N_) {                                                          \
-    kvc_tc_q4_kernel<D_, N_><<<grid, KVC_TC_THREADS, smem, stream>>>(a);                           \
+#define KVC_CASE(F_, D_, N_)                                                                       \
+  if (f == F_ && a.Dk == D_ && ntm == N_) {                                                        \
+    kvc_tc_kernel<F_, D_, N_><<<grid, KVC_TC_THREADS, smem, stream>>>(a);                          \
     e = cudaGetLastError();                                                                        \
   }
   KVC_TC_INSTANCES(KVC_CASE)
 #undef KVC_CASE
   if (e != cudaSuccess)
-    return kva_seterr(KVA_ECUDA, "q4 tensor-core attention kernel (D = %d, %d query vectors per block): %s", a.Dk,
-                      plan.QW, cudaGetErrorString(e));
+    return kva_seterr(KVA_ECUDA, "%s tensor-core attention kernel (D = %d, %d query vectors per block): %s",
+                      f == KVC_BF16 ? "bf16" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
   return 0;
 }

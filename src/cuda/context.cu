@@ -21,14 +21,16 @@
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_BIG 4          /* n-tiles per block of its wide instance (32 query vectors) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
+#define KVC_TC_BF16_MIN_Q 6          /* bf16 K/V on the tensor-core kernel from 6 query vectors per KV head
+                                        (P in bf16: the bf16 allowance, as the CPU's AMX kernel from 6) */
 
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[KVC_TC_NDIMS][2];   /* resident q4 tensor-core blocks per SM by head dim, wide instance */
-  int tc_smem[KVC_TC_NDIMS][2];        /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_occupancy[2][KVC_TC_NDIMS][2]; /* resident tensor-core blocks per SM by [bf16][head dim][wide] */
+  int tc_smem[2][KVC_TC_NDIMS][2];      /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -159,27 +161,36 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
   return *slot > 0 ? *slot : 1;
 }
 
-/* Does the tensor-core q4 kernel cover the problem? bf16 queries (its
- * products are bf16: tests compare it at the bf16 allowance), 4-bit K and V
- * with bf16 scales and biases (with f16/f32 ones the bf16 rounding of K
- * measured up to 1.5x the bf16 allowance: fused path), Dk = Dv in {64, 128,
- * 256}, at least two groups per row (scale rows of 4, 8 or 16 bytes: one
- * cp.async each), rows and scale rows aligned for their copies, the query's
- * dims contiguous. Returns the head-dim index or -1. (The caller has checked
- * the fused path.) */
+/* Does the tensor-core kernel cover the problem? bf16 queries (its
+ * products are bf16: tests compare it at the bf16 allowance), Dk = Dv in
+ * {64, 128, 256}, rows aligned for 16-byte copies, the query's dims
+ * contiguous, and K and V either 4-bit with bf16 scales and biases (with
+ * f16/f32 ones the bf16 rounding of K measured up to 1.5x the bf16
+ * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
+ * bytes: one cp.async each), or bf16 rows for at least KVC_TC_BF16_MIN_Q
+ * query vectors per KV head (the fused kernel reads bf16 decode at the copy
+ * bandwidth already; it is f32-FMA bound beyond). Returns the head-dim index
+ * or -1 and sets *fmt (KVC_Q4 or KVC_BF16). (The caller has checked the
+ * fused path.) */
 static bool kvc_aligned(const kva_tensor *t, long long align) {
   if ((uintptr_t)t->data % align) return false;
   for (int d = 0; d < 3; ++d)
     if (t->stride[d] % align) return false;
   return true;
 }
-static int kvc_tc_dim_index(const kva_problem *p) {
+static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   const kva_kv_view *kv = p->kv;
-  if (p->q->dtype != KVA_BF16 || p->q->stride[3] != 2) return -1;
-  if (kv->k.bits != 4 || kv->v.bits != 4 || p->Dk != p->Dv) return -1;
-  if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
+  if (p->q->dtype != KVA_BF16 || p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
   const kva_kv *ops[2] = {&kv->k, &kv->v};
-  for (int i = 0; i < 2; ++i) {
+  if (kv->k.bits == 0 && kv->v.bits == 0 && kv->k.data.dtype == KVA_BF16 && kv->v.data.dtype == KVA_BF16) {
+    if (p->rep * p->L < KVC_TC_BF16_MIN_Q || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
+    *fmt = KVC_BF16;
+  } else {
+    if (kv->k.bits != 4 || kv->v.bits != 4) return -1;
+    if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
+    *fmt = KVC_Q4;
+  }
+  for (int i = 0; i < 2 && *fmt == KVC_Q4; ++i) {
     const int groups = (int)(p->Dk / ops[i]->group_size);
     if (groups < 2 || groups > 8) return -1;
     if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
@@ -191,13 +202,14 @@ static int kvc_tc_dim_index(const kva_problem *p) {
   return -1;
 }
 
-static int kvc_tc_blocks_per_sm(const kva_context *ctx, int di, int wide, int smem) {
+static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int wide, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  int *slot = &st->tc_occupancy[di][wide];
-  if (*slot == 0 || st->tc_smem[di][wide] != smem) {
-    *slot = kvc_tc_occupancy(KVC_TC_MIN_D << di, wide ? KVC_TC_NTM_BIG : 1, smem);
-    st->tc_smem[di][wide] = smem;
+  const int bf = fmt == KVC_BF16;
+  int *slot = &st->tc_occupancy[bf][di][wide];
+  if (*slot == 0 || st->tc_smem[bf][di][wide] != smem) {
+    *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, wide ? KVC_TC_NTM_BIG : 1, smem);
+    st->tc_smem[bf][di][wide] = smem;
   }
   return *slot > 0 ? *slot : 1;
 }
@@ -227,7 +239,7 @@ static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, 
   pl->nsplit = (int)((p->N + chunk - 1) / chunk);
 }
 
-/* The one selector: the q4 tensor-core kernel or the fused kernel when one
+/* The one selector: the tensor-core kernel (q4 or bf16) or the fused kernel when one
  * covers the problem, else the general kernel (plan.fmt = -1). */
 static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_plan pl;
@@ -240,19 +252,22 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
   const int Q = (int)(p->rep * p->L);
   const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
-  const int di = kvc_tc_dim_index(p);
+  int tcf = -1;
+  const int di = kvc_tc_dim_index(p, &tcf);
   if (di >= 0) {
     /* one n-tile of 8 query vectors per block for decode-sized rep * L; else
      * 4 (fewer re-reads of K/V per extra query vectors, more registers) */
     const int wide = Q > 8;
     const int ntm = wide ? KVC_TC_NTM_BIG : 1;
-    const int smem = kvc_tc_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size), ntm);
+    const int smem = tcf == KVC_BF16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
+                                     : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
+                                                   (int)(p->Dv / kv->v.group_size), ntm);
     if (smem <= KVC_TC_SMEM_MAX) {
-      pl.fmt = KVC_Q4;
+      pl.fmt = tcf;
       pl.tc = 1;
       pl.QW = 8 * ntm;
       pl.qtiles = (Q + pl.QW - 1) / pl.QW;
-      const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, di, wide, smem);
+      const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, tcf, di, wide, smem);
       kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
       return pl;
     }

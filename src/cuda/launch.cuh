@@ -28,7 +28,7 @@ struct kvc_plan {
   int lanes_log2;
   int nsplit;
   long long chunk;
-  int tc;        /* 1: the tensor-core q4 kernel (attn_q4_tc.cu; QW = 8 or 32) instead of the fused one */
+  int tc;        /* 1: the tensor-core kernel (attn_q4_tc.cu; fmt KVC_Q4 or KVC_BF16, QW = 8 or 32) instead of the fused one */
 };
 
 /* The tensor-core q4 kernel (attn_q4_tc.cu): warps per block (each takes 16
@@ -44,10 +44,11 @@ int kvc_launch_generic(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
-/* Dynamic shared memory of the q4 tensor-core kernel for head dim D, groups
- * per K and V row, ntm n-tiles of 8 query vectors; its resident blocks per SM (0: none). */
-int kvc_tc_smem(int D, int gk, int gv, int ntm);
-int kvc_tc_occupancy(int D, int ntm, int smem);
+/* Dynamic shared memory of the tensor-core kernel for K/V format f (KVC_Q4
+ * or KVC_BF16), head dim D, groups per K and V row (0 for bf16), ntm n-tiles
+ * of 8 query vectors; its resident blocks per SM (0: none). */
+int kvc_tc_smem(int f, int D, int gk, int gv, int ntm);
+int kvc_tc_occupancy(int f, int D, int ntm, int smem);
 /* The fused kernel's launcher for one format (attn_fused.cuh; instances in
  * attn_fused_float.cu and attn_fused_quant.cu). */
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
