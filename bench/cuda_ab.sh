@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A/B of the q4 tensor-core kernel in one device call: the tree as it is (A)
-# against B, same bench commands, same machine, alternated twice. B is
-# FILE_B (a whole src/cuda/attn_q4_tc.cu, e.g. `git show HEAD:...` carried
-# in build/), else the tree with the decode instance's stages / blocks per
-# SM changed by sed (STAGES_B, BLOCKS_B). Output: $OUT/ab.log. The tree is
-# restored at the end.
+# A/B of the tensor-core kernels in one device call: the tree as it is (A)
+# against B, same bench commands, same machine, alternated twice. B is the
+# tree with PATCH_B applied (`git apply`; e.g. a `git diff` carried in
+# build/ab), else FILE_B (a whole src/cuda/attn_q4_tc.cu, e.g. `git show
+# HEAD:...` carried in build/ab), else the tree with the decode instance's
+# stages / blocks per SM changed by sed (STAGES_B, BLOCKS_B). Output:
+# $OUT/ab.log. The tree is restored at the end.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/cuda_logs}
@@ -13,14 +14,23 @@ BLOCKS_B=${BLOCKS_B:-3}
 J=${J:-16}
 mkdir -p "$OUT"
 F=src/cuda/attn_q4_tc.cu
-cp $F /tmp/ab_A.cu
-if [ -n "${FILE_B:-}" ]; then
-  cp "$FILE_B" /tmp/ab_B.cu
+FILES="$F src/cuda/context.cu src/cuda/launch.cuh"
+mkdir -p /tmp/ab_A /tmp/ab_B
+for f in $FILES; do cp "$f" /tmp/ab_A/"$(basename "$f")"; done
+if [ -n "${PATCH_B:-}" ]; then
+  git apply "$PATCH_B" || { echo "PATCH_B does not apply"; exit 1; }
+elif [ -n "${FILE_B:-}" ]; then
+  cp "$FILE_B" $F
 else
-  sed -e "s/return ntm == 1 ? [0-9] : 4;/return ntm == 1 ? $STAGES_B : 4;/" \
-      -e "s/__launch_bounds__(KVC_TC_THREADS, NTM == 1 ? [0-9] : 2)/__launch_bounds__(KVC_TC_THREADS, NTM == 1 ? $BLOCKS_B : 2)/" $F > /tmp/ab_B.cu
+  sed -i -e "s/return ntm == 1 ? [0-9] : 4;/return ntm == 1 ? $STAGES_B : 4;/" \
+      -e "s/__launch_bounds__(KVC_TC_THREADS, NTM == 1 ? [0-9] : 2)/__launch_bounds__(KVC_TC_THREADS, NTM == 1 ? $BLOCKS_B : 2)/" $F
 fi
-diff /tmp/ab_A.cu /tmp/ab_B.cu | head -5
+for f in $FILES; do cp "$f" /tmp/ab_B/"$(basename "$f")"; done
+use() { # the files of version $1 where they differ (the rest keep their times: no rebuild)
+  for f in $FILES; do cmp -s /tmp/ab_$1/"$(basename "$f")" "$f" || cp /tmp/ab_$1/"$(basename "$f")" "$f"; done
+}
+use A
+for f in $FILES; do diff /tmp/ab_A/"$(basename "$f")" /tmp/ab_B/"$(basename "$f")" | head -4; done
 KB="./build/kvattn bench --backend cuda --quiet --no-check --reps 40"
 bench() {
   $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
@@ -30,15 +40,17 @@ bench() {
   $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q4 --layout paged --block 16
   $KB --preset llama3-8b --ctx 32k --batch 16 --rows 1 --kv q4
   $KB --preset gemma3-4b --ctx 2k,32k --rows 1 --kv q4
+  $KB --preset llama3-8b --ctx 32k --rows 8 --kv q4
+  $KB --preset gqa6-256 --ctx 128k --rows 1,8 --kv bf16
 }
 for round in 1 2; do
   for v in A B; do
-    cp /tmp/ab_$v.cu $F
+    use $v
     make -j"$J" build/kvattn > /dev/null 2>&1 || { echo "build $v failed"; make build/kvattn 2>&1 | tail -20; }
     echo "== $v (round $round)"
-    bench 2>&1 | grep -E "q4g64"
+    bench 2>&1 | grep -E "q4g64|bf16 "
   done
 done > "$OUT/ab.log" 2>&1
-cp /tmp/ab_A.cu $F
+use A
 make -j"$J" build/kvattn > /dev/null 2>&1
 cat "$OUT/ab.log"

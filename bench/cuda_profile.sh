@@ -17,21 +17,21 @@ KB="./build/kvattn bench --backend cuda --quiet --no-check"
   echo "== sweep over N (q4 decode 8/4/256 and 24/4/256, B = 1): intercept = fixed cost"
   $KB --preset gemma3-4b,gqa6-256 --ctx 2k,8k,32k,128k --rows 1 --kv q4 --reps 30
   echo "== registers / spills"
-  cuobjdump --dump-resource-usage build/libkvattn.a 2>/dev/null | grep -A1 -E "kvc_tc_q4|kvc_dec|kvc_merge" | head -40
+  cuobjdump --dump-resource-usage build/libkvattn.a 2>/dev/null | grep -A1 -E "kvc_tcw?_kernel|kvc_merge" | head -40
 } > "$OUT/profile.log" 2>&1
-cuobjdump --dump-sass build/libkvattn.a 2>/dev/null | awk '/Function : .*kvc_(tc_q4|dec)/{p=1} /Function : /{if ($0 !~ /kvc_(tc_q4|dec)/) p=0} p' \
+cuobjdump --dump-sass build/libkvattn.a 2>/dev/null | awk '/Function : .*kvc_tcw?_kernel/{p=1} /Function : /{if ($0 !~ /kvc_tcw?_kernel/) p=0} p' \
   > "$OUT/tc.sass"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   {
-    echo "== ncu: $CASE (decode kernel and its merge)"
-    timeout 240 "$NCU" --clock-control none --kernel-name regex:"kvc_(tc_q4|dec|merge)" --launch-skip 4 --launch-count 2 \
+    echo "== ncu: $CASE (the tensor-core kernel and its merge)"
+    timeout 240 "$NCU" --clock-control none --kernel-name regex:"kvc_(tc|tcw|merge)_kernel" --launch-skip 4 --launch-count 2 \
       --section SpeedOfLight --section InstructionStats --section WarpStateStats --section SchedulerStats \
       --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters \
       -o "$OUT/prof" -f $KB $CASE --reps 3 --warmups 1 --rotate-gib 0 > /dev/null
     "$NCU" --import "$OUT/prof.ncu-rep" --print-units base 2>&1 | grep -v "^    ---" | head -400
   } >> "$OUT/profile.log" 2>&1
-  timeout 120 "$NCU" --import "$OUT/prof.ncu-rep" --page source --print-source sass --csv --kernel-name regex:"kvc_(tc_q4|dec)" \
+  timeout 120 "$NCU" --import "$OUT/prof.ncu-rep" --page source --print-source sass --csv --kernel-name regex:"kvc_tcw?_kernel" \
     > "$OUT/ncu_source.csv" 2>&1
   python3 bench/ncu_mix.py "$OUT/ncu_source.csv" >> "$OUT/profile.log" 2>&1 # opcode mix, stalls, hot spots
   rm -f "$OUT/prof.ncu-rep"

@@ -328,6 +328,11 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      /* the wide kernel (q4 from 33 vectors): D = 128 with window, softcap,
+       * sinks, ragged (40 vectors); D = 64 with 64 vectors (two blocks of 48
+       * per KV head), strided */
+      {2, 16, 2, 5, 333, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 16, 2, 8, 500, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       /* bf16 K/V on the same kernel (>= 6 query vectors per KV head): decode
        * instance, wide instance (verify), D = 128 / 64, window, softcap, sinks, ragged, strided */
       {1, 24, 4, 1, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
@@ -405,11 +410,12 @@ static void plant_q4(att_data *d, int variant) {
 
 TEST(cuda_q4_tc_nan_inf) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  /* rep 2 x 4 groups = 8 columns: the groups-in-columns S phase; rep 6: the per-group one */
+  /* rep 2 x 4 groups = 8 columns: the groups-in-columns S phase; rep 6: the per-group one; 48 vectors: the wide kernel */
   static const att_case qc[] = {
       {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* wide kernel */
   };
   run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3);
 }

@@ -130,11 +130,10 @@ __device__ __forceinline__ uint32_t kvc_lds16(const unsigned char *p) { return *
 struct kvc_tc_layout {
   int rs;                 /* bytes per raw row in shared memory */
   int kd, vd, ks, kb, vs, vb, stage; /* offsets within a stage, stage bytes */
-  int qf, p, wmax, lsum, qsig, qsum, total;
+  int qf, p, wmax, lsum, qsig, qsum, corr, mrow, total;
 };
-__host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
-  const int stages = kvc_tc_stages(f, ntm);
-  kvc_tc_layout l;
+/* The ring's stage part, common to both kernels. */
+__host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
   l.rs = (f == KVC_BF16 ? 2 * D : D / 2) + KVC_TC_ROWPAD; /* bf16 rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
@@ -143,6 +142,11 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, 
   l.vs = l.kb + KVC_TC_TOK * gk * 2;
   l.vb = l.vs + KVC_TC_TOK * gv * 2;
   l.stage = (l.vb + KVC_TC_TOK * gv * 2 + 127) / 128 * 128;
+}
+__host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
+  const int stages = kvc_tc_stages(f, ntm);
+  kvc_tc_layout l;
+  kvc_tc_stage_layout(l, f, D, gk, gv);
   l.qf = stages * l.stage;
   l.p = l.qf + (D / 32) * 2 * ntm * KVC_WARP * 8;
   l.wmax = l.p + ntm * 8 * KVC_TC_PS * 2;
@@ -150,6 +154,7 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, 
   l.qsig = l.lsum + KVC_TC_WARPS * ntm * 8 * 4;
   l.qsum = l.qsig + ntm * 8 * 4;
   l.total = l.qsum + gk * ntm * 8 * 4;
+  l.corr = l.mrow = l.total;
   return l;
 }
 
@@ -799,6 +804,395 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     }
 }
 
+/* ---- the wide kernel: up to 48 query vectors per KV head (verify, GQA x L) ----
+ * One block of 8 warps takes all KVC_TCW_QV query vectors of a KV head over
+ * a token split, so each K/V byte is staged and dequantized once per block
+ * (the narrow kernel's 32-vector instance re-read and re-dequantized K/V for
+ * every 32 vectors). Same ring, loader (warps 0-3 issue the copies) and stage
+ * layout as kvc_tc_kernel.
+ *   S^T = Q K^T with the queries as mma M (KVC_TCW_MQ m-tiles of 16) and the
+ *         tokens as N: warp w takes tokens 8w..8w+7 of the stage, so each K
+ *         element is dequantized by one lane of one warp (q4: LOP3 magic +
+ *         two bf16x2 FMAs per pair; bf16: the row words are the B fragments).
+ *         The query A fragments sit in shared memory in the dim order the K
+ *         words yield (16 B per lane, k-step and m-tile).
+ *   softmax: per query, the max over the warp's 8 tokens by two shuffles,
+ *         over the 8 warps through shared memory (every warp computes the
+ *         same running max; warp 0 publishes the correction factors);
+ *         P = 2^(s - m) in bf16 to shared memory.
+ *   O^T += V^T P^T: warp w takes a slice of 16 MTV head dims (D >= 128: 8
+ *         slices over the 64 tokens; D = 64: 4 slices x 2 token halves,
+ *         added at the end) for all 6 n-tiles of 8 query vectors.
+ *   launch: grid (ceil(rep L / 48), nsplit, B KVH) x 256 threads, one block
+ *         per SM (shared memory ~115 KB at q4 D = 256, 4 slots; bf16 D = 256
+ *         2 slots of 66 KB); three __syncthreads per stage. */
+#define KVC_TCW_WARPS 8
+#define KVC_TCW_THREADS (KVC_TCW_WARPS * KVC_WARP)
+#define KVC_TCW_MQ 3                /* query m-tiles of 16 in S */
+#define KVC_TCW_QV (16 * KVC_TCW_MQ) /* query vectors per block */
+__host__ __device__ constexpr int kvc_tcw_stages(int f, int D) { return f == KVC_BF16 && D == 256 ? 2 : 4; }
+__host__ __device__ inline kvc_tc_layout kvc_tcw_layout_of(int f, int D, int gk, int gv) {
+  kvc_tc_layout l;
+  kvc_tc_stage_layout(l, f, D, gk, gv);
+  l.qf = kvc_tcw_stages(f, D) * l.stage;
+  l.p = l.qf + (D / 16) * KVC_TCW_MQ * KVC_WARP * 16;
+  l.wmax = l.p + KVC_TCW_QV * KVC_TC_PS * 2;
+  l.lsum = l.wmax + KVC_TCW_QV * KVC_TCW_WARPS * 4;
+  l.corr = l.lsum + KVC_TCW_QV * KVC_TCW_WARPS * 4;
+  l.mrow = l.corr + KVC_TCW_QV * 4;
+  l.total = l.mrow + KVC_TCW_QV * 4;
+  l.qsig = l.qsum = l.total;
+  return l;
+}
+
+template <int F, int D>
+__global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_args a) {
+  constexpr int STAGES = kvc_tcw_stages(F, D);
+  constexpr bool BF = F == KVC_BF16;
+  constexpr int MQ = KVC_TCW_MQ, NT = 2 * MQ; /* query m-tiles (S), n-tiles (PV) */
+  constexpr int KS = D / 16;                  /* k-steps of S */
+  constexpr int WPL = D / 32;                 /* q4: K words per lane and token (S) */
+  constexpr int NSL = D / 16 < KVC_TCW_WARPS ? D / 16 : KVC_TCW_WARPS; /* PV dim slices */
+  constexpr int MTV = D / 16 / NSL;           /* m-tiles (16 dims) per slice */
+  constexpr int TSL = KVC_TCW_WARPS / NSL;    /* PV token slices: 2 at D = 64, else 1 */
+  constexpr int KQ = KVC_TC_TOK / 16 / TSL;   /* PV k-steps (16 tokens) per warp */
+  constexpr int WPS = 2 * MTV;                /* q4 V words per slice */
+  extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
+  const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
+  const int g = lane >> 2, tq = lane & 3;
+  const int qg = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const int gk = BF ? 0 : D / a.k.group, gv = BF ? 0 : D / a.v.group;
+  const int gk_sh = BF ? 0 : 31 - __clz(a.k.group), gv_sh = BF ? 0 : 31 - __clz(a.v.group);
+  const kvc_tc_layout L = kvc_tcw_layout_of(F, D, gk, gv);
+  const long long len = kvc_seq_len(a, b);
+  const int fo = kvc_first_offset(a.k, b);
+  const int Q = a.rep * a.L, q0 = qg * KVC_TCW_QV;
+  const int mqc = min(MQ, (Q - q0 + 15) / 16), ntc = min(NT, (Q - q0 + 7) / 8); /* tiles with query vectors */
+
+  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
+  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) t_lo = max(t_lo, len - a.L - a.window + 1);
+  const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
+  const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
+  const bool capped = a.softcap > 0.0f;
+
+  /* warps 0-3 run the narrow kernel's loader (it is laid out for 128 threads) */
+  const bool loads = threadIdx.x < KVC_TC_THREADS;
+  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tc_buf);
+  kvc_tc_loader ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    const long long ts = t_lo + (long long)s * KVC_TC_TOK;
+    if (loads && s < nst)
+      kvc_tc_load_stage<F, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
+    kvc_cp_commit();
+  }
+  int id_next = loads ? kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi) : 0;
+
+  /* query A fragments of k-step kk, m-tile mq for lane (g, tq): {x(16 mq + g),
+   * x(16 mq + g + 8), y(16 mq + g), y(16 mq + g + 8)} with x, y the dim pairs
+   * of k columns (2 tq, 2 tq + 1) and (2 tq + 8, 2 tq + 9): q4, k-step
+   * 2P + h: (d0, d0 + 4) and (d0 + 1, d0 + 5), d0 = 8 (tq WPL + P) + 2 h (the
+   * codes kvc_deq_pair takes from K word tq WPL + P); bf16: (16 kk + 2 tq,
+   * + 1) and (16 kk + 8 + 2 tq, + 1) */
+  uint4 *qa = (uint4 *)(kvc_tc_buf + L.qf);
+  const long long qds = a.qs[3] / 2;
+  for (int idx = threadIdx.x; idx < KS * MQ * KVC_WARP; idx += KVC_TCW_THREADS) {
+    const int kk = idx / (MQ * KVC_WARP), mq = (idx / KVC_WARP) % MQ, ln = idx % KVC_WARP, t4 = ln & 3;
+    uint32_t f[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int qv = q0 + 16 * mq + (ln >> 2) + 8 * r;
+      if (qv >= Q) continue;
+      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
+      if (BF) {
+        const int d0 = 16 * kk + 2 * t4;
+        f[r] = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 1) * qds] << 16);
+        f[2 + r] = (uint32_t)qp[(d0 + 8) * qds] | ((uint32_t)qp[(d0 + 9) * qds] << 16);
+      } else {
+        const int d0 = 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
+        f[r] = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
+        f[2 + r] = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
+      }
+    }
+    qa[idx] = make_uint4(f[0], f[1], f[2], f[3]);
+  }
+  __syncthreads();
+
+  /* S layout: this lane's queries 16 mq + g + 8 r (rows of the S^T tiles) */
+  long long pos[MQ][2];
+  int32_t segp[MQ][2];
+  float m[MQ][2], l[MQ][2];
+#pragma unroll
+  for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int qv = q0 + 16 * mq + g + 8 * r;
+      const bool ok = qv < Q;
+      pos[mq][r] = len - a.L + (ok ? qv % a.L : 0);
+      segp[mq][r] = ok ? kvc_seg_of_row(a, b, pos[mq][r]) : 0;
+      m[mq][r] = -INFINITY;
+      l[mq][r] = 0.0f;
+    }
+  /* PV layout: dim slice sl, token slice th; acc columns 8 nt + 2 tq + j */
+  const int sl = warp % NSL, th = warp / NSL;
+  const int xw = sl * WPS + g % WPS, cb = (g / WPS) * 2 * MTV; /* q4: V word and first code of this lane */
+  const int vgi = BF ? 0 : (8 * xw) >> gv_sh;
+  float acc[MTV][NT][4];
+#pragma unroll
+  for (int i = 0; i < MTV; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
+
+  __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
+  float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
+  float *corrs = (float *)(kvc_tc_buf + L.corr), *mrow = (float *)(kvc_tc_buf + L.mrow);
+
+  for (int s = 0; s < nst; ++s) {
+    kvc_cp_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int sn = s + STAGES - 1;
+      if (loads && sn < nst)
+        kvc_tc_load_stage<F, D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
+                                id_next);
+      kvc_cp_commit();
+      if (loads) id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi);
+    }
+    const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
+    const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
+
+    /* ---- S^T phase: token row 8 warp + g is this lane's B column ---- */
+    const int tok = 8 * warp + g;
+    float sc[MQ][4];
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq) sc[mq][0] = sc[mq][1] = sc[mq][2] = sc[mq][3] = 0.0f;
+    if (BF) {
+      const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint32_t b0 = kr[8 * kk], b1 = kr[8 * kk + 4];
+#pragma unroll
+        for (int mq = 0; mq < MQ; ++mq)
+          if (mq < mqc) {
+            const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
+            const uint32_t af[4] = {f.x, f.y, f.z, f.w};
+            kvc_mma_bf16(sc[mq], af, b0, b1);
+          }
+      }
+    } else {
+      const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq * WPL;
+      uint32_t kw[WPL];
+#pragma unroll
+      for (int k = 0; k < WPL; k += 2) {
+        const uint2 x = *(const uint2 *)(kr + k);
+        kw[k] = x.x;
+        kw[k + 1] = x.y;
+      }
+#pragma unroll
+      for (int P = 0; P < WPL; ++P) {
+        const int gi = (8 * (tq * WPL + P)) >> gk_sh;
+        const uint32_t s1 = kvc_lds16(st + L.ks + (tok * gk + gi) * 2), z1 = kvc_lds16(st + L.kb + (tok * gk + gi) * 2);
+        const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) { /* k-step 2P + h: k rows (2 tq, + 1) = codes (2h, 2h + 4), (2 tq + 8, + 9) = (2h + 1, 2h + 5) */
+          const uint32_t b0 = kvc_deq_pair(kw[P], 2 * h, s2, z2), b1 = kvc_deq_pair(kw[P], 2 * h + 1, s2, z2);
+          const int kk = 2 * P + h;
+#pragma unroll
+          for (int mq = 0; mq < MQ; ++mq)
+            if (mq < mqc) {
+              const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
+              const uint32_t af[4] = {f.x, f.y, f.z, f.w};
+              kvc_mma_bf16(sc[mq], af, b0, b1);
+            }
+        }
+      }
+    }
+    /* masks and logits (log2 units): sc[mq][e] is (query 16 mq + g + 8 (e >> 1),
+     * token 8 warp + 2 tq + (e & 1)) */
+    const bool full = t0 + KVC_TC_TOK <= t_hi &&
+                      (a.mask_kind == KVA_MASK_NONE ||
+                       (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
+                        (a.window <= 0 || t0 > len - 1 - a.window)));
+    bool vis[MQ][4];
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq) {
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, qv = q0 + 16 * mq + g + 8 * r;
+        float x = sc[mq][e] * scl2;
+        if (capped) x = cap2 * tanhf(x * cap2_inv);
+        bool v = qv < Q;
+        if (!full) {
+          const long long t = t0 + 8 * warp + 2 * tq + (e & 1);
+          v = v && t < t_hi;
+          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[mq][r], segp[mq][r]);
+        }
+        const float xl = v ? x : -INFINITY;
+        vis[mq][e] = v && xl != -INFINITY;
+        sc[mq][e] = xl;
+        mx[r] = kvc_max(mx[r], xl);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+        mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+        if (tq == 0) wmax[(16 * mq + g + 8 * r) * KVC_TCW_WARPS + warp] = mx[r];
+      }
+    }
+    __syncthreads();
+    /* the stage max over the 8 warps (fixed order: every warp the same m);
+     * warp 0 publishes the correction factors for the P.V warps */
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int qr = 16 * mq + g + 8 * r;
+        const float4 w0 = *(const float4 *)(wmax + qr * KVC_TCW_WARPS);
+        const float4 w1 = *(const float4 *)(wmax + qr * KVC_TCW_WARPS + 4);
+        const float mx = kvc_max(kvc_max(kvc_max(w0.x, w0.y), kvc_max(w0.z, w0.w)),
+                                 kvc_max(kvc_max(w1.x, w1.y), kvc_max(w1.z, w1.w)));
+        const float mn = kvc_max(m[mq][r], mx);
+        float corr = 1.0f;
+        if (mn != -INFINITY && !(mn == m[mq][r])) {
+          corr = kvc_exp2(m[mq][r] - mn);
+          m[mq][r] = mn;
+          l[mq][r] *= corr;
+        }
+        if (warp == 0 && tq == 0) corrs[qr] = corr;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 2 * r + c;
+          const float p = vis[mq][e] ? kvc_exp2(sc[mq][e] - m[mq][r]) : 0.0f;
+          const __nv_bfloat16 pb = __float2bfloat16_rn(p);
+          l[mq][r] += __bfloat162float(pb);
+          ps[qr * KVC_TC_PS + 8 * warp + 2 * tq + c] = pb;
+        }
+      }
+    __syncthreads();
+
+    /* ---- PV phase: O^T[slice sl] += V^T P^T over this warp's tokens ---- */
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 c = *(const float2 *)(corrs + 8 * nt + 2 * tq);
+#pragma unroll
+      for (int i = 0; i < MTV; ++i) {
+        acc[i][nt][0] *= c.x;
+        acc[i][nt][1] *= c.y;
+        acc[i][nt][2] *= c.x;
+        acc[i][nt][3] *= c.y;
+      }
+    }
+#pragma unroll
+    for (int kq = 0; kq < KQ; ++kq) {
+      const int tb = 16 * (th * KQ + kq), ta = tb + 2 * tq;
+      uint32_t pb[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) {
+          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + ta;
+          pb[nt][0] = *(const uint32_t *)pr;
+          pb[nt][1] = *(const uint32_t *)(pr + 8);
+        }
+      if (BF) {
+#pragma unroll
+        for (int i = 0; i < MTV; ++i) {
+          const int x = sl * 8 * MTV + 8 * i + g;
+          const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + x);
+          const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + x);
+          const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + x);
+          const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + x);
+          const uint32_t af[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                                  __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+        }
+        continue;
+      }
+      const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + xw);
+      const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + xw);
+      const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + xw);
+      const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + xw);
+      const uint32_t s01 = kvc_lds16(st + L.vs + (ta * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
+      const uint32_t b01 = kvc_lds16(st + L.vb + (ta * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
+      const uint32_t s89 = kvc_lds16(st + L.vs + ((ta + 8) * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
+      const uint32_t b89 = kvc_lds16(st + L.vb + ((ta + 8) * gv + vgi) * 2) |
+                           (kvc_lds16(st + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+      const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
+      const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
+#pragma unroll
+      for (int i = 0; i < MTV; ++i) {
+        const int c0 = cb + 2 * i, c1 = c0 + 1;
+        uint32_t af[4];
+        af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
+        af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
+        af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
+        af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+      }
+    }
+  }
+  kvc_cp_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+  /* l over the 4 lanes of a row and the 8 warps (fixed order); m from warp 0 */
+#pragma unroll
+  for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float v = l[mq][r];
+      v += __shfl_xor_sync(KVC_FULL_MASK, v, 1);
+      v += __shfl_xor_sync(KVC_FULL_MASK, v, 2);
+      const int qr = 16 * mq + g + 8 * r;
+      if (tq == 0) lsum[qr * KVC_TCW_WARPS + warp] = v;
+      if (tq == 0 && warp == 0) mrow[qr] = m[mq][r];
+    }
+  __syncthreads();
+  if (TSL > 1) { /* D = 64: token half 1 hands its accumulators to half 0 through the (idle) ring */
+    float *xa = (float *)kvc_tc_buf + (sl * KVC_WARP + lane) * (MTV * NT * 4);
+    if (th == 1)
+#pragma unroll
+      for (int i = 0; i < MTV; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xa[(i * NT + nt) * 4 + e] = acc[i][nt][e];
+    __syncthreads();
+    if (th == 0)
+#pragma unroll
+      for (int i = 0; i < MTV; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][nt][e] += xa[(i * NT + nt) * 4 + e];
+  }
+  if (th != 0) return;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int qr = 8 * nt + 2 * tq + j, qv = q0 + qr;
+      if (nt >= ntc || qv >= Q) continue;
+      const float4 l0 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS), l1 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS + 4);
+      const float Ls = ((l0.x + l0.y) + (l0.z + l0.w)) + ((l1.x + l1.y) + (l1.z + l1.w));
+#pragma unroll
+      for (int i = 0; i < MTV; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int d = BF ? 2 * (sl * 8 * MTV + 8 * i + g) + r : 8 * xw + cb + 2 * i + r;
+          kvc_emit(a, split, b, hk, qv, d, mrow[qr], Ls, acc[i][nt][2 * r + j]);
+        }
+    }
+}
+
 /* ---- host side ---- */
 /* The instance's dynamic shared memory limit, set to its largest layout (8
  * groups per row) so that every caller sets the same value; the selector
@@ -812,10 +1206,20 @@ template <int F, int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
 
 #define KVC_TC_INSTANCES(X)                                                                         \
   X(KVC_Q4, 64, 1) X(KVC_Q4, 64, 4) X(KVC_Q4, 128, 1) X(KVC_Q4, 128, 4) X(KVC_Q4, 256, 1) X(KVC_Q4, 256, 4) \
-  X(KVC_BF16, 64, 1) X(KVC_BF16, 64, 4) X(KVC_BF16, 128, 1) X(KVC_BF16, 128, 4) X(KVC_BF16, 256, 1)       \
-  X(KVC_BF16, 256, 4)
+  X(KVC_BF16, 64, 1) X(KVC_BF16, 128, 1) X(KVC_BF16, 256, 1)
 
-int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) { return kvc_tc_layout_of(f, D, gk, gv, ntm).total; }
+template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
+  return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              F == KVC_BF16 ? kvc_tcw_layout_of(F, D, 0, 0).total
+                                            : kvc_tcw_layout_of(F, D, 8, 8).total);
+}
+#define KVC_TCW_INSTANCES(X) \
+  X(KVC_Q4, 64) X(KVC_Q4, 128) X(KVC_Q4, 256) X(KVC_BF16, 64) X(KVC_BF16, 128) X(KVC_BF16, 256)
+
+/* ntm = KVC_TCW_QV / 8: the wide kernel */
+int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) {
+  return ntm * 8 == KVC_TCW_QV ? kvc_tcw_layout_of(f, D, gk, gv).total : kvc_tc_layout_of(f, D, gk, gv, ntm).total;
+}
 
 int kvc_tc_occupancy(int f, int D, int ntm, int smem) {
   int n = 0;
@@ -824,6 +1228,11 @@ int kvc_tc_occupancy(int f, int D, int ntm, int smem) {
   if (f == F_ && D == D_ && ntm == N_ && (e = kvc_tc_prepare<F_, D_, N_>()) == cudaSuccess)        \
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tc_kernel<F_, D_, N_>, KVC_TC_THREADS, smem);
   KVC_TC_INSTANCES(KVC_OCC)
+#undef KVC_OCC
+#define KVC_OCC(F_, D_)                                                                            \
+  if (f == F_ && D == D_ && ntm * 8 == KVC_TCW_QV && (e = kvc_tcw_prepare<F_, D_>()) == cudaSuccess) \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tcw_kernel<F_, D_>, KVC_TCW_THREADS, smem);
+  KVC_TCW_INSTANCES(KVC_OCC)
 #undef KVC_OCC
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -844,6 +1253,13 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
     e = cudaGetLastError();                                                                        \
   }
   KVC_TC_INSTANCES(KVC_CASE)
+#undef KVC_CASE
+#define KVC_CASE(F_, D_)                                                                           \
+  if (f == F_ && a.Dk == D_ && ntm * 8 == KVC_TCW_QV) {                                            \
+    kvc_tcw_kernel<F_, D_><<<grid, KVC_TCW_THREADS, smem, stream>>>(a);                            \
+    e = cudaGetLastError();                                                                        \
+  }
+  KVC_TCW_INSTANCES(KVC_CASE)
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s tensor-core attention kernel (D = %d, %d query vectors per block): %s",

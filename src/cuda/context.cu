@@ -19,7 +19,10 @@
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
 #define KVC_TC_NDIMS 3            /* head dims of the q4 tensor-core kernel: 64 << i */
 #define KVC_TC_MIN_D 64
-#define KVC_TC_NTM_BIG 4          /* n-tiles per block of its wide instance (32 query vectors) */
+#define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
+#define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
+#define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
+                                     the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
 #define KVC_TC_BF16_MIN_Q 6          /* bf16 K/V on the tensor-core kernel from 6 query vectors per KV head
                                         (P in bf16: the bf16 allowance, as the CPU's AMX kernel from 6) */
@@ -29,8 +32,8 @@ struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[2][KVC_TC_NDIMS][2]; /* resident tensor-core blocks per SM by [bf16][head dim][wide] */
-  int tc_smem[2][KVC_TC_NDIMS][2];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_occupancy[2][KVC_TC_NDIMS][3]; /* resident tensor-core blocks per SM by [bf16][head dim][8, 32, 48 vectors] */
+  int tc_smem[2][KVC_TC_NDIMS][3];      /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -202,14 +205,15 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   return -1;
 }
 
-static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int wide, int smem) {
+/* kind: 0, 1, 2 for ntm = 1, KVC_TC_NTM_MID, KVC_TC_NTM_WIDE */
+static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kind, int ntm, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
   const int bf = fmt == KVC_BF16;
-  int *slot = &st->tc_occupancy[bf][di][wide];
-  if (*slot == 0 || st->tc_smem[bf][di][wide] != smem) {
-    *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, wide ? KVC_TC_NTM_BIG : 1, smem);
-    st->tc_smem[bf][di][wide] = smem;
+  int *slot = &st->tc_occupancy[bf][di][kind];
+  if (*slot == 0 || st->tc_smem[bf][di][kind] != smem) {
+    *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, ntm, smem);
+    st->tc_smem[bf][di][kind] = smem;
   }
   return *slot > 0 ? *slot : 1;
 }
@@ -255,10 +259,12 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   int tcf = -1;
   const int di = kvc_tc_dim_index(p, &tcf);
   if (di >= 0) {
-    /* one n-tile of 8 query vectors per block for decode-sized rep * L; else
-     * 4 (fewer re-reads of K/V per extra query vectors, more registers) */
-    const int wide = Q > 8;
-    const int ntm = wide ? KVC_TC_NTM_BIG : 1;
+    /* the narrow kernel with one n-tile of 8 query vectors per block for
+     * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
+     * the wide kernel (48 vectors per block: K/V staged and dequantized once
+     * per 48) */
+    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2;
+    const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
     const int smem = tcf == KVC_BF16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
                                                    (int)(p->Dv / kv->v.group_size), ntm);
@@ -267,7 +273,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       pl.tc = 1;
       pl.QW = 8 * ntm;
       pl.qtiles = (Q + pl.QW - 1) / pl.QW;
-      const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, tcf, di, wide, smem);
+      const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, tcf, di, kind, ntm, smem);
       kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
       return pl;
     }
