@@ -33,9 +33,10 @@ use A
 for f in $FILES; do diff /tmp/ab_A/"$(basename "$f")" /tmp/ab_B/"$(basename "$f")" | head -4; done
 KB="./build/kvattn bench --backend cuda --quiet --no-check --reps 40"
 bench() {
-  if [ -n "${SHORT:-}" ]; then # SHORT=1: the verify-sized shapes only
-    $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 8 --kv q4
-    $KB --preset llama3-8b --ctx 32k --rows 8 --kv q4
+  if [ -n "${SHORT:-}" ]; then # SHORT=1: the 128k decode and verify shapes, B = 16 decode
+    $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
+    $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4
+    $KB --preset llama3-8b --ctx 32k --rows 8 --kv q4,bf16
     $KB --preset gqa6-256 --ctx 128k --rows 8 --kv bf16
     return
   fi
