@@ -8,7 +8,8 @@
  * merged by the same merge launch (attn_merge.cu). What follows describes
  * the q4 format; for bf16, S takes K fragments straight from the staged
  * rows (dims 16 kk + 2 tq, + 8 of the k-step) and P.V pairs two tokens of a
- * dim by one PRMT of their words.
+ * dim by one PRMT of their words. Beyond 32 query vectors per KV head (q4;
+ * bf16 beyond 8) the wide kernel further down takes the call.
  *
  *   memory: the packed K/V rows and their scales/biases of a 64-token stage
  *         (18 KB at D = 256, group 64) are copied raw into shared memory with
@@ -35,7 +36,7 @@
  *           zero outside that group: one accumulator pair over all dims,
  *           the scales applied once per stage, the groups summed across
  *           lane pairs (H200: 6-10 % faster on 8/4/256).
- *         - wide instance: K dequantized to bf16 in registers (LOP3 under
+ *         - 32-vector instance: K dequantized to bf16 in registers (LOP3 under
  *           the 2^7 exponent gives 128 + c exactly, minus 128, then
  *           scale * c + bias in one bf16x2 FMA), mma.m16n8k16 bf16.
  *         Query fragments are stored once per block in shared memory in the
@@ -58,7 +59,7 @@
  *         query vectors per block; three __syncthreads per stage; dynamic
  *         shared memory kvc_tc_smem() (~45 KB at D = 256 for the decode
  *         instance, whose 127 registers let 4 blocks = 16 warps share an SM;
- *         ~100 KB for the wide one: 2 blocks per SM). Measured on the H200
+ *         ~100 KB for the 32-vector q4 one: 2 blocks per SM). Measured on the H200
  *         (BENCHMARKS.md): 2 slots x 4 blocks beat 3 slots x 3 blocks by
  *         3-8 %. */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_factors2, kvc_emit */
