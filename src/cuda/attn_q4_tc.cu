@@ -293,6 +293,87 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
+/* ---- pieces shared by the narrow and the wide kernel ---- */
+/* The bf16 query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
+ * (2 t4 + 8, 2 t4 + 9) -> .y of k-step kk, in the dim order the staged K
+ * yields: bf16 rows: dims (16 kk + 2 t4, + 1) and (16 kk + 8 + 2 t4, + 1)
+ * (the mma's own order); q4 rows (kvc_deq_pair of word t4 WPL + kk / 2):
+ * (d0, d0 + 4) and (d0 + 1, d0 + 5), d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2). */
+template <bool BF, int WPL>
+__device__ __forceinline__ uint2 kvc_q_pairs(const unsigned short *qp, long long qds, int kk, int t4) {
+  const int d0 = BF ? 16 * kk + 2 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
+  const int dx = BF ? 1 : 4, dy = BF ? 8 : 1; /* second dim of .x; first dim of .y */
+  uint2 f;
+  f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + dx) * qds] << 16);
+  f.y = (uint32_t)qp[(d0 + dy) * qds] | ((uint32_t)qp[(d0 + dy + dx) * qds] << 16);
+  return f;
+}
+
+/* P^T as mma B fragments for tokens (t, t + 1) and (t + 8, t + 9) of query
+ * column 8 nt + g (t = the k-step's first token + 2 tq), n-tiles below ntc. */
+template <int NT>
+__device__ __forceinline__ void kvc_p_frags(const __nv_bfloat16 *ps, int stride, int t, int g, int ntc,
+                                            uint32_t (&pb)[NT][2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    if (nt < ntc) {
+      const __nv_bfloat16 *pr = ps + (8 * nt + g) * stride + t;
+      pb[nt][0] = *(const uint32_t *)pr;
+      pb[nt][1] = *(const uint32_t *)(pr + 8);
+    }
+}
+
+/* One k-step of O^T += V^T P^T: 16 tokens of a staged slot (this lane's rows
+ * ta, ta + 1 (a0, a1) and ta + 8, ta + 9 (a2, a3)), MT m-tiles of 16 dims,
+ * the n-tiles below ntc. A register pairs two tokens of one dim (PRMT of
+ * the two tokens' words).
+ *   q4: V word xw of each row; m-tile i rows g, g + 8 are codes cb + 2 i,
+ *       cb + 2 i + 1 of it, dequantized with the two tokens' scales and
+ *       biases of group vgi (gv groups per row);
+ *   bf16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i. */
+template <int F, int MT, int NT>
+__device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_tc_layout &L, int ta, int xw, int cb,
+                                            int vgi, int gv, const uint32_t (&pb)[NT][2], int ntc,
+                                            float (&acc)[MT][NT][4]) {
+  const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
+  const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
+  if (F == KVC_BF16) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int x = xw + 8 * i;
+      const uint32_t w0 = r0[x], w1 = r1[x], w8 = r8[x], w9 = r9[x];
+      const uint32_t af[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                              __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+    }
+    return;
+  }
+  const uint32_t w0 = r0[xw], w1 = r1[xw], w8 = r8[xw], w9 = r9[xw];
+  const uint32_t s01 = kvc_lds16(sv + L.vs + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
+  const uint32_t b01 = kvc_lds16(sv + L.vb + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
+  const uint32_t s89 = kvc_lds16(sv + L.vs + ((ta + 8) * gv + vgi) * 2) |
+                       (kvc_lds16(sv + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
+  const uint32_t b89 = kvc_lds16(sv + L.vb + ((ta + 8) * gv + vgi) * 2) |
+                       (kvc_lds16(sv + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+  /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
+  const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
+  const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    const int c0 = cb + 2 * i, c1 = c0 + 1; /* codes of rows g and g + 8 */
+    uint32_t af[4];
+    af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
+    af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
+    af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
+    af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+  }
+}
+
 template <int F, int D, int NTM>
 __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F == KVC_Q4 || D < 256 ? 2 : 1)
     kvc_tc_kernel(const kvc_args a) {
@@ -411,16 +492,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       const int qv = q0 + 8 * nt + (ln >> 2);
       uint2 f = make_uint2(0u, 0u);
       if (qv < Q) {
-        const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-        if (BF) {
-          const int d0 = 16 * kk + 2 * (ln & 3);
-          f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 1) * qds] << 16);
-          f.y = (uint32_t)qp[(d0 + 8) * qds] | ((uint32_t)qp[(d0 + 9) * qds] << 16);
-        } else {
-          const int d0 = 8 * ((ln & 3) * WPL + (kk >> 1)) + 2 * (kk & 1);
-          f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
-          f.y = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
-        }
+        f = kvc_q_pairs<BF, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), qds, kk,
+                                 ln & 3);
       }
       qf[idx] = f;
     }
@@ -716,60 +789,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     /* ---- PV phase: O^T[dims of this warp] += V^T P^T over the 64 tokens ---- */
 #pragma unroll
     for (int kq = 0; kq < KVC_TC_TOK / 16; ++kq) {
-      const int ta = 16 * kq + 2 * tq; /* tokens ta, ta + 1 (a0, a1) and ta + 8, ta + 9 (a2, a3) */
       uint32_t pb[NTM][2];
-#pragma unroll
-      for (int nt = 0; nt < NTM; ++nt)
-        if (nt < ntc) {
-          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + 16 * kq + 2 * tq;
-          pb[nt][0] = *(const uint32_t *)pr;
-          pb[nt][1] = *(const uint32_t *)(pr + 8);
-        }
-      if (BF) {
-        /* bf16 V: m-tile i rows g, g + 8 are dims 2x, 2x + 1 of word x = warp D/8 + 8 i + g;
-         * a register pairs two tokens of one dim (PRMT of the two tokens' words) */
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const int x = warp * (D / 8) + 8 * i + g;
-          const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + x);
-          const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + x);
-          const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + x);
-          const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + x);
-          const uint32_t af[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
-                                  __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
-#pragma unroll
-          for (int nt = 0; nt < NTM; ++nt)
-            if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
-        }
-        continue;
-      }
-      const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + xw);
-      const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + xw);
-      const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + xw);
-      const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + xw);
-      const uint32_t s01 = kvc_lds16(st + L.vs + (ta * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
-      const uint32_t b01 = kvc_lds16(st + L.vb + (ta * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
-      const uint32_t s89 = kvc_lds16(st + L.vs + ((ta + 8) * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
-      const uint32_t b89 = kvc_lds16(st + L.vb + ((ta + 8) * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
-      /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
-      const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
-      const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const int c0 = cb + 2 * i, c1 = c0 + 1; /* codes of rows g and g + 8 */
-        uint32_t af[4];
-        af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
-        af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
-        af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
-        af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
-#pragma unroll
-        for (int nt = 0; nt < NTM; ++nt)
-          if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
-      }
+      kvc_p_frags<NTM>(ps, KVC_TC_PS, 16 * kq + 2 * tq, g, ntc, pb);
+      /* bf16: the warp's dims are words warp D/8 .. of the rows */
+      kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
@@ -905,16 +928,10 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     for (int r = 0; r < 2; ++r) {
       const int qv = q0 + 16 * mq + (ln >> 2) + 8 * r;
       if (qv >= Q) continue;
-      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0);
-      if (BF) {
-        const int d0 = 16 * kk + 2 * t4;
-        f[r] = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 1) * qds] << 16);
-        f[2 + r] = (uint32_t)qp[(d0 + 8) * qds] | ((uint32_t)qp[(d0 + 9) * qds] << 16);
-      } else {
-        const int d0 = 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
-        f[r] = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + 4) * qds] << 16);
-        f[2 + r] = (uint32_t)qp[(d0 + 1) * qds] | ((uint32_t)qp[(d0 + 5) * qds] << 16);
-      }
+      const uint2 x = kvc_q_pairs<BF, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
+                                          qds, kk, t4);
+      f[r] = x.x;
+      f[2 + r] = x.y;
     }
     qa[idx] = make_uint4(f[0], f[1], f[2], f[3]);
   }
@@ -1087,57 +1104,10 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     }
 #pragma unroll
     for (int kq = 0; kq < KQ; ++kq) {
-      const int tb = 16 * (th * KQ + kq), ta = tb + 2 * tq;
+      const int tb = 16 * (th * KQ + kq);
       uint32_t pb[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        if (nt < ntc) {
-          const __nv_bfloat16 *pr = ps + (8 * nt + g) * KVC_TC_PS + ta;
-          pb[nt][0] = *(const uint32_t *)pr;
-          pb[nt][1] = *(const uint32_t *)(pr + 8);
-        }
-      if (BF) {
-#pragma unroll
-        for (int i = 0; i < MTV; ++i) {
-          const int x = sl * 8 * MTV + 8 * i + g;
-          const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + x);
-          const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + x);
-          const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + x);
-          const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + x);
-          const uint32_t af[4] = {__byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
-                                  __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
-        }
-        continue;
-      }
-      const uint32_t w0 = *((const uint32_t *)(st + L.vd + ta * L.rs) + xw);
-      const uint32_t w1 = *((const uint32_t *)(st + L.vd + (ta + 1) * L.rs) + xw);
-      const uint32_t w8 = *((const uint32_t *)(st + L.vd + (ta + 8) * L.rs) + xw);
-      const uint32_t w9 = *((const uint32_t *)(st + L.vd + (ta + 9) * L.rs) + xw);
-      const uint32_t s01 = kvc_lds16(st + L.vs + (ta * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
-      const uint32_t b01 = kvc_lds16(st + L.vb + (ta * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
-      const uint32_t s89 = kvc_lds16(st + L.vs + ((ta + 8) * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
-      const uint32_t b89 = kvc_lds16(st + L.vb + ((ta + 8) * gv + vgi) * 2) |
-                           (kvc_lds16(st + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
-      const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
-      const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
-#pragma unroll
-      for (int i = 0; i < MTV; ++i) {
-        const int c0 = cb + 2 * i, c1 = c0 + 1;
-        uint32_t af[4];
-        af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
-        af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
-        af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
-        af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
-      }
+      kvc_p_frags<NT>(ps, KVC_TC_PS, tb + 2 * tq, g, ntc, pb);
+      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, BF ? sl * 8 * MTV + g : xw, cb, vgi, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>();
