@@ -2,7 +2,7 @@
 # A/B of the tensor-core kernels in one device call: the tree as it is (A)
 # against B, same bench commands, same machine, alternated twice. B is the
 # tree with PATCH_B applied (`git apply`; e.g. a `git diff` carried in
-# build/ab), else FILE_B (a whole src/cuda/attn_q4_tc.cu, e.g. `git show
+# build/ab), else FILE_B (a whole src/cuda/attn_tc.cu, e.g. `git show
 # HEAD:...` carried in build/ab), else the tree with the decode instance's
 # stages / blocks per SM changed by sed (STAGES_B, BLOCKS_B). Output:
 # $OUT/ab.log. The tree is restored at the end.
@@ -13,7 +13,7 @@ STAGES_B=${STAGES_B:-3}
 BLOCKS_B=${BLOCKS_B:-3}
 J=${J:-16}
 mkdir -p "$OUT"
-F=src/cuda/attn_q4_tc.cu
+F=src/cuda/attn_tc.cu
 FILES="$F src/cuda/context.cu src/cuda/launch.cuh"
 mkdir -p /tmp/ab_A /tmp/ab_B
 for f in $FILES; do cp "$f" /tmp/ab_A/"$(basename "$f")"; done

@@ -28,10 +28,10 @@ struct kvc_plan {
   int lanes_log2;
   int nsplit;
   long long chunk;
-  int tc;        /* 1: the tensor-core kernel (attn_q4_tc.cu; fmt KVC_Q4 or KVC_BF16, QW = 8 or 32) instead of the fused one */
+  int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4 or KVC_BF16; QW = 8 or 32: narrow, 48: wide) instead of the fused one */
 };
 
-/* The tensor-core q4 kernel (attn_q4_tc.cu): warps per block (each takes 16
+/* The narrow tensor-core kernel (attn_tc.cu): warps per block (each takes 16
  * tokens of a 64-token stage). */
 #define KVC_TC_WARPS 4
 #define KVC_TC_THREADS (KVC_TC_WARPS * KVC_WARP)
