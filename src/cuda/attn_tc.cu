@@ -294,6 +294,23 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
 }
 
 /* ---- pieces shared by the narrow and the wide kernel ---- */
+/* The token range [*t_lo, *t_hi) of a split (keys before row 0's sliding
+ * window skipped) and its 64-token stages. */
+__device__ __forceinline__ int kvc_tc_range(const kvc_args &a, int split, long long len, long long *t_lo,
+                                            long long *t_hi) {
+  *t_lo = (long long)split * a.chunk;
+  *t_hi = min(*t_lo + a.chunk, len);
+  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
+  return *t_hi > *t_lo ? (int)((*t_hi - *t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
+}
+/* Is every key of the stage at t0 inside the split and visible to every row
+ * (no mask, or causal without segments and inside each row's window)? Then
+ * the per-key mask test is skipped (the common case). */
+__device__ __forceinline__ bool kvc_tc_stage_full(const kvc_args &a, long long t0, long long t_hi, long long len) {
+  return t0 + KVC_TC_TOK <= t_hi &&
+         (a.mask_kind == KVA_MASK_NONE || (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
+                                           (a.window <= 0 || t0 > len - 1 - a.window)));
+}
 /* The bf16 query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
  * (2 t4 + 8, 2 t4 + 9) -> .y of k-step kk, in the dim order the staged K
  * yields: bf16 rows: dims (16 kk + 2 t4, + 1) and (16 kk + 8 + 2 t4, + 1)
@@ -401,10 +418,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
    * the groups go into the mma columns (see the S phase) */
   const bool packed = I8 && min(Q - q0, 8) * gk <= 8;
 
-  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
-  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) /* keys before row 0's window */
-    t_lo = max(t_lo, len - a.L - a.window + 1);
-  const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
+  long long t_lo, t_hi;
+  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
 
   /* logits in log2 units: x = scl2 * q.k, a softcap c as (c log2 e) tanh(x / (c log2 e)) */
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
@@ -713,10 +728,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     /* masks and logits (log2 units); c0 (token g, query 2tq), c1 (g, 2tq + 1),
      * c2/c3 (token g + 8). A stage wholly inside every row's causal window
      * (the common case) skips the per-key mask test. */
-    const bool full = t0 + KVC_TC_TOK <= t_hi &&
-                      (a.mask_kind == KVA_MASK_NONE ||
-                       (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
-                        (a.window <= 0 || t0 > len - 1 - a.window)));
+    const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
     bool vis[NTM][4];
 #pragma unroll
     for (int nt = 0; nt < NTM; ++nt) {
@@ -894,9 +906,8 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   const int Q = a.rep * a.L, q0 = qg * KVC_TCW_QV;
   const int mqc = min(MQ, (Q - q0 + 15) / 16), ntc = min(NT, (Q - q0 + 7) / 8); /* tiles with query vectors */
 
-  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
-  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) t_lo = max(t_lo, len - a.L - a.window + 1);
-  const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
+  long long t_lo, t_hi;
+  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;
 
@@ -1028,10 +1039,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     }
     /* masks and logits (log2 units): sc[mq][e] is (query 16 mq + g + 8 (e >> 1),
      * token 8 warp + 2 tq + (e & 1)) */
-    const bool full = t0 + KVC_TC_TOK <= t_hi &&
-                      (a.mask_kind == KVA_MASK_NONE ||
-                       (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
-                        (a.window <= 0 || t0 > len - 1 - a.window)));
+    const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
     bool vis[MQ][4];
 #pragma unroll
     for (int mq = 0; mq < MQ; ++mq) {
