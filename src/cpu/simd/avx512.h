@@ -15,7 +15,7 @@ typedef struct fmt_plan {
   int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
   int exact;                      /* codes converted exactly (f32 queries), see code_as_float */
-  int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (kphase_vnni) */
+  int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
   kva_dtype sdt;                  /* scales dtype (quantized) or element dtype (float) */

@@ -4,7 +4,7 @@
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
- *   an exact integer dot product (vpdpbusd, kphase_vnni) of the codes with
+ *   an exact integer dot product (vpdpbusd, chunk_dots_vnni) of the codes with
  *   q rounded to 21-bit integers. Quantized V accumulates (p*s_g)*c per
  *   element and p*b_g once per group lane.
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
@@ -48,37 +48,17 @@ ALWAYS void put_scores(__m512 (*part)[LANES], const __m512 *sc, int J, int64_t t
   }
 }
 
-/* Scores of a block of J vectors against n rows: row t's per-lane partial
- * sums are collected 16 rows at a time and reduced by one shuffle tree.
- * pf (or NULL): row t of the next tile is prefetched with row t. */
-ALWAYS void kphase_quant(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                         const float *qs, int J, int bits, int exact, float *S, const kva_prefetch *pf) {
+/* The lane partial dots of chunk c of a row (16 words x, code k of word w
+ * in lane w of vector k) with the J query vectors in their permuted order,
+ * as f32: codes as floats (code_as_float) times q by FMAs. */
+ALWAYS void chunk_dots_float(const fmt_plan *fp, __m512i x, int c, const float *qp, int J, int bits, int exact,
+                             __m512 *acc) {
   const int E = 32 / bits;
-  __m512 part[KQB][LANES];
-  for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
-    const char *row = rows[t].k;
-    const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
-    const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
-    __m512 sc[KQB];
-    for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
-    for (int c = 0; c < fp->nch; ++c) {
-      const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
-      __m512 acc[KQB];
-      for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
-      for (int k = 0; k < E; ++k) {
-        const __m512 f = code_as_float(x, k, bits, exact);
-        const float *qk = qp + (int64_t)(c * E + k) * LANES;
-        for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(f, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
-      }
-      __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
-      affine_for(&sv, &bv, bits, exact);
-      for (int j = 0; j < J; ++j) {
-        sc[j] = _mm512_fmadd_ps(sv, acc[j], sc[j]);
-        sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
-      }
-    }
-    put_scores(part, sc, J, t, n, S, NULL);
+  for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+  for (int k = 0; k < E; ++k) {
+    const __m512 f = code_as_float(x, k, bits, exact);
+    const float *qk = qp + (int64_t)(c * E + k) * LANES;
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(f, _mm512_loadu_ps(qk + (int64_t)j * fp->P), acc[j]);
   }
 }
 
@@ -124,11 +104,36 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
  * (<= 2^-21 of max|q_j|: no bf16/f16 element with over 20 bits between its
  * exponent and the max loses anything) and of the f32 epilogue; 8-bit codes
  * need no unpacking. qb of vector j: [chunk][i][piece h,m,l][64 bytes] at
- * qp + j*P floats. */
-ALWAYS void kphase_vnni(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
-                        const float *post, int J, int bits, float *S, const kva_prefetch *pf) {
+ * qp + j*P floats. Here: the chunk's lane values I as f32 (kphase_q applies
+ * the lane scales and biases). */
+ALWAYS void chunk_dots_vnni(const fmt_plan *fp, __m512i x, int c, const float *qp, int J, int bits, __m512 *acc) {
   const int CB = 8 / bits;
   const __m512i cmask = _mm512_set1_epi8((char)((1 << bits) - 1));
+  __m512i ah[KQB], am[KQB], al[KQB];
+  for (int j = 0; j < J; ++j) ah[j] = am[j] = al[j] = _mm512_setzero_si512();
+  for (int i = 0; i < CB; ++i) {
+    const __m512i v = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
+    for (int j = 0; j < J; ++j) {
+      const char *qb = (const char *)(qp + (int64_t)j * fp->P) + ((int64_t)(c * CB + i) * 3) * 64;
+      ah[j] = _mm512_dpbusd_epi32(ah[j], v, _mm512_loadu_si512(qb));
+      am[j] = _mm512_dpbusd_epi32(am[j], v, _mm512_loadu_si512(qb + 64));
+      al[j] = _mm512_dpbusd_epi32(al[j], v, _mm512_loadu_si512(qb + 128));
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    acc[j] = _mm512_cvtepi32_ps(
+        _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[j], 8), am[j]), 8), al[j]));
+}
+#endif
+
+/* Scores of a block of J vectors against n rows of quantized K: per chunk
+ * the lane partial dots (chunk_dots_vnni when vnni, else chunk_dots_float),
+ * then sc += s_lane * dot + b_lane * qs_lane; row t's J lane-partial score
+ * vectors are reduced 16 rows at a time (put_scores), times post[j] for the
+ * integer dots. pf (or NULL): row t of the next tile is prefetched with row
+ * t. vnni, bits and exact are constants after inlining. */
+ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
+                     const float *post, int J, int bits, int exact, int vnni, float *S, const kva_prefetch *pf) {
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
@@ -139,31 +144,24 @@ ALWAYS void kphase_vnni(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
     for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
-      __m512i ah[KQB], am[KQB], al[KQB];
-      for (int j = 0; j < J; ++j) ah[j] = am[j] = al[j] = _mm512_setzero_si512();
-      for (int i = 0; i < CB; ++i) {
-        const __m512i v = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
-        for (int j = 0; j < J; ++j) {
-          const char *qb = (const char *)(qp + (int64_t)j * fp->P) + ((int64_t)(c * CB + i) * 3) * 64;
-          ah[j] = _mm512_dpbusd_epi32(ah[j], v, _mm512_loadu_si512(qb));
-          am[j] = _mm512_dpbusd_epi32(am[j], v, _mm512_loadu_si512(qb + 64));
-          al[j] = _mm512_dpbusd_epi32(al[j], v, _mm512_loadu_si512(qb + 128));
-        }
-      }
-      const __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      __m512 acc[KQB];
+#ifdef __AVX512VNNI__
+      if (vnni)
+        chunk_dots_vnni(fp, x, c, qp, J, bits, acc);
+      else
+#endif
+        chunk_dots_float(fp, x, c, qp, J, bits, exact, acc);
+      __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
+      if (!vnni) affine_for(&sv, &bv, bits, exact);
       for (int j = 0; j < J; ++j) {
-        const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[j], 8), am[j]), 8), al[j]);
-        sc[j] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(I), sc[j]);
+        sc[j] = _mm512_fmadd_ps(sv, acc[j], sc[j]);
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
       }
     }
-    put_scores(part, sc, J, t, n, S, post);
+    put_scores(part, sc, J, t, n, S, vnni ? post : NULL);
   }
 }
-#define KPHASE_VNNI(J_, B_) kphase_vnni(fp, rows, n, qp, qs, post, J_, B_, S, pf)
-#else
-#define KPHASE_VNNI(J_, B_) (void)post
-#endif
+#define KPHASE_VNNI(J_, B_) kphase_q(fp, rows, n, qp, qs, post, J_, B_, 0, 1, S, pf)
 
 /* One block of J <= KQB vectors; J is a constant after inlining. */
 #define KPHASE_BLOCK(J_)                                                                                       \
@@ -176,12 +174,12 @@ ALWAYS void kphase_vnni(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
       return;                                                                                                  \
     }                                                                                                          \
     switch (fp->bits * 2 + fp->exact) {                                                                        \
-    case 4: kphase_quant(fp, rows, n, qp, qs, J_, 2, 0, S, pf); break;                                         \
-    case 5: kphase_quant(fp, rows, n, qp, qs, J_, 2, 1, S, pf); break;                                         \
-    case 8: kphase_quant(fp, rows, n, qp, qs, J_, 4, 0, S, pf); break;                                         \
-    case 9: kphase_quant(fp, rows, n, qp, qs, J_, 4, 1, S, pf); break;                                         \
-    case 16: kphase_quant(fp, rows, n, qp, qs, J_, 8, 0, S, pf); break;                                        \
-    case 17: kphase_quant(fp, rows, n, qp, qs, J_, 8, 1, S, pf); break;                                        \
+    case 4: kphase_q(fp, rows, n, qp, qs, NULL, J_, 2, 0, 0, S, pf); break;                                   \
+    case 5: kphase_q(fp, rows, n, qp, qs, NULL, J_, 2, 1, 0, S, pf); break;                                   \
+    case 8: kphase_q(fp, rows, n, qp, qs, NULL, J_, 4, 0, 0, S, pf); break;                                   \
+    case 9: kphase_q(fp, rows, n, qp, qs, NULL, J_, 4, 1, 0, S, pf); break;                                   \
+    case 16: kphase_q(fp, rows, n, qp, qs, NULL, J_, 8, 0, 0, S, pf); break;                                  \
+    case 17: kphase_q(fp, rows, n, qp, qs, NULL, J_, 8, 1, 0, S, pf); break;                                  \
     default: kphase_float(fp, rows, n, qp, J_, S, pf); break;                                                  \
     }                                                                                                          \
   }
@@ -492,7 +490,7 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
 }
 
 #ifdef __AVX512VNNI__
-/* Integer queries (kphase_vnni) need every query element finite and the
+/* Integer queries (chunk_dots_vnni) need every query element finite and the
  * largest of each query 0 or >= 2^-100 (so that scale * 2^-k stays normal). */
 
 static int queries_vnni_ok(const kva_item *it, int64_t nrows, int64_t nq) {
@@ -510,7 +508,7 @@ static int queries_vnni_ok(const kva_item *it, int64_t nrows, int64_t nq) {
   return 1;
 }
 
-/* One query as kphase_vnni's bytes qb, its lane sums qs (times 2^k) and
+/* One query as chunk_dots_vnni's bytes qb, its lane sums qs (times 2^k) and
  * post = scale * 2^-k. */
 static void query_vnni(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs,
                        float *post) {
@@ -562,7 +560,7 @@ static void attend_fast(const kva_item *it) {
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
   float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn, *post = bvt + KVA_TILE * vbn;
   /* Queries, scaled, in K's permuted order and their per-lane sums per
-   * chunk; or, for kphase_vnni, as integer bytes (query_vnni). */
+   * chunk; or, for chunk_dots_vnni, as integer bytes (query_vnni). */
   float qrow[KVA_MAX_HEAD_DIM];
 #ifdef __AVX512VNNI__
   kf.vnni = kf.bits && !kf.exact && queries_vnni_ok(it, nrows, nq);
