@@ -68,10 +68,11 @@
 #define KVC_TC_ROWPAD 16              /* bytes after each raw row: conflict-free fragment reads */
 #define KVC_TC_PS (KVC_TC_TOK + 8)    /* bf16 per P row */
 #define KVC_TC_SUB 16                 /* tokens per warp in the S phase (mma M) */
-/* Stages in the cp.async ring: 2 for the decode instance (its ~45 KB at
+/* Stages in the cp.async ring: 2 for the decode instance (q4: its ~45 KB at
  * D = 256 and 127 registers let 4 blocks share an SM: 16 warps, 4 stages in
- * flight), 4 for the wide one (registers allow 2 blocks per SM). */
-__host__ __device__ constexpr int kvc_tc_stages(int f, int ntm) { return f == KVC_BF16 || ntm == 1 ? 2 : 4; }
+ * flight; bf16 rows: ~140 KB at D = 256), 4 for the 32-vector q4 instance
+ * (registers allow 2 blocks per SM). */
+__host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
 /* bf16x2 constants (both halves) */
 #define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
 #define KVC_BF16X2_ONE 0x3F803F80u
@@ -145,7 +146,7 @@ __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int
   l.stage = (l.vb + KVC_TC_TOK * gv * 2 + 127) / 128 * 128;
 }
 __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
-  const int stages = kvc_tc_stages(f, ntm);
+  const int stages = kvc_tc_stages(ntm);
   kvc_tc_layout l;
   kvc_tc_stage_layout(l, f, D, gk, gv);
   l.qf = stages * l.stage;
@@ -394,7 +395,7 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
 template <int F, int D, int NTM>
 __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F == KVC_Q4 || D < 256 ? 2 : 1)
     kvc_tc_kernel(const kvc_args a) {
-  constexpr int STAGES = kvc_tc_stages(F, NTM);
+  constexpr int STAGES = kvc_tc_stages(NTM);
   constexpr bool BF = F == KVC_BF16; /* bf16 K/V rows: mma operands as they are, no scale rows */
   /* q.k: exact integer products (split queries) for the decode instance;
    * bf16 dequantized K for the wide one (its per-group epilogue would cost
