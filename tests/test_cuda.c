@@ -129,6 +129,10 @@ static double cuda_case_atol(const att_case *c) {
   if (fused && dims && c->qdt == BF16 && c->kbits == 0 && c->vbits == 0 && c->kvdt == BF16 &&
       (int64_t)(c->H / c->KVH) * c->L >= 6)
     return ATT_ATOL_BF16;
+  /* q8 on the tensor-core decode instance (P' = p s in bf16) */
+  if (fused && dims && c->Dk >= 128 && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 &&
+      groups >= 2 && groups <= 8 && c->Dk / 4 <= c->group && (int64_t)(c->H / c->KVH) * c->L <= 8)
+    return ATT_ATOL_BF16;
   return ATOL_REL;
 }
 #define DEV_SENTINEL_BYTES 256
@@ -339,6 +343,12 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 12, 2, 2, 333, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 8, 1, 3, 150, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      /* q8 K/V on the decode instance: groups in the mma columns (rep 2, 4
+       * groups); per-group S with window, softcap, sinks, ragged (D = 128,
+       * group 32); 8 vectors with group 128, strided */
+      {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 1, 333, 128, 128, BF16, F32, 8, 8, 32, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 8, 2, 2, 500, 256, 256, BF16, BF16, 8, 8, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1);
 }
@@ -416,6 +426,7 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* wide kernel */
+      {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q8 */
   };
   run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3);
 }

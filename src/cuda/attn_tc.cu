@@ -2,7 +2,10 @@
  * MLX-affine K/V with bf16 scales and biases (KVC_Q4: 2 to 8 groups per
  * row, scale rows of 4, 8 or 16 bytes, one cp.async each), or bf16 K/V rows
  * (KVC_BF16: the rows are the mma operands, no dequantization, no scale
- * rows; 2 ring slots of 64 rows x 2 D bytes per operand). bf16 queries, Dk =
+ * rows; 2 ring slots of 64 rows x 2 D bytes per operand), or 8-bit K/V
+ * with bf16 scales (KVC_Q8: decode instance only, D 128/256, each warp's V
+ * dims inside one group; S on the bytes as they are, P.V by
+ * kvc_pv_step_q8). bf16 queries, Dk =
  * Dv = D in {64, 128, 256}, causal-family masks, L <= 16; contiguous or
  * BLOCK_TABLE layout. Split over token blocks like the fused kernel and
  * merged by the same merge launch (attn_merge.cu). What follows describes
@@ -78,6 +81,8 @@ __host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 :
 #define KVC_BF16X2_ONE 0x3F803F80u
 #define KVC_BF16X2_M128 0xC300C300u /* -128.0 */
 #define KVC_NIB_PAIR 0x000F000Fu    /* a code in each 16-bit half */
+#define KVC_BF16X2_16 0x41804180u   /* 16.0 */
+#define KVC_BF16X2_M2176 0xC508C508u /* -2176.0 = -(16 + 1) 128 (q8 P.V) */
 
 /* ---- PTX helpers ---- */
 __device__ __forceinline__ uint32_t kvc_and_or(uint32_t a, uint32_t b, uint32_t c) {
@@ -88,6 +93,11 @@ __device__ __forceinline__ uint32_t kvc_and_or(uint32_t a, uint32_t b, uint32_t 
 __device__ __forceinline__ uint32_t kvc_fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t kvc_mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 /* d += a (16x16, row) * b (16x8, col), bf16 operands, f32 accumulators. */
@@ -136,7 +146,7 @@ struct kvc_tc_layout {
 };
 /* The ring's stage part, common to both kernels. */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
-  l.rs = (f == KVC_BF16 ? 2 * D : D / 2) + KVC_TC_ROWPAD; /* bf16 rows: no scale rows (gk = gv = 0) */
+  l.rs = (f == KVC_BF16 ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* bf16 rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
   l.ks = l.vd + KVC_TC_TOK * l.rs;
@@ -184,7 +194,7 @@ struct kvc_tc_loader {
 template <int F, int D>
 __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
                                                          long long t_lo) {
-  constexpr int CPR = F == KVC_BF16 ? D / 8 : D / 32; /* 16-byte pieces per row */
+  constexpr int CPR = F == KVC_BF16 ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32; /* 16-byte pieces per row */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;  /* rows between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
   const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
@@ -235,7 +245,7 @@ __device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int
 template <int F, int D>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
                                                   uint32_t slot, int fo, long long t0, long long t_hi, int id) {
-  constexpr int CPR = F == KVC_BF16 ? D / 8 : D / 32;
+  constexpr int CPR = F == KVC_BF16 ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32;
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;
   const uint32_t dv = L.vd - L.kd, rstep = TSTEP * L.rs;
@@ -295,6 +305,91 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
 }
 
 /* ---- pieces shared by the narrow and the wide kernel ---- */
+/* u8 A fragments of S k-step kj (32 dims) for rows r0 (p0) and r1 (p1),
+ * p0/p1 at word tq of the staged rows. q4: K word 4 kj + tq, low nibbles
+ * (dims 8 w + 0, 2, 4, 6) as k columns 4 tq.., high ones as 16 + 4 tq..;
+ * q8: words 8 kj + tq and 8 kj + 4 + tq (dims in order). The query B
+ * fragments follow the same dim order (kvc_i8_dim). */
+template <int F>
+__device__ __forceinline__ void kvc_s_codes(const uint32_t *p0, const uint32_t *p1, int kj, uint32_t (&af)[4]) {
+  if (F == KVC_Q8) {
+    af[0] = p0[8 * kj], af[1] = p1[8 * kj], af[2] = p0[8 * kj + 4], af[3] = p1[8 * kj + 4];
+  } else {
+    const uint32_t w0 = p0[4 * kj], w1 = p1[4 * kj];
+    af[0] = w0 & KVC_NIBBLES, af[1] = w1 & KVC_NIBBLES, af[2] = (w0 >> 4) & KVC_NIBBLES, af[3] = (w1 >> 4) & KVC_NIBBLES;
+  }
+}
+/* The dim of byte i of query B register hh (k rows 4 t4 + i, or 16 + 4 t4 +
+ * i) in S k-step kj: the order kvc_s_codes gives the codes. */
+template <int F> __device__ __forceinline__ int kvc_i8_dim(int kj, int t4, int hh, int i) {
+  return F == KVC_Q8 ? 32 * kj + 16 * hh + 4 * t4 + i : 8 * (4 * kj + t4) + 2 * i + hh;
+}
+
+/* One k-step of O^T += V^T P^T for q8 V (the warp's dims inside one group):
+ * with v = s c + b and c = 16 h + l (the code's nibbles),
+ *   sum_t p_t v_t = sum_t 16 P'_t (128 + h_t) + sum_t P'_t (128 + l_t)
+ *                   - 2176 sum_t P'_t + sum_t p_t b_t,   P'_t = bf16(p_t s_t),
+ * so the A fragments are 128 + h and 128 + l (one shift and one LOP3 each:
+ * a byte has no exact bf16 magic), two mma per m-tile, and the corrections
+ * (equal for every dim) go through the one-m-tile accumulator accc: A = the
+ * tokens' biases times P, A = -2176 times P'. Products exact, sums f32; the
+ * rounding is P' (2^-9). m-tile i of this lane: word xq + 8 (i / 2) of the
+ * rows, codes 2 (i % 2) (row g) and 2 (i % 2) + 1 (row g + 8). */
+template <int MT, int NT>
+__device__ __forceinline__ void kvc_pv_step_q8(const unsigned char *sv, const kvc_tc_layout &L, int ta, int xq, int vgi,
+                                               int gv, const uint32_t (&pb)[NT][2], int ntc, float (&acc)[MT][NT][4],
+                                               float (&accc)[NT][4]) {
+  const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
+  const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
+  const uint32_t s01 = kvc_lds16(sv + L.vs + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
+  const uint32_t b01 = kvc_lds16(sv + L.vb + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
+  const uint32_t s89 = kvc_lds16(sv + L.vs + ((ta + 8) * gv + vgi) * 2) |
+                       (kvc_lds16(sv + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
+  const uint32_t b89 = kvc_lds16(sv + L.vb + ((ta + 8) * gv + vgi) * 2) |
+                       (kvc_lds16(sv + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+  uint32_t pf[NT][2], pf16[NT][2]; /* P' = P s and 16 P' (exact) */
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    if (nt < ntc) {
+      pf[nt][0] = kvc_mul_bf16x2(pb[nt][0], s01);
+      pf[nt][1] = kvc_mul_bf16x2(pb[nt][1], s89);
+      pf16[nt][0] = kvc_mul_bf16x2(pf[nt][0], KVC_BF16X2_16);
+      pf16[nt][1] = kvc_mul_bf16x2(pf[nt][1], KVC_BF16X2_16);
+    }
+#pragma unroll
+  for (int w = 0; w < (MT + 1) / 2; ++w) {
+    const int x = xq + 8 * w;
+    /* the two tokens' bytes of codes 0, 1 (lo) and 2, 3 (hi), by 16-bit halves */
+    const uint32_t lo01 = __byte_perm(r0[x], r1[x], 0x5410), hi01 = __byte_perm(r0[x], r1[x], 0x7632);
+    const uint32_t lo89 = __byte_perm(r8[x], r9[x], 0x5410), hi89 = __byte_perm(r8[x], r9[x], 0x7632);
+#pragma unroll
+    for (int u = 0; u < 2 && 2 * w + u < MT; ++u) {
+      const int i = 2 * w + u; /* codes 2 u (row g) and 2 u + 1 (row g + 8) */
+      const uint32_t a01 = u ? hi01 : lo01, a89 = u ? hi89 : lo89;
+      const uint32_t al[4] = {kvc_and_or(a01, KVC_NIB_PAIR, KVC_BF16X2_128), kvc_and_or(a01 >> 8, KVC_NIB_PAIR, KVC_BF16X2_128),
+                              kvc_and_or(a89, KVC_NIB_PAIR, KVC_BF16X2_128), kvc_and_or(a89 >> 8, KVC_NIB_PAIR, KVC_BF16X2_128)};
+      const uint32_t ah[4] = {kvc_and_or(a01 >> 4, KVC_NIB_PAIR, KVC_BF16X2_128),
+                              kvc_and_or(a01 >> 12, KVC_NIB_PAIR, KVC_BF16X2_128),
+                              kvc_and_or(a89 >> 4, KVC_NIB_PAIR, KVC_BF16X2_128),
+                              kvc_and_or(a89 >> 12, KVC_NIB_PAIR, KVC_BF16X2_128)};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) {
+          kvc_mma_bf16(acc[i][nt], ah, pf16[nt][0], pf16[nt][1]);
+          kvc_mma_bf16(acc[i][nt], al, pf[nt][0], pf[nt][1]);
+        }
+    }
+  }
+  const uint32_t ab[4] = {b01, b01, b89, b89};
+  const uint32_t an[4] = {KVC_BF16X2_M2176, KVC_BF16X2_M2176, KVC_BF16X2_M2176, KVC_BF16X2_M2176};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    if (nt < ntc) {
+      kvc_mma_bf16(accc[nt], ab, pb[nt][0], pb[nt][1]);
+      kvc_mma_bf16(accc[nt], an, pf[nt][0], pf[nt][1]);
+    }
+}
+
 /* The token range [*t_lo, *t_hi) of a split (keys before row 0's sliding
  * window skipped) and its 64-token stages. */
 __device__ __forceinline__ int kvc_tc_range(const kvc_args &a, int split, long long len, long long *t_lo,
@@ -393,7 +488,7 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
 }
 
 template <int F, int D, int NTM>
-__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F == KVC_Q4 || D < 256 ? 2 : 1)
+__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F != KVC_BF16 || D < 256 ? 2 : 1)
     kvc_tc_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
   constexpr bool BF = F == KVC_BF16; /* bf16 K/V rows: mma operands as they are, no scale rows */
@@ -471,9 +566,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       if (pd == 0) qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
     }
     __syncthreads();
-    /* B fragments of k-step kj (32 dims) for lane (g, tq): bytes i of b0, b1
-     * hold dims d0 + 2 i and d0 + 2 i + 1 of query 8 nt + g, d0 = 8 (4 kj + tq):
-     * the codes the K word 4 kj + tq yields (S phase) */
+    /* B fragments of k-step kj (32 dims) for lane (g, tq): byte i of b0, b1
+     * holds dim kvc_i8_dim(kj, tq, 0 / 1, i) of query 8 nt + g (q4: d0 + 2 i
+     * and d0 + 2 i + 1, d0 = 8 (4 kj + tq), the codes the K word 4 kj + tq
+     * yields; q8: 32 kj + 4 tq + i and 16 more) */
     for (int idx = threadIdx.x; idx < (D / 32) * 2 * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
       const int kj = idx / (2 * NTM * KVC_WARP), part = (idx / (NTM * KVC_WARP)) % 2;
       const int nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
@@ -482,13 +578,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       uint32_t f[2] = {0u, 0u};
       if (qv < Q && (!packed || ((kj * 32) >> gk_sh) == n % gk)) {
         const unsigned short *qp = qst + jq * D;
-        const int d0 = 8 * (4 * kj + (ln & 3));
         const float inv = 1.0f / qsig[jq];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const float y = kvc_bf16_bits(qp[d0 + 2 * i + hh]) * inv;
+            const float y = kvc_bf16_bits(qp[kvc_i8_dim<F>(kj, ln & 3, hh, i)]) * inv;
             const float qh = rintf(y * (1.0f / 128.0f));
             const float v = part ? rintf(y - 128.0f * qh) : qh;
             const int iv = (v == v) ? (int)fminf(fmaxf(v, -127.0f), 127.0f) : 0;
@@ -538,17 +633,21 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
   const bool pok = packed && q0 + pq < Q;
   const float psig = packed ? qsig[pq] * scl2 : 0.0f;
   const float pqs[2] = {packed ? qsum[pg * 8 + pq] : 0.0f, packed ? qsum[(pg + 1) * 8 + pq] : 0.0f};
-  float acc[MT][NTM][4];
+  float acc[MT][NTM][4], accc[NTM][4]; /* accc: q8's correction sums (kvc_pv_step_q8) */
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int nt = 0; nt < NTM; ++nt) {
+    accc[nt][0] = accc[nt][1] = accc[nt][2] = accc[nt][3] = 0.0f;
 #pragma unroll
-    for (int nt = 0; nt < NTM; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
+    for (int i = 0; i < MT; ++i) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
+  }
 
   __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
   float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
   /* V slice of this lane: word xw of each token row, codes cb .. cb + 2 MT - 1 */
   const int xw = warp * WPL + g % WPL, cb = (g / WPL) * 2 * MT;
-  const int vgi = (8 * xw) >> gv_sh;
+  /* q8: word xq + 8 w of each token row (m-tiles 2 w, 2 w + 1), all in the group of the warp's dims */
+  const int xq = warp * (D / 16) + g;
+  const int vgi = ((F == KVC_Q8 ? 4 * xq : 8 * xw)) >> gv_sh;
 
   for (int s = 0; s < nst; ++s) {
     kvc_cp_wait<STAGES - 2>(); /* this thread's copies of stage s landed */
@@ -585,8 +684,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       int ah[4] = {0, 0, 0, 0}, al[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int kj = 0; kj < D / 32; ++kj) {
-        const uint32_t w0 = p0[4 * kj], w1 = p1[4 * kj];
-        const uint32_t af[4] = {w0 & KVC_NIBBLES, w1 & KVC_NIBBLES, (w0 >> 4) & KVC_NIBBLES, (w1 >> 4) & KVC_NIBBLES};
+        uint32_t af[4];
+        kvc_s_codes<F>(p0, p1, kj, af);
         const uint2 fh = qf[(2 * kj) * KVC_WARP + lane], fl = qf[(2 * kj + 1) * KVC_WARP + lane];
         kvc_mma_u8s8(ah, af, fh.x, fh.y);
         kvc_mma_u8s8(al, af, fl.x, fl.y);
@@ -626,8 +725,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
         }
 #pragma unroll
       for (int kj = 0; kj < D / 32; ++kj) {
-        const uint32_t w0 = p0[4 * kj], w1 = p1[4 * kj];
-        const uint32_t af[4] = {w0 & KVC_NIBBLES, w1 & KVC_NIBBLES, (w0 >> 4) & KVC_NIBBLES, (w1 >> 4) & KVC_NIBBLES};
+        uint32_t af[4];
+        kvc_s_codes<F>(p0, p1, kj, af);
 #pragma unroll
         for (int nt = 0; nt < NTM; ++nt)
           if (nt < ntc) {
@@ -789,14 +888,16 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
         ps[(8 * nt + 2 * tq + j) * KVC_TC_PS + KVC_TC_SUB * warp + g + 8 * (e >> 1)] = pb;
       }
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int nt = 0; nt < NTM; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < NTM; ++nt) {
+      for (int i = 0; i < MT; ++i) {
         acc[i][nt][0] *= corr[nt][0];
         acc[i][nt][1] *= corr[nt][1];
         acc[i][nt][2] *= corr[nt][0];
         acc[i][nt][3] *= corr[nt][1];
       }
+      if (F == KVC_Q8) accc[nt][0] *= corr[nt][0], accc[nt][1] *= corr[nt][1]; /* rows all equal: r = 0 suffices */
+    }
     __syncthreads();
 
     /* ---- PV phase: O^T[dims of this warp] += V^T P^T over the 64 tokens ---- */
@@ -805,7 +906,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       uint32_t pb[NTM][2];
       kvc_p_frags<NTM>(ps, KVC_TC_PS, 16 * kq + 2 * tq, g, ntc, pb);
       /* bf16: the warp's dims are words warp D/8 .. of the rows */
-      kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi, gv, pb, ntc, acc);
+      if (F == KVC_Q8)
+        kvc_pv_step_q8<MT, NTM>(st, L, 16 * kq + 2 * tq, xq, vgi, gv, pb, ntc, acc, accc);
+      else
+        kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
@@ -835,8 +939,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
-          const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r : 8 * xw + cb + 2 * i + r;
-          kvc_emit(a, split, b, hk, qv, d, m[nt][j], Ls, acc[i][nt][2 * r + j]);
+          const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r
+                           : F == KVC_Q8 ? 4 * (xq + 8 * (i / 2)) + 2 * (i % 2) + r : 8 * xw + cb + 2 * i + r;
+          kvc_emit(a, split, b, hk, qv, d, m[nt][j], Ls,
+                   acc[i][nt][2 * r + j] + (F == KVC_Q8 ? accc[nt][j] : 0.0f));
         }
     }
 }
@@ -1186,7 +1292,7 @@ template <int F, int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
 
 #define KVC_TC_INSTANCES(X)                                                                         \
   X(KVC_Q4, 64, 1) X(KVC_Q4, 64, 4) X(KVC_Q4, 128, 1) X(KVC_Q4, 128, 4) X(KVC_Q4, 256, 1) X(KVC_Q4, 256, 4) \
-  X(KVC_BF16, 64, 1) X(KVC_BF16, 128, 1) X(KVC_BF16, 256, 1)
+  X(KVC_BF16, 64, 1) X(KVC_BF16, 128, 1) X(KVC_BF16, 256, 1) X(KVC_Q8, 128, 1) X(KVC_Q8, 256, 1)
 
 template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
   return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1243,6 +1349,6 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s tensor-core attention kernel (D = %d, %d query vectors per block): %s",
-                      f == KVC_BF16 ? "bf16" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
+                      f == KVC_BF16 ? "bf16" : f == KVC_Q8 ? "q8" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
   return 0;
 }

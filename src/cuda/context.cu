@@ -32,8 +32,8 @@ struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[2][KVC_TC_NDIMS][3]; /* resident tensor-core blocks per SM by [bf16][head dim][8, 32, 48 vectors] */
-  int tc_smem[2][KVC_TC_NDIMS][3];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_occupancy[3][KVC_TC_NDIMS][3]; /* resident tensor-core blocks per SM by [q4, bf16, q8][head dim][8, 32, 48 vectors] */
+  int tc_smem[3][KVC_TC_NDIMS][3];      /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -188,12 +188,18 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   if (kv->k.bits == 0 && kv->v.bits == 0 && kv->k.data.dtype == KVA_BF16 && kv->v.data.dtype == KVA_BF16) {
     if (p->rep * p->L < KVC_TC_BF16_MIN_Q || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
     *fmt = KVC_BF16;
+  } else if (kv->k.bits == 8 && kv->v.bits == 8) {
+    /* q8: the decode instance only (<= 8 query vectors), D 128 / 256, the
+     * warp's D / 4 dims of V inside one group (kvc_pv_step_q8) */
+    if (p->rep * p->L > 8 || p->Dk < 128 || p->Dk / 4 > kv->v.group_size) return -1;
+    if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
+    *fmt = KVC_Q8;
   } else {
     if (kv->k.bits != 4 || kv->v.bits != 4) return -1;
     if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
     *fmt = KVC_Q4;
   }
-  for (int i = 0; i < 2 && *fmt == KVC_Q4; ++i) {
+  for (int i = 0; i < 2 && *fmt != KVC_BF16; ++i) {
     const int groups = (int)(p->Dk / ops[i]->group_size);
     if (groups < 2 || groups > 8) return -1;
     if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
@@ -209,11 +215,11 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
 static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kind, int ntm, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  const int bf = fmt == KVC_BF16;
-  int *slot = &st->tc_occupancy[bf][di][kind];
-  if (*slot == 0 || st->tc_smem[bf][di][kind] != smem) {
+  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : 0;
+  int *slot = &st->tc_occupancy[fi][di][kind];
+  if (*slot == 0 || st->tc_smem[fi][di][kind] != smem) {
     *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, ntm, smem);
-    st->tc_smem[bf][di][kind] = smem;
+    st->tc_smem[fi][di][kind] = smem;
   }
   return *slot > 0 ? *slot : 1;
 }
@@ -263,7 +269,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
      * the wide kernel (48 vectors per block: K/V staged and dequantized once
      * per 48) */
-    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2;
+    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2; /* q8: Q <= 8 only */
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
     const int smem = tcf == KVC_BF16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
