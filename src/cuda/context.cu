@@ -12,6 +12,8 @@
 
 /* Fused grid sizing (tuning only; never changes results beyond rounding). */
 #define KVC_MAX_WAVES 4             /* waves of resident blocks considered */
+#define KVC_WAVE_TOKENS 96          /* a wave's fixed cost in tokens per block (H200, bf16 fused decode 8/4/256
+                                       64k B=4: one wave 271.8 us, three 281.9 us: ~90 tokens) */
 #define KVC_MIN_SPLIT_TOKENS 256    /* fewest tokens per split (fused kernel) */
 #define KVC_TC_MIN_SPLIT_TOKENS 128 /* q4 tensor-core kernel: two stages, so short caches use more SMs */
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
@@ -224,29 +226,30 @@ static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kin
   return *slot > 0 ? *slot : 1;
 }
 
-/* Splits: whole waves of `resident` blocks with the least idle tail, each
- * split at least min_tokens tokens, chunks whole steps. */
+/* Splits: the count whose whole waves of `resident` blocks finish first,
+ * costing a wave as its chunk plus KVC_WAVE_TOKENS (the fixed cost of a
+ * block: queries, the first loads' latency, the state write), over 1 to
+ * max_waves waves; each split at least min_tokens tokens, chunks whole steps. */
 static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, long long resident, long long step,
                             int max_waves, long long min_tokens) {
   long long most = (p->N + min_tokens - 1) / min_tokens;
   if (most > KVC_MAX_SPLITS) most = KVC_MAX_SPLITS;
-  long long want = 1;
-  double best = 0.0;
+  long long best_chunk = 0, best_cost = 0;
   for (int waves = 1; waves <= max_waves; ++waves) {
     long long ns = waves * resident / base;
     if (ns > most) ns = most;
     if (ns < 1) ns = 1;
-    const long long blocks = ns * base, slots = (blocks + resident - 1) / resident * resident;
-    const double use = (double)blocks / (double)slots;
-    if (use > best + 0.02) {
-      best = use;
-      want = ns;
+    long long chunk = (p->N + ns - 1) / ns;
+    chunk = (chunk + step - 1) / step * step;
+    const long long blocks = (p->N + chunk - 1) / chunk * base;
+    const long long cost = (blocks + resident - 1) / resident * (chunk + KVC_WAVE_TOKENS);
+    if (best_chunk == 0 || cost < best_cost) {
+      best_chunk = chunk;
+      best_cost = cost;
     }
   }
-  long long chunk = (p->N + want - 1) / want;
-  chunk = (chunk + step - 1) / step * step;
-  pl->chunk = chunk;
-  pl->nsplit = (int)((p->N + chunk - 1) / chunk);
+  pl->chunk = best_chunk;
+  pl->nsplit = (int)((p->N + best_chunk - 1) / best_chunk);
 }
 
 /* The one selector: the tensor-core kernel (q4 or bf16) or the fused kernel when one
