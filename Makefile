@@ -92,6 +92,7 @@ test:
 test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	$(BUILD)/kvattn_tests
 	$(BUILD)/kvattn bench --quick
+	$(BUILD)/kvattn bench --quick --layout paged --block 16 --block-order sequential
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
 test-py: $(BUILD)/libkvattn.so $(PY)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests

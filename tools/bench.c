@@ -102,7 +102,8 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   FILE *f = stdout;
   fprintf(f, "{\"op\":\"attention\",\"mode\":\"%s\",\"backend\":\"%s\",\"layout\":\"%s\"",
           c->L == 1 ? "decode" : "verify", ri->be->name, kb_layout_name(c->layout));
-  fprintf(f, ",\"block\":%lld,\"preset\":", (long long)c->block);
+  fprintf(f, ",\"block\":%lld,\"block_order\":\"%s\",\"preset\":", (long long)c->block,
+          c->layout != KVA_LAYOUT_PAGED ? "none" : c->in_order ? "sequential" : "shuffled");
   json_str(f, c->preset);
   fprintf(f, ",\"kv\":\"%s\",\"group\":%d,\"kv_dtype\":\"%s\"", kb_kv_name(&c->kv), c->kv.group,
           kva_dtype_name(c->kv.dtype));

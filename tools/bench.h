@@ -40,6 +40,7 @@ typedef struct kb_case {
   kva_dtype qdtype, odtype; /* query / output dtype (bf16 in the suites) */
   kva_layout layout;        /* contiguous now; paged when the paged API lands */
   int64_t block;            /* paged: tokens per block; 0 for contiguous */
+  bool in_order;            /* paged: each sequence's blocks in order in the pool (else shuffled) */
 } kb_case;
 
 /* "q4" / "bf16" ... and "q4g64" / "bf16" (with the group). */
@@ -87,6 +88,7 @@ typedef struct kb_axes {
   kva_dtype qdtype, odtype;
   kva_layout layout;
   int64_t block;
+  bool in_order; /* --block-order sequential */
 } kb_axes;
 
 /* True when the command line named any shape axis (then the run is a grid

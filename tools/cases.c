@@ -65,7 +65,8 @@ void kb_case_label(const kb_case *c, char *buf, size_t n) {
   else
     snprintf(dim, sizeof dim, "%lld:%lld", (long long)c->Dk, (long long)c->Dv);
   char lay[32] = "";
-  if (c->layout == KVA_LAYOUT_PAGED) snprintf(lay, sizeof lay, " paged/%lld", (long long)c->block);
+  if (c->layout == KVA_LAYOUT_PAGED)
+    snprintf(lay, sizeof lay, " paged/%lld%s", (long long)c->block, c->in_order ? " in-order" : "");
   snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld L=%lld B=%lld", c->preset, (long long)c->H,
            (long long)c->KVH, dim, kv, lay, (long long)c->N, (long long)c->L, (long long)c->B);
 }
@@ -108,7 +109,7 @@ double kb_case_flops(const kb_case *c) {
 bool kb_same_cache(const kb_case *a, const kb_case *b) {
   return a->B == b->B && a->KVH == b->KVH && a->N == b->N && a->Dk == b->Dk && a->Dv == b->Dv &&
          a->kv.bits == b->kv.bits && a->kv.dtype == b->kv.dtype && a->kv.group == b->kv.group &&
-         a->layout == b->layout && a->block == b->block;
+         a->layout == b->layout && a->block == b->block && a->in_order == b->in_order;
 }
 
 /* ------------------------------------------------------------ suites */
@@ -185,6 +186,7 @@ static kb_case case_from(const char *preset, int64_t H, int64_t KVH, int64_t Dk,
   c.kv = kv, c.N = N, c.L = L, c.B = B;
   c.qdtype = a->qdtype, c.odtype = a->odtype;
   c.layout = a->layout, c.block = a->block;
+  c.in_order = a->in_order;
   return c;
 }
 

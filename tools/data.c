@@ -294,7 +294,8 @@ static int pool_to_device(kb_backend *be, kb_cacheset *cs, int i, char *err, siz
   return 0;
 }
 
-/* cs->copies pools from the host master, blocks shuffled, one view each;
+/* cs->copies pools from the host master, blocks shuffled (unless the case
+ * asks for them in order), one view each;
  * on a device backend each goes to the device and the host pool is freed. */
 static int make_pools(kb_backend *be, kb_cacheset *cs, uint64_t seed, char *err, size_t errn) {
   const kb_case *c = &cs->key;
@@ -316,8 +317,8 @@ static int make_pools(kb_backend *be, kb_cacheset *cs, uint64_t seed, char *err,
   kb_cacheset_kv(cs, -1, &k, &v);
   kva_kv_view master = kva_view_contiguous(&k, &v, NULL);
   for (int i = 0; i < cs->copies && rc == 0; ++i) {
-    uint64_t shuffle = seed ^ (0x5bd1e995ull * (uint64_t)(i + 1));
-    if (shuffle == 0) shuffle = 1; /* 0 would keep the blocks in order */
+    uint64_t shuffle = c->in_order ? 0 : seed ^ (0x5bd1e995ull * (uint64_t)(i + 1)); /* 0: blocks in order */
+    if (shuffle == 0 && !c->in_order) shuffle = 1;
     rc = kva_pool_from_contiguous(&cs->pools[i], &master, c->block, 0, shuffle, seqs);
     if (rc == 0) rc = kva_paged_view_create(cs->pools[i], seqs, c->B, &cs->views[i]);
     if (rc < 0) {

@@ -84,8 +84,10 @@ static void usage_bench(FILE *f) {
           "  --qdtype T         query dtype f32 | f16 | bf16 (default bf16)\n"
           "  --odtype T         output dtype f32 | f16 | bf16 (default bf16)\n"
           "  --layout L         contiguous (default) | paged (pools made with\n"
-          "                     kva_pool_from_contiguous, blocks shuffled)\n"
+          "                     kva_pool_from_contiguous)\n"
           "  --block N          paged: tokens per block, %d..%d (default %d)\n"
+          "  --block-order O    paged: shuffled (default: each sequence's blocks at\n"
+          "                     random places in the pool) | sequential (in order)\n"
           "run:\n"
           "  --backend B        cpu (default) | cuda\n"
           "  --threads T        worker threads, 0 = all cores (default)\n"
@@ -275,7 +277,7 @@ static int cmd_bench(int argc, char **argv) {
   a.layout = KVA_LAYOUT_CONTIGUOUS;
   int64_t warmups = -1, min_reps = -1, max_reps = -1, group = 0, threads = 0;
   double budget = -1, rotate = -1, memcap = DEF_MEM_CAP_GB, bw = -1;
-  bool block_set = false;
+  bool block_set = false, order_set = false;
 
   for (int i = 0; i < argc; ++i) {
     char *opt = argv[i], *val = NULL, flag[64];
@@ -339,6 +341,12 @@ static int cmd_bench(int argc, char **argv) {
       NEEDS_VALUE();
       TRY(parse_i64(opt, val, 1, MAX_CTX, false, &a.block));
       block_set = true;
+    } else if (IS("--block-order")) {
+      NEEDS_VALUE();
+      if (!strcmp(val, "shuffled")) a.in_order = false;
+      else if (!strcmp(val, "sequential")) a.in_order = true;
+      else return usage_error("--block-order: '%s' is not one of shuffled, sequential", val), KB_EXIT_USAGE;
+      order_set = true;
     } else if (IS("--backend")) {
       NEEDS_VALUE();
       if (!strcmp(val, "cpu")) o.backend = KVA_BACKEND_CPU;
@@ -370,6 +378,8 @@ static int cmd_bench(int argc, char **argv) {
   if (o.quick && o.full) return usage_error("--quick and --full exclude each other"), KB_EXIT_USAGE;
   if (block_set && a.layout != KVA_LAYOUT_PAGED)
     return usage_error("--block applies to --layout paged only"), KB_EXIT_USAGE;
+  if (order_set && a.layout != KVA_LAYOUT_PAGED)
+    return usage_error("--block-order applies to --layout paged only"), KB_EXIT_USAGE;
   if (a.layout == KVA_LAYOUT_PAGED) {
     if (!block_set) a.block = DEF_BLOCK;
     if (a.block < KVA_BLOCK_SIZE_MIN || a.block > KVA_BLOCK_SIZE_MAX)
