@@ -77,6 +77,11 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-paged128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q4 --layout paged --block 16
     run kvbench-bf16-256k 240 $KB --preset gemma3-4b --ctx 64k --batch 4 --rows 1 --kv bf16
     run kvbench-bf16-gqa6 240 $KB --preset gqa6-256 --ctx 128k --rows 1,8 --kv bf16
+    run kvbench-q8 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q8
+    run kvbench-q8-b16 240 $KB --preset gemma3-4b,llama3-8b --ctx 32k --batch 16 --rows 1 --kv q8
+    # the pool's scatter apart from the kernel: the same paged cases with each sequence's blocks in order
+    run kvbench-paged-inorder 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged \
+      --block 16 --block-order sequential
   } > "$OUT/kvbench.log" 2>&1
   grep -vE "^\[|^$" "$OUT/kvbench.log" | grep -E "PASS|FAIL|ERROR|bandwidth|x$|==" | head -60
 fi
