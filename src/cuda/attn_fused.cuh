@@ -52,7 +52,7 @@ template <bool B> struct kvc_table_tag {
 /* One lane's view of an operand: its chunk of row 0 of (b, h) and the row
  * strides (hoisted out of the token loop: row t is base + t * stride). For a
  * BLOCK_TABLE operand the bases hold (h, chunk) only and each token is
- * located through its table entry (loaded a step ahead); the table fields
+ * located through the table (one table load per token); the table fields
  * are read from the kernel's parameters (kvc_operand), not held here, so
  * the contiguous loop keeps its registers. */
 struct kvc_lane_rows {
@@ -79,19 +79,18 @@ __device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op,
   return r;
 }
 
-/* Loads this lane's chunk of row t with one vector load of BYTES (the host
- * routes unaligned operands to the general path) and the raw scale/bias.
- * op: the operand r was made from; TABLE: op is a BLOCK_TABLE operand and
- * id the table entry of token t (kvc_table_id, loaded a step ahead so that
- * the row load does not wait on it; the caller branches once per step, so
- * the contiguous loads stay straight-line code). */
+/* Loads this lane's chunk of row t of sequence b with one vector load of
+ * BYTES (the host routes unaligned operands to the general path) and the
+ * raw scale/bias. op: the operand r was made from; TABLE: op is a
+ * BLOCK_TABLE operand (the caller branches once per step, so the contiguous
+ * loads stay straight-line code). */
 template <int FMT, int E, bool TABLE>
 __device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, const kvc_operand &op,
-                                               int id, long long t) {
+                                               int b, long long t) {
   typedef kvc_chunk<FMT, E> C;
   long long od = t * r.ds, os = t * r.ss, ob = t * r.bs;
   if (TABLE) {
-    const kvc_loc l = kvc_table_loc_id(op, r.fo, id, t);
+    const kvc_loc l = kvc_table_loc(op.tbl + b * op.tbl_rs, r.fo, op.bsz, op.bsh, op.nblk, t);
     od = l.outer * op.ds[0] + l.row * r.ds;
     os = l.outer * op.ss[0] + l.row * r.ss;
     ob = l.outer * op.bs[0] + l.row * r.bs;
@@ -207,13 +206,11 @@ __device__ __forceinline__ void kvc_decode(const kvc_chunk<FMT, E> &ch, int sdt,
   }
 }
 
-/* U token rows of one lane: the unit of loading, double-buffered; id: the
- * BLOCK_TABLE entries of the rows of the step this buffer loads next. */
+/* U token rows of one lane: the unit of loading, double-buffered. */
 template <int FMT, int E, int U> struct kvc_step {
   kvc_chunk<FMT, E> k[U], v[U];
   long long t[U];
   bool valid[U];
-  int id[U];
 };
 
 /* 2^x with the MUFU unit (ex2.approx.ftz: ~2 ulp; 2^-inf = 0). */
@@ -332,17 +329,6 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
 
   const int step = KVC_FUSED_WARPS * TPW * U;
   typedef kvc_step<FMT, E, U> S;
-  /* BLOCK_TABLE: the table entries of the step at `base` into st.id (K and
-   * V share the table), issued one compute ahead of the loads that use
-   * them; nothing for contiguous rows. */
-  auto ids = [&](S &st, long long base, auto tb) {
-    if (decltype(tb)::value)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const long long t = base + (long long)(u * KVC_FUSED_WARPS + warp) * TPW + slot;
-        st.id[u] = t < t_hi ? kvc_table_id(a.k, b, krows.fo, t) : 0;
-      }
-  };
   /* Issues the loads of the step starting at token `base` (none past t_hi);
    * tb: kvc_table_tag<true> for a BLOCK_TABLE view (the token loop below
    * is instantiated once per layout, so the contiguous loop is unchanged). */
@@ -354,9 +340,8 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       st.valid[u] = st.t[u] < t_hi;
       kvc_zero_chunk(st.k[u]);
       kvc_zero_chunk(st.v[u]);
-      const int id = TB ? st.id[u] : 0;
-      if (st.valid[u] && kact) kvc_load_chunk<FMT, E, TB>(st.k[u], krows, a.k, id, st.t[u]);
-      if (st.valid[u] && vact) kvc_load_chunk<FMT, E, TB>(st.v[u], vrows, a.v, id, st.t[u]);
+      if (st.valid[u] && kact) kvc_load_chunk<FMT, E, TB>(st.k[u], krows, a.k, b, st.t[u]);
+      if (st.valid[u] && vact) kvc_load_chunk<FMT, E, TB>(st.v[u], vrows, a.v, b, st.t[u]);
     }
   };
   /* Logits, online softmax and P.V of one loaded step. */
@@ -426,23 +411,17 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
     }
   };
   /* Two steps in flight: the next step's loads are issued before this one's
-   * math (ping-pong buffers, so no register copy waits on a load); table
-   * entries one step further ahead, so a row load never waits on its entry
-   * (but for the first two steps). */
+   * math (ping-pong buffers, so no register copy waits on a load). */
   auto run = [&](auto tb) {
     S sa, sb;
     long long base = t_lo;
-    ids(sa, base, tb);
     if (base < t_hi) load(sa, base, tb);
-    ids(sb, base + step, tb);
     while (base < t_hi) {
       load(sb, base + step, tb);
-      ids(sa, base + 2 * step, tb);
       compute(sa);
       base += step;
       if (base >= t_hi) break;
       load(sa, base + step, tb);
-      ids(sb, base + 2 * step, tb);
       compute(sb);
       base += step;
     }

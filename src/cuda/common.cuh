@@ -129,6 +129,13 @@ __device__ __forceinline__ kvc_loc kvc_table_loc_id(const kvc_operand &op, int f
   const long long r = t + fo;
   return kvc_loc_of(id, r, kvc_table_col(r, op.bsz, op.bsh), op.bsz, op.nblk);
 }
+/* Both steps in one, from a sequence's table row and the raw fields (the
+ * fused kernel's per-lane form). */
+__device__ __forceinline__ kvc_loc kvc_table_loc(const int32_t *tbl_row, int fo, int bsz, int bsh, int nblk,
+                                                 long long t) {
+  const long long r = t + fo, j = kvc_table_col(r, bsz, bsh);
+  return kvc_loc_of(__ldg(tbl_row + j), r, j, bsz, nblk);
+}
 __device__ __forceinline__ kvc_loc kvc_locate(const kvc_operand &op, int b, int fo, long long t) {
   if (op.tbl) return kvc_table_loc_id(op, fo, kvc_table_id(op, b, fo, t), t);
   kvc_loc l;
