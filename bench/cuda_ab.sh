@@ -5,7 +5,8 @@
 # build/ab), else FILE_B (a whole src/cuda/attn_tc.cu, e.g. `git show
 # HEAD:...` carried in build/ab), else the tree with the decode instance's
 # stages / blocks per SM changed by sed (STAGES_B, BLOCKS_B). Output:
-# $OUT/ab.log. The tree is restored at the end.
+# $OUT/ab.log. The tree is restored at the end. BENCH: a file of `kvattn
+# bench` argument lines to run instead of the built-in sets (SHORT=1 or all).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/cuda_logs}
@@ -33,6 +34,10 @@ use A
 for f in $FILES; do diff /tmp/ab_A/"$(basename "$f")" /tmp/ab_B/"$(basename "$f")" | head -4; done
 KB="./build/kvattn bench --backend cuda --quiet --no-check --reps 40"
 bench() {
+  if [ -n "${BENCH:-}" ]; then # a file of `kvattn bench` argument lines
+    while IFS= read -r line; do [ -n "$line" ] && $KB $line; done < "$BENCH"
+    return
+  fi
   if [ -n "${SHORT:-}" ]; then # SHORT=1: the 128k decode and verify shapes, B = 16 decode
     $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
     $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4
