@@ -116,8 +116,10 @@ static const att_case cases[] = {
  * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the
  * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, Dk = Dv
  * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
- * with bf16 scales and biases, 2 to 8 groups per row, or bf16 K and V with
- * at least 6 query vectors per KV head); K, V and P enter its mma as bf16.
+ * with bf16 scales and biases, 2 to 8 groups per row, or 8-bit ones (up to
+ * 8 query vectors per KV head: D 128 / 256 with D / 4 <= group; any D beyond),
+ * or bf16 K and V with at least 6 query vectors per KV head); K, V and P
+ * (8-bit decode: P times the V scale) enter its mma as bf16.
  * Else f32 products. */
 static double cuda_case_atol(const att_case *c) {
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
@@ -129,9 +131,11 @@ static double cuda_case_atol(const att_case *c) {
   if (fused && dims && c->qdt == BF16 && c->kbits == 0 && c->vbits == 0 && c->kvdt == BF16 &&
       (int64_t)(c->H / c->KVH) * c->L >= 6)
     return ATT_ATOL_BF16;
-  /* q8 on the tensor-core decode instance (P' = p s in bf16) */
-  if (fused && dims && c->Dk >= 128 && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 &&
-      groups >= 2 && groups <= 8 && c->Dk / 4 <= c->group && (int64_t)(c->H / c->KVH) * c->L <= 8)
+  /* q8 on the tensor-core kernels: the decode instance up to 8 query
+   * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
+  const int64_t qv = (int64_t)(c->H / c->KVH) * c->L;
+  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && groups >= 2 &&
+      groups <= 8 && (qv > 8 || (c->Dk >= 128 && c->Dk / 4 <= c->group)))
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
@@ -349,6 +353,12 @@ TEST(cuda_q4_tc_path) {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {2, 24, 4, 1, 333, 128, 128, BF16, F32, 8, 8, 32, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 8, 2, 2, 500, 256, 256, BF16, BF16, 8, 8, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      /* q8 on the wide kernel (more than 8 vectors): verify at GQA 6; window,
+       * softcap, sinks, ragged at D = 128 with 18 vectors; D = 64 with 64
+       * vectors (two blocks per KV head), group 32, strided */
+      {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {2, 12, 2, 3, 333, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1);
 }
@@ -427,6 +437,7 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* wide kernel */
       {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q8 */
+      {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* q8 wide */
   };
   run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3);
 }

@@ -134,6 +134,18 @@ __device__ __forceinline__ uint32_t kvc_deq_pair(uint32_t w, int k, uint32_t s2,
   return kvc_fma_bf16x2(c, s2, b2);                                          /* s c + b, one rounding */
 }
 __device__ __forceinline__ uint32_t kvc_lds16(const unsigned char *p) { return *(const unsigned short *)p; }
+/* bf16x2 of (lo, hi), each rounded to nearest even. */
+__device__ __forceinline__ uint32_t kvc_bf16x2_of(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+/* q8 code byte k of w -> bf16 of scale * code + bias (f32, one rounding) for
+ * two words (lo, hi): the A/B register of two tokens or two dims. */
+__device__ __forceinline__ uint32_t kvc_deq8_pair(uint32_t wl, int kl, float sl, float zl, uint32_t wh, int kh, float sh,
+                                                  float zh) {
+  return kvc_bf16x2_of(fmaf(sl, kvc_byte_float(wl, kl), zl), fmaf(sh, kvc_byte_float(wh, kh), zh));
+}
 
 /* Shared-memory layout of one block (bytes), from D, the groups per row
  * and the n-tiles: a ring of stages {K rows, V rows, K scales, K biases,
@@ -410,12 +422,14 @@ __device__ __forceinline__ bool kvc_tc_stage_full(const kvc_args &a, long long t
 /* The bf16 query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
  * (2 t4 + 8, 2 t4 + 9) -> .y of k-step kk, in the dim order the staged K
  * yields: bf16 rows: dims (16 kk + 2 t4, + 1) and (16 kk + 8 + 2 t4, + 1)
- * (the mma's own order); q4 rows (kvc_deq_pair of word t4 WPL + kk / 2):
- * (d0, d0 + 4) and (d0 + 1, d0 + 5), d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2). */
-template <bool BF, int WPL>
+ * (the mma's own order); q8 rows (the bytes of word 4 kk + t4, wide
+ * kernel): (d0, d0 + 1) and (d0 + 2, d0 + 3), d0 = 16 kk + 4 t4; q4 rows
+ * (kvc_deq_pair of word t4 WPL + kk / 2): (d0, d0 + 4) and (d0 + 1, d0 + 5),
+ * d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2). */
+template <int F, int WPL>
 __device__ __forceinline__ uint2 kvc_q_pairs(const unsigned short *qp, long long qds, int kk, int t4) {
-  const int d0 = BF ? 16 * kk + 2 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
-  const int dx = BF ? 1 : 4, dy = BF ? 8 : 1; /* second dim of .x; first dim of .y */
+  const int d0 = F == KVC_BF16 ? 16 * kk + 2 * t4 : F == KVC_Q8 ? 16 * kk + 4 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
+  const int dx = F == KVC_Q4 ? 4 : 1, dy = F == KVC_BF16 ? 8 : F == KVC_Q8 ? 2 : 1; /* second dim of .x; first dim of .y */
   uint2 f;
   f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + dx) * qds] << 16);
   f.y = (uint32_t)qp[(d0 + dy) * qds] | ((uint32_t)qp[(d0 + dy + dx) * qds] << 16);
@@ -443,13 +457,39 @@ __device__ __forceinline__ void kvc_p_frags(const __nv_bfloat16 *ps, int stride,
  *   q4: V word xw of each row; m-tile i rows g, g + 8 are codes cb + 2 i,
  *       cb + 2 i + 1 of it, dequantized with the two tokens' scales and
  *       biases of group vgi (gv groups per row);
- *   bf16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i. */
+ *   bf16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i;
+ *   q8 (the wide kernel; the narrow one takes kvc_pv_step_q8): the same dims
+ *       2 x, 2 x + 1, bytes 2 (x % 2), + 1 of word x / 2, dequantized to
+ *       bf16 in f32 (scale * code + bias, one rounding) with the tokens'
+ *       scales and biases of group vgi (the m-tiles' dims lie in one group). */
 template <int F, int MT, int NT>
 __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_tc_layout &L, int ta, int xw, int cb,
                                             int vgi, int gv, const uint32_t (&pb)[NT][2], int ntc,
                                             float (&acc)[MT][NT][4]) {
   const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
   const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
+  if (F == KVC_Q8) {
+    float s[4], z[4]; /* tokens ta, ta + 1, ta + 8, ta + 9 */
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = ta + (r & 1) + 8 * (r >> 1);
+      s[r] = kvc_bf16_bits(kvc_lds16(sv + L.vs + (t * gv + vgi) * 2));
+      z[r] = kvc_bf16_bits(kvc_lds16(sv + L.vb + (t * gv + vgi) * 2));
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int x = xw + 8 * i, wi = x >> 1, k0 = 2 * (x & 1);
+      const uint32_t w0 = r0[wi], w1 = r1[wi], w8 = r8[wi], w9 = r9[wi];
+      const uint32_t af[4] = {kvc_deq8_pair(w0, k0, s[0], z[0], w1, k0, s[1], z[1]),
+                              kvc_deq8_pair(w0, k0 + 1, s[0], z[0], w1, k0 + 1, s[1], z[1]),
+                              kvc_deq8_pair(w8, k0, s[2], z[2], w9, k0, s[3], z[3]),
+                              kvc_deq8_pair(w8, k0 + 1, s[2], z[2], w9, k0 + 1, s[3], z[3])};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+    }
+    return;
+  }
   if (F == KVC_BF16) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
@@ -603,7 +643,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       const int qv = q0 + 8 * nt + (ln >> 2);
       uint2 f = make_uint2(0u, 0u);
       if (qv < Q) {
-        f = kvc_q_pairs<BF, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), qds, kk,
+        f = kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), qds, kk,
                                  ln & 3);
       }
       qf[idx] = f;
@@ -956,7 +996,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
  *   S^T = Q K^T with the queries as mma M (KVC_TCW_MQ m-tiles of 16) and the
  *         tokens as N: warp w takes tokens 8w..8w+7 of the stage, so each K
  *         element is dequantized by one lane of one warp (q4: LOP3 magic +
- *         two bf16x2 FMAs per pair; bf16: the row words are the B fragments).
+ *         two bf16x2 FMAs per pair; q8: byte to f32, scale * code + bias,
+ *         rounded to bf16; bf16: the row words are the B fragments).
  *         The query A fragments sit in shared memory in the dim order the K
  *         words yield (16 B per lane, k-step and m-tile).
  *   softmax: per query, the max over the warp's 8 tokens by two shuffles,
@@ -965,10 +1006,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
  *         P = 2^(s - m) in bf16 to shared memory.
  *   O^T += V^T P^T: warp w takes a slice of 16 MTV head dims (D >= 128: 8
  *         slices over the 64 tokens; D = 64: 4 slices x 2 token halves,
- *         added at the end) for all 6 n-tiles of 8 query vectors.
+ *         added at the end) for all 6 n-tiles of 8 query vectors; V
+ *         dequantized as K (q4, q8) or taken as it is (bf16).
  *   launch: grid (ceil(rep L / 48), nsplit, B KVH) x 256 threads, one block
- *         per SM (shared memory ~115 KB at q4 D = 256, 4 slots; bf16 D = 256
- *         2 slots of 66 KB); three __syncthreads per stage. */
+ *         per SM (shared memory ~115 KB at q4 D = 256, 4 slots; q8 ~185 KB,
+ *         4 slots; bf16 D = 256 2 slots of 66 KB); three __syncthreads per
+ *         stage. */
 #define KVC_TCW_WARPS 8
 #define KVC_TCW_THREADS (KVC_TCW_WARPS * KVC_WARP)
 #define KVC_TCW_MQ 3                /* query m-tiles of 16 in S */
@@ -992,6 +1035,7 @@ template <int F, int D>
 __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tcw_stages(F, D);
   constexpr bool BF = F == KVC_BF16;
+  constexpr bool PAIRS = BF || F == KVC_Q8; /* P.V m-tile rows are dim pairs (2 x, 2 x + 1) of 16-bit words */
   constexpr int MQ = KVC_TCW_MQ, NT = 2 * MQ; /* query m-tiles (S), n-tiles (PV) */
   constexpr int KS = D / 16;                  /* k-steps of S */
   constexpr int WPL = D / 32;                 /* q4: K words per lane and token (S) */
@@ -1036,7 +1080,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
    * of k columns (2 tq, 2 tq + 1) and (2 tq + 8, 2 tq + 9): q4, k-step
    * 2P + h: (d0, d0 + 4) and (d0 + 1, d0 + 5), d0 = 8 (tq WPL + P) + 2 h (the
    * codes kvc_deq_pair takes from K word tq WPL + P); bf16: (16 kk + 2 tq,
-   * + 1) and (16 kk + 8 + 2 tq, + 1) */
+   * + 1) and (16 kk + 8 + 2 tq, + 1); q8: (16 kk + 4 tq, + 1) and (+ 2, + 3) */
   uint4 *qa = (uint4 *)(kvc_tc_buf + L.qf);
   const long long qds = a.qs[3] / 2;
   for (int idx = threadIdx.x; idx < KS * MQ * KVC_WARP; idx += KVC_TCW_THREADS) {
@@ -1046,7 +1090,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     for (int r = 0; r < 2; ++r) {
       const int qv = q0 + 16 * mq + (ln >> 2) + 8 * r;
       if (qv >= Q) continue;
-      const uint2 x = kvc_q_pairs<BF, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
+      const uint2 x = kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
                                           qds, kk, t4);
       f[r] = x.x;
       f[2 + r] = x.y;
@@ -1072,8 +1116,9 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     }
   /* PV layout: dim slice sl, token slice th; acc columns 8 nt + 2 tq + j */
   const int sl = warp % NSL, th = warp / NSL;
-  const int xw = sl * WPS + g % WPS, cb = (g / WPS) * 2 * MTV; /* q4: V word and first code of this lane */
-  const int vgi = BF ? 0 : (8 * xw) >> gv_sh;
+  /* q4: V word and first code of this lane; bf16 / q8: its dim pair of m-tile 0 */
+  const int xw = PAIRS ? sl * 8 * MTV + g : sl * WPS + g % WPS, cb = PAIRS ? 0 : (g / WPS) * 2 * MTV;
+  const int vgi = BF ? 0 : ((PAIRS ? 2 : 8) * xw) >> gv_sh;
   float acc[MTV][NT][4];
 #pragma unroll
   for (int i = 0; i < MTV; ++i)
@@ -1108,6 +1153,26 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         const uint32_t b0 = kr[8 * kk], b1 = kr[8 * kk + 4];
+#pragma unroll
+        for (int mq = 0; mq < MQ; ++mq)
+          if (mq < mqc) {
+            const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
+            const uint32_t af[4] = {f.x, f.y, f.z, f.w};
+            kvc_mma_bf16(sc[mq], af, b0, b1);
+          }
+      }
+    } else if (F == KVC_Q8) {
+      /* k-step kk: K word 4 kk + tq of the token gives dims 16 kk + 4 tq .. + 3
+       * (k rows 2 tq, + 1 and 2 tq + 8, + 9), dequantized in f32 and rounded
+       * to bf16 once; the 16 dims lie in one group */
+      const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const int gi = (16 * kk) >> gk_sh;
+        const float s1 = kvc_bf16_bits(kvc_lds16(st + L.ks + (tok * gk + gi) * 2));
+        const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (tok * gk + gi) * 2));
+        const uint32_t w = kr[4 * kk];
+        const uint32_t b0 = kvc_deq8_pair(w, 0, s1, z1, w, 1, s1, z1), b1 = kvc_deq8_pair(w, 2, s1, z1, w, 3, s1, z1);
 #pragma unroll
         for (int mq = 0; mq < MQ; ++mq)
           if (mq < mqc) {
@@ -1222,7 +1287,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       const int tb = 16 * (th * KQ + kq);
       uint32_t pb[NT][2];
       kvc_p_frags<NT>(ps, KVC_TC_PS, tb + 2 * tq, g, ntc, pb);
-      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, BF ? sl * 8 * MTV + g : xw, cb, vgi, gv, pb, ntc, acc);
+      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, xw, cb, vgi, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>();
@@ -1273,7 +1338,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       for (int i = 0; i < MTV; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int d = BF ? 2 * (sl * 8 * MTV + 8 * i + g) + r : 8 * xw + cb + 2 * i + r;
+          const int d = PAIRS ? 2 * (xw + 8 * i) + r : 8 * xw + cb + 2 * i + r;
           kvc_emit(a, split, b, hk, qv, d, mrow[qr], Ls, acc[i][nt][2 * r + j]);
         }
     }
@@ -1299,8 +1364,9 @@ template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
                               F == KVC_BF16 ? kvc_tcw_layout_of(F, D, 0, 0).total
                                             : kvc_tcw_layout_of(F, D, 8, 8).total);
 }
-#define KVC_TCW_INSTANCES(X) \
-  X(KVC_Q4, 64) X(KVC_Q4, 128) X(KVC_Q4, 256) X(KVC_BF16, 64) X(KVC_BF16, 128) X(KVC_BF16, 256)
+#define KVC_TCW_INSTANCES(X)                                                                       \
+  X(KVC_Q4, 64) X(KVC_Q4, 128) X(KVC_Q4, 256) X(KVC_BF16, 64) X(KVC_BF16, 128) X(KVC_BF16, 256)    \
+  X(KVC_Q8, 64) X(KVC_Q8, 128) X(KVC_Q8, 256)
 
 /* ntm = KVC_TCW_QV / 8: the wide kernel */
 int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) {

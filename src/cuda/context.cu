@@ -169,13 +169,13 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
 /* Does the tensor-core kernel cover the problem? bf16 queries (its
  * products are bf16: tests compare it at the bf16 allowance), Dk = Dv in
  * {64, 128, 256}, rows aligned for 16-byte copies, the query's dims
- * contiguous, and K and V either 4-bit with bf16 scales and biases (with
- * f16/f32 ones the bf16 rounding of K measured up to 1.5x the bf16
- * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
- * bytes: one cp.async each), or bf16 rows for at least KVC_TC_BF16_MIN_Q
+ * contiguous, and K and V either 4-bit or 8-bit with bf16 scales and
+ * biases (with f16/f32 ones the bf16 rounding of K measured up to 1.5x the
+ * bf16 allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or
+ * 16 bytes: one cp.async each), or bf16 rows for at least KVC_TC_BF16_MIN_Q
  * query vectors per KV head (the fused kernel reads bf16 decode at the copy
  * bandwidth already; it is f32-FMA bound beyond). Returns the head-dim index
- * or -1 and sets *fmt (KVC_Q4 or KVC_BF16). (The caller has checked the
+ * or -1 and sets *fmt (KVC_Q4, KVC_Q8 or KVC_BF16). (The caller has checked the
  * fused path.) */
 static bool kvc_aligned(const kva_tensor *t, long long align) {
   if ((uintptr_t)t->data % align) return false;
@@ -191,9 +191,10 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
     if (p->rep * p->L < KVC_TC_BF16_MIN_Q || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
     *fmt = KVC_BF16;
   } else if (kv->k.bits == 8 && kv->v.bits == 8) {
-    /* q8: the decode instance only (<= 8 query vectors), D 128 / 256, the
-     * warp's D / 4 dims of V inside one group (kvc_pv_step_q8) */
-    if (p->rep * p->L > 8 || p->Dk < 128 || p->Dk / 4 > kv->v.group_size) return -1;
+    /* q8: up to 8 query vectors the decode instance (D 128 / 256, the warp's
+     * D / 4 dims of V inside one group: kvc_pv_step_q8), beyond the wide
+     * kernel (K and V dequantized to bf16) */
+    if (p->rep * p->L <= 8 && (p->Dk < 128 || p->Dk / 4 > kv->v.group_size)) return -1;
     if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
     *fmt = KVC_Q8;
   } else {
@@ -272,7 +273,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
      * the wide kernel (48 vectors per block: K/V staged and dequantized once
      * per 48) */
-    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2; /* q8: Q <= 8 only */
+    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2;
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
     const int smem = tcf == KVC_BF16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
