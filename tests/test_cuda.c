@@ -118,8 +118,9 @@ static const att_case cases[] = {
  * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
  * with bf16 scales and biases, 2 to 8 groups per row, or 8-bit ones (up to
  * 8 query vectors per KV head: D 128 / 256 with D / 4 <= group; any D beyond),
- * or bf16 K and V with at least 6 query vectors per KV head); K, V and P
- * (8-bit decode: P times the V scale) enter its mma as bf16.
+ * or bf16 K and V with at least 6 query vectors per KV head, or f16 ones
+ * with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
+ * its mma as bf16 (f16 for f16 rows).
  * Else f32 products. */
 static double cuda_case_atol(const att_case *c) {
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
@@ -128,9 +129,9 @@ static double cuda_case_atol(const att_case *c) {
   if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && groups >= 2 &&
       groups <= 8)
     return ATT_ATOL_BF16;
-  if (fused && dims && c->qdt == BF16 && c->kbits == 0 && c->vbits == 0 && c->kvdt == BF16 &&
+  if (fused && dims && (c->qdt == BF16 || c->qdt == F16) && c->kbits == 0 && c->vbits == 0 && c->kvdt == c->qdt &&
       (int64_t)(c->H / c->KVH) * c->L >= 6)
-    return ATT_ATOL_BF16;
+    return ATT_ATOL_BF16; /* bf16 / f16 rows and queries: P rounded to their type */
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
    * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
   const int64_t qv = (int64_t)(c->H / c->KVH) * c->L;
@@ -347,6 +348,11 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 12, 2, 2, 333, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 8, 1, 3, 150, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      /* f16 K/V with f16 queries, the same instances (f16 mma, P in f16) */
+      {1, 24, 4, 1, 700, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {2, 12, 2, 2, 333, 128, 128, F16, F16, 0, 0, 0, F16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 8, 1, 3, 150, 64, 64, F16, BF16, 0, 0, 0, F16, MASK_NONE, 0, 0, 0, 0, 1},
       /* q8 K/V on the decode instance: groups in the mma columns (rep 2, 4
        * groups); per-group S with window, softcap, sinks, ragged (D = 128,
        * group 32); 8 vectors with group 128, strided */

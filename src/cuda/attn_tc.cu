@@ -76,6 +76,8 @@
  * flight; bf16 rows: ~140 KB at D = 256), 4 for the 32-vector q4 instance
  * (registers allow 2 blocks per SM). */
 __host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
+/* 16-bit float K/V rows (bf16, f16): the rows are the mma operands, no scale rows. */
+__host__ __device__ constexpr bool kvc_tc_float(int f) { return f == KVC_BF16 || f == KVC_F16; }
 /* bf16x2 constants (both halves) */
 #define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
 #define KVC_BF16X2_ONE 0x3F803F80u
@@ -106,6 +108,31 @@ __device__ __forceinline__ void kvc_mma_bf16(float (&d)[4], const uint32_t (&a)[
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* The same with f16 operands. */
+__device__ __forceinline__ void kvc_mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* The mma of format F's 16-bit operands: f16 for f16 rows (and f16 queries
+ * and P), bf16 for every other format. */
+template <int F> __device__ __forceinline__ void kvc_mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if (F == KVC_F16) kvc_mma_f16(d, a, b0, b1);
+  else kvc_mma_bf16(d, a, b0, b1);
+}
+/* P rounded to format F's 16-bit type (bits); *r: the rounded value, which
+ * the softmax sum l adds. */
+template <int F> __device__ __forceinline__ unsigned short kvc_p16(float p, float *r) {
+  if (F == KVC_F16) {
+    const __half h = __float2half_rn(p);
+    *r = __half2float(h);
+    return __half_as_ushort(h);
+  }
+  const __nv_bfloat16 h = __float2bfloat16_rn(p);
+  *r = __bfloat162float(h);
+  return __bfloat16_as_ushort(h);
 }
 /* d += a (16x32 u8, row) * b (32x8 s8, col), s32 accumulators (exact). */
 __device__ __forceinline__ void kvc_mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -158,7 +185,7 @@ struct kvc_tc_layout {
 };
 /* The ring's stage part, common to both kernels. */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
-  l.rs = (f == KVC_BF16 ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* bf16 rows: no scale rows (gk = gv = 0) */
+  l.rs = (kvc_tc_float(f) ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
   l.ks = l.vd + KVC_TC_TOK * l.rs;
@@ -206,13 +233,13 @@ struct kvc_tc_loader {
 template <int F, int D>
 __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
                                                          long long t_lo) {
-  constexpr int CPR = F == KVC_BF16 ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32; /* 16-byte pieces per row */
+  constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32; /* 16-byte pieces per row */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;  /* rows between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
   const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
   const kvc_operand &O = half ? V : K;
   kvc_tc_loader ld;
-  ld.rb = F == KVC_BF16 ? 0 : 2 * (D / O.group);
+  ld.rb = kvc_tc_float(F) ? 0 : 2 * (D / O.group);
   ld.ds = (half ? L.vs : L.ks) + tok * ld.rb;
   ld.dz = (half ? L.vb : L.kb) + tok * ld.rb;
   if (!K.tbl) {
@@ -257,7 +284,7 @@ __device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int
 template <int F, int D>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
                                                   uint32_t slot, int fo, long long t0, long long t_hi, int id) {
-  constexpr int CPR = F == KVC_BF16 ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32;
+  constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32;
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;
   const uint32_t dv = L.vd - L.kd, rstep = TSTEP * L.rs;
@@ -303,7 +330,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     sr = ld.s + l.outer * ld.sst + l.row * ld.srs;
     zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
   }
-  if (F == KVC_BF16) return; /* no scale rows */
+  if (kvc_tc_float(F)) return; /* no scale rows */
   const int n = sok ? ld.rb : 0;
   kvc_cp_async_rb(slot + ld.ds, sr, ld.rb, n);
   kvc_cp_async_rb(slot + ld.dz, zr, ld.rb, n);
@@ -419,17 +446,17 @@ __device__ __forceinline__ bool kvc_tc_stage_full(const kvc_args &a, long long t
          (a.mask_kind == KVA_MASK_NONE || (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
                                            (a.window <= 0 || t0 > len - 1 - a.window)));
 }
-/* The bf16 query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
+/* The 16-bit query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
  * (2 t4 + 8, 2 t4 + 9) -> .y of k-step kk, in the dim order the staged K
- * yields: bf16 rows: dims (16 kk + 2 t4, + 1) and (16 kk + 8 + 2 t4, + 1)
+ * yields: float rows: dims (16 kk + 2 t4, + 1) and (16 kk + 8 + 2 t4, + 1)
  * (the mma's own order); q8 rows (the bytes of word 4 kk + t4, wide
  * kernel): (d0, d0 + 1) and (d0 + 2, d0 + 3), d0 = 16 kk + 4 t4; q4 rows
  * (kvc_deq_pair of word t4 WPL + kk / 2): (d0, d0 + 4) and (d0 + 1, d0 + 5),
  * d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2). */
 template <int F, int WPL>
 __device__ __forceinline__ uint2 kvc_q_pairs(const unsigned short *qp, long long qds, int kk, int t4) {
-  const int d0 = F == KVC_BF16 ? 16 * kk + 2 * t4 : F == KVC_Q8 ? 16 * kk + 4 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
-  const int dx = F == KVC_Q4 ? 4 : 1, dy = F == KVC_BF16 ? 8 : F == KVC_Q8 ? 2 : 1; /* second dim of .x; first dim of .y */
+  const int d0 = kvc_tc_float(F) ? 16 * kk + 2 * t4 : F == KVC_Q8 ? 16 * kk + 4 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
+  const int dx = F == KVC_Q4 ? 4 : 1, dy = kvc_tc_float(F) ? 8 : F == KVC_Q8 ? 2 : 1; /* second dim of .x; first dim of .y */
   uint2 f;
   f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + dx) * qds] << 16);
   f.y = (uint32_t)qp[(d0 + dy) * qds] | ((uint32_t)qp[(d0 + dy + dx) * qds] << 16);
@@ -439,12 +466,12 @@ __device__ __forceinline__ uint2 kvc_q_pairs(const unsigned short *qp, long long
 /* P^T as mma B fragments for tokens (t, t + 1) and (t + 8, t + 9) of query
  * column 8 nt + g (t = the k-step's first token + 2 tq), n-tiles below ntc. */
 template <int NT>
-__device__ __forceinline__ void kvc_p_frags(const __nv_bfloat16 *ps, int stride, int t, int g, int ntc,
+__device__ __forceinline__ void kvc_p_frags(const unsigned short *ps, int stride, int t, int g, int ntc,
                                             uint32_t (&pb)[NT][2]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
     if (nt < ntc) {
-      const __nv_bfloat16 *pr = ps + (8 * nt + g) * stride + t;
+      const unsigned short *pr = ps + (8 * nt + g) * stride + t;
       pb[nt][0] = *(const uint32_t *)pr;
       pb[nt][1] = *(const uint32_t *)(pr + 8);
     }
@@ -457,7 +484,7 @@ __device__ __forceinline__ void kvc_p_frags(const __nv_bfloat16 *ps, int stride,
  *   q4: V word xw of each row; m-tile i rows g, g + 8 are codes cb + 2 i,
  *       cb + 2 i + 1 of it, dequantized with the two tokens' scales and
  *       biases of group vgi (gv groups per row);
- *   bf16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i;
+ *   bf16 / f16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i;
  *   q8 (the wide kernel; the narrow one takes kvc_pv_step_q8): the same dims
  *       2 x, 2 x + 1, bytes 2 (x % 2), + 1 of word x / 2, dequantized to
  *       bf16 in f32 (scale * code + bias, one rounding) with the tokens'
@@ -490,7 +517,7 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
     }
     return;
   }
-  if (F == KVC_BF16) {
+  if (kvc_tc_float(F)) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       const int x = xw + 8 * i;
@@ -499,7 +526,7 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
                               __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632)};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+        if (nt < ntc) kvc_mma16<F>(acc[i][nt], af, pb[nt][0], pb[nt][1]);
     }
     return;
   }
@@ -528,10 +555,10 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
 }
 
 template <int F, int D, int NTM>
-__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : F != KVC_BF16 || D < 256 ? 2 : 1)
+__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : !kvc_tc_float(F) || D < 256 ? 2 : 1)
     kvc_tc_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
-  constexpr bool BF = F == KVC_BF16; /* bf16 K/V rows: mma operands as they are, no scale rows */
+  constexpr bool BF = kvc_tc_float(F); /* bf16 / f16 K/V rows: mma operands as they are, no scale rows */
   /* q.k: exact integer products (split queries) for the decode instance;
    * bf16 dequantized K for the wide one (its per-group epilogue would cost
    * more than the dequantization it saves at 4 n-tiles) */
@@ -681,7 +708,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     for (int i = 0; i < MT; ++i) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
   }
 
-  __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
+  unsigned short *ps = (unsigned short *)(kvc_tc_buf + L.p);
   float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
   /* V slice of this lane: word xw of each token row, codes cb .. cb + 2 MT - 1 */
   const int xw = warp * WPL + g % WPL, cb = (g / WPL) * 2 * MT;
@@ -800,7 +827,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[nt][e] = fmaf(sc[nt][e], sig[nt][e & 1], sbias[nt][e]); /* x = scl2 q.k */
     }
-    else if (BF) { /* bf16 K rows: A fragments straight from shared memory (dims 16 kk + 2 tq, + 8) */
+    else if (BF) { /* float K rows: A fragments straight from shared memory (dims 16 kk + 2 tq, + 8) */
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
       const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;
@@ -815,7 +842,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
         for (int nt = 0; nt < NTM; ++nt)
           if (nt < ntc) {
             const uint2 f = qf[(kk * NTM + nt) * KVC_WARP + lane];
-            kvc_mma_bf16((kk & 1) ? sbias[nt] : sc[nt], af, f.x, f.y); /* two chains; summed below */
+            kvc_mma16<F>((kk & 1) ? sbias[nt] : sc[nt], af, f.x, f.y); /* two chains; summed below */
           }
       }
 #pragma unroll
@@ -916,15 +943,16 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
           l[nt][j] *= corr[nt][j];
         }
       }
-    /* P (bf16) to [query][token]; l sums the rounded values */
+    /* P (bf16; f16 for f16 rows) to [query][token]; l sums the rounded values */
 #pragma unroll
     for (int nt = 0; nt < NTM; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = e & 1;
         const float p = vis[nt][e] ? kvc_exp2(sc[nt][e] - m[nt][j]) : 0.0f;
-        const __nv_bfloat16 pb = __float2bfloat16_rn(p);
-        l[nt][j] += __bfloat162float(pb);
+        float pr;
+        const unsigned short pb = kvc_p16<F>(p, &pr);
+        l[nt][j] += pr;
         ps[(8 * nt + 2 * tq + j) * KVC_TC_PS + KVC_TC_SUB * warp + g + 8 * (e >> 1)] = pb;
       }
 #pragma unroll
@@ -1016,7 +1044,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 #define KVC_TCW_THREADS (KVC_TCW_WARPS * KVC_WARP)
 #define KVC_TCW_MQ 3                /* query m-tiles of 16 in S */
 #define KVC_TCW_QV (16 * KVC_TCW_MQ) /* query vectors per block */
-__host__ __device__ constexpr int kvc_tcw_stages(int f, int D) { return f == KVC_BF16 && D == 256 ? 2 : 4; }
+__host__ __device__ constexpr int kvc_tcw_stages(int f, int D) { return kvc_tc_float(f) && D == 256 ? 2 : 4; }
 __host__ __device__ inline kvc_tc_layout kvc_tcw_layout_of(int f, int D, int gk, int gv) {
   kvc_tc_layout l;
   kvc_tc_stage_layout(l, f, D, gk, gv);
@@ -1034,7 +1062,7 @@ __host__ __device__ inline kvc_tc_layout kvc_tcw_layout_of(int f, int D, int gk,
 template <int F, int D>
 __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tcw_stages(F, D);
-  constexpr bool BF = F == KVC_BF16;
+  constexpr bool BF = kvc_tc_float(F); /* bf16 / f16 rows */
   constexpr bool PAIRS = BF || F == KVC_Q8; /* P.V m-tile rows are dim pairs (2 x, 2 x + 1) of 16-bit words */
   constexpr int MQ = KVC_TCW_MQ, NT = 2 * MQ; /* query m-tiles (S), n-tiles (PV) */
   constexpr int KS = D / 16;                  /* k-steps of S */
@@ -1125,7 +1153,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
 
-  __nv_bfloat16 *ps = (__nv_bfloat16 *)(kvc_tc_buf + L.p);
+  unsigned short *ps = (unsigned short *)(kvc_tc_buf + L.p);
   float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
   float *corrs = (float *)(kvc_tc_buf + L.corr), *mrow = (float *)(kvc_tc_buf + L.mrow);
 
@@ -1158,7 +1186,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
           if (mq < mqc) {
             const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
             const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-            kvc_mma_bf16(sc[mq], af, b0, b1);
+            kvc_mma16<F>(sc[mq], af, b0, b1);
           }
       }
     } else if (F == KVC_Q8) {
@@ -1263,8 +1291,9 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         for (int c = 0; c < 2; ++c) {
           const int e = 2 * r + c;
           const float p = vis[mq][e] ? kvc_exp2(sc[mq][e] - m[mq][r]) : 0.0f;
-          const __nv_bfloat16 pb = __float2bfloat16_rn(p);
-          l[mq][r] += __bfloat162float(pb);
+          float pr;
+          const unsigned short pb = kvc_p16<F>(p, &pr);
+          l[mq][r] += pr;
           ps[qr * KVC_TC_PS + 8 * warp + 2 * tq + c] = pb;
         }
       }
@@ -1351,22 +1380,23 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
  * context, so launches do not repeat it. */
 template <int F, int D, int NTM> static cudaError_t kvc_tc_prepare(void) {
   return cudaFuncSetAttribute(kvc_tc_kernel<F, D, NTM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              F == KVC_BF16 ? kvc_tc_layout_of(F, D, 0, 0, NTM).total
+                              kvc_tc_float(F) ? kvc_tc_layout_of(F, D, 0, 0, NTM).total
                                             : kvc_tc_layout_of(F, D, 8, 8, NTM).total);
 }
 
 #define KVC_TC_INSTANCES(X)                                                                         \
   X(KVC_Q4, 64, 1) X(KVC_Q4, 64, 4) X(KVC_Q4, 128, 1) X(KVC_Q4, 128, 4) X(KVC_Q4, 256, 1) X(KVC_Q4, 256, 4) \
-  X(KVC_BF16, 64, 1) X(KVC_BF16, 128, 1) X(KVC_BF16, 256, 1) X(KVC_Q8, 128, 1) X(KVC_Q8, 256, 1)
+  X(KVC_BF16, 64, 1) X(KVC_BF16, 128, 1) X(KVC_BF16, 256, 1) X(KVC_Q8, 128, 1) X(KVC_Q8, 256, 1)             \
+  X(KVC_F16, 64, 1) X(KVC_F16, 128, 1) X(KVC_F16, 256, 1)
 
 template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
   return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              F == KVC_BF16 ? kvc_tcw_layout_of(F, D, 0, 0).total
+                              kvc_tc_float(F) ? kvc_tcw_layout_of(F, D, 0, 0).total
                                             : kvc_tcw_layout_of(F, D, 8, 8).total);
 }
 #define KVC_TCW_INSTANCES(X)                                                                       \
   X(KVC_Q4, 64) X(KVC_Q4, 128) X(KVC_Q4, 256) X(KVC_BF16, 64) X(KVC_BF16, 128) X(KVC_BF16, 256)    \
-  X(KVC_Q8, 64) X(KVC_Q8, 128) X(KVC_Q8, 256)
+  X(KVC_Q8, 64) X(KVC_Q8, 128) X(KVC_Q8, 256) X(KVC_F16, 64) X(KVC_F16, 128) X(KVC_F16, 256)
 
 /* ntm = KVC_TCW_QV / 8: the wide kernel */
 int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) {
@@ -1396,7 +1426,7 @@ int kvc_tc_occupancy(int f, int D, int ntm, int smem) {
 int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
   const int f = plan.fmt, ntm = plan.QW / 8;
-  const int smem = f == KVC_BF16 ? kvc_tc_smem(f, a.Dk, 0, 0, ntm)
+  const int smem = kvc_tc_float(f) ? kvc_tc_smem(f, a.Dk, 0, 0, ntm)
                                  : kvc_tc_smem(f, a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, ntm);
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_CASE(F_, D_, N_)                                                                       \
@@ -1415,6 +1445,6 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s tensor-core attention kernel (D = %d, %d query vectors per block): %s",
-                      f == KVC_BF16 ? "bf16" : f == KVC_Q8 ? "q8" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
+                      f == KVC_BF16 ? "bf16" : f == KVC_F16 ? "f16" : f == KVC_Q8 ? "q8" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
   return 0;
 }

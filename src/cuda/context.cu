@@ -26,16 +26,17 @@
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
-#define KVC_TC_BF16_MIN_Q 6          /* bf16 K/V on the tensor-core kernel from 6 query vectors per KV head
-                                        (P in bf16: the bf16 allowance, as the CPU's AMX kernel from 6) */
+#define KVC_TC_FLOAT_MIN_Q 6         /* bf16 / f16 K/V on the tensor-core kernel from 6 query vectors per KV
+                                        head (P in bf16 / f16: the bf16 allowance, as the CPU's AMX kernel
+                                        from 6) */
 
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[3][KVC_TC_NDIMS][3]; /* resident tensor-core blocks per SM by [q4, bf16, q8][head dim][8, 32, 48 vectors] */
-  int tc_smem[3][KVC_TC_NDIMS][3];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_occupancy[4][KVC_TC_NDIMS][3]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim][8, 32, 48 vectors] */
+  int tc_smem[4][KVC_TC_NDIMS][3];      /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -166,17 +167,18 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
   return *slot > 0 ? *slot : 1;
 }
 
-/* Does the tensor-core kernel cover the problem? bf16 queries (its
- * products are bf16: tests compare it at the bf16 allowance), Dk = Dv in
- * {64, 128, 256}, rows aligned for 16-byte copies, the query's dims
- * contiguous, and K and V either 4-bit or 8-bit with bf16 scales and
- * biases (with f16/f32 ones the bf16 rounding of K measured up to 1.5x the
- * bf16 allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or
- * 16 bytes: one cp.async each), or bf16 rows for at least KVC_TC_BF16_MIN_Q
- * query vectors per KV head (the fused kernel reads bf16 decode at the copy
- * bandwidth already; it is f32-FMA bound beyond). Returns the head-dim index
- * or -1 and sets *fmt (KVC_Q4, KVC_Q8 or KVC_BF16). (The caller has checked the
- * fused path.) */
+/* Does the tensor-core kernel cover the problem? Dk = Dv in {64, 128,
+ * 256}, rows aligned for 16-byte copies, the query's dims contiguous, and
+ * either bf16 or f16 K/V rows with queries of the same type for at least
+ * KVC_TC_FLOAT_MIN_Q query vectors per KV head (the fused kernel reads
+ * 16-bit decode at the copy bandwidth already; it is f32-FMA bound beyond),
+ * or bf16 queries over 4-bit or 8-bit K/V with bf16 scales and biases (with
+ * f16/f32 ones the bf16 rounding of K measured up to 1.5x the bf16
+ * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
+ * bytes: one cp.async each). Its products are bf16 (f16 for f16 rows):
+ * tests compare it at the bf16 allowance. Returns the head-dim index or -1
+ * and sets *fmt (KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16). (The caller has
+ * checked the fused path.) */
 static bool kvc_aligned(const kva_tensor *t, long long align) {
   if ((uintptr_t)t->data % align) return false;
   for (int d = 0; d < 3; ++d)
@@ -185,29 +187,29 @@ static bool kvc_aligned(const kva_tensor *t, long long align) {
 }
 static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   const kva_kv_view *kv = p->kv;
-  if (p->q->dtype != KVA_BF16 || p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
+  if (p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
   const kva_kv *ops[2] = {&kv->k, &kv->v};
-  if (kv->k.bits == 0 && kv->v.bits == 0 && kv->k.data.dtype == KVA_BF16 && kv->v.data.dtype == KVA_BF16) {
-    if (p->rep * p->L < KVC_TC_BF16_MIN_Q || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
-    *fmt = KVC_BF16;
-  } else if (kv->k.bits == 8 && kv->v.bits == 8) {
+  const kva_dtype qt = p->q->dtype;
+  if (kv->k.bits == 0 && kv->v.bits == 0) {
+    /* bf16 or f16 rows with queries of the same type (the mma's operands) */
+    if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
+    if (p->rep * p->L < KVC_TC_FLOAT_MIN_Q || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
+    *fmt = qt == KVA_BF16 ? KVC_BF16 : KVC_F16;
+  } else {
+    if (qt != KVA_BF16 || kv->k.bits != kv->v.bits || (kv->k.bits != 4 && kv->k.bits != 8)) return -1;
+    if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
     /* q8: up to 8 query vectors the decode instance (D 128 / 256, the warp's
      * D / 4 dims of V inside one group: kvc_pv_step_q8), beyond the wide
      * kernel (K and V dequantized to bf16) */
-    if (p->rep * p->L <= 8 && (p->Dk < 128 || p->Dk / 4 > kv->v.group_size)) return -1;
-    if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
-    *fmt = KVC_Q8;
-  } else {
-    if (kv->k.bits != 4 || kv->v.bits != 4) return -1;
-    if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
-    *fmt = KVC_Q4;
-  }
-  for (int i = 0; i < 2 && *fmt != KVC_BF16; ++i) {
-    const int groups = (int)(p->Dk / ops[i]->group_size);
-    if (groups < 2 || groups > 8) return -1;
-    if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
-        !kvc_aligned(&ops[i]->biases, 2 * groups))
-      return -1;
+    if (kv->k.bits == 8 && p->rep * p->L <= 8 && (p->Dk < 128 || p->Dk / 4 > kv->v.group_size)) return -1;
+    *fmt = kv->k.bits == 8 ? KVC_Q8 : KVC_Q4;
+    for (int i = 0; i < 2; ++i) {
+      const int groups = (int)(p->Dk / ops[i]->group_size);
+      if (groups < 2 || groups > 8) return -1;
+      if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
+          !kvc_aligned(&ops[i]->biases, 2 * groups))
+        return -1;
+    }
   }
   for (int i = 0; i < KVC_TC_NDIMS; ++i)
     if (p->Dk == (KVC_TC_MIN_D << i)) return i;
@@ -218,7 +220,7 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
 static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kind, int ntm, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : 0;
+  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : fmt == KVC_F16 ? 3 : 0;
   int *slot = &st->tc_occupancy[fi][di][kind];
   if (*slot == 0 || st->tc_smem[fi][di][kind] != smem) {
     *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, ntm, smem);
@@ -275,7 +277,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
      * per 48) */
     const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2;
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
-    const int smem = tcf == KVC_BF16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
+    const int smem = tcf == KVC_BF16 || tcf == KVC_F16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
                                                    (int)(p->Dv / kv->v.group_size), ntm);
     if (smem <= KVC_TC_SMEM_MAX) {

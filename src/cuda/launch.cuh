@@ -28,7 +28,7 @@ struct kvc_plan {
   int lanes_log2;
   int nsplit;
   long long chunk;
-  int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4 or KVC_BF16; QW = 8 or 32: narrow, 48: wide) instead of the fused one */
+  int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one */
 };
 
 /* The narrow tensor-core kernel (attn_tc.cu): warps per block (each takes 16
