@@ -364,6 +364,23 @@ template <int F> __device__ __forceinline__ int kvc_i8_dim(int kj, int t4, int h
   return F == KVC_Q8 ? 32 * kj + 16 * hh + 4 * t4 + i : 8 * (4 * kj + t4) + 2 * i + hh;
 }
 
+/* The V scales and biases (bf16 bits) of group vgi of the four token rows
+ * of a P.V k-step: tokens ta, ta + 1 in the low / high halves of s01, b01;
+ * ta + 8, ta + 9 in s89, b89. */
+struct kvc_vsb {
+  uint32_t s01, b01, s89, b89;
+};
+__device__ __forceinline__ kvc_vsb kvc_v_scales(const unsigned char *sv, const kvc_tc_layout &L, int ta, int gv,
+                                                int vgi) {
+  kvc_vsb r;
+  const unsigned char *s = sv + L.vs + vgi * 2, *b = sv + L.vb + vgi * 2;
+  r.s01 = kvc_lds16(s + ta * gv * 2) | (kvc_lds16(s + (ta + 1) * gv * 2) << 16);
+  r.b01 = kvc_lds16(b + ta * gv * 2) | (kvc_lds16(b + (ta + 1) * gv * 2) << 16);
+  r.s89 = kvc_lds16(s + (ta + 8) * gv * 2) | (kvc_lds16(s + (ta + 9) * gv * 2) << 16);
+  r.b89 = kvc_lds16(b + (ta + 8) * gv * 2) | (kvc_lds16(b + (ta + 9) * gv * 2) << 16);
+  return r;
+}
+
 /* One k-step of O^T += V^T P^T for q8 V (the warp's dims inside one group):
  * with v = s c + b and c = 16 h + l (the code's nibbles),
  *   sum_t p_t v_t = sum_t 16 P'_t (128 + h_t) + sum_t P'_t (128 + l_t)
@@ -380,12 +397,8 @@ __device__ __forceinline__ void kvc_pv_step_q8(const unsigned char *sv, const kv
                                                float (&accc)[NT][4]) {
   const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
   const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
-  const uint32_t s01 = kvc_lds16(sv + L.vs + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
-  const uint32_t b01 = kvc_lds16(sv + L.vb + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
-  const uint32_t s89 = kvc_lds16(sv + L.vs + ((ta + 8) * gv + vgi) * 2) |
-                       (kvc_lds16(sv + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
-  const uint32_t b89 = kvc_lds16(sv + L.vb + ((ta + 8) * gv + vgi) * 2) |
-                       (kvc_lds16(sv + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+  const kvc_vsb sb = kvc_v_scales(sv, L, ta, gv, vgi);
+  const uint32_t s01 = sb.s01, b01 = sb.b01, s89 = sb.s89, b89 = sb.b89;
   uint32_t pf[NT][2], pf16[NT][2]; /* P' = P s and 16 P' (exact) */
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -496,13 +509,11 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
   const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
   const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
   if (F == KVC_Q8) {
-    float s[4], z[4]; /* tokens ta, ta + 1, ta + 8, ta + 9 */
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = ta + (r & 1) + 8 * (r >> 1);
-      s[r] = kvc_bf16_bits(kvc_lds16(sv + L.vs + (t * gv + vgi) * 2));
-      z[r] = kvc_bf16_bits(kvc_lds16(sv + L.vb + (t * gv + vgi) * 2));
-    }
+    const kvc_vsb sb = kvc_v_scales(sv, L, ta, gv, vgi);
+    const float s[4] = {kvc_bf16_bits(sb.s01 & 0xffffu), kvc_bf16_bits(sb.s01 >> 16), kvc_bf16_bits(sb.s89 & 0xffffu),
+                        kvc_bf16_bits(sb.s89 >> 16)}; /* tokens ta, ta + 1, ta + 8, ta + 9 */
+    const float z[4] = {kvc_bf16_bits(sb.b01 & 0xffffu), kvc_bf16_bits(sb.b01 >> 16), kvc_bf16_bits(sb.b89 & 0xffffu),
+                        kvc_bf16_bits(sb.b89 >> 16)};
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       const int x = xw + 8 * i, wi = x >> 1, k0 = 2 * (x & 1);
@@ -531,12 +542,8 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
     return;
   }
   const uint32_t w0 = r0[xw], w1 = r1[xw], w8 = r8[xw], w9 = r9[xw];
-  const uint32_t s01 = kvc_lds16(sv + L.vs + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vs + ((ta + 1) * gv + vgi) * 2) << 16);
-  const uint32_t b01 = kvc_lds16(sv + L.vb + (ta * gv + vgi) * 2) | (kvc_lds16(sv + L.vb + ((ta + 1) * gv + vgi) * 2) << 16);
-  const uint32_t s89 = kvc_lds16(sv + L.vs + ((ta + 8) * gv + vgi) * 2) |
-                       (kvc_lds16(sv + L.vs + ((ta + 9) * gv + vgi) * 2) << 16);
-  const uint32_t b89 = kvc_lds16(sv + L.vb + ((ta + 8) * gv + vgi) * 2) |
-                       (kvc_lds16(sv + L.vb + ((ta + 9) * gv + vgi) * 2) << 16);
+  const kvc_vsb sb = kvc_v_scales(sv, L, ta, gv, vgi);
+  const uint32_t s01 = sb.s01, b01 = sb.b01, s89 = sb.s89, b89 = sb.b89;
   /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
   const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
   const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
