@@ -25,14 +25,21 @@ def to_numpy(t, dtype):
     return t.cpu().numpy()
 
 
-@pytest.mark.parametrize("bits,L,rep", [(0, 1, 2), (4, 1, 2), (4, 8, 6), (8, 3, 1)])
-def test_cuda_matches_cpu(request, bits, L, rep):
+# (bits, L, rep, dtype of q / K / V): bf16 rows at 2 query vectors per KV
+# head (fused kernel) and 6 (tensor cores); q4 decode and verify; q8 at 3
+# vectors (tensor-core decode instance) and 16 (the wide kernel); f16 rows
+# with f16 queries at 6 and 16 vectors (tensor cores).
+@pytest.mark.parametrize("bits,L,rep,dt", [(0, 1, 2, "bf16"), (0, 1, 6, "bf16"), (4, 1, 2, "bf16"),
+                                           (4, 8, 6, "bf16"), (8, 3, 1, "bf16"), (8, 8, 2, "bf16"),
+                                           (0, 1, 6, "f16"), (0, 8, 2, "f16")])
+def test_cuda_matches_cpu(request, bits, L, rep, dt):
     rng = rng_for(request)
     B, KVH, N, D = 2, 2, 300, 128
     H = KVH * rep
-    q = randn(rng, (B, H, L, D), kvattn.bfloat16)
-    k = randn(rng, (B, KVH, N, D), kvattn.bfloat16)
-    v = randn(rng, (B, KVH, N, D), kvattn.bfloat16)
+    dtype = kvattn.bfloat16 if dt == "bf16" else np.float16
+    q = randn(rng, (B, H, L, D), dtype)
+    k = randn(rng, (B, KVH, N, D), dtype)
+    v = randn(rng, (B, KVH, N, D), dtype)
     if bits:
         k, v = kvattn.quantize(k, 64, bits), kvattn.quantize(v, 64, bits)
     cpu = kvattn.attention(q, k, v, mask="causal", group_size=64, bits=bits).astype(np.float64)
@@ -41,10 +48,10 @@ def test_cuda_matches_cpu(request, bits, L, rep):
     vc = tuple(to_cuda(a) for a in v) if bits else to_cuda(v)
     out = kvattn.attention(qc, kc, vc, mask="causal", group_size=64, bits=bits)
     torch.cuda.synchronize()
-    assert out.is_cuda and out.shape == (B, H, L, D) and out.dtype == torch.bfloat16
-    got = to_numpy(out, kvattn.bfloat16).astype(np.float64)
-    # both sides may compute with bf16 products (AMX / tensor cores): twice that allowance
-    bound = 2 * UNIT_ROUNDOFF[np.dtype(kvattn.bfloat16)] * np.abs(cpu) + 2 * BF16_PRODUCTS_ATOL * np.abs(cpu).max()
+    assert out.is_cuda and out.shape == (B, H, L, D) and out.dtype == qc.dtype
+    got = to_numpy(out, dtype).astype(np.float64)
+    # both sides may compute with 16-bit products (AMX / tensor cores): twice that allowance
+    bound = 2 * UNIT_ROUNDOFF[np.dtype(dtype)] * np.abs(cpu) + 2 * BF16_PRODUCTS_ATOL * np.abs(cpu).max()
     assert np.isfinite(got).all()
     assert (np.abs(got - cpu) <= bound).all(), float(np.abs(got - cpu).max())
 
