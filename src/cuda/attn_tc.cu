@@ -1070,6 +1070,21 @@ __host__ __device__ inline kvc_tc_layout kvc_tcw_layout_of(int f, int D, int gk,
   return l;
 }
 
+/* One k-step of the wide kernel's S^T: the query A fragments of m-tiles
+ * below mqc (shared memory, k-step kk) times this lane's K B fragment
+ * (b0, b1), in format F's 16-bit type (bf16 for the quantized formats). */
+template <int F, int MQ>
+__device__ __forceinline__ void kvc_tcw_s_kstep(float (&sc)[MQ][4], const uint4 *qa, int kk, int lane, int mqc,
+                                                uint32_t b0, uint32_t b1) {
+#pragma unroll
+  for (int mq = 0; mq < MQ; ++mq)
+    if (mq < mqc) {
+      const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
+      const uint32_t af[4] = {f.x, f.y, f.z, f.w};
+      kvc_mma16<F>(sc[mq], af, b0, b1);
+    }
+}
+
 template <int F, int D>
 __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tcw_stages(F, D);
@@ -1192,13 +1207,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         const uint32_t b0 = kr[8 * kk], b1 = kr[8 * kk + 4];
-#pragma unroll
-        for (int mq = 0; mq < MQ; ++mq)
-          if (mq < mqc) {
-            const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
-            const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-            kvc_mma16<F>(sc[mq], af, b0, b1);
-          }
+        kvc_tcw_s_kstep<F, MQ>(sc, qa, kk, lane, mqc, b0, b1);
       }
     } else if (F == KVC_Q8) {
       /* k-step kk: K word 4 kk + tq of the token gives dims 16 kk + 4 tq .. + 3
@@ -1212,13 +1221,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (tok * gk + gi) * 2));
         const uint32_t w = kr[4 * kk];
         const uint32_t b0 = kvc_deq8_pair(w, 0, s1, z1, w, 1, s1, z1), b1 = kvc_deq8_pair(w, 2, s1, z1, w, 3, s1, z1);
-#pragma unroll
-        for (int mq = 0; mq < MQ; ++mq)
-          if (mq < mqc) {
-            const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
-            const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-            kvc_mma_bf16(sc[mq], af, b0, b1);
-          }
+        kvc_tcw_s_kstep<F, MQ>(sc, qa, kk, lane, mqc, b0, b1);
       }
     } else {
       const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq * WPL;
@@ -1238,13 +1241,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         for (int h = 0; h < 2; ++h) { /* k-step 2P + h: k rows (2 tq, + 1) = codes (2h, 2h + 4), (2 tq + 8, + 9) = (2h + 1, 2h + 5) */
           const uint32_t b0 = kvc_deq_pair(kw[P], 2 * h, s2, z2), b1 = kvc_deq_pair(kw[P], 2 * h + 1, s2, z2);
           const int kk = 2 * P + h;
-#pragma unroll
-          for (int mq = 0; mq < MQ; ++mq)
-            if (mq < mqc) {
-              const uint4 f = qa[(kk * MQ + mq) * KVC_WARP + lane];
-              const uint32_t af[4] = {f.x, f.y, f.z, f.w};
-              kvc_mma_bf16(sc[mq], af, b0, b1);
-            }
+          kvc_tcw_s_kstep<F, MQ>(sc, qa, kk, lane, mqc, b0, b1);
         }
       }
     }
