@@ -64,7 +64,7 @@
  *         qgroups = ceil(rep * L / (8 * NTM)), NTM in {1, 4} n-tiles of 8
  *         query vectors per block; three __syncthreads per stage; dynamic
  *         shared memory kvc_tc_smem() (~45 KB at D = 256 for the decode
- *         instance, whose 127 registers let 4 blocks = 16 warps share an SM;
+ *         instance, whose 128 registers let 4 blocks = 16 warps share an SM;
  *         ~100 KB for the 32-vector q4 one: 2 blocks per SM). Measured on the H200
  *         (BENCHMARKS.md): 2 slots x 4 blocks beat 3 slots x 3 blocks by
  *         3-8 %. */
@@ -75,7 +75,7 @@
 #define KVC_TC_PS (KVC_TC_TOK + 8)    /* bf16 per P row */
 #define KVC_TC_SUB 16                 /* tokens per warp in the S phase (mma M) */
 /* Stages in the cp.async ring: 2 for the decode instance (q4: its ~45 KB at
- * D = 256 and 127 registers let 4 blocks share an SM: 16 warps, 4 stages in
+ * D = 256 and 128 registers let 4 blocks share an SM: 16 warps, 4 stages in
  * flight; bf16 rows: ~140 KB at D = 256), 4 for the 32-vector q4 instance
  * (registers allow 2 blocks per SM). */
 __host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
