@@ -225,7 +225,15 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * Row i of sequence b sits at position p = len_b - L + i. A row that sees no
  * key outputs zeros. Workspace: NULL uses a buffer owned by the context
  * (grown on first need); otherwise at least kva_attention_workspace_size()
- * bytes in the backend's memory, and no allocation happens in the call. */
+ * bytes in the backend's memory, and no allocation happens in the call.
+ * Precision: f32 accumulation, f32 products, except where a kernel uses
+ * 16-bit matrix units: on the CPU, bf16 queries with >= 6 query vectors per
+ * KV head (AMX: K, V and P rounded to bf16); on CUDA, bf16 queries over
+ * 4-bit or 8-bit K/V with bf16 scales and biases, and bf16 (f16) queries over
+ * bf16 (f16) K/V with >= 6 query vectors per KV head (tensor cores: V and P
+ * rounded to bf16, or to f16 for f16 rows; q.k over 4-bit and 8-bit K with
+ * up to 8 query vectors per KV head is exact integer work on the codes with
+ * the query rounded to 15 bits). README.md lists the shapes each path takes. */
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace,
                   size_t workspace_bytes);
