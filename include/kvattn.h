@@ -233,7 +233,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * bf16 (f16) K/V with >= 6 query vectors per KV head (tensor cores: V and P
  * rounded to bf16, or to f16 for f16 rows; q.k over 4-bit and 8-bit K with
  * up to 8 query vectors per KV head is exact integer work on the codes with
- * the query rounded to 15 bits). README.md lists the shapes each path takes. */
+ * the query rounded to 15 bits, beyond that K is rounded to bf16 too).
+ * README.md lists the shapes each path takes. */
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace,
                   size_t workspace_bytes);
