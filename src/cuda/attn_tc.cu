@@ -1,18 +1,19 @@
 /* Tensor-core decode/verify kernel, template on the K/V format F: 4-bit
  * MLX-affine K/V with bf16 scales and biases (KVC_Q4: 2 to 8 groups per
- * row, scale rows of 4, 8 or 16 bytes, one cp.async each), or bf16 K/V rows
- * (KVC_BF16: the rows are the mma operands, no dequantization, no scale
- * rows; 2 ring slots of 64 rows x 2 D bytes per operand), or 8-bit K/V
- * with bf16 scales (KVC_Q8: decode instance only, D 128/256, each warp's V
- * dims inside one group; S on the bytes as they are, P.V by
- * kvc_pv_step_q8). bf16 queries, Dk =
- * Dv = D in {64, 128, 256}, causal-family masks, L <= 16; contiguous or
- * BLOCK_TABLE layout. Split over token blocks like the fused kernel and
- * merged by the same merge launch (attn_merge.cu). What follows describes
- * the q4 format; for bf16, S takes K fragments straight from the staged
- * rows (dims 16 kk + 2 tq, + 8 of the k-step) and P.V pairs two tokens of a
- * dim by one PRMT of their words. Beyond 32 query vectors per KV head (q4;
- * bf16 beyond 8) the wide kernel further down takes the call.
+ * row, scale rows of 4, 8 or 16 bytes, one cp.async each), 16-bit float
+ * rows (KVC_BF16, KVC_F16 with queries of the same type: the rows are the
+ * mma operands, no dequantization, no scale rows; 2 ring slots of 64 rows x
+ * 2 D bytes per operand), or 8-bit K/V with bf16 scales (KVC_Q8: in this
+ * narrow kernel the decode instance only, D 128/256, each warp's V dims
+ * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8).
+ * Quantized formats take bf16 queries. Dk = Dv = D in {64, 128, 256},
+ * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split
+ * over token blocks like the fused kernel and merged by the same merge
+ * launch (attn_merge.cu). What follows describes the q4 format; for float
+ * rows, S takes K fragments straight from the staged rows (dims 16 kk +
+ * 2 tq, + 8 of the k-step) and P.V pairs two tokens of a dim by one PRMT of
+ * their words. Beyond 32 query vectors per KV head (q4; float rows and q8
+ * beyond 8) the wide kernel further down takes the call.
  *
  *   memory: the packed K/V rows and their scales/biases of a 64-token stage
  *         (18 KB at D = 256, group 64) are copied raw into shared memory with
@@ -49,8 +50,8 @@
  *   softmax: scale, softcap and mask in f32 (log2 units: the scale folded into
  *         sigma and the group sums of q); the stage maximum
  *         per query goes through shared memory, so every warp applies the
- *         same running max m; P = 2^(s - m) rounded to bf16 (l sums the
- *         rounded values) goes to shared memory.
+ *         same running max m; P = 2^(s - m) rounded to bf16 (f16 for f16
+ *         rows; l sums the rounded values) goes to shared memory.
  *   math, O^T += V^T P^T: warp w takes head dims [w D / 4, (w + 1) D / 4)
  *         over all 64 tokens; its V fragments (two tokens of one dim per
  *         register) come from a PRMT that interleaves two tokens' code
