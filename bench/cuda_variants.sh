@@ -3,7 +3,7 @@
 # folder holding its own `kvattn` and `kvattn_tests` (built here, e.g. from a
 # branch, with `make BUILD=<dir> <dir>/kvattn <dir>/kvattn_tests`), carried
 # to the device as one tarball so that the device spends no time compiling.
-#   bash bench/cuda_variants.sh build/variants.tgz
+#   bash bench/cuda_variants.sh build/variants.tgz   (or .txz: xz packs ~25 % smaller)
 # The tarball holds <name>/kvattn and <name>/kvattn_tests per variant (the
 # names sort into the run order). For each variant: the GPU tests in TESTS
 # (default: the tensor-core and block-table cases), racecheck on RACE (one
@@ -21,7 +21,7 @@ TESTS=${TESTS:-cuda_q4_tc_path cuda_q4_tc_nan_inf cuda_block_table}
 RACE=${RACE-cuda_q4_tc_path}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT" build/variants
-tar -xzf "$1" -C build/variants || { echo "cannot unpack $1"; exit 1; }
+tar -xf "$1" -C build/variants || { echo "cannot unpack $1"; exit 1; }
 VARS=$(cd build/variants && ls -d */ | tr -d /)
 LOG="$OUT/variants.log"
 KB="bench --backend cuda --quiet --no-check --reps 40"
