@@ -1397,8 +1397,10 @@ template <int F, int D, int NTM, int G> static cudaError_t kvc_tc_prepare(void) 
 #define KVC_TC_INSTANCES(X)                                                                              \
   X(KVC_Q4, 64, 1, 0) X(KVC_Q4, 64, 4, 0) X(KVC_Q4, 128, 1, 0) X(KVC_Q4, 128, 4, 0) X(KVC_Q4, 256, 1, 0)    \
   X(KVC_Q4, 256, 4, 0) X(KVC_Q4, 64, 1, KVC_TC_GROUP) X(KVC_Q4, 128, 1, KVC_TC_GROUP)                      \
-  X(KVC_Q4, 256, 1, KVC_TC_GROUP) X(KVC_BF16, 64, 1, 0) X(KVC_BF16, 128, 1, 0) X(KVC_BF16, 256, 1, 0)      \
-  X(KVC_Q8, 128, 1, 0) X(KVC_Q8, 256, 1, 0) X(KVC_F16, 64, 1, 0) X(KVC_F16, 128, 1, 0) X(KVC_F16, 256, 1, 0)
+  X(KVC_Q4, 256, 1, KVC_TC_GROUP) X(KVC_Q4, 64, 4, KVC_TC_GROUP) X(KVC_Q4, 128, 4, KVC_TC_GROUP)            \
+  X(KVC_Q4, 256, 4, KVC_TC_GROUP) X(KVC_BF16, 64, 1, 0) X(KVC_BF16, 128, 1, 0) X(KVC_BF16, 256, 1, 0)      \
+  X(KVC_Q8, 128, 1, 0) X(KVC_Q8, 256, 1, 0) X(KVC_Q8, 128, 1, KVC_TC_GROUP) X(KVC_Q8, 256, 1, KVC_TC_GROUP) \
+  X(KVC_F16, 64, 1, 0) X(KVC_F16, 128, 1, 0) X(KVC_F16, 256, 1, 0)
 
 template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
   return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -35,9 +35,9 @@ struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[4][KVC_TC_NDIMS][4]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
-                                          [8, 32, 48 vectors, 8 with the compiled group size] */
-  int tc_smem[4][KVC_TC_NDIMS][4];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_occupancy[4][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
+                                          [8, 32, 48 vectors, 8 and 32 with the compiled group size] */
+  int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -217,11 +217,11 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   return -1;
 }
 
-/* kind: 0, 1, 2 for ntm = 1, KVC_TC_NTM_MID, KVC_TC_NTM_WIDE; g: the compiled group size (0: run time) */
+/* kind: 0, 1, 2 for ntm = 1, KVC_TC_NTM_MID, KVC_TC_NTM_WIDE; g: the compiled group size (0: run time; kinds 0, 1 only) */
 static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kind, int ntm, int g, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : fmt == KVC_F16 ? 3 : 0, ki = g ? 3 : kind;
+  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : fmt == KVC_F16 ? 3 : 0, ki = g ? 3 + kind : kind;
   int *slot = &st->tc_occupancy[fi][di][ki];
   if (*slot == 0 || st->tc_smem[fi][di][ki] != smem) {
     *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, ntm, g, smem);
@@ -286,8 +286,10 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       pl.tc = 1;
       pl.QW = 8 * ntm;
       pl.qtiles = (Q + pl.QW - 1) / pl.QW;
-      /* q4 decode with MLX's default group: the instance with it compiled in */
-      pl.group = tcf == KVC_Q4 && kind == 0 && kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP
+      /* the narrow kernel's quantized instances with MLX's default group:
+       * those with it compiled in (q4 decode and 32-vector, q8 decode) */
+      pl.group = (tcf == KVC_Q4 || tcf == KVC_Q8) && kind <= 1 && kv->k.group_size == KVC_TC_GROUP &&
+                         kv->v.group_size == KVC_TC_GROUP
                      ? KVC_TC_GROUP
                      : 0;
       const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, tcf, di, kind, ntm, pl.group, smem);
