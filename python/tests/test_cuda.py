@@ -26,10 +26,10 @@ def to_numpy(t, dtype):
 
 
 # (bits, L, rep, dtype of q / K / V): bf16 rows at 2 query vectors per KV
-# head (fused kernel) and 6 (tensor cores); q4 decode and verify; q8 at 3
+# head (fused kernel), 4 and 6 (tensor cores); q4 decode and verify; q8 at 3
 # vectors (tensor-core decode instance) and 16 (the wide kernel); f16 rows
 # with f16 queries at 6 and 16 vectors (tensor cores).
-@pytest.mark.parametrize("bits,L,rep,dt", [(0, 1, 2, "bf16"), (0, 1, 6, "bf16"), (4, 1, 2, "bf16"),
+@pytest.mark.parametrize("bits,L,rep,dt", [(0, 1, 2, "bf16"), (0, 1, 4, "bf16"), (0, 1, 6, "bf16"), (4, 1, 2, "bf16"),
                                            (4, 8, 6, "bf16"), (8, 3, 1, "bf16"), (8, 8, 2, "bf16"),
                                            (0, 1, 6, "f16"), (0, 8, 2, "f16")])
 def test_cuda_matches_cpu(request, bits, L, rep, dt):

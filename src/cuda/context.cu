@@ -26,9 +26,12 @@
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
-#define KVC_TC_FLOAT_MIN_Q 6         /* bf16 / f16 K/V on the tensor-core kernel from 6 query vectors per KV
-                                        head (P in bf16 / f16: the bf16 allowance, as the CPU's AMX kernel
-                                        from 6) */
+#define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
+                                        head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
+                                        32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
+                                        540, 12/4/256 1536 -> 641, paged/16 32/8/128 2377 -> 917; at 2
+                                        vectors the fused kernel reads at the copy bandwidth (8/4/256:
+                                        508 us against 648 on tensor cores) */
 
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
@@ -172,7 +175,9 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
  * 256}, rows aligned for 16-byte copies, the query's dims contiguous, and
  * either bf16 or f16 K/V rows with queries of the same type for at least
  * KVC_TC_FLOAT_MIN_Q query vectors per KV head (the fused kernel reads
- * 16-bit decode at the copy bandwidth already; it is f32-FMA bound beyond),
+ * 16-bit decode at 1-2 vectors at the copy bandwidth already; from 3 its
+ * register-heavy 4-vector instances hold too few loads in flight: 32 % of
+ * copy),
  * or bf16 queries over 4-bit or 8-bit K/V with bf16 scales and biases (with
  * f16/f32 ones the bf16 rounding of K measured up to 1.5x the bf16
  * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
