@@ -119,7 +119,7 @@ static const att_case cases[] = {
  * with bf16 scales and biases, 2 to 8 groups per row, or 8-bit ones (up to
  * 8 query vectors per KV head: D 128 / 256 with D / 4 <= group; any D beyond),
  * or bf16 K and V with at least 3 query vectors per KV head
- * (KVC_TC_FLOAT_MIN_Q), or f16 ones with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
+ * (KVC_TC_FLOAT_MIN_Q; 2 at head dim 64), or f16 ones with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
  * its mma as bf16 (f16 for f16 rows).
  * Else f32 products. */
 static double cuda_case_atol(const att_case *c) {
@@ -130,7 +130,7 @@ static double cuda_case_atol(const att_case *c) {
       groups <= 8)
     return ATT_ATOL_BF16;
   if (fused && dims && (c->qdt == BF16 || c->qdt == F16) && c->kbits == 0 && c->vbits == 0 && c->kvdt == c->qdt &&
-      (int64_t)(c->H / c->KVH) * c->L >= 3)
+      (int64_t)(c->H / c->KVH) * c->L >= (c->Dk == 64 ? 2 : 3))
     return ATT_ATOL_BF16; /* bf16 / f16 rows and queries: P rounded to their type */
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
    * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
