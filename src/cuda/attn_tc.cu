@@ -185,8 +185,12 @@ __device__ __forceinline__ uint32_t kvc_deq8_pair(uint32_t wl, int kl, float sl,
 struct kvc_tc_layout {
   int rs;                 /* bytes per raw row in shared memory */
   int kd, vd, ks, kb, vs, vb, stage; /* offsets within a stage, stage bytes */
-  int qf, p, wmax, lsum, qsig, qsum, corr, mrow, total;
+  int qf, p, wmax, lsum, qsig, qsum, corr, mrow, ids, total;
 };
+/* BLOCK_TABLE views: the block ids of a stage's rows (table columns of 64
+ * consecutive tokens: up to 64 at block size 1, plus one for the offset),
+ * staged in a ring of 2 x STAGES slots of KVC_TC_IDS ints (kvc_tc_issue_ids). */
+#define KVC_TC_IDS 68
 /* The ring's stage part, common to both kernels. */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
   l.rs = (kvc_tc_float(f) ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
@@ -208,7 +212,8 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, 
   l.lsum = l.wmax + KVC_TC_WARPS * ntm * 8 * 4;
   l.qsig = l.lsum + KVC_TC_WARPS * ntm * 8 * 4;
   l.qsum = l.qsig + ntm * 8 * 4;
-  l.total = l.qsum + gk * ntm * 8 * 4;
+  l.ids = l.qsum + gk * ntm * 8 * 4;
+  l.total = l.ids + 2 * stages * KVC_TC_IDS * 4;
   l.corr = l.mrow = l.total;
   return l;
 }
@@ -218,23 +223,31 @@ __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, 
  * Contiguous rows: 16-byte piece p = thread + 128 k of a stage is piece
  * p % CPR of row p / CPR, so one instruction of a warp copies 512
  * contiguous bytes; the thread's pieces are TSTEP rows apart. BLOCK_TABLE
- * rows: thread pair (2 tok, 2 tok + 1) copies row tok, half of it each, from
- * the block id `id` that kvc_tc_table_id loaded one stage earlier (its
- * latency hidden). Scale rows: thread 2 tok copies the K scale/bias rows of
- * row tok, 2 tok + 1 the V ones (rb bytes each: one cp.async). */
+ * rows, IDS (the narrow kernel): the same pieces (a warp instruction
+ * covers whole rows, as many lines as contiguous rows), each row located
+ * through the stage's block ids, which kvc_tc_issue_ids copied into shared
+ * memory STAGES - 1 stages earlier (no load latency, no register held
+ * across the stage; H200, B=16 32k: q4 8/4/256 paged/16 279 -> 259 us,
+ * bf16 32/8/128 916 -> 557 us, q8 639 -> 495 us; q4 32/8/128 349 -> 367).
+ * BLOCK_TABLE rows, !IDS (the wide kernel, whose loads run on 4 of its 8
+ * warps: the per-row lookups measured 3-12 % slower there): thread pair
+ * (2 tok, 2 tok + 1) copies row tok, half of it each, from the block id
+ * that kvc_tc_table_id loaded one stage earlier. Scale rows: thread 2 tok
+ * copies the K scale/bias rows of row tok, 2 tok + 1 the V ones (rb bytes
+ * each: one cp.async). */
 struct kvc_tc_loader {
-  const char *k, *v;       /* contiguous: its first K / V piece of the next stage */
+  const char *k, *v;       /* its first K / V piece: of the next stage (contiguous), of head hk in block 0 row 0 (table) */
   const char *s, *z;       /* its scale / bias rows: of the next stage (contiguous), of head hk (table) */
   long long kstep, vstep;  /* contiguous: bytes between its pieces */
   long long kst, vst;      /* contiguous: bytes per stage */
   long long sst, zst;      /* bytes per stage (contiguous), per pool block (table) */
   long long srs, zrs;      /* table: bytes per scale / bias row */
   uint32_t dk, ds, dz;     /* shared offsets in a slot: its first K piece (its V piece at + vd - kd), scale and bias rows */
-  int tk;                  /* contiguous: stage row of its first piece */
+  int tk;                  /* stage row of its first piece */
   int rb;                  /* bytes of a scale row: 4, 8 or 16 */
 };
 
-template <int F, int D, int G = 0>
+template <int F, int D, int G = 0, bool IDS = true>
 __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
                                                          long long t_lo) {
   constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32; /* 16-byte pieces per row */
@@ -261,8 +274,13 @@ __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, con
     ld.sst = KVC_TC_TOK * O.ss[2];
     ld.zst = KVC_TC_TOK * O.bs[2];
   } else {
-    ld.tk = tok;
-    ld.dk = L.kd + tok * L.rs + 16 * half * (CPR / 2);
+    const int c = IDS ? threadIdx.x % CPR : half * (CPR / 2); /* first piece */
+    ld.tk = IDS ? threadIdx.x / CPR : tok;
+    ld.dk = L.kd + ld.tk * L.rs + 16 * c;
+    if (IDS) { /* (!IDS: from the operands at each stage: fewer registers held) */
+      ld.k = K.data + hk * K.ds[1] + 16 * c;
+      ld.v = V.data + hk * V.ds[1] + 16 * c;
+    }
     ld.s = O.scales + hk * O.ss[1];
     ld.z = O.biases + hk * O.bs[1];
     ld.sst = O.ss[0];
@@ -284,10 +302,14 @@ __device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int
 }
 
 /* Copies stage rows t0..t0+63 (zeros past t_hi) into the ring slot at shared
- * address `slot`, and moves the loader on to the next stage. */
-template <int F, int D>
+ * address `slot`, and moves the loader on to the next stage. BLOCK_TABLE
+ * views: IDS: ids holds the block ids of the stage's table columns (from
+ * the column of token t0), landed and visible (kvc_tc_issue_ids); !IDS: id
+ * is the block of this thread's row (kvc_tc_table_id). */
+template <int F, int D, bool IDS = true>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
-                                                  uint32_t slot, int fo, long long t0, long long t_hi, int id) {
+                                                  uint32_t slot, int fo, long long t0, long long t_hi,
+                                                  const int *ids, int id = 0) {
   constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32;
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;
@@ -317,7 +339,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     zr = sok ? ld.z : a.k.biases;
     ld.s += ld.sst;
     ld.z += ld.zst;
-  } else {
+  } else if (!IDS) {
     const kvc_operand &K = a.k, &V = a.v;
     const long long t = t0 + ld.tk;
     sok = t < t_hi;
@@ -333,6 +355,32 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     }
     sr = ld.s + l.outer * ld.sst + l.row * ld.srs;
     zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
+  } else {
+    const kvc_operand &K = a.k, &V = a.v;
+    const long long jf = kvc_table_col(t0 + fo, K.bsz, K.bsh); /* ids[0]'s column */
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const long long t = t0 + ld.tk + TSTEP * k;
+      const bool ok = t < t_hi;
+      const char *kr = K.data, *vr = V.data; /* rows past t_hi: a valid address, nothing read */
+      if (ok) {
+        const long long r = t + fo, j = kvc_table_col(r, K.bsz, K.bsh);
+        const kvc_loc l = kvc_loc_of(ids[j - jf], r, j, K.bsz, K.nblk);
+        kr = ld.k + l.outer * K.ds[0] + l.row * K.ds[2];
+        vr = ld.v + l.outer * V.ds[0] + l.row * V.ds[2];
+      }
+      kvc_cp_async<16>(slot + ld.dk + k * rstep, kr, ok ? 16 : 0);
+      kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, vr, ok ? 16 : 0);
+    }
+    const long long t = t0 + (threadIdx.x >> 1); /* the scale rows' token */
+    sok = t < t_hi;
+    kvc_loc l = {0, 0};
+    if (sok) {
+      const long long r = t + fo, j = kvc_table_col(r, K.bsz, K.bsh);
+      l = kvc_loc_of(ids[j - jf], r, j, K.bsz, K.nblk);
+    }
+    sr = ld.s + l.outer * ld.sst + l.row * ld.srs;
+    zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
   }
   if (kvc_tc_float(F)) return; /* no scale rows */
   const int n = sok ? ld.rb : 0;
@@ -340,8 +388,31 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
   kvc_cp_async_rb(slot + ld.dz, zr, ld.rb, n);
 }
 
+/* The block ids of the stage at t0 (its table columns up to token t_hi - 1;
+ * none past t_hi), one per thread below the column count: copied into the
+ * ids slot at shared address d by cp.async in the caller's commit group
+ * (kvc_tc_issue_ids), or loaded and stored at dst (kvc_tc_store_ids, the
+ * prologue's first stages). */
+__device__ __forceinline__ int kvc_tc_id_cols(const kvc_args &a, int fo, long long t0, long long t_hi, long long *jf) {
+  if (t0 >= t_hi) return 0;
+  *jf = kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh);
+  return (int)(kvc_table_col(min(t0 + KVC_TC_TOK, t_hi) - 1 + fo, a.k.bsz, a.k.bsh) - *jf + 1);
+}
+__device__ __forceinline__ void kvc_tc_issue_ids(const kvc_args &a, int b, int fo, long long t0, long long t_hi,
+                                                 uint32_t d) {
+  long long jf = 0;
+  if ((int)threadIdx.x < kvc_tc_id_cols(a, fo, t0, t_hi, &jf))
+    kvc_cp_async<4>(d + 4 * threadIdx.x, a.k.tbl + b * a.k.tbl_rs + jf + threadIdx.x, 4);
+}
+__device__ __forceinline__ void kvc_tc_store_ids(const kvc_args &a, int b, int fo, long long t0, long long t_hi,
+                                                 int *dst) {
+  long long jf = 0;
+  if ((int)threadIdx.x < kvc_tc_id_cols(a, fo, t0, t_hi, &jf))
+    dst[threadIdx.x] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + threadIdx.x);
+}
 /* The block id of this thread's loader row in the stage at t0 (0 when
- * contiguous or past t_hi): issued a stage before kvc_tc_load_stage uses it. */
+ * contiguous or past t_hi), for the !IDS loader: loaded a stage before
+ * kvc_tc_load_stage uses it. */
 __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
   const long long t = t0 + (threadIdx.x >> 1);
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
@@ -603,13 +674,26 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
   /* prologue: the first STAGES - 1 stages in flight (one commit group each) */
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tc_buf);
   kvc_tc_loader ld = kvc_tc_loader_of<F, D, G>(a, L, b, hk, t_lo);
+  /* BLOCK_TABLE: the ids of stage x in slot x % (2 STAGES): stored here for
+   * the first STAGES - 1 stages, then copied with the data of stage
+   * x - STAGES + 1 (so they have landed when stage x is issued) */
+  const bool tbl = a.k.tbl != nullptr;
+  int *ids = (int *)(kvc_tc_buf + L.ids);
+  const uint32_t ids_sh = ring + L.ids;
+  if (tbl) {
+    for (int s = 0; s < STAGES - 1; ++s)
+      kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-    if (s < nst) kvc_tc_load_stage<F, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
+    if (s < nst) kvc_tc_load_stage<F, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
+    if (tbl)
+      kvc_tc_issue_ids(a, b, fo, ts + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi,
+                       ids_sh + ((s + STAGES - 1) % (2 * STAGES)) * KVC_TC_IDS * 4);
     kvc_cp_commit();
   }
-  int id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi);
 
   float *qsig = (float *)(kvc_tc_buf + L.qsig), *qsum = (float *)(kvc_tc_buf + L.qsum);
   uint2 *qf = (uint2 *)(kvc_tc_buf + L.qf);
@@ -735,9 +819,11 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       const int sn = s + STAGES - 1;
       if (sn < nst)
         kvc_tc_load_stage<F, D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
-                             id_next);
+                                ids + (sn % (2 * STAGES)) * KVC_TC_IDS);
+      if (tbl) /* the ids of stage sn + STAGES - 1, in this stage's commit group */
+        kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + STAGES - 1) * KVC_TC_TOK, t_hi,
+                         ids_sh + ((sn + STAGES - 1) % (2 * STAGES)) * KVC_TC_IDS * 4);
       kvc_cp_commit();
-      id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi); /* for the next stage */
     }
     const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
@@ -1067,6 +1153,7 @@ __host__ __device__ inline kvc_tc_layout kvc_tcw_layout_of(int f, int D, int gk,
   l.corr = l.lsum + KVC_TCW_QV * KVC_TCW_WARPS * 4;
   l.mrow = l.corr + KVC_TCW_QV * 4;
   l.total = l.mrow + KVC_TCW_QV * 4;
+  l.ids = l.total; /* not used: the wide kernel loads a thread's block id a stage ahead */
   l.qsig = l.qsum = l.total;
   return l;
 }
@@ -1120,12 +1207,13 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   /* warps 0-3 run the narrow kernel's loader (it is laid out for 128 threads) */
   const bool loads = threadIdx.x < KVC_TC_THREADS;
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tc_buf);
-  kvc_tc_loader ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
+  kvc_tc_loader ld = kvc_tc_loader_of<F, D, 0, false>(a, L, b, hk, t_lo);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     const long long ts = t_lo + (long long)s * KVC_TC_TOK;
     if (loads && s < nst)
-      kvc_tc_load_stage<F, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, kvc_tc_table_id(a, b, fo, ts, t_hi));
+      kvc_tc_load_stage<F, D, false>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, nullptr,
+                                     kvc_tc_table_id(a, b, fo, ts, t_hi));
     kvc_cp_commit();
   }
   int id_next = loads ? kvc_tc_table_id(a, b, fo, t_lo + (long long)(STAGES - 1) * KVC_TC_TOK, t_hi) : 0;
@@ -1190,8 +1278,8 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     {
       const int sn = s + STAGES - 1;
       if (loads && sn < nst)
-        kvc_tc_load_stage<F, D>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK, t_hi,
-                                id_next);
+        kvc_tc_load_stage<F, D, false>(a, L, ld, ring + (sn % STAGES) * L.stage, fo, t_lo + (long long)sn * KVC_TC_TOK,
+                                       t_hi, nullptr, id_next);
       kvc_cp_commit();
       if (loads) id_next = kvc_tc_table_id(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi);
     }
