@@ -79,6 +79,8 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-bf16-gqa6 240 $KB --preset gqa6-256 --ctx 128k --rows 1,8 --kv bf16
     run kvbench-q8 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1 --kv q8
     run kvbench-q8-b16 240 $KB --preset gemma3-4b,llama3-8b --ctx 32k --batch 16 --rows 1 --kv q8
+    run kvbench-llama 240 $KB --preset llama3-8b --ctx 32k --batch 16 --rows 1 --kv bf16,q4
+    run kvbench-llama-paged 240 $KB --preset llama3-8b --ctx 32k --batch 16 --rows 1 --kv bf16,q4 --layout paged --block 16
     # the pool's scatter apart from the kernel: the same paged cases with each sequence's blocks in order
     run kvbench-paged-inorder 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged \
       --block 16 --block-order sequential
