@@ -230,7 +230,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * 16-bit matrix units: on the CPU, bf16 queries with >= 6 query vectors per
  * KV head (AMX: K, V and P rounded to bf16); on CUDA, bf16 queries over
  * 4-bit or 8-bit K/V with bf16 scales and biases, and bf16 (f16) queries over
- * bf16 (f16) K/V with >= 3 query vectors per KV head (>= 2 at head dim 64)
+ * bf16 (f16) K/V with >= 3 query vectors per KV head (>= 2 at head dim 64,
+ * and over block tables at 128)
  * (tensor cores: V and P rounded to bf16, or to f16 for f16 rows; q.k over
  * 4-bit and 8-bit K with up to 8 query vectors per KV head is exact integer
  * work on the codes with the query rounded to 15 bits, beyond that K is

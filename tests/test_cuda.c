@@ -119,10 +119,11 @@ static const att_case cases[] = {
  * with bf16 scales and biases, 2 to 8 groups per row, or 8-bit ones (up to
  * 8 query vectors per KV head: D 128 / 256 with D / 4 <= group; any D beyond),
  * or bf16 K and V with at least 3 query vectors per KV head
- * (KVC_TC_FLOAT_MIN_Q; 2 at head dim 64), or f16 ones with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
+ * (KVC_TC_FLOAT_MIN_Q; 2 at head dim 64, and over block tables at 128), or
+ * f16 ones with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
  * its mma as bf16 (f16 for f16 rows).
  * Else f32 products. */
-static double cuda_case_atol(const att_case *c) {
+static double cuda_case_atol_layout(const att_case *c, int table) {
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
   const int dims = c->Dk == c->Dv && (c->Dk == 64 || c->Dk == 128 || c->Dk == 256);
   const int groups = c->group ? c->Dk / c->group : 0;
@@ -130,7 +131,7 @@ static double cuda_case_atol(const att_case *c) {
       groups <= 8)
     return ATT_ATOL_BF16;
   if (fused && dims && (c->qdt == BF16 || c->qdt == F16) && c->kbits == 0 && c->vbits == 0 && c->kvdt == c->qdt &&
-      (int64_t)(c->H / c->KVH) * c->L >= (c->Dk == 64 ? 2 : 3))
+      (int64_t)(c->H / c->KVH) * c->L >= (c->Dk == 64 || (table && c->Dk <= 128) ? 2 : 3))
     return ATT_ATOL_BF16; /* bf16 / f16 rows and queries: P rounded to their type */
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
    * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
@@ -140,6 +141,7 @@ static double cuda_case_atol(const att_case *c) {
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
+static double cuda_case_atol(const att_case *c) { return cuda_case_atol_layout(c, 0); }
 #define DEV_SENTINEL_BYTES 256
 #define DEV_SENTINEL_BYTE 0xA5
 #define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
@@ -620,7 +622,7 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
   double max_err = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), &max_err, NULL)) {
+  if (!att_compare(&hd.out, &ref, cuda_case_atol_layout(c, 1), att_rtol(c->odt), &max_err, NULL)) {
     FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g)", name,
           (long long)bs, max_err);
     goto done;

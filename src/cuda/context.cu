@@ -32,6 +32,10 @@
                                         540, 12/4/256 1536 -> 641, paged/16 32/8/128 2377 -> 917; at 2
                                         vectors the fused kernel reads at the copy bandwidth (8/4/256:
                                         508 us against 648 on tensor cores; 16/8/128: 511 against 538) */
+#define KVC_TC_FLOAT_MIN_Q_TABLE 2   /* ... and from 2 over BLOCK_TABLE views at head dims <= 128, where the
+                                        fused kernel's 2-vector instance reads late (16/8/128 paged/16 B=16
+                                        32k: 724 -> 554 us; at 1 vector the fused kernel reads at the copy
+                                        bandwidth, 540 us; at D = 256 it stays: 735 against 1075 us) */
 #define KVC_TC_FLOAT_MIN_Q_D64 2     /* ... and from 2 at head dim 64, where the fused kernel reads at 61 % of
                                         copy (8/4/64 B=16 32k: 211 -> 151 us; paged/16 341 -> 212) */
 
@@ -177,7 +181,7 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
  * 256}, rows aligned for 16-byte copies, the query's dims contiguous, and
  * either bf16 or f16 K/V rows with queries of the same type for at least
  * KVC_TC_FLOAT_MIN_Q query vectors per KV head (KVC_TC_FLOAT_MIN_Q_D64 at head
- * dim 64; the fused kernel reads
+ * dim 64, KVC_TC_FLOAT_MIN_Q_TABLE for block tables at 128; the fused kernel reads
  * 16-bit decode at 1-2 vectors at the copy bandwidth already; from 3 its
  * register-heavy 4-vector instances hold too few loads in flight: 32 % of
  * copy),
@@ -202,7 +206,10 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   if (kv->k.bits == 0 && kv->v.bits == 0) {
     /* bf16 or f16 rows with queries of the same type (the mma's operands) */
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
-    if (p->rep * p->L < (p->Dk == 64 ? KVC_TC_FLOAT_MIN_Q_D64 : KVC_TC_FLOAT_MIN_Q) || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
+    const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
+                     : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? KVC_TC_FLOAT_MIN_Q_TABLE
+                                                                            : KVC_TC_FLOAT_MIN_Q;
+    if (p->rep * p->L < minq || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
     *fmt = qt == KVA_BF16 ? KVC_BF16 : KVC_F16;
   } else {
     if (qt != KVA_BF16 || kv->k.bits != kv->v.bits || (kv->k.bits != 4 && kv->k.bits != 8)) return -1;
