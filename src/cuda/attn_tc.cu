@@ -24,8 +24,11 @@
  *         up to 8 * NTM query vectors (all rep * L vectors of a KV head when
  *         rep * L <= 8 * NTM). Each thread's copy addresses are set up once
  *         (kvc_tc_loader); contiguous rows: a warp copies 512 contiguous
- *         bytes per instruction; BLOCK_TABLE rows: one table entry per
- *         thread and stage, loaded a stage ahead.
+ *         bytes per instruction; BLOCK_TABLE rows: the same pieces, each
+ *         row located through the stage's block ids, which cp.async copied
+ *         into a ring of 2 STAGES id slots (KVC_TC_IDS ints each) STAGES - 1
+ *         stages earlier (the wide kernel: one table entry per thread and
+ *         stage, loaded a stage ahead).
  *   math, S = K Q^T (tokens as mma M, query vectors as N; warp w takes
  *         tokens 16w..16w+15 of the stage):
  *         - decode instance (I8): u8 codes straight from the raw words
