@@ -654,6 +654,13 @@ TEST(cuda_block_table) {
       {{2, 24, 4, 2, 900, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16}, /* bf16 tensor-core kernel */
       {{1, 6, 2, 4, 800, 128, 128, F32, F32, 8, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0}, 32},
       {{1, 4, 2, 20, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
+      /* the tensor-core kernel's staged block ids at their edges: block size 1
+       * (64 ids per stage), a block size that is no power of two (the
+       * division path), blocks longer than a stage; bf16 at 2 vectors and
+       * head dim 128 takes the tensor cores over a table */
+      {{2, 8, 4, 1, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 1},
+      {{2, 16, 8, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 24},
+      {{1, 32, 8, 1, 1000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 128},
   };
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
