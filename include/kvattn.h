@@ -251,6 +251,17 @@ typedef enum kva_path {
  * (the same selector kva_attention uses). Returns a kva_path or a negative status. */
 int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                        const kva_attn_params *params, const kva_tensor *out);
+/* The same, and a one-line description of the kernel kva_attention would run
+ * (the same selector) in name: at most size - 1 characters, NUL-terminated
+ * (truncated when longer). E.g. "cpu avx512 fused kernel", "cpu avx512 AMX
+ * kernel (bf16 tiles)", "cpu portable general kernel", "cuda q4 tensor-core
+ * kernel: decode instance, 8 query vectors per block, group compiled in, 128
+ * splits", "cuda bf16 fused kernel: 2 query vectors per block, 16 elements
+ * per lane, 6 splits", "cuda general kernel". For reading, not parsing:
+ * the wording may change between versions. name NULL or size 0: KVA_EINVAL;
+ * on error name is not written. Returns a kva_path or a negative status. */
+int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                         const kva_attn_params *params, const kva_tensor *out, char *name, size_t size);
 
 /* The oracle: naive double-precision attention over the same descriptors
  * (host memory only). Shares no code with the fast paths. */

@@ -120,8 +120,9 @@ TEST(attention_cpu_vs_oracle) {
       att_free(&d);
       break;
     }
-    int path = kva_attention_path(ctx1, &d.q, &d.view, &d.params, &d.out);
-    printf("  case %2d %-8s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", name);
+    char kname[96];
+    int path = kva_attention_kernel(ctx1, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname);
+    printf("  case %2d %-8s %-32s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", kname, name);
     int ok = 1;
     for (int li = 0; li < 3 && ok; ++li) {
       if (kva_cpu_set_simd(levels[li])) continue; /* this CPU lacks the level */

@@ -259,7 +259,10 @@ static int make_cuda_ctx(kva_context **ctx, void *stream) {
 }
 
 /* Runs one case on the device against the oracle; `tweak` edits host operands first. */
-static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant) {
+/* want: NULL, or a text the case's kernel name (kva_attention_kernel) must
+ * contain: the case runs the kernel it is meant to test. */
+static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
+                         const char *want) {
   char name[256];
   att_case_str(c, name, sizeof name);
   att_data hd;
@@ -281,6 +284,17 @@ static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data 
     goto done;
   }
   if (!dev_poison(&dd, 0)) goto done;
+  if (want) {
+    char kname[160];
+    if (kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname) < 0) {
+      FAIL_("%s: kva_attention_kernel(CUDA): %s", name, kva_last_error());
+      goto done;
+    }
+    if (!strstr(kname, want)) {
+      FAIL_("%s: runs \"%s\", not a \"%s\"", name, kname, want);
+      goto done;
+    }
+  }
   int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0);
   if (rc) {
     FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
@@ -297,6 +311,10 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+
+static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant) {
+  return run_case_want(ctx, c, tweak, variant, NULL);
 }
 
 TEST(cuda_vs_oracle) {
@@ -316,13 +334,15 @@ TEST(cuda_vs_oracle) {
 }
 
 /* Each case of a table with each variant 0 .. variants - 1 of tweak (NULL:
- * as made), on one CUDA context; stops at the first failure. */
-static void run_case_table(const att_case *cs, size_t n, void (*tweak)(att_data *, int), int variants) {
+ * as made), on one CUDA context; stops at the first failure. want: as in
+ * run_case_want (NULL: any kernel). */
+static void run_case_table(const att_case *cs, size_t n, void (*tweak)(att_data *, int), int variants,
+                           const char *want) {
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (size_t ci = 0; ci < n; ++ci)
     for (int variant = 0; variant < variants; ++variant)
-      if (!run_case(ctx, &cs[ci], tweak, variant)) {
+      if (!run_case_want(ctx, &cs[ci], tweak, variant, want)) {
         FAIL_("case %zu, variant %d", ci, variant);
         goto done;
       }
@@ -338,13 +358,13 @@ TEST(cuda_q4_tc_path) {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
-      {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_NONE, 0, 0, 0, 0, 1}, /* 2 groups: group 64 at D = 64 is fused */
       /* the wide kernel (q4 from 33 vectors): D = 128 with window, softcap,
        * sinks, ragged (40 vectors); D = 64 with 64 vectors (two blocks of 48
        * per KV head), strided */
       {2, 16, 2, 5, 333, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
-      /* bf16 K/V on the same kernel (>= 6 query vectors per KV head): decode
+      /* bf16 K/V on the same kernel (>= 3 query vectors per KV head): decode
        * instance, wide instance (verify), D = 128 / 64, window, softcap, sinks, ragged, strided */
       {1, 24, 4, 1, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
@@ -368,7 +388,7 @@ TEST(cuda_q4_tc_path) {
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
-  run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1);
+  run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1, "tensor-core kernel");
 }
 
 /* NaN/Inf planted in q, in visible K/V rows, and beyond each sequence's
@@ -447,7 +467,7 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q8 */
       {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* q8 wide */
   };
-  run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3);
+  run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3, "tensor-core kernel");
 }
 
 /* One capture, replayed while the lengths in device memory change. */

@@ -162,6 +162,25 @@ TEST(errors_workspace_queries) {
   bad_reset(&c);
   ASSERT_ERR(kva_attention_path(c.ctx, &c.q, &c.view, &c.params, NULL), KVA_EINVAL, "out is NULL");
   ASSERT_EQ(kva_attention_path(c.ctx, &c.q, &c.view, &c.params, &c.out), KVA_PATH_FUSED);
+  /* kva_attention_kernel: the same validation and path, plus a description */
+  char kname[128], small[8];
+  memset(kname, 'x', sizeof kname);
+  ASSERT_ERR(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, NULL, 16), KVA_EINVAL, "name is NULL");
+  ASSERT_ERR(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, 0), KVA_EINVAL, "size is 0");
+  ASSERT_ERR(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, NULL, kname, sizeof kname), KVA_EINVAL, "out is NULL");
+  c.q.shape[1] = 7;
+  ASSERT_ERR(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, sizeof kname), KVA_ESHAPE,
+             "multiple of KV heads");
+  bad_reset(&c);
+  ASSERT_TRUE(kname[0] == 'x' && kname[sizeof kname - 1] == 'x'); /* not written on error */
+  ASSERT_EQ(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, sizeof kname), KVA_PATH_FUSED);
+  ASSERT_TRUE(strncmp(kname, "cpu ", 4) == 0 && strstr(kname, kva_cpu_simd()) && strstr(kname, " kernel"));
+  ASSERT_EQ(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, small, sizeof small), KVA_PATH_FUSED);
+  ASSERT_TRUE(strlen(small) == sizeof small - 1 && strncmp(small, kname, sizeof small - 1) == 0); /* truncated */
+  ASSERT_OK(kva_cpu_set_simd("portable")); /* no specialized kernel at this level */
+  ASSERT_EQ(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, sizeof kname), KVA_PATH_FUSED);
+  ASSERT_TRUE(strcmp(kname, "cpu portable general kernel") == 0);
+  kva_cpu_set_simd(NULL);
   ASSERT_TRUE(strcmp(kva_strerror(KVA_ESHAPE), "shape mismatch") == 0);
   ASSERT_TRUE(strcmp(kva_strerror(12345), "unknown error") == 0);
   bad_teardown(&c);

@@ -105,6 +105,8 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   fprintf(f, ",\"block\":%lld,\"block_order\":\"%s\",\"preset\":", (long long)c->block,
           c->layout != KVA_LAYOUT_PAGED ? "none" : c->in_order ? "sequential" : "shuffled");
   json_str(f, c->preset);
+  fprintf(f, ",\"kernel\":");
+  json_str(f, r->kernel);
   fprintf(f, ",\"kv\":\"%s\",\"group\":%d,\"kv_dtype\":\"%s\"", kb_kv_name(&c->kv), c->kv.group,
           kva_dtype_name(c->kv.dtype));
   fprintf(f, ",\"qdtype\":\"%s\",\"odtype\":\"%s\",\"mask\":\"causal\"", kva_dtype_name(c->qdtype),
@@ -228,6 +230,11 @@ static int time_case(kb_backend *be, const kb_opts *o, const kb_cacheset *cs, ca
   double *t = malloc((size_t)o->max_reps * sizeof *t);
   if (!t) return KVA_ENOMEM;
   int call = 0, rc = 0;
+  {
+    kva_kv_view view = kb_cacheset_view(cs, 0);
+    rc = kva_attention_kernel(be->ctx, &cb->q, &view, p, &cb->out, r->kernel, sizeof r->kernel);
+    if (rc > 0) rc = 0;
+  }
   for (int w = 0; w < o->warmups && rc == 0; ++w, ++call) {
     kva_kv_view view = kb_cacheset_view(cs, call);
     double us;

@@ -135,6 +135,7 @@ typedef struct kb_result {
   bool nonfinite, guard_ok;
   kb_status status;
   char error[256];
+  char kernel[128];           /* kva_attention_kernel's description of the case's kernel */
   double setup_s, time_s, check_s;
 } kb_result;
 

@@ -101,7 +101,8 @@ static void usage_bench(FILE *f) {
           "  --seed S           random seed (default: from the clock, printed)\n"
           "  --no-check         skip the oracle check\n"
           "output:\n"
-          "  --json             one JSON object per case per line on stdout\n"
+          "  --json             one JSON object per case per line on stdout (with \"kernel\":\n"
+          "                     the kernel kva_attention_kernel names for the case)\n"
           "  --quiet            no progress on stderr\n"
           "  --list             list the selected cases with their bytes and FLOPs; run nothing\n",
           prog, KVA_BLOCK_SIZE_MIN, KVA_BLOCK_SIZE_MAX, DEF_BLOCK, DEF_WARMUPS, DEF_MIN_REPS, DEF_MAX_REPS, DEF_BUDGET_S, DEF_ROTATE_GIB,

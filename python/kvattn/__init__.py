@@ -29,7 +29,7 @@ from ._capi import BFLOAT16 as bfloat16
 from ._capi import KvaError, lib
 
 __all__ = [
-    "Context", "KvaError", "attention", "attention_path", "bfloat16", "build_info", "cache_write",
+    "Context", "KvaError", "attention", "attention_kernel", "attention_path", "bfloat16", "build_info", "cache_write",
     "causal_mask", "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
     "reference_attention", "set_cpu_simd", "version",
 ]
@@ -462,6 +462,21 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
     with ctx.lock:
         path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
     return {C.PATH_FUSED: "fused", C.PATH_FALLBACK: "fallback"}.get(path, path)
+
+
+def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
+                     group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
+                     context=None):
+    """Validates like attention() and describes the kernel that would run, e.g.
+    "cpu avx512 fused kernel" or "cpu avx512 AMX kernel (bf16 tiles)" (for
+    reading, not parsing: the wording may change)."""
+    call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
+                 out)
+    ctx = context if context is not None else default_context(threads)
+    name = ctypes.create_string_buffer(256)
+    with ctx.lock:
+        C.check(lib.kva_attention_kernel(ctx.handle, *call.refs(), name, len(name)))
+    return name.value.decode()
 
 
 # ------------------------------------------------------------- cache write

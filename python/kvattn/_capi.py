@@ -180,6 +180,8 @@ _proto("kva_attention_workspace_size", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(
        _P(kva_attn_params), _P(ctypes.c_size_t))
 _proto("kva_attention_path", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
        _P(kva_tensor))
+_proto("kva_attention_kernel", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor), ctypes.c_char_p, ctypes.c_size_t)
 _proto("kva_reference_attention", ctypes.c_int, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
        _P(kva_tensor))
 _proto("kva_cpu_simd", ctypes.c_char_p)

@@ -277,6 +277,19 @@ def test_attention_path(request):
     assert kvattn.attention_path(q1, k, v, mask=np.ones(30, bool)) == "fallback"
 
 
+def test_attention_kernel(request):
+    rng = rng_for(request)
+    q1, q20 = randn(rng, (1, 4, 1, 64)), randn(rng, (1, 4, 20, 64))
+    k = v = randn(rng, (1, 2, 30, 64))
+    simd = kvattn.cpu_simd()
+    name = kvattn.attention_kernel(q1, k, v, mask="causal")
+    assert name.startswith("cpu " + simd + " ") and name.endswith("kernel")
+    # the fallback path runs the general kernel at every SIMD level
+    assert kvattn.attention_kernel(q20, k, v, mask="causal") == "cpu " + simd + " general kernel"
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kvattn.attention_kernel(randn(rng, (1, 3, 1, 64)), k, v)
+
+
 def test_info():
     assert kvattn.version() == kvattn.__version__
     assert kvattn.version().count(".") == 2

@@ -258,6 +258,22 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
   return rc < 0 ? rc : (int)p.path;
 }
 
+int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                         const kva_attn_params *params, const kva_tensor *out, char *name, size_t size) {
+  kva_clearerr();
+  if (!name || size == 0) return kva_seterr(KVA_EINVAL, "name is NULL or size is 0");
+  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
+  if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
+  kva_problem p;
+  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  if (rc < 0) return rc;
+  if (ctx->backend == KVA_BACKEND_CPU)
+    kva_cpu_kernel_name(&p, name, size);
+  else if ((rc = kva_cuda_kernel_name(ctx, &p, name, size)) < 0)
+    return rc;
+  return (int)p.path;
+}
+
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace, size_t workspace_bytes) {
   kva_clearerr();

@@ -22,6 +22,10 @@ struct kva_context {
 /* CPU backend (src/cpu/). */
 size_t kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p);
 int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
+/* kva_attention_kernel's description of the kernel each backend would run
+ * (name: size >= 1 bytes, truncated). */
+void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size);
+int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size);
 
 /* CUDA backend (src/cuda/); stubs returning KVA_ENODEVICE when not built. */
 int kva_cuda_context_init(kva_context *ctx);

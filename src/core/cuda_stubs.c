@@ -32,6 +32,14 @@ size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
   return 0;
 }
 
+int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
+  (void)ctx;
+  (void)p;
+  (void)name;
+  (void)size;
+  return no_cuda();
+}
+
 int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
   (void)ctx;
   (void)p;

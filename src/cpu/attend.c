@@ -13,6 +13,7 @@
 #include "cpu/threadpool.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 
 /* Tuning (never changes results beyond rounding of the merge order). */
@@ -313,6 +314,13 @@ static void merge_task(void *arg, long task, int worker) {
     for (int64_t d = 0; d < p->Dv; ++d)
       kva_store_f(kva_at4(p->out, b, h, i, d), p->out->dtype, kva_softmax_out(acc, (int)d));
   }
+}
+
+void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size) {
+  const kva_cpu_kernels *kt = kva_cpu_kernels_get();
+  const char *fast = p->path == KVA_PATH_FUSED ? kt->fast_name(p) : NULL;
+  snprintf(name, size, "cpu %s %s kernel%s", kt->level, fast ? fast : "general",
+           fast && !strcmp(fast, "AMX") ? " (bf16 tiles)" : "");
 }
 
 int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {

@@ -8,6 +8,7 @@
 #include "cuda/launch.cuh"
 
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 /* Fused grid sizing (tuning only; never changes results beyond rounding). */
@@ -337,6 +338,21 @@ static size_t kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl) {
   if (pl.fmt < 0 || pl.nsplit <= 1) return 0;
   size_t n = (size_t)pl.nsplit * p->B * p->H * p->L * KVA_STATE_FLOATS(p->Dv) * sizeof(float);
   return (n + KVC_WS_ALIGN - 1) / KVC_WS_ALIGN * KVC_WS_ALIGN;
+}
+
+extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
+  static const char *const fmts[KVC_NFMT] = {"f32", "f16", "bf16", "q2", "q4", "q8"};
+  const kvc_plan pl = kvc_select(ctx, p);
+  if (pl.fmt < 0)
+    snprintf(name, size, "cuda general kernel");
+  else if (pl.tc)
+    snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s", fmts[pl.fmt],
+             pl.QW == 8 * KVC_TC_NTM_WIDE ? "wide (8 warps)" : pl.QW == 8 ? "decode instance" : "narrow",
+             pl.QW, pl.group ? ", group compiled in" : "", pl.nsplit, pl.nsplit == 1 ? "" : "s");
+  else
+    snprintf(name, size, "cuda %s fused kernel: %d query vectors per block, %d elements per lane, %d split%s",
+             fmts[pl.fmt], pl.QW, pl.E, pl.nsplit, pl.nsplit == 1 ? "" : "s");
+  return 0;
 }
 
 extern "C" size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {

@@ -632,8 +632,17 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   return amx ? amx : attend_fast;
 }
 
+const char *KFN(fast_name)(const kva_problem *p) {
+  const kva_item_fn f = KFN(select_fast)(p);
+  return !f ? NULL : f == attend_fast ? "fused" : "AMX";
+}
+
 #else /* no AVX-512: the general kernel serves every call */
 kva_item_fn KFN(select_fast)(const kva_problem *p) {
+  (void)p;
+  return NULL;
+}
+const char *KFN(fast_name)(const kva_problem *p) {
   (void)p;
   return NULL;
 }

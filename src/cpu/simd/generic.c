@@ -142,4 +142,5 @@ const kva_cpu_kernels CAT(kva_cpu_kernels, KVA_SIMD_LEVEL) = {
     .level = KVA_LEVEL_NAME,
     .generic = KFN(attend_generic),
     .fast = KFN(select_fast),
+    .fast_name = KFN(fast_name),
 };
