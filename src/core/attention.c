@@ -248,25 +248,28 @@ int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kv
   return 0;
 }
 
-int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
-                       const kva_attn_params *params, const kva_tensor *out) {
+/* The validated problem of an attention call (kva_attention and its queries). */
+static int call_problem(kva_problem *p, kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                        const kva_attn_params *params, const kva_tensor *out) {
   kva_clearerr();
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
+  return kva_problem_init(p, ctx->backend, q, kv, params, out);
+}
+
+int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                       const kva_attn_params *params, const kva_tensor *out) {
   kva_problem p;
-  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  int rc = call_problem(&p, ctx, q, kv, params, out);
   return rc < 0 ? rc : (int)p.path;
 }
 
 int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                          const kva_attn_params *params, const kva_tensor *out, char *name, size_t size) {
-  kva_clearerr();
-  if (!name || size == 0) return kva_seterr(KVA_EINVAL, "name is NULL or size is 0");
-  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
-  if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p;
-  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
+  if (!name || size == 0) return kva_seterr(KVA_EINVAL, "name is NULL or size is 0");
   if (ctx->backend == KVA_BACKEND_CPU)
     kva_cpu_kernel_name(&p, name, size);
   else if ((rc = kva_cuda_kernel_name(ctx, &p, name, size)) < 0)
@@ -276,11 +279,8 @@ int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_vie
 
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace, size_t workspace_bytes) {
-  kva_clearerr();
-  if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
-  if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p;
-  int rc = kva_problem_init(&p, ctx->backend, q, kv, params, out);
+  int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
   size_t need = workspace_size(ctx, &p);
   if (workspace) {

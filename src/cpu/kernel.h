@@ -31,7 +31,7 @@ typedef struct kva_cpu_kernels {
   /* Specialized decode/verify kernel for this item's formats, or NULL when
    * none applies (checked per call; never changes results beyond rounding). */
   kva_item_fn (*fast)(const kva_problem *p);
-  const char *(*fast_name)(const kva_problem *p); /* "fused", "AMX" or NULL: what fast picks */
+  const char *(*fast_name)(const kva_problem *p); /* the name of what fast picks, NULL for none */
 } kva_cpu_kernels;
 
 /* Floats of per-worker scratch for nq query vectors. */

@@ -634,7 +634,7 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
 
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
-  return !f ? NULL : f == attend_fast ? "fused" : "AMX";
+  return !f ? NULL : f == attend_fast ? "fused kernel" : "AMX kernel (bf16 tiles)";
 }
 
 #else /* no AVX-512: the general kernel serves every call */

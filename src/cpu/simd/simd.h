@@ -21,7 +21,8 @@
 
 /* Specialized kernels of this level (fast.c); NULL when none applies. */
 kva_item_fn KFN(select_fast)(const kva_problem *p);
-/* The name of what KFN(select_fast) picks ("fused" or "AMX"), NULL for none. */
+/* The name of what KFN(select_fast) picks ("fused kernel" or "AMX kernel
+ * (bf16 tiles)"), NULL for none. */
 const char *KFN(fast_name)(const kva_problem *p);
 /* The AMX verify kernel (amx.c) for these row formats, or NULL. */
 kva_item_fn KFN(select_amx)(const kva_problem *p, const kva_rowfmt *kf, const kva_rowfmt *vf);
