@@ -256,7 +256,8 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * (truncated when longer). E.g. "cpu avx512 fused kernel", "cpu avx512 AMX
  * kernel (bf16 tiles)", "cpu portable general kernel", "cuda q4 tensor-core
  * kernel: decode instance, 8 query vectors per block, group compiled in, 128
- * splits", "cuda bf16 fused kernel: 2 query vectors per block, 16 elements
+ * splits", "cuda q4 tensor-core kernel: per-warp decode, 2 query vectors,
+ * group compiled in, 64 splits", "cuda bf16 fused kernel: 2 query vectors per block, 16 elements
  * per lane, 6 splits", "cuda general kernel". For reading, not parsing:
  * the wording may change between versions. name NULL or size 0: KVA_EINVAL;
  * on error name is not written. Returns a kva_path or a negative status. */

@@ -32,6 +32,7 @@ TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -359,6 +360,7 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_NONE, 0, 0, 0, 0, 1}, /* 2 groups: group 64 at D = 64 is fused */
+      {2, 24, 4, 1, 2100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, /* rep 6, sinks, ragged */
       /* the wide kernel (q4 from 33 vectors): D = 128 with window, softcap,
        * sinks, ragged (40 vectors); D = 64 with 64 vectors (two blocks of 48
        * per KV head), strided */
@@ -471,8 +473,7 @@ TEST(cuda_q4_tc_nan_inf) {
 }
 
 /* One capture, replayed while the lengths in device memory change. */
-TEST(cuda_graph_replay_changing_lengths) {
-  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+static void graph_replay(int tcd) {
   const att_case c = {2, 8, 2, 2, 3000, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
   static const int32_t lens_sets[][2] = {{3000, 2}, {17, 2999}, {1000, 1500}, {2, 3000}};
   att_data hd;
@@ -488,8 +489,10 @@ TEST(cuda_graph_replay_changing_lengths) {
     FAIL_("could not mirror operands");
     goto done;
   }
-  if (!cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream") || !make_cuda_ctx(&ctx, s))
-    goto done;
+  if (tcd) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1); /* the per-warp q4 kernel at this size */
+  const int made = cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream") && make_cuda_ctx(&ctx, s);
+  if (tcd) unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (!made) goto done;
   size_t bytes = 0;
   if (kva_attention_workspace_size(ctx, &dd.q, &dd.view, &dd.params, &bytes)) {
     FAIL_("workspace size: %s", kva_last_error());
@@ -530,6 +533,12 @@ done:
   if (s) cudaStreamDestroy(s);
   dev_free(&dd);
   att_free(&hd);
+}
+
+TEST(cuda_graph_replay_changing_lengths) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  graph_replay(0);
+  graph_replay(1);
 }
 
 /* A caller workspace one byte short is refused before anything is enqueued. */
@@ -674,11 +683,11 @@ TEST(cuda_block_table) {
       {{2, 24, 4, 2, 900, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16}, /* bf16 tensor-core kernel */
       {{1, 6, 2, 4, 800, 128, 128, F32, F32, 8, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0}, 32},
       {{1, 4, 2, 20, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
-      /* the tensor-core kernel's staged block ids at their edges: block size 1
-       * (64 ids per stage), a block size that is no power of two (the
+      /* the tensor-core kernel's staged block ids at their edges: block size 8
+       * (the pools' smallest: 8 ids per stage), a block size that is no power of two (the
        * division path), blocks longer than a stage; bf16 at 2 vectors and
        * head dim 128 takes the tensor cores over a table */
-      {{2, 8, 4, 1, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 1},
+      {{2, 8, 4, 1, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 8},
       {{2, 16, 8, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 24},
       {{1, 32, 8, 1, 1000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 128},
   };
@@ -686,6 +695,66 @@ TEST(cuda_block_table) {
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (size_t ci = 0; ci < sizeof tcases / sizeof tcases[0]; ++ci)
     if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci)) break;
+  kva_context_destroy(ctx);
+}
+
+/* The per-warp q4 decode kernel (src/cuda/attn_tcd.cu: bf16 queries, MLX's
+ * group 64, head dims 128 / 256, up to 8 query vectors per KV head, 4 and
+ * contiguous rows at 256). The selector sends only large calls there (B KVH
+ * N >= KVC_TCD_MIN_WORK token-heads); this context lowers the bar to 0
+ * through KVA_CUDA_TCD_MIN_WORK, so that small cases run it, and every case
+ * asserts it did. */
+TEST(cuda_q4_tcd_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* groups per S m-tile 4 and 2 at D = 256 (4: P times the scale); 2 (P
+   * times the scale, 1 and 4 vectors) and 1 (8 vectors) at D = 128; window,
+   * softcap, sinks, segments, ragged, strided, a split shorter than a tile */
+  static const att_case tc[] = {
+      {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 16, 4, 1, 1333, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
+      {1, 8, 4, 2, 900, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {1, 4, 4, 1, 2000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      {2, 32, 8, 1, 1500, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 32, 8, 2, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {1, 4, 4, 8, 300, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
+      {1, 8, 4, 3, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 5, 0, 0, 0, 0},
+      {1, 8, 4, 1, 1, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  /* NaN / Inf (plant_q4) at each kind of m-tile and P.V */
+  static const att_case nc[] = {
+      {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 16, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 32, 8, 1, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 32, 8, 2, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  /* BLOCK_TABLE rows at D = 128: the tile's block ids by shuffles, block
+   * sizes 24 (the division) and 64 */
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } tt[] = {
+      {{2, 32, 8, 2, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 200, 0, 1, 1, 0}, 24},
+      {{2, 16, 8, 1, 700, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 1, 0}, 64},
+  };
+  setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  kva_context *ctx;
+  const int made = make_cuda_ctx(&ctx, NULL);
+  unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (!made) return;
+  for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci)
+    if (!run_case_want(ctx, &tc[ci], NULL, 0, "per-warp decode")) {
+      FAIL_("case %zu", ci);
+      goto done;
+    }
+  for (size_t ci = 0; ci < sizeof nc / sizeof nc[0]; ++ci)
+    for (int variant = 0; variant < 3; ++variant)
+      if (!run_case_want(ctx, &nc[ci], plant_q4, variant, "per-warp decode")) {
+        FAIL_("NaN/Inf case %zu, variant %d", ci, variant);
+        goto done;
+      }
+  for (size_t ci = 0; ci < sizeof tt / sizeof tt[0]; ++ci)
+    if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci)) break;
+done:
   kva_context_destroy(ctx);
 }
 #endif

@@ -73,6 +73,7 @@
  *         (BENCHMARKS.md): 2 slots x 4 blocks beat 3 slots x 3 blocks by
  *         3-8 %. */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_factors2, kvc_emit */
+#include "cuda/mma.cuh"
 
 #define KVC_TC_TOK KVC_TC_STEP        /* tokens per stage (4 warps x 16) */
 #define KVC_TC_ROWPAD 16              /* bytes after each raw row: conflict-free fragment reads */
@@ -85,44 +86,6 @@
 __host__ __device__ constexpr int kvc_tc_stages(int ntm) { return ntm == 1 ? 2 : 4; }
 /* 16-bit float K/V rows (bf16, f16): the rows are the mma operands, no scale rows. */
 __host__ __device__ constexpr bool kvc_tc_float(int f) { return f == KVC_BF16 || f == KVC_F16; }
-/* bf16x2 constants (both halves) */
-#define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
-#define KVC_BF16X2_ONE 0x3F803F80u
-#define KVC_BF16X2_M128 0xC300C300u /* -128.0 */
-#define KVC_NIB_PAIR 0x000F000Fu    /* a code in each 16-bit half */
-#define KVC_BF16X2_16 0x41804180u   /* 16.0 */
-#define KVC_BF16X2_M2176 0xC508C508u /* -2176.0 = -(16 + 1) 128 (q8 P.V) */
-
-/* ---- PTX helpers ---- */
-__device__ __forceinline__ uint32_t kvc_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d; /* (a & b) | c in one LOP3 */
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ uint32_t kvc_fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ uint32_t kvc_mul_bf16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-/* d += a (16x16, row) * b (16x8, col), bf16 operands, f32 accumulators. */
-__device__ __forceinline__ void kvc_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-/* The same with f16 operands. */
-__device__ __forceinline__ void kvc_mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 /* The mma of format F's 16-bit operands: f16 for f16 rows (and f16 queries
  * and P), bf16 for every other format. */
 template <int F> __device__ __forceinline__ void kvc_mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -141,38 +104,11 @@ template <int F> __device__ __forceinline__ unsigned short kvc_p16(float p, floa
   *r = __bfloat162float(h);
   return __bfloat16_as_ushort(h);
 }
-/* d += a (16x32 u8, row) * b (32x8 s8, col), s32 accumulators (exact). */
-__device__ __forceinline__ void kvc_mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-/* cp.async of BYTES (4, 8 or 16) from global to the shared address d;
- * src_bytes = 0 writes zeros and reads nothing. */
-template <int BYTES> __device__ __forceinline__ void kvc_cp_async(uint32_t d, const void *src, int src_bytes) {
-  if (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(BYTES), "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void kvc_cp_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void kvc_cp_wait(void) {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 /* Codes (k, k + 4) of word w (k < 4) -> bf16x2 of scale * code + bias. */
 __device__ __forceinline__ uint32_t kvc_deq_pair(uint32_t w, int k, uint32_t s2, uint32_t b2) {
   const uint32_t x = kvc_and_or(w >> (4 * k), KVC_NIB_PAIR, KVC_BF16X2_128); /* 128 + c, exact */
   const uint32_t c = kvc_fma_bf16x2(x, KVC_BF16X2_ONE, KVC_BF16X2_M128);     /* c, exact */
   return kvc_fma_bf16x2(c, s2, b2);                                          /* s c + b, one rounding */
-}
-__device__ __forceinline__ uint32_t kvc_lds16(const unsigned char *p) { return *(const unsigned short *)p; }
-/* bf16x2 of (lo, hi), each rounded to nearest even. */
-__device__ __forceinline__ uint32_t kvc_bf16x2_of(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
 }
 /* q8 code byte k of w -> bf16 of scale * code + bias (f32, one rounding) for
  * two words (lo, hi): the A/B register of two tokens or two dims. */
@@ -520,22 +456,15 @@ __device__ __forceinline__ void kvc_pv_step_q8(const unsigned char *sv, const kv
     }
 }
 
-/* The token range [*t_lo, *t_hi) of a split (keys before row 0's sliding
- * window skipped) and its 64-token stages. */
+/* The token range of a split and its 64-token stages; is the stage at t0
+ * wholly visible (common.cuh). */
 __device__ __forceinline__ int kvc_tc_range(const kvc_args &a, int split, long long len, long long *t_lo,
                                             long long *t_hi) {
-  *t_lo = (long long)split * a.chunk;
-  *t_hi = min(*t_lo + a.chunk, len);
-  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
+  kvc_split_range(a, split, len, t_lo, t_hi);
   return *t_hi > *t_lo ? (int)((*t_hi - *t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
 }
-/* Is every key of the stage at t0 inside the split and visible to every row
- * (no mask, or causal without segments and inside each row's window)? Then
- * the per-key mask test is skipped (the common case). */
 __device__ __forceinline__ bool kvc_tc_stage_full(const kvc_args &a, long long t0, long long t_hi, long long len) {
-  return t0 + KVC_TC_TOK <= t_hi &&
-         (a.mask_kind == KVA_MASK_NONE || (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + KVC_TC_TOK - 1 <= len - a.L &&
-                                           (a.window <= 0 || t0 > len - 1 - a.window)));
+  return kvc_keys_all_visible(a, t0, KVC_TC_TOK, t_hi, len);
 }
 /* The 16-bit query dim pairs of mma k columns (2 t4, 2 t4 + 1) -> .x and
  * (2 t4 + 8, 2 t4 + 9) -> .y of k-step kk, in the dim order the staged K

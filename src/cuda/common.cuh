@@ -210,6 +210,24 @@ __device__ __forceinline__ int32_t kvc_seg_of_row(const kvc_args &a, int b, long
   return (a.mask_kind == KVA_MASK_CAUSAL && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
 }
 
+/* The token range [*t_lo, *t_hi) of a split of a.chunk tokens (keys before
+ * row 0's sliding window skipped: no row sees them). */
+__device__ __forceinline__ void kvc_split_range(const kvc_args &a, int split, long long len, long long *t_lo,
+                                                long long *t_hi) {
+  *t_lo = (long long)split * a.chunk;
+  *t_hi = min(*t_lo + a.chunk, len);
+  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
+}
+/* Are keys t0 .. t0 + n - 1 all inside the split (below t_hi) and visible
+ * to every row (no mask, or causal without segments and inside each row's
+ * window)? Then a kernel skips the per-key mask test (the common case). */
+__device__ __forceinline__ bool kvc_keys_all_visible(const kvc_args &a, long long t0, int n, long long t_hi,
+                                                     long long len) {
+  return t0 + n <= t_hi &&
+         (a.mask_kind == KVA_MASK_NONE ||
+          (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + n - 1 <= len - a.L && (a.window <= 0 || t0 > len - 1 - a.window)));
+}
+
 /* scale, then softcap: the logit in natural units. */
 __device__ __forceinline__ float kvc_logit(const kvc_args &a, float dot) {
   float x = a.scale * dot;

@@ -27,6 +27,15 @@
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
+#define KVC_TCD_MIN_WORK (1LL << 18) /* ... and for B * KVH * N >= this many token-heads (the default; the environment
+                                        variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0: never): below, its
+                                        per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5 us against 17.0, 32k
+                                        B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k 62.4 against 67.1) */
+#define KVC_TCD_MAX_Q_D256 4        /* q4 per-warp decode kernel at head dim 256 up to 4 query vectors per KV head;
+                                        beyond, one group per S m-tile and V dequantized per element: H200, 24/4/256
+                                        128k 75.3 us against the narrow kernel's 70.1); contiguous rows only at head
+                                        dim 256 (over block tables the narrow kernel's staged ids win: 8/4/256 B=16
+                                        32k paged/16 259.6 us against 272.9) */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
                                         32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
@@ -48,6 +57,8 @@ struct kvc_state {
   int tc_occupancy[4][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
                                           [8, 32, 48 vectors, 8 and 32 with the compiled group size] */
   int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tcd_occupancy[2][3][2];           /* resident per-warp decode blocks per SM by [D / 128 - 1][log2 gpt][table] */
+  long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -96,6 +107,8 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
     free(st);
     return kvc_cuda_err(e, "cudaDeviceGetAttribute");
   }
+  const char *ev = getenv("KVA_CUDA_TCD_MIN_WORK"); /* tuning and tests: see KVC_TCD_MIN_WORK */
+  st->tcd_min_work = ev && *ev ? strtoll(ev, NULL, 0) : KVC_TCD_MIN_WORK;
   ctx->cuda = st;
   return 0;
 }
@@ -287,6 +300,32 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
   int tcf = -1;
   const int di = kvc_tc_dim_index(p, &tcf);
+  const kvc_state *cst = ctx ? (const kvc_state *)ctx->cuda : NULL;
+  const long long tcd_min = cst ? cst->tcd_min_work : KVC_TCD_MIN_WORK;
+  if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
+      (p->Dk == 128 || (p->Dk == 256 && Q <= KVC_TCD_MAX_Q_D256 && kv->layout != KVA_LAYOUT_BLOCK_TABLE)) &&
+      kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
+      p->B * p->KVH * p->N >= tcd_min) {
+    /* q4 decode with MLX's default group at head dims 128 / 256: the
+     * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
+     * stage max or P round trip per stage) */
+    pl.fmt = KVC_Q4;
+    pl.tc = 2;
+    pl.QW = 8;
+    pl.qtiles = 1;
+    pl.group = KVC_TC_GROUP;
+    const int gpt = kvc_tcd_gpt((int)p->Dk, Q);
+    int per_sm = 1;
+    kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
+    if (st) {
+      const int tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
+      int *slot = &st->tcd_occupancy[p->Dk == 256][kvc_log2(gpt)][tbl];
+      if (*slot == 0) *slot = kvc_tcd_occupancy((int)p->Dk, gpt, tbl);
+      per_sm = *slot > 0 ? *slot : 1;
+    }
+    kvc_plan_splits(&pl, p, p->B * p->KVH, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
+    return pl;
+  }
   if (di >= 0) {
     /* the narrow kernel with one n-tile of 8 query vectors per block for
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
@@ -345,6 +384,9 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   const kvc_plan pl = kvc_select(ctx, p);
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel");
+  else if (pl.tc == 2)
+    snprintf(name, size, "cuda q4 tensor-core kernel: per-warp decode, %d query vectors, group compiled in, %d split%s",
+             (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s");
   else if (pl.tc)
     snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s", fmts[pl.fmt],
              pl.QW == 8 * KVC_TC_NTM_WIDE ? "wide (8 warps)" : pl.QW == 8 ? "decode instance" : "narrow",
@@ -455,7 +497,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   kvc_args_of(p, pl, ws, &a);
   cudaStream_t stream = (cudaStream_t)ctx->stream;
   if (pl.fmt < 0) return kvc_launch_generic(a, stream);
-  int rc = pl.tc ? kvc_launch_tc(a, pl, stream) : kvc_launch_fused(a, pl, stream);
+  int rc = pl.tc == 2 ? kvc_launch_tcd(a, pl, stream) : pl.tc ? kvc_launch_tc(a, pl, stream) : kvc_launch_fused(a, pl, stream);
   if (rc < 0 || pl.nsplit <= 1) return rc;
   return kvc_launch_merge(a, stream);
 }

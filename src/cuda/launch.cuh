@@ -28,7 +28,8 @@ struct kvc_plan {
   int lanes_log2;
   int nsplit;
   long long chunk;
-  int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one */
+  int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one;
+                    2: the per-warp q4 decode kernel (attn_tcd.cu) */
   int group;     /* tensor-core: the K/V group size compiled into the instance (KVC_TC_GROUP), 0 = read at run time */
 };
 
@@ -44,6 +45,11 @@ struct kvc_plan {
 #define KVC_TC_THREADS (KVC_TC_WARPS * KVC_WARP)
 #define KVC_TC_STEP 64 /* tokens per stage: split chunks are whole stages */
 
+/* The per-warp q4 decode kernel (attn_tcd.cu): warps per block (each owns
+ * 16-token tiles of the split); split chunks are multiples of KVC_TC_STEP. */
+#define KVC_TCD_WARPS 4
+#define KVC_TCD_THREADS (KVC_TCD_WARPS * KVC_WARP)
+
 /* Formats with a fused instance (K and V share one). */
 enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT };
 
@@ -57,6 +63,13 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
  * size g (0: run time) for that shared memory (0: none). */
 int kvc_tc_smem(int f, int D, int gk, int gv, int ntm);
 int kvc_tc_occupancy(int f, int D, int ntm, int g, int smem);
+int kvc_launch_tcd(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
+/* The per-warp q4 decode kernel: its dynamic shared memory at head dim D;
+ * groups per S m-tile for q query vectors per KV head; resident blocks per
+ * SM of that instance (tbl: BLOCK_TABLE rows; 0: none). */
+int kvc_tcd_smem(int D);
+int kvc_tcd_gpt(int D, int q);
+int kvc_tcd_occupancy(int D, int gpt, int tbl);
 /* The fused kernel's launcher for one format (attn_fused.cuh; instances in
  * attn_fused_float.cu and attn_fused_quant.cu). */
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);

@@ -1,0 +1,578 @@
+/* Per-warp q4 decode kernel ("tcd"): bf16 queries, 4-bit MLX-affine K and V
+ * with bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D
+ * in {128, 256}, up to 8 query vectors per KV head (rep * L: decode and
+ * short verify; 4 at D = 256), causal-family masks, softcap, sinks;
+ * contiguous rows, or BLOCK_TABLE rows at D = 128. The selector (context.cu)
+ * sends these calls here rather than to the narrow kernel of attn_tc.cu
+ * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
+ * below, this kernel's per-block fixed cost loses); splits are merged by the
+ * same merge launch (attn_merge.cu). H200, against the narrow kernel
+ * (BENCHMARKS.md): 8/4/256 128k 67.1 -> 62.4 us, B = 16 32k 208.8 -> 178.0,
+ * 32/8/128 B = 16 32k 298.5 -> 210.5, paged/16 368.6 -> 296.9.
+ *
+ * Why a second decode kernel: the narrow kernel's warps share each 64-token
+ * stage (S by tokens, P.V by head dims), so every stage costs three block
+ * barriers, a stage maximum through shared memory and P through shared
+ * memory, ~600 of its ~1100 instructions per warp and stage (Nsight Compute,
+ * BENCHMARKS.md). Here each warp owns whole 16-token tiles (tokens, all head
+ * dims, its own softmax state): no barrier in the loop, P stays in
+ * registers (the S accumulator layout is the P.V B-fragment layout), and
+ * the warps' states are merged once at the end of the block.
+ *
+ *   memory: per warp a ring of KVC_TCD_NS tiles in shared memory, filled by
+ *         the warp's own cp.async (KVC_TCD_NS - 1 tiles in flight, ~16 KB at
+ *         D = 256); a tile is 16 packed K rows, 16 packed V rows and their
+ *         scale and bias rows (5.4 KB at D = 256). Each K/V byte is read
+ *         from DRAM once for all rep * L query vectors of its KV head.
+ *         BLOCK_TABLE rows: lane i < 16 loads the block id of tile token i
+ *         one tile ahead; the row copies take it by a shuffle.
+ *   math, S = Q K^T with query slots as mma M and tokens as N
+ *         (mma.m16n8k32, s8 x u8 -> s32, exact): a query vector v is split
+ *         into two s8 parts, q ~= sigma_v (128 qh + ql); slot r < 8 of an
+ *         m-tile is (vector r / GPT, group r % GPT of the m-tile's GPT
+ *         groups), its qh part in row r and its ql part in row r + 8, the
+ *         query bytes zero outside the slot's group. K codes come straight
+ *         from the words: k-step (group c, half h) takes word 8 c + 2 t + h
+ *         of a token (lane t of a quad): w & 0x0F0F0F0F and (w >> 4) &
+ *         0x0F0F0F0F. Per token and slot: x = 128 dot_h + dot_l, then
+ *         score += scale * x, bias term += bias * sum_group(q) in f32; the
+ *         GPT groups of an m-tile summed across lanes (shuffles), the m-tiles
+ *         in the thread. K is never rounded.
+ *   softmax: per warp, in log2 units (the softmax scale folded into sigma
+ *         and the group sums); the running maximum moves only when a tile's
+ *         maximum exceeds it by more than KVC_TCD_SLACK (then O, l and the
+ *         column sums are rescaled), so P <= 2^KVC_TCD_SLACK.
+ *   math, O^T += V^T P^T (mma.m16n8k16, bf16, f32 accumulators): A = V^T
+ *         (head dims as M, tokens as K): lane (g, t) holds dims
+ *         8 WV g + 2 j (+1) of m-tile j for tokens 2t, 2t+1, 2t+8, 2t+9; one
+ *         PRMT pairs two tokens' code bytes, a LOP3 under the 2^7 exponent
+ *         gives 128 + c exactly. B = the thread's P (column g: the S
+ *         accumulators of tokens 2t.., 2t+8.. are exactly the B fragment).
+ *         - PS (all groups in one m-tile: rep * L <= 2 at D = 256, <= 4 at
+ *           D = 128): column g = (vector, group) carries P * scale rounded
+ *           to bf16, A stays 128 + c: O[d] of vector v is the column of d's
+ *           group, minus 128 sum(P * scale) (the rounded values) plus
+ *           sum(P * bias), both summed per column in f32. One rounding per
+ *           token (P * scale), none per element.
+ *         - otherwise: A = scale * c + bias in bf16 (c = (128 + c) - 128 exact,
+ *           then one bf16x2 FMA with the two tokens' scales and biases), B =
+ *           P in bf16, l sums the rounded P.
+ *         Tests compare both at the bf16 allowance (P, V rounding 2^-9).
+ *   launch: grid (1, nsplit, B * KVH), KVC_TCD_WARPS warps per block, warp w
+ *         takes tiles w, w + 4, ... of the split's chunk; dynamic shared
+ *         memory kvc_tcd_smem() (90 KB at D = 256, 53 KB at D = 128); 2
+ *         blocks (8 warps) per SM at D = 256 by registers and memory. */
+#include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_emit */
+#include "cuda/launch.cuh"
+#include "cuda/mma.cuh"
+
+#define KVC_TCD_TOK 16     /* tokens per warp tile */
+#ifndef KVC_TCD_NS
+#define KVC_TCD_NS 4       /* ring slots per warp: 3 tiles in flight */
+#endif
+#ifndef KVC_TCD_MINB
+#define KVC_TCD_MINB 2     /* blocks per SM the registers are capped for */
+#endif
+#define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
+
+/* Shared-memory layout (bytes) for head dim D: per warp a ring of tiles
+ * {K codes, V codes, K scales, K biases, V scales, V biases}; then the
+ * block's queries (bf16 [8][D]), sigma [8] and group sums [G][8]. Row
+ * strides padded so that fragment reads are free of bank conflicts (K: a
+ * quad of lanes reads 32 bytes of each of 8 rows; V: 8 lanes read 16 bytes
+ * of rows 2t and 2t + 8). The ring is reused for the warps' final states. */
+template <int D> struct kvc_tcd_geom {
+  static constexpr int G = D / KVC_TC_GROUP;      /* groups per row */
+  static constexpr int SB = 2 * G;                /* bytes of a scale / bias row */
+  static constexpr int RSK = D / 2 + 32, RSV = D / 2 + 16;
+  static constexpr int KD = 0, VD = KVC_TCD_TOK * RSK, KS = VD + KVC_TCD_TOK * RSV;
+  static constexpr int KB = KS + KVC_TCD_TOK * SB, VS = KB + KVC_TCD_TOK * SB, VB = VS + KVC_TCD_TOK * SB;
+  static constexpr int STAGE = (VB + KVC_TCD_TOK * SB + 127) / 128 * 128;
+  static constexpr int WARP_BYTES = KVC_TCD_NS * STAGE;
+  static constexpr int QST = KVC_TCD_WARPS * WARP_BYTES; /* queries */
+  static constexpr int QSIG = QST + 8 * D * 2, QSUM = QSIG + 8 * 4;
+  static constexpr int TOTAL = QSUM + G * 8 * 4;
+  /* the final states: [warp][8] (m, l), then [warp][8][D] O */
+  static constexpr int OST = KVC_TCD_WARPS * 8 * 8;
+  static_assert(OST + KVC_TCD_WARPS * 8 * D * 4 <= QST, "final states fit the ring");
+};
+
+/* A lane's share of the tile copies. Code rows: 16-byte piece p = lane +
+ * 32 k is piece p % CPR of row p / CPR (a warp instruction covers 512
+ * bytes: whole rows). Scale rows: lane i < 16 copies K's of token i, lane
+ * 16 + i V's. Contiguous rows: running pointers of the warp's next tile
+ * (a tile costs its cp.async and a few additions); BLOCK_TABLE rows: each
+ * row located through its block id (lane i's id is token i's; the code
+ * rows take theirs by a shuffle). */
+struct kvc_tcd_loader {
+  const char *k, *v, *s, *z; /* contiguous: this lane's first piece / scale row in the next tile */
+  long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
+  long long kt, vt, st, zt;  /* bytes per advance of W tiles */
+};
+template <int D>
+__device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, long long t0) {
+  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
+  const int lane = threadIdx.x % KVC_WARP, row = lane / CPR, col = lane % CPR, ti = lane % KVC_TCD_TOK;
+  const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? a.k : a.v;
+  const long long adv = (long long)KVC_TCD_WARPS * KVC_TCD_TOK;
+  kvc_tcd_loader ld;
+  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + (t0 + row) * K.ds[2] + 16 * col;
+  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + (t0 + row) * V.ds[2] + 16 * col;
+  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + (t0 + ti) * O.ss[2];
+  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + (t0 + ti) * O.bs[2];
+  ld.kp = RPI * K.ds[2];
+  ld.vp = RPI * V.ds[2];
+  ld.kt = adv * K.ds[2];
+  ld.vt = adv * V.ds[2];
+  ld.st = adv * O.ss[2];
+  ld.zt = adv * O.bs[2];
+  return ld;
+}
+
+/* Copies tile rows t0 .. t0 + 15 (zeros past t_hi) into the warp's ring
+ * slot at shared address slot. Contiguous (!TBL): through the running
+ * pointers, which move on by W tiles. BLOCK_TABLE: id is the block id of
+ * token t0 + lane % 16; each lane locates that token (one table division)
+ * and the code rows take their row's location by two shuffles. */
+template <int D, bool TBL>
+__device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader &ld, uint32_t slot, long long t0,
+                                              long long t_hi, int hk, int fo, int id) {
+  using Gm = kvc_tcd_geom<D>;
+  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
+  const int lane = threadIdx.x % KVC_WARP, col = lane % CPR, ti = lane % KVC_TCD_TOK;
+  const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? K : V;
+  const uint32_t so = (lane < KVC_TCD_TOK ? Gm::KS : Gm::VS) + ti * Gm::SB;
+  const uint32_t zo = (lane < KVC_TCD_TOK ? Gm::KB : Gm::VB) + ti * Gm::SB;
+  if constexpr (!TBL) {
+    const bool full = t0 + KVC_TCD_TOK <= t_hi;
+#pragma unroll
+    for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
+      const int row = lane / CPR + k * RPI;
+      const bool ok = full || t0 + row < t_hi;
+      kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, ok ? ld.k + k * ld.kp : K.data, ok ? 16 : 0);
+      kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, ok ? ld.v + k * ld.vp : V.data, ok ? 16 : 0);
+    }
+    const bool ok = full || t0 + ti < t_hi;
+    kvc_cp_async<Gm::SB>(slot + so, ok ? ld.s : O.scales, ok ? Gm::SB : 0);
+    kvc_cp_async<Gm::SB>(slot + zo, ok ? ld.z : O.biases, ok ? Gm::SB : 0);
+    ld.k += ld.kt;
+    ld.v += ld.vt;
+    ld.s += ld.st;
+    ld.z += ld.zt;
+  } else {
+    const kvc_loc l = kvc_table_loc_id(K, fo, id, t0 + ti); /* (block, row) of token t0 + ti */
+    const int lb = (int)l.outer, lr = (int)l.row;
+#pragma unroll
+    for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
+      const int row = lane / CPR + k * RPI;
+      const long long rb = __shfl_sync(KVC_FULL_MASK, lb, row), rr = __shfl_sync(KVC_FULL_MASK, lr, row);
+      const bool ok = t0 + row < t_hi;
+      const char *kr = ok ? K.data + rb * K.ds[0] + hk * K.ds[1] + rr * K.ds[2] + 16 * col : K.data;
+      const char *vr = ok ? V.data + rb * V.ds[0] + hk * V.ds[1] + rr * V.ds[2] + 16 * col : V.data;
+      kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, kr, ok ? 16 : 0);
+      kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, vr, ok ? 16 : 0);
+    }
+    const bool ok = t0 + ti < t_hi;
+    const char *sr = ok ? O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2] : O.scales;
+    const char *zr = ok ? O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2] : O.biases;
+    kvc_cp_async<Gm::SB>(slot + so, sr, ok ? Gm::SB : 0);
+    kvc_cp_async<Gm::SB>(slot + zo, zr, ok ? Gm::SB : 0);
+  }
+}
+
+/* The block id of token t0 + lane % 16 (0 when contiguous or past t_hi). */
+__device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
+  const long long t = t0 + (threadIdx.x % KVC_TCD_TOK);
+  return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
+}
+
+/* GPT: groups per S m-tile (8 slots = vectors x GPT); PS: every group in
+ * one m-tile (GPT = G), scales folded into P (see the header). TBL:
+ * BLOCK_TABLE rows (an instance each: one copy of the loop per kernel; the
+ * two copies in one kernel measured 8-17 % slower at D = 256, H200). */
+template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body(const kvc_args &a) {
+  using Gm = kvc_tcd_geom<D>;
+  constexpr int G = Gm::G, MTK = G / GPT, KSTEPS = D / 32, MTV = D / 16, WV = D / 64;
+  constexpr bool PS = GPT == G;
+  constexpr int NS = KVC_TCD_NS, W = KVC_TCD_WARPS;
+  extern __shared__ __align__(128) unsigned char kvc_tcd_buf[];
+  const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.y, b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const long long len = kvc_seq_len(a, b);
+  const int fo = kvc_first_offset(a.k, b);
+  const int Q = a.rep * a.L; /* <= 8 / GPT (the selector) */
+
+  long long t_lo, t_hi;
+  kvc_split_range(a, split, len, &t_lo, &t_hi);
+  const int ntiles = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TCD_TOK - 1) / KVC_TCD_TOK) : 0;
+  const int nmine = ntiles > warp ? (ntiles - warp + W - 1) / W : 0; /* tiles warp + W n */
+  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tcd_buf) + warp * Gm::WARP_BYTES;
+  const unsigned char *wbuf = kvc_tcd_buf + warp * Gm::WARP_BYTES;
+#define KVC_TCD_T0(n) (t_lo + (long long)(warp + W * (n)) * KVC_TCD_TOK)
+
+  /* prologue: the first NS - 1 tiles in flight (one commit group each); the
+   * block ids of each tile loaded before its copies, the next one's ahead */
+  int nid = 0;
+  kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, KVC_TCD_T0(0));
+#pragma unroll
+  for (int n = 0; n < NS - 1; ++n) {
+    const int id = TBL && n < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(n), t_hi) : 0;
+    if (n < nmine) kvc_tcd_issue<D, TBL>(a, ld, ring + n * Gm::STAGE, KVC_TCD_T0(n), t_hi, hk, fo, id);
+    kvc_cp_commit();
+  }
+  if (TBL && NS - 1 < nmine) nid = kvc_tcd_id(a, b, fo, KVC_TCD_T0(NS - 1), t_hi);
+
+  /* logits in log2 units: x = scl2 q.k, a softcap c as (c log2 e) tanh(x / (c log2 e)) */
+  const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
+  const bool capped = a.softcap > 0.0f;
+
+  /* Queries: staged as bf16 (16 threads per vector, D / 16 dims each), sigma
+   * = max|q| / (127 * 128) and the per-group sums (times scl2) by shuffles. */
+  unsigned short *qst = (unsigned short *)(kvc_tcd_buf + Gm::QST);
+  float *qsig = (float *)(kvc_tcd_buf + Gm::QSIG), *qsum = (float *)(kvc_tcd_buf + Gm::QSUM);
+  const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
+  {
+    constexpr int TPQ = KVC_TCD_THREADS / 8, DPT = D / TPQ, TPG = KVC_TC_GROUP / DPT;
+    const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT;
+    const unsigned short *qp =
+        j < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + j / a.L, j % a.L, 0) : nullptr;
+    float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) {
+      const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
+      qst[j * D + pd + d] = x;
+      amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
+      sum += kvc_bf16_bits(x);
+    }
+#pragma unroll
+    for (int off = TPQ / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
+#pragma unroll
+    for (int off = 1; off < TPG; off <<= 1) sum += __shfl_xor_sync(KVC_FULL_MASK, sum, off);
+    if (pd % KVC_TC_GROUP == 0) qsum[(pd / KVC_TC_GROUP) * 8 + j] = sum * scl2;
+    if (pd == 0) qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: via the sums */
+  }
+  __syncthreads();
+
+  /* This lane's slot g: vector vq = g / GPT, group gi = g % GPT of each
+   * m-tile. Query A fragments of k-step kj = 2 c + h (group c, word 8 c + 2 t4
+   * + h): a0/a2 the qh bytes of the word's even / odd dims, a1/a3 the ql
+   * bytes; zero unless c % GPT == gi. */
+  const int vq = g / GPT, gi = g % GPT;
+  const bool vok = vq < Q;
+  uint32_t qa[KSTEPS][4];
+  {
+    const float inv = vok ? 1.0f / qsig[vq] : 0.0f;
+#pragma unroll
+    for (int kj = 0; kj < KSTEPS; ++kj) {
+      qa[kj][0] = qa[kj][1] = qa[kj][2] = qa[kj][3] = 0u;
+      if (vok && (kj / 2) % GPT == gi) {
+        const unsigned short *qp = qst + vq * D + 8 * (8 * (kj / 2) + 2 * t4 + (kj & 1));
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int odd = 0; odd < 2; ++odd) {
+            const float y = kvc_bf16_bits(qp[2 * i + odd]) * inv;
+            const float qh = rintf(y * (1.0f / 128.0f));
+            const float ql = rintf(y - 128.0f * qh);
+            const int ih = (qh == qh) ? (int)fminf(fmaxf(qh, -127.0f), 127.0f) : 0;
+            const int il = (ql == ql) ? (int)fminf(fmaxf(ql, -127.0f), 127.0f) : 0;
+            qa[kj][2 * odd] |= (uint32_t)(ih & 0xff) << (8 * i);
+            qa[kj][2 * odd + 1] |= (uint32_t)(il & 0xff) << (8 * i);
+          }
+      }
+    }
+  }
+  const float sig = vok ? qsig[vq] * scl2 : 0.0f;
+  float qs[MTK];
+#pragma unroll
+  for (int mt = 0; mt < MTK; ++mt) qs[mt] = vok ? qsum[(mt * GPT + gi) * 8 + vq] : 0.0f;
+  const long long pos = len - a.L + (vok ? vq % a.L : 0);
+  const int32_t segp = vok ? kvc_seg_of_row(a, b, pos) : 0;
+  /* PS: column g is (vector vq, group gi) of V; else the dims of this lane
+   * (words WV g ..) lie in V group gvd */
+  const int gvd = PS ? gi : (8 * WV * g) / KVC_TC_GROUP;
+
+  float o[MTV][4];
+#pragma unroll
+  for (int j = 0; j < MTV; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m = -INFINITY, l = 0.0f, cs = 0.0f; /* cs (PS): sum(P bias) - 128 sum(bf16(P scale)) of column g */
+
+  for (int n = 0; n < nmine; ++n) {
+    kvc_cp_wait<NS - 2>(); /* this lane's copies of tile n landed */
+    __syncwarp();          /* the warp's; and slot (n - 1) % NS is read */
+    {
+      const int nn = n + NS - 1;
+      if (nn < nmine) {
+        kvc_tcd_issue<D, TBL>(a, ld, ring + (nn % NS) * Gm::STAGE, KVC_TCD_T0(nn), t_hi, hk, fo, nid);
+        if (TBL) nid = nn + 1 < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(nn + 1), t_hi) : 0;
+      }
+      kvc_cp_commit();
+    }
+    const unsigned char *st = wbuf + (n % NS) * Gm::STAGE;
+    const long long t0 = KVC_TCD_T0(n);
+
+    /* ---- S: tokens 8 nt + g as mma columns ---- */
+    /* one m-tile: the two k-steps of a group into two accumulators (chains
+     * of G mma instead of 2 G), summed after */
+    constexpr int CH = MTK == 1 ? 2 : 1;
+    int acc[MTK][2][4], acc2[CH][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int mt = 0; mt < MTK; ++mt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0;
+#pragma unroll
+      for (int i = 0; i < CH; ++i) acc2[i][nt][0] = acc2[i][nt][1] = acc2[i][nt][2] = acc2[i][nt][3] = 0;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint32_t *kr = (const uint32_t *)(st + Gm::KD + (8 * nt + g) * Gm::RSK) + 2 * t4;
+#pragma unroll
+      for (int c = 0; c < G; ++c) {
+        const uint2 w = *(const uint2 *)(kr + 8 * c);
+        kvc_mma_s8u8(acc[c / GPT][nt], qa[2 * c], w.x & KVC_NIBBLES, (w.x >> 4) & KVC_NIBBLES);
+        kvc_mma_s8u8(CH == 2 ? acc2[0][nt] : acc[c / GPT][nt], qa[2 * c + 1], w.y & KVC_NIBBLES,
+                     (w.y >> 4) & KVC_NIBBLES);
+      }
+      if (CH == 2)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc2[0][nt][e];
+    }
+    /* sc[e]: tokens 2 t4 + (e & 1) + 8 (e >> 1) (the B layout of P.V) */
+    float sc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int nt = e >> 1, x = e & 1, tok = 8 * nt + 2 * t4 + x;
+      float ss = 0.0f, sz = 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < MTK; ++mt) {
+        const int c = mt * GPT + gi;
+        const float s = kvc_bf16_bits(kvc_lds16(st + Gm::KS + tok * Gm::SB + 2 * c));
+        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::KB + tok * Gm::SB + 2 * c));
+        ss = fmaf(s, (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
+        sz = fmaf(z, qs[mt], sz);
+      }
+      sc[e] = fmaf(ss, sig, sz);
+#pragma unroll
+      for (int off = 4; off < 4 * GPT; off <<= 1) sc[e] += __shfl_xor_sync(KVC_FULL_MASK, sc[e], off);
+    }
+
+    /* ---- softmax (log2 units) ---- */
+    const bool full = kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len);
+    bool vis[4];
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
+      bool v = vok;
+      if (!full) {
+        const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
+        v = v && t < t_hi;
+        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
+      }
+      const float xl = v ? sc[e] : -INFINITY;
+      vis[e] = v && xl != -INFINITY;
+      sc[e] = xl;
+      tmax = kvc_max(tmax, xl);
+    }
+    tmax = kvc_max(tmax, __shfl_xor_sync(KVC_FULL_MASK, tmax, 1));
+    tmax = kvc_max(tmax, __shfl_xor_sync(KVC_FULL_MASK, tmax, 2));
+    if (__any_sync(KVC_FULL_MASK, !(tmax <= m + KVC_TCD_SLACK))) { /* a max moved (or is NaN): rescale */
+      const float mn = kvc_max(m, tmax);
+      const float corr = mn == m ? 1.0f : kvc_exp2(m - mn); /* 0 when m = -inf */
+      m = mn;
+      l *= corr;
+      cs *= corr;
+      /* O columns 2 t4, 2 t4 + 1 belong to the slots (lanes 4 col) of those columns */
+      const float c0 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4), c1 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4 + 4);
+#pragma unroll
+      for (int j = 0; j < MTV; ++j) {
+        o[j][0] *= c0;
+        o[j][1] *= c1;
+        o[j][2] *= c0;
+        o[j][3] *= c1;
+      }
+    }
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[e] = vis[e] ? kvc_exp2(sc[e] - m) : 0.0f;
+
+    /* ---- P as the B fragment of column g (tokens 2 t4, + 1 | + 8, + 9) ---- */
+    uint32_t pb0, pb1;
+    uint32_t vs01 = 0u, vb01 = 0u, vs89 = 0u, vb89 = 0u; /* !PS: scale / bias pairs of tokens (2 t4, + 1), (+ 8, + 9) */
+    if constexpr (PS) {
+      float r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
+        r[e] = vis[e] ? p[e] * kvc_bf16_bits(kvc_lds16(st + Gm::VS + tok * Gm::SB + 2 * gvd)) : 0.0f;
+      }
+      pb0 = kvc_bf16x2_of(r[0], r[1]);
+      pb1 = kvc_bf16x2_of(r[2], r[3]);
+      const float rr[4] = {__uint_as_float(pb0 << 16), __uint_as_float(pb0 & 0xffff0000u), __uint_as_float(pb1 << 16),
+                           __uint_as_float(pb1 & 0xffff0000u)};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
+        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::VB + tok * Gm::SB + 2 * gvd));
+        if (vis[e]) cs = fmaf(-128.0f, rr[e], fmaf(p[e], z, cs));
+        l += p[e];
+      }
+    } else {
+      pb0 = kvc_bf16x2_of(p[0], p[1]);
+      pb1 = kvc_bf16x2_of(p[2], p[3]);
+      l += __uint_as_float(pb0 << 16) + __uint_as_float(pb0 & 0xffff0000u) + __uint_as_float(pb1 << 16) +
+           __uint_as_float(pb1 & 0xffff0000u);
+      const unsigned char *vsr = st + Gm::VS + 2 * gvd, *vbr = st + Gm::VB + 2 * gvd;
+      const int ta = 2 * t4;
+      vs01 = kvc_lds16(vsr + ta * Gm::SB) | (kvc_lds16(vsr + (ta + 1) * Gm::SB) << 16);
+      vb01 = kvc_lds16(vbr + ta * Gm::SB) | (kvc_lds16(vbr + (ta + 1) * Gm::SB) << 16);
+      vs89 = kvc_lds16(vsr + (ta + 8) * Gm::SB) | (kvc_lds16(vsr + (ta + 9) * Gm::SB) << 16);
+      vb89 = kvc_lds16(vbr + (ta + 8) * Gm::SB) | (kvc_lds16(vbr + (ta + 9) * Gm::SB) << 16);
+    }
+
+    /* ---- O^T += V^T P^T: m-tile j = dims 8 WV g + 2 j (row g), + 1 (row g + 8) ---- */
+    uint32_t wa[WV], wb[WV], wc[WV], wd[WV]; /* words WV g .. of tokens 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 */
+    {
+      const unsigned char *vr = st + Gm::VD + 4 * WV * g;
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int tok = 2 * t4 + (x & 1) + 8 * (x >> 1);
+        uint32_t *dst = x == 0 ? wa : x == 1 ? wb : x == 2 ? wc : wd;
+        if (WV == 4) {
+          const uint4 u = *(const uint4 *)(vr + tok * Gm::RSV);
+          dst[0] = u.x, dst[1] = u.y, dst[2] = u.z, dst[3] = u.w;
+        } else {
+          const uint2 u = *(const uint2 *)(vr + tok * Gm::RSV);
+          dst[0] = u.x, dst[1] = u.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int wj = 0; wj < WV; ++wj)
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb) {
+        const uint32_t sel = hb ? 0x7632u : 0x5410u; /* bytes 2 hb, 2 hb + 1 of both tokens */
+        const uint32_t y01 = __byte_perm(wa[wj], wb[wj], sel), y89 = __byte_perm(wc[wj], wd[wj], sel);
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+          const int j = 4 * wj + 2 * hb + bb, sh = 8 * bb;
+          uint32_t af[4] = {kvc_and_or(y01 >> sh, KVC_NIB_PAIR, KVC_BF16X2_128),
+                            kvc_and_or(y01 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128),
+                            kvc_and_or(y89 >> sh, KVC_NIB_PAIR, KVC_BF16X2_128),
+                            kvc_and_or(y89 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128)};
+          if constexpr (!PS) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t c = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M128); /* c, exact */
+              af[i] = kvc_fma_bf16x2(c, i < 2 ? vs01 : vs89, i < 2 ? vb01 : vb89);
+            }
+          }
+          kvc_mma_bf16(o[j], af, pb0, pb1);
+        }
+      }
+  }
+#undef KVC_TCD_T0
+  kvc_cp_wait<0>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion(); /* the merge waits for this grid's completion */
+#endif
+
+  /* ---- the warps' states -> shared memory -> one state per vector ---- */
+  l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
+  l += __shfl_xor_sync(KVC_FULL_MASK, l, 2);
+  float csc[2] = {0.0f, 0.0f}; /* PS: cs of columns 2 t4, 2 t4 + 1 */
+  if constexpr (PS) {
+    cs += __shfl_xor_sync(KVC_FULL_MASK, cs, 1);
+    cs += __shfl_xor_sync(KVC_FULL_MASK, cs, 2);
+    csc[0] = __shfl_sync(KVC_FULL_MASK, cs, 8 * t4);
+    csc[1] = __shfl_sync(KVC_FULL_MASK, cs, 8 * t4 + 4);
+  }
+  __syncthreads(); /* every warp is done with its ring */
+  float *ml = (float *)kvc_tcd_buf, *ost = (float *)(kvc_tcd_buf + Gm::OST);
+  if (t4 == 0 && gi == 0 && vok) {
+    ml[(warp * 8 + vq) * 2] = m;
+    ml[(warp * 8 + vq) * 2 + 1] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < MTV; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 2 * t4 + (e & 1), d = 8 * WV * g + 2 * j + (e >> 1);
+      const int v = col / GPT;
+      const bool mine = PS ? (col % G) == d / KVC_TC_GROUP : col % GPT == 0;
+      if (mine && v < Q) ost[(warp * 8 + v) * D + d] = o[j][e] + (PS ? csc[e & 1] : 0.0f);
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
+    const int v = idx / D, d = idx % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) M = kvc_max(M, ml[(w * 8 + v) * 2]);
+    float Ls = 0.0f, O = 0.0f;
+    if (M != -INFINITY)
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float f = kvc_exp2(ml[(w * 8 + v) * 2] - M); /* 0 for a warp without keys */
+        Ls = fmaf(ml[(w * 8 + v) * 2 + 1], f, Ls);
+        O = fmaf(ost[(w * 8 + v) * D + d], f, O);
+      }
+    kvc_emit(a, split, b, hk, v, d, M, Ls, O);
+  }
+}
+
+template <int D, int GPT, bool TBL>
+__global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(const kvc_args a) {
+  kvc_tcd_body<D, GPT, TBL>(a);
+}
+
+/* ---- host side ---- */
+/* (D, groups per S m-tile, BLOCK_TABLE rows): at D = 256 up to 4 query
+ * vectors and contiguous rows only (the selector) */
+#define KVC_TCD_INSTANCES(X)                                                                       \
+  X(256, 4, false) X(256, 2, false) X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
+
+int kvc_tcd_smem(int D) { return D == 256 ? kvc_tcd_geom<256>::TOTAL : kvc_tcd_geom<128>::TOTAL; }
+
+/* Groups per S m-tile for q query vectors per KV head at head dim D. */
+int kvc_tcd_gpt(int D, int q) {
+  const int G = D / KVC_TC_GROUP, slots = q <= 2 ? 4 : q <= 4 ? 2 : 1;
+  return slots < G ? slots : G;
+}
+
+template <int D, int GPT, bool TBL> static cudaError_t kvc_tcd_prepare(void) {
+  return cudaFuncSetAttribute(kvc_tcd_kernel<D, GPT, TBL>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvc_tcd_smem(D));
+}
+
+int kvc_tcd_occupancy(int D, int gpt, int tbl) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_OCC(D_, P_, T_)                                                                        \
+  if (D == D_ && gpt == P_ && (tbl != 0) == T_ && (e = kvc_tcd_prepare<D_, P_, T_>()) == cudaSuccess) \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tcd_kernel<D_, P_, T_>, KVC_TCD_THREADS, kvc_tcd_smem(D));
+  KVC_TCD_INSTANCES(KVC_OCC)
+#undef KVC_OCC
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+int kvc_launch_tcd(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
+  dim3 grid(1, plan.nsplit, a.B * a.KVH);
+  const int gpt = kvc_tcd_gpt(a.Dk, a.rep * a.L);
+  const bool tbl = a.k.tbl != nullptr;
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_CASE(D_, P_, T_)                                                                       \
+  if (a.Dk == D_ && gpt == P_ && tbl == T_) {                                                      \
+    kvc_tcd_kernel<D_, P_, T_><<<grid, KVC_TCD_THREADS, kvc_tcd_smem(D_), stream>>>(a);            \
+    e = cudaGetLastError();                                                                        \
+  }
+  KVC_TCD_INSTANCES(KVC_CASE)
+#undef KVC_CASE
+  if (e != cudaSuccess)
+    return kva_seterr(KVA_ECUDA, "q4 per-warp decode kernel (D = %d, %d query vectors): %s", a.Dk, a.rep * a.L,
+                      cudaGetErrorString(e));
+  return 0;
+}
