@@ -65,6 +65,8 @@ if has racecheck; then
     >> "$OUT/sanitizer.log" 2>&1
   run racecheck-table 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
     cuda_block_table >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-tcd 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_q4_tcd_path >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi
 if has kvbench; then # the target shapes, each checked against the oracle
