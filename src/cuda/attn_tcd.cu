@@ -50,10 +50,13 @@
  *         accumulators of tokens 2t.., 2t+8.. are exactly the B fragment).
  *         - PS (all groups in one m-tile: rep * L <= 2 at D = 256, <= 4 at
  *           D = 128): column g = (vector, group) carries P * scale rounded
- *           to bf16, A stays 128 + c: O[d] of vector v is the column of d's
- *           group, minus 128 sum(P * scale) (the rounded values) plus
- *           sum(P * bias), both summed per column in f32. One rounding per
- *           token (P * scale), none per element.
+ *           to bf16, A = c - 8 (one exact bf16x2 FMA): O[d] of vector v is
+ *           the column of d's group plus sum(P (bias + 8 scale)), summed per
+ *           column in f32 from the unrounded P. One rounding per token (P *
+ *           scale), none per element, and it multiplies c - 8, about the
+ *           value's size (the bench's relative L2 error was 2-3x the narrow
+ *           kernel's with A = 128 + c and the correction from the rounded
+ *           P * scale: the error then scaled with the codes, not the values).
  *         - otherwise: A = scale * c + bias in bf16 (c = (128 + c) - 128 exact,
  *           then one bf16x2 FMA with the two tokens' scales and biases), B =
  *           P in bf16, l sums the rounded P.
@@ -296,7 +299,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   float o[MTV][4];
 #pragma unroll
   for (int j = 0; j < MTV; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m = -INFINITY, l = 0.0f, cs = 0.0f; /* cs (PS): sum(P bias) - 128 sum(bf16(P scale)) of column g */
+  float m = -INFINITY, l = 0.0f, cs = 0.0f; /* cs (PS): sum(P (bias + 8 scale)) of column g */
 
   for (int n = 0; n < nmine; ++n) {
     kvc_cp_wait<NS - 2>(); /* this lane's copies of tile n landed */
@@ -401,23 +404,21 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
     uint32_t pb0, pb1;
     uint32_t vs01 = 0u, vb01 = 0u, vs89 = 0u, vb89 = 0u; /* !PS: scale / bias pairs of tokens (2 t4, + 1), (+ 8, + 9) */
     if constexpr (PS) {
+      /* r = bf16(P scale) feeds the mma with A = c - 8; the 8 r and bias
+       * parts are summed here in f32 from the unrounded P: the rounding of r
+       * then only scales c - 8 (about the value's size, as for a rounded V) */
       float r[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
-        r[e] = vis[e] ? p[e] * kvc_bf16_bits(kvc_lds16(st + Gm::VS + tok * Gm::SB + 2 * gvd)) : 0.0f;
+        const float sv = kvc_bf16_bits(kvc_lds16(st + Gm::VS + tok * Gm::SB + 2 * gvd));
+        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::VB + tok * Gm::SB + 2 * gvd));
+        r[e] = vis[e] ? p[e] * sv : 0.0f;
+        if (vis[e]) cs = fmaf(p[e], fmaf(8.0f, sv, z), cs);
+        l += p[e];
       }
       pb0 = kvc_bf16x2_of(r[0], r[1]);
       pb1 = kvc_bf16x2_of(r[2], r[3]);
-      const float rr[4] = {__uint_as_float(pb0 << 16), __uint_as_float(pb0 & 0xffff0000u), __uint_as_float(pb1 << 16),
-                           __uint_as_float(pb1 & 0xffff0000u)};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
-        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::VB + tok * Gm::SB + 2 * gvd));
-        if (vis[e]) cs = fmaf(-128.0f, rr[e], fmaf(p[e], z, cs));
-        l += p[e];
-      }
     } else {
       pb0 = kvc_bf16x2_of(p[0], p[1]);
       pb1 = kvc_bf16x2_of(p[2], p[3]);
@@ -461,9 +462,11 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
                             kvc_and_or(y01 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128),
                             kvc_and_or(y89 >> sh, KVC_NIB_PAIR, KVC_BF16X2_128),
                             kvc_and_or(y89 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128)};
-          if constexpr (!PS) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
+          for (int i = 0; i < 4; ++i) {
+            if constexpr (PS) { /* c - 8, exact: centered, so the f32 sums in the mma stay near the result */
+              af[i] = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M136);
+            } else {
               const uint32_t c = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M128); /* c, exact */
               af[i] = kvc_fma_bf16x2(c, i < 2 ? vs01 : vs89, i < 2 ? vb01 : vb89);
             }

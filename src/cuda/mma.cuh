@@ -10,6 +10,7 @@
 #define KVC_BF16X2_128 0x43004300u  /* 128.0: a code OR'ed into its mantissa is 128 + c */
 #define KVC_BF16X2_ONE 0x3F803F80u
 #define KVC_BF16X2_M128 0xC300C300u /* -128.0 */
+#define KVC_BF16X2_M136 0xC308C308u /* -136.0: (128 + c) - 136 = c - 8, exact */
 #define KVC_NIB_PAIR 0x000F000Fu    /* a code in each 16-bit half */
 #define KVC_BF16X2_16 0x41804180u   /* 16.0 */
 #define KVC_BF16X2_M2176 0xC508C508u /* -2176.0 = -(16 + 1) 128 (q8 P.V) */
