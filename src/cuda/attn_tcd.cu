@@ -24,8 +24,9 @@
  *         D = 256); a tile is 16 packed K rows, 16 packed V rows and their
  *         scale and bias rows (5.4 KB at D = 256). Each K/V byte is read
  *         from DRAM once for all rep * L query vectors of its KV head.
- *         BLOCK_TABLE rows: lane i < 16 loads the block id of tile token i
- *         one tile ahead; the row copies take it by a shuffle.
+ *         BLOCK_TABLE rows: lanes i and 16 + i load the block id of tile
+ *         token i one tile ahead and locate that token once; the row copies
+ *         take (block, row) by two shuffles.
  *   math, S = Q K^T with query slots as mma M and tokens as N
  *         (mma.m16n8k32, s8 x u8 -> s32, exact): a query vector v is split
  *         into two s8 parts, q ~= sigma_v (128 qh + ql); slot r < 8 of an
@@ -63,13 +64,16 @@
  *         Tests compare both at the bf16 allowance (P, V rounding 2^-9).
  *   launch: grid (1, nsplit, B * KVH), KVC_TCD_WARPS warps per block, warp w
  *         takes tiles w, w + 4, ... of the split's chunk; dynamic shared
- *         memory kvc_tcd_smem() (90 KB at D = 256, 53 KB at D = 128); 2
- *         blocks (8 warps) per SM at D = 256 by registers and memory. */
+ *         memory kvc_tcd_smem() (90,272 bytes at D = 256, 51,296 at 128);
+ *         2 blocks (8 warps) per SM at D = 256 by registers (~200) and
+ *         memory, 3 at D = 128 (H200: 3 slots and 3 blocks at D = 256, or 4
+ *         blocks at D = 128, measured no faster). */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_emit */
 #include "cuda/launch.cuh"
 #include "cuda/mma.cuh"
 
 #define KVC_TCD_TOK 16     /* tokens per warp tile */
+/* build-time knobs for experiments (-D...): */
 #ifndef KVC_TCD_NS
 #define KVC_TCD_NS 4       /* ring slots per warp: 3 tiles in flight */
 #endif
@@ -192,7 +196,7 @@ __device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long
 /* GPT: groups per S m-tile (8 slots = vectors x GPT); PS: every group in
  * one m-tile (GPT = G), scales folded into P (see the header). TBL:
  * BLOCK_TABLE rows (an instance each: one copy of the loop per kernel; the
- * two copies in one kernel measured 8-17 % slower at D = 256, H200). */
+ * two copies in one kernel measured 4-17 % slower at D = 256, H200). */
 template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body(const kvc_args &a) {
   using Gm = kvc_tcd_geom<D>;
   constexpr int G = Gm::G, MTK = G / GPT, KSTEPS = D / 32, MTV = D / 16, WV = D / 64;
