@@ -13,7 +13,9 @@
  * rows, S takes K fragments straight from the staged rows (dims 16 kk +
  * 2 tq, + 8 of the k-step) and P.V pairs two tokens of a dim by one PRMT of
  * their words. Beyond 32 query vectors per KV head (q4; float rows and q8
- * beyond 8) the wide kernel further down takes the call.
+ * beyond 8) the wide kernel further down takes the call. Long q4 decode
+ * with MLX's group 64 at head dims 128 / 256 runs on the per-warp kernel of
+ * attn_tcd.cu instead (the selector, context.cu).
  *
  *   memory: the packed K/V rows and their scales/biases of a 64-token stage
  *         (18 KB at D = 256, group 64) are copied raw into shared memory with

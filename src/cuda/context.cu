@@ -27,15 +27,16 @@
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
-#define KVC_TCD_MIN_WORK (1LL << 18) /* ... and for B * KVH * N >= this many token-heads (the default; the environment
-                                        variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0: never): below, its
-                                        per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5 us against 17.0, 32k
-                                        B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k 62.4 against 67.1) */
-#define KVC_TCD_MAX_Q_D256 4        /* q4 per-warp decode kernel at head dim 256 up to 4 query vectors per KV head;
-                                        beyond, one group per S m-tile and V dequantized per element: H200, 24/4/256
-                                        128k 75.3 us against the narrow kernel's 70.1); contiguous rows only at head
-                                        dim 256 (over block tables the narrow kernel's staged ids win: 8/4/256 B=16
-                                        32k paged/16 259.6 us against 272.9) */
+#define KVC_TCD_MAX_Q_D256 4        /* the per-warp q4 decode kernel (attn_tcd.cu) at head dim 256 up to 4 query
+                                        vectors per KV head (beyond: one group per S m-tile and V dequantized per
+                                        element; H200, 24/4/256 128k 75.3 us against the narrow kernel's 70.1), and
+                                        over contiguous rows only (over block tables the narrow kernel's staged ids
+                                        win: 8/4/256 B=16 32k paged/16 259.6 us against 272.9); at 128 up to 8 */
+#define KVC_TCD_MIN_WORK (1LL << 18) /* ... and from B * KVH * N >= this many token-heads (the default; the
+                                        environment variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0:
+                                        never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5
+                                        us against 17.0, 32k B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k
+                                        62.4 against 67.1) */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
                                         32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
@@ -285,8 +286,9 @@ static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, 
   pl->nsplit = (int)((p->N + best_chunk - 1) / best_chunk);
 }
 
-/* The one selector: the tensor-core kernel (q4 or bf16) or the fused kernel when one
- * covers the problem, else the general kernel (plan.fmt = -1). */
+/* The one selector: the per-warp q4 decode kernel, a tensor-core kernel (q4,
+ * q8, bf16, f16) or the fused kernel when one covers the problem, else the
+ * general kernel (plan.fmt = -1). */
 static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_plan pl;
   memset(&pl, 0, sizeof pl);
@@ -297,11 +299,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   if (fk < 0 || fk != fv) return pl;
   const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
   const int Q = (int)(p->rep * p->L);
-  const int sms = ctx && ctx->cuda ? ((const kvc_state *)ctx->cuda)->sm_count : 1;
+  kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
+  const int sms = st ? st->sm_count : 1;
   int tcf = -1;
   const int di = kvc_tc_dim_index(p, &tcf);
-  const kvc_state *cst = ctx ? (const kvc_state *)ctx->cuda : NULL;
-  const long long tcd_min = cst ? cst->tcd_min_work : KVC_TCD_MIN_WORK;
+  const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
       (p->Dk == 128 || (p->Dk == 256 && Q <= KVC_TCD_MAX_Q_D256 && kv->layout != KVA_LAYOUT_BLOCK_TABLE)) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
@@ -316,7 +318,6 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     pl.group = KVC_TC_GROUP;
     const int gpt = kvc_tcd_gpt((int)p->Dk, Q);
     int per_sm = 1;
-    kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
     if (st) {
       const int tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
       int *slot = &st->tcd_occupancy[p->Dk == 256][kvc_log2(gpt)][tbl];
