@@ -104,31 +104,28 @@ template <int D> struct kvc_tcd_geom {
   static_assert(OST + KVC_TCD_WARPS * 8 * D * 4 <= QST, "final states fit the ring");
 };
 
-/* A lane's share of the tile copies. Code rows: 16-byte piece p = lane +
- * 32 k is piece p % CPR of row p / CPR (a warp instruction covers 512
- * bytes: whole rows). Scale rows: lane i < 16 copies K's of token i, lane
- * 16 + i V's. Contiguous rows: running pointers of the warp's next tile
- * (a tile costs its cp.async and a few additions); BLOCK_TABLE rows: each
- * row located through its block id (lane i's id is token i's; the code
- * rows take theirs by a shuffle). */
+/* A lane's share of the tile copies: lane l takes tile token r = l / 2.
+ * Code rows: the lane pair (2 r, 2 r + 1) copies the K row and the V row of
+ * token r, lane h = l % 2 the 16-byte pieces 2 j + h (so a warp instruction
+ * covers 32 whole 32-byte sectors: 16 rows, 2 pieces each, and its shared
+ * stores fall on distinct banks with the padded row strides); even lanes
+ * copy the token's K scale and bias rows, odd lanes the V ones. Every lane
+ * needs only its own token's rows: contiguous rows through running pointers
+ * (a tile costs its cp.async and four pointer additions), BLOCK_TABLE rows
+ * through the token's block id, loaded a tile ahead (kvc_tcd_id). */
 struct kvc_tcd_loader {
-  const char *k, *v, *s, *z; /* contiguous: this lane's first piece / scale row in the next tile */
-  long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
+  const char *k, *v, *s, *z; /* contiguous: this lane's first K / V piece, scale and bias rows in the next tile */
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
 };
-template <int D>
 __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, long long t0) {
-  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
-  const int lane = threadIdx.x % KVC_WARP, row = lane / CPR, col = lane % CPR, ti = lane % KVC_TCD_TOK;
-  const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? a.k : a.v;
+  const int lane = threadIdx.x % KVC_WARP, r = lane / 2, h = lane % 2;
+  const kvc_operand &K = a.k, &V = a.v, &O = h ? a.v : a.k;
   const long long adv = (long long)KVC_TCD_WARPS * KVC_TCD_TOK;
   kvc_tcd_loader ld;
-  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + (t0 + row) * K.ds[2] + 16 * col;
-  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + (t0 + row) * V.ds[2] + 16 * col;
-  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + (t0 + ti) * O.ss[2];
-  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + (t0 + ti) * O.bs[2];
-  ld.kp = RPI * K.ds[2];
-  ld.vp = RPI * V.ds[2];
+  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + (t0 + r) * K.ds[2] + 16 * h;
+  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + (t0 + r) * V.ds[2] + 16 * h;
+  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + (t0 + r) * O.ss[2];
+  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + (t0 + r) * O.bs[2];
   ld.kt = adv * K.ds[2];
   ld.vt = adv * V.ds[2];
   ld.st = adv * O.ss[2];
@@ -137,59 +134,55 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
 }
 
 /* Copies tile rows t0 .. t0 + 15 (zeros past t_hi) into the warp's ring
- * slot at shared address slot. Contiguous (!TBL): through the running
- * pointers, which move on by W tiles. BLOCK_TABLE: id is the block id of
- * token t0 + lane % 16; each lane locates that token (one table division)
- * and the code rows take their row's location by two shuffles. */
+ * slot at shared address slot; id: the block id of the lane's token
+ * (BLOCK_TABLE). A whole tile (all but a split's last) skips the per-row
+ * test. */
 template <int D, bool TBL>
 __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader &ld, uint32_t slot, long long t0,
                                               long long t_hi, int hk, int fo, int id) {
   using Gm = kvc_tcd_geom<D>;
-  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
-  const int lane = threadIdx.x % KVC_WARP, col = lane % CPR, ti = lane % KVC_TCD_TOK;
-  const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? K : V;
-  const uint32_t so = (lane < KVC_TCD_TOK ? Gm::KS : Gm::VS) + ti * Gm::SB;
-  const uint32_t zo = (lane < KVC_TCD_TOK ? Gm::KB : Gm::VB) + ti * Gm::SB;
-  if constexpr (!TBL) {
-    const bool full = t0 + KVC_TCD_TOK <= t_hi;
+  constexpr int PH = D / 64; /* pieces per lane and row: a row is D / 2 bytes, 2 PH pieces */
+  const int lane = threadIdx.x % KVC_WARP, r = lane / 2, h = lane % 2;
+  const kvc_operand &K = a.k, &V = a.v, &O = h ? a.v : a.k;
+  const uint32_t kd = slot + Gm::KD + r * Gm::RSK + 16 * h, vd = slot + Gm::VD + r * Gm::RSV + 16 * h;
+  const uint32_t so = slot + (h ? Gm::VS : Gm::KS) + r * Gm::SB, zo = slot + (h ? Gm::VB : Gm::KB) + r * Gm::SB;
+  const char *kr = ld.k, *vr = ld.v, *sr = ld.s, *zr = ld.z;
+  if constexpr (TBL) {
+    const kvc_loc l = kvc_table_loc_id(K, fo, id, t0 + r); /* (block, row) of token t0 + r */
+    kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + 16 * h;
+    vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + 16 * h;
+    sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
+    zr = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2];
+  }
+  if (t0 + KVC_TCD_TOK <= t_hi) {
 #pragma unroll
-    for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
-      const int row = lane / CPR + k * RPI;
-      const bool ok = full || t0 + row < t_hi;
-      kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, ok ? ld.k + k * ld.kp : K.data, ok ? 16 : 0);
-      kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, ok ? ld.v + k * ld.vp : V.data, ok ? 16 : 0);
+    for (int j = 0; j < PH; ++j) {
+      kvc_cp_async<16>(kd + 32 * j, kr + 32 * j, 16);
+      kvc_cp_async<16>(vd + 32 * j, vr + 32 * j, 16);
     }
-    const bool ok = full || t0 + ti < t_hi;
-    kvc_cp_async<Gm::SB>(slot + so, ok ? ld.s : O.scales, ok ? Gm::SB : 0);
-    kvc_cp_async<Gm::SB>(slot + zo, ok ? ld.z : O.biases, ok ? Gm::SB : 0);
+    kvc_cp_async<Gm::SB>(so, sr, Gm::SB);
+    kvc_cp_async<Gm::SB>(zo, zr, Gm::SB);
+  } else {
+    const bool ok = t0 + r < t_hi;
+#pragma unroll
+    for (int j = 0; j < PH; ++j) {
+      kvc_cp_async<16>(kd + 32 * j, ok ? kr + 32 * j : K.data, ok ? 16 : 0);
+      kvc_cp_async<16>(vd + 32 * j, ok ? vr + 32 * j : V.data, ok ? 16 : 0);
+    }
+    kvc_cp_async<Gm::SB>(so, ok ? sr : O.scales, ok ? Gm::SB : 0);
+    kvc_cp_async<Gm::SB>(zo, ok ? zr : O.biases, ok ? Gm::SB : 0);
+  }
+  if constexpr (!TBL) {
     ld.k += ld.kt;
     ld.v += ld.vt;
     ld.s += ld.st;
     ld.z += ld.zt;
-  } else {
-    const kvc_loc l = kvc_table_loc_id(K, fo, id, t0 + ti); /* (block, row) of token t0 + ti */
-    const int lb = (int)l.outer, lr = (int)l.row;
-#pragma unroll
-    for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
-      const int row = lane / CPR + k * RPI;
-      const long long rb = __shfl_sync(KVC_FULL_MASK, lb, row), rr = __shfl_sync(KVC_FULL_MASK, lr, row);
-      const bool ok = t0 + row < t_hi;
-      const char *kr = ok ? K.data + rb * K.ds[0] + hk * K.ds[1] + rr * K.ds[2] + 16 * col : K.data;
-      const char *vr = ok ? V.data + rb * V.ds[0] + hk * V.ds[1] + rr * V.ds[2] + 16 * col : V.data;
-      kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, kr, ok ? 16 : 0);
-      kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, vr, ok ? 16 : 0);
-    }
-    const bool ok = t0 + ti < t_hi;
-    const char *sr = ok ? O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2] : O.scales;
-    const char *zr = ok ? O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2] : O.biases;
-    kvc_cp_async<Gm::SB>(slot + so, sr, ok ? Gm::SB : 0);
-    kvc_cp_async<Gm::SB>(slot + zo, zr, ok ? Gm::SB : 0);
   }
 }
 
-/* The block id of token t0 + lane % 16 (0 when contiguous or past t_hi). */
+/* The block id of the lane's token t0 + lane / 2 (0 when contiguous or past t_hi). */
 __device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
-  const long long t = t0 + (threadIdx.x % KVC_TCD_TOK);
+  const long long t = t0 + (threadIdx.x % KVC_WARP) / 2;
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
@@ -221,7 +214,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   /* prologue: the first NS - 1 tiles in flight (one commit group each); the
    * block ids of each tile loaded before its copies, the next one's ahead */
   int nid = 0;
-  kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, KVC_TCD_T0(0));
+  kvc_tcd_loader ld = kvc_tcd_loader_of(a, b, hk, KVC_TCD_T0(0));
 #pragma unroll
   for (int n = 0; n < NS - 1; ++n) {
     const int id = TBL && n < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(n), t_hi) : 0;
@@ -367,18 +360,27 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
     /* ---- softmax (log2 units) ---- */
     const bool full = kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len);
     bool vis[4];
+    if (full && !capped) { /* the common case, straight-line */
+#pragma unroll
+      for (int e = 0; e < 4; ++e) vis[e] = vok;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
+        bool v = vok;
+        if (!full) {
+          const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
+          v = v && t < t_hi;
+          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
+        }
+        vis[e] = v;
+      }
+    }
     float tmax = -INFINITY;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
-      bool v = vok;
-      if (!full) {
-        const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
-        v = v && t < t_hi;
-        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
-      }
-      const float xl = v ? sc[e] : -INFINITY;
-      vis[e] = v && xl != -INFINITY;
+      const float xl = vis[e] ? sc[e] : -INFINITY;
+      vis[e] = vis[e] && xl != -INFINITY;
       sc[e] = xl;
       tmax = kvc_max(tmax, xl);
     }
