@@ -727,14 +727,16 @@ TEST(cuda_q4_tcd_path) {
       {1, 32, 8, 1, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 32, 8, 2, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
-  /* BLOCK_TABLE rows at D = 128: the tile's block ids by shuffles, block
-   * sizes 24 (the division) and 64 */
+  /* BLOCK_TABLE rows: block sizes 24 (the division), 64, 16 and 8 (tiles
+   * across blocks) */
   static const struct {
     att_case c;
     int64_t bs;
   } tt[] = {
       {{2, 32, 8, 2, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 200, 0, 1, 1, 0}, 24},
       {{2, 16, 8, 1, 700, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 1, 0}, 64},
+      {{1, 8, 4, 1, 1100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
+      {{2, 16, 4, 1, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 1, 1, 0}, 8},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
   kva_context *ctx;

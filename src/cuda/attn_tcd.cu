@@ -2,13 +2,14 @@
  * with bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D
  * in {128, 256}, up to 8 query vectors per KV head (rep * L: decode and
  * short verify; 4 at D = 256), causal-family masks, softcap, sinks;
- * contiguous rows, or BLOCK_TABLE rows at D = 128. The selector (context.cu)
+ * contiguous or BLOCK_TABLE rows (paged views). The selector (context.cu)
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
  * below, this kernel's per-block fixed cost loses); splits are merged by the
  * same merge launch (attn_merge.cu). H200, against the narrow kernel
  * (BENCHMARKS.md): 8/4/256 128k 67.1 -> 62.4 us, B = 16 32k 208.8 -> 178.0,
- * 32/8/128 B = 16 32k 298.5 -> 210.5, paged/16 368.6 -> 296.9.
+ * 32/8/128 B = 16 32k 298.5 -> 210.5, paged/16 368.6 -> 296.9 (and to
+ * 259 with the pair copies below); 8/4/256 paged/16 B = 16 261 -> 205.
  *
  * Why a second decode kernel: the narrow kernel's warps share each 64-token
  * stage (S by tokens, P.V by head dims), so every stage costs three block
@@ -24,9 +25,8 @@
  *         D = 256); a tile is 16 packed K rows, 16 packed V rows and their
  *         scale and bias rows (5.4 KB at D = 256). Each K/V byte is read
  *         from DRAM once for all rep * L query vectors of its KV head.
- *         BLOCK_TABLE rows: lanes i and 16 + i load the block id of tile
- *         token i one tile ahead and locate that token once; the row copies
- *         take (block, row) by two shuffles.
+ *         Who copies what: kvc_tcd_loader (coalesced pieces over contiguous
+ *         rows and one-block tiles, lane pairs per token over tables).
  *   math, S = Q K^T with query slots as mma M and tokens as N
  *         (mma.m16n8k32, s8 x u8 -> s32, exact): a query vector v is split
  *         into two s8 parts, q ~= sigma_v (128 qh + ql); slot r < 8 of an
@@ -104,28 +104,50 @@ template <int D> struct kvc_tcd_geom {
   static_assert(OST + KVC_TCD_WARPS * 8 * D * 4 <= QST, "final states fit the ring");
 };
 
-/* A lane's share of the tile copies: lane l takes tile token r = l / 2.
- * Code rows: the lane pair (2 r, 2 r + 1) copies the K row and the V row of
- * token r, lane h = l % 2 the 16-byte pieces 2 j + h (so a warp instruction
- * covers 32 whole 32-byte sectors: 16 rows, 2 pieces each, and its shared
- * stores fall on distinct banks with the padded row strides); even lanes
- * copy the token's K scale and bias rows, odd lanes the V ones. Every lane
- * needs only its own token's rows: contiguous rows through running pointers
- * (a tile costs its cp.async and four pointer additions), BLOCK_TABLE rows
- * through the token's block id, loaded a tile ahead (kvc_tcd_id). */
+/* A lane's share of the tile copies, in one of two patterns (both fill the
+ * same padded slot layout):
+ * - coalesced: code rows as 16-byte pieces, piece p = lane + 32 k is piece
+ *   p % CPR of row p / CPR, so a warp instruction covers whole rows (512
+ *   contiguous bytes of contiguous rows); lane i < 16 copies the K scale
+ *   and bias rows of tile token i, lane 16 + i the V ones. Contiguous rows
+ *   (running pointers: a tile costs its cp.async and four pointer
+ *   additions), and at D = 256 BLOCK_TABLE tiles that lie in one block (one
+ *   base per tile, from the block id of the tile's first token).
+ * - pair (BLOCK_TABLE rows at D = 128, and tiles across blocks at 256):
+ *   lane l takes token r = l / 2, the pair (2 r, 2 r + 1) its K and V rows
+ *   (lane h = l % 2 the pieces 2 j + h: a warp instruction covers 32 whole
+ *   32-byte sectors), even lanes its K scale and bias rows, odd lanes the V
+ *   ones; each lane locates its own token only (no shuffles).
+ * H200 (BENCHMARKS.md, eighth session), B=16 32k: the earlier table loader
+ * (coalesced, each row located by shuffles) took 8/4/256 paged/16 261 us and
+ * 32/8/128 paged/16 300; pair 216 and 259, coalesced block tiles 205 and
+ * 271. Over contiguous rows the pair pattern lost (8/4/256 128k 63 -> 72 us:
+ * four times the sectors per instruction). The block ids (kvc_tcd_id) are
+ * those of token t0 + l / 2, loaded a tile ahead; lane 0's is the tile's
+ * first token's. */
 struct kvc_tcd_loader {
-  const char *k, *v, *s, *z; /* contiguous: this lane's first K / V piece, scale and bias rows in the next tile */
+  const char *k, *v, *s, *z; /* contiguous: this lane's first piece / scale row in the next tile */
+  long long ko, vo, so, zo;  /* block tiles: the same as offsets from the tile's first row */
+  long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
 };
+template <int D>
 __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, long long t0) {
-  const int lane = threadIdx.x % KVC_WARP, r = lane / 2, h = lane % 2;
-  const kvc_operand &K = a.k, &V = a.v, &O = h ? a.v : a.k;
+  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
+  const int lane = threadIdx.x % KVC_WARP, row = lane / CPR, col = lane % CPR, ti = lane % KVC_TCD_TOK;
+  const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? a.k : a.v;
   const long long adv = (long long)KVC_TCD_WARPS * KVC_TCD_TOK;
   kvc_tcd_loader ld;
-  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + (t0 + r) * K.ds[2] + 16 * h;
-  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + (t0 + r) * V.ds[2] + 16 * h;
-  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + (t0 + r) * O.ss[2];
-  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + (t0 + r) * O.bs[2];
+  ld.ko = row * K.ds[2] + 16 * col;
+  ld.vo = row * V.ds[2] + 16 * col;
+  ld.so = ti * O.ss[2];
+  ld.zo = ti * O.bs[2];
+  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + t0 * K.ds[2] + ld.ko;
+  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + t0 * V.ds[2] + ld.vo;
+  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + t0 * O.ss[2] + ld.so;
+  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + t0 * O.bs[2] + ld.zo;
+  ld.kp = RPI * K.ds[2];
+  ld.vp = RPI * V.ds[2];
   ld.kt = adv * K.ds[2];
   ld.vt = adv * V.ds[2];
   ld.st = adv * O.ss[2];
@@ -134,35 +156,73 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
 }
 
 /* Copies tile rows t0 .. t0 + 15 (zeros past t_hi) into the warp's ring
- * slot at shared address slot; id: the block id of the lane's token
+ * slot at shared address slot; id: the block id of token t0 + lane / 2
  * (BLOCK_TABLE). A whole tile (all but a split's last) skips the per-row
  * test. */
 template <int D, bool TBL>
 __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader &ld, uint32_t slot, long long t0,
                                               long long t_hi, int hk, int fo, int id) {
   using Gm = kvc_tcd_geom<D>;
-  constexpr int PH = D / 64; /* pieces per lane and row: a row is D / 2 bytes, 2 PH pieces */
-  const int lane = threadIdx.x % KVC_WARP, r = lane / 2, h = lane % 2;
-  const kvc_operand &K = a.k, &V = a.v, &O = h ? a.v : a.k;
-  const uint32_t kd = slot + Gm::KD + r * Gm::RSK + 16 * h, vd = slot + Gm::VD + r * Gm::RSV + 16 * h;
-  const uint32_t so = slot + (h ? Gm::VS : Gm::KS) + r * Gm::SB, zo = slot + (h ? Gm::VB : Gm::KB) + r * Gm::SB;
-  const char *kr = ld.k, *vr = ld.v, *sr = ld.s, *zr = ld.z;
+  constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
+  const int lane = threadIdx.x % KVC_WARP, col = lane % CPR, ti = lane % KVC_TCD_TOK;
+  const kvc_operand &K = a.k, &V = a.v;
+  const bool whole = t0 + KVC_TCD_TOK <= t_hi;
+  const char *kb = ld.k, *vb = ld.v, *sb = ld.s, *zb = ld.z;
+  bool coal = true;
   if constexpr (TBL) {
-    const kvc_loc l = kvc_table_loc_id(K, fo, id, t0 + r); /* (block, row) of token t0 + r */
-    kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + 16 * h;
-    vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + 16 * h;
-    sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
-    zr = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2];
-  }
-  if (t0 + KVC_TCD_TOK <= t_hi) {
-#pragma unroll
-    for (int j = 0; j < PH; ++j) {
-      kvc_cp_async<16>(kd + 32 * j, kr + 32 * j, 16);
-      kvc_cp_async<16>(vd + 32 * j, vr + 32 * j, 16);
+    const long long r0 = t0 + fo, c0 = kvc_table_col(r0, K.bsz, K.bsh);
+    coal = D == 256 && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0;
+    if (coal) { /* the tile lies in one block: its rows are consecutive */
+      const kvc_operand &O = lane < KVC_TCD_TOK ? K : V;
+      const kvc_loc l = kvc_loc_of(__shfl_sync(KVC_FULL_MASK, id, 0), r0, c0, K.bsz, K.nblk);
+      kb = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + ld.ko;
+      vb = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + ld.vo;
+      sb = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2] + ld.so;
+      zb = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2] + ld.zo;
     }
-    kvc_cp_async<Gm::SB>(so, sr, Gm::SB);
-    kvc_cp_async<Gm::SB>(zo, zr, Gm::SB);
-  } else {
+  }
+  if (coal) {
+    const kvc_operand &O = lane < KVC_TCD_TOK ? K : V;
+    const uint32_t so = slot + (lane < KVC_TCD_TOK ? Gm::KS : Gm::VS) + ti * Gm::SB;
+    const uint32_t zo = slot + (lane < KVC_TCD_TOK ? Gm::KB : Gm::VB) + ti * Gm::SB;
+    if (whole) {
+#pragma unroll
+      for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
+        const int row = lane / CPR + k * RPI;
+        kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, kb + k * ld.kp, 16);
+        kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, vb + k * ld.vp, 16);
+      }
+      kvc_cp_async<Gm::SB>(so, sb, Gm::SB);
+      kvc_cp_async<Gm::SB>(zo, zb, Gm::SB);
+    } else { /* contiguous rows only (a partial block tile takes the pair pattern) */
+#pragma unroll
+      for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
+        const int row = lane / CPR + k * RPI;
+        const bool ok = t0 + row < t_hi;
+        kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, ok ? kb + k * ld.kp : K.data, ok ? 16 : 0);
+        kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, ok ? vb + k * ld.vp : V.data, ok ? 16 : 0);
+      }
+      const bool ok = t0 + ti < t_hi;
+      kvc_cp_async<Gm::SB>(so, ok ? sb : O.scales, ok ? Gm::SB : 0);
+      kvc_cp_async<Gm::SB>(zo, ok ? zb : O.biases, ok ? Gm::SB : 0);
+    }
+  }
+  if constexpr (!TBL) {
+    ld.k += ld.kt;
+    ld.v += ld.vt;
+    ld.s += ld.st;
+    ld.z += ld.zt;
+  } else if (!coal) { /* the pair pattern: this lane's token r */
+    constexpr int PH = D / 64; /* pieces per lane and row (a row: 2 PH pieces) */
+    const int r = lane / 2, h = lane % 2;
+    const kvc_operand &O = h ? V : K;
+    const kvc_loc l = kvc_table_loc_id(K, fo, id, t0 + r);
+    const char *kr = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + 16 * h;
+    const char *vr = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + 16 * h;
+    const char *sr = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2];
+    const char *zr = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2];
+    const uint32_t kd = slot + Gm::KD + r * Gm::RSK + 16 * h, vd = slot + Gm::VD + r * Gm::RSV + 16 * h;
+    const uint32_t so = slot + (h ? Gm::VS : Gm::KS) + r * Gm::SB, zo = slot + (h ? Gm::VB : Gm::KB) + r * Gm::SB;
     const bool ok = t0 + r < t_hi;
 #pragma unroll
     for (int j = 0; j < PH; ++j) {
@@ -172,15 +232,9 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
     kvc_cp_async<Gm::SB>(so, ok ? sr : O.scales, ok ? Gm::SB : 0);
     kvc_cp_async<Gm::SB>(zo, ok ? zr : O.biases, ok ? Gm::SB : 0);
   }
-  if constexpr (!TBL) {
-    ld.k += ld.kt;
-    ld.v += ld.vt;
-    ld.s += ld.st;
-    ld.z += ld.zt;
-  }
 }
 
-/* The block id of the lane's token t0 + lane / 2 (0 when contiguous or past t_hi). */
+/* The block id of token t0 + lane / 2 (0 when contiguous or past t_hi). */
 __device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
   const long long t = t0 + (threadIdx.x % KVC_WARP) / 2;
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
@@ -214,7 +268,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   /* prologue: the first NS - 1 tiles in flight (one commit group each); the
    * block ids of each tile loaded before its copies, the next one's ahead */
   int nid = 0;
-  kvc_tcd_loader ld = kvc_tcd_loader_of(a, b, hk, KVC_TCD_T0(0));
+  kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, KVC_TCD_T0(0));
 #pragma unroll
   for (int n = 0; n < NS - 1; ++n) {
     const int id = TBL && n < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(n), t_hi) : 0;
@@ -360,27 +414,18 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
     /* ---- softmax (log2 units) ---- */
     const bool full = kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len);
     bool vis[4];
-    if (full && !capped) { /* the common case, straight-line */
-#pragma unroll
-      for (int e = 0; e < 4; ++e) vis[e] = vok;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
-        bool v = vok;
-        if (!full) {
-          const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
-          v = v && t < t_hi;
-          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
-        }
-        vis[e] = v;
-      }
-    }
     float tmax = -INFINITY;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float xl = vis[e] ? sc[e] : -INFINITY;
-      vis[e] = vis[e] && xl != -INFINITY;
+      if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
+      bool v = vok;
+      if (!full) {
+        const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
+        v = v && t < t_hi;
+        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
+      }
+      const float xl = v ? sc[e] : -INFINITY;
+      vis[e] = v && xl != -INFINITY;
       sc[e] = xl;
       tmax = kvc_max(tmax, xl);
     }
@@ -539,7 +584,7 @@ __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(
 /* (D, groups per S m-tile, BLOCK_TABLE rows): at D = 256 up to 4 query
  * vectors and contiguous rows only (the selector) */
 #define KVC_TCD_INSTANCES(X)                                                                       \
-  X(256, 4, false) X(256, 2, false) X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
+  X(256, 4, false) X(256, 2, false) X(256, 4, true) X(256, 2, true) X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
 
 int kvc_tcd_smem(int D) { return D == 256 ? kvc_tcd_geom<256>::TOTAL : kvc_tcd_geom<128>::TOTAL; }
 
