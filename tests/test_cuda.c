@@ -584,8 +584,9 @@ done:
  * arrays and the table are mirrored to device memory. The oracle reads the
  * same table over the host pool. Covers the q4 tensor-core kernel (block 16,
  * 64, 8), the fused kernel (bf16, q8, q4 with f32 queries) and the general
- * kernel (bool mask, L > 16). */
-static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed) {
+ * kernel (bool mask, L > 16). want: a part of the name of the kernel the case
+ * must run (kva_attention_kernel), or NULL. */
+static int run_table_case_want(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
   char name[256];
   att_case_str(c, name, sizeof name);
   att_data hd;
@@ -645,6 +646,17 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
                                (const int32_t *)dfo};
   dd.view = kva_view_block_table(&dk, &dv, &dbt);
   if (!dev_poison(&dd, 0)) goto done;
+  if (want) {
+    char kname[160];
+    if (kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname) < 0) {
+      FAIL_("%s block %lld: kva_attention_kernel(CUDA): %s", name, (long long)bs, kva_last_error());
+      goto done;
+    }
+    if (!strstr(kname, want)) {
+      FAIL_("%s block %lld: runs \"%s\", not a \"%s\"", name, (long long)bs, kname, want);
+      goto done;
+    }
+  }
   if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
     FAIL_("%s block %lld: kva_attention(CUDA, BLOCK_TABLE): %s", name, (long long)bs, kva_last_error());
     goto done;
@@ -666,6 +678,9 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed) {
+  return run_table_case_want(ctx, c, bs, seed, NULL);
 }
 
 TEST(cuda_block_table) {
@@ -699,8 +714,8 @@ TEST(cuda_block_table) {
 }
 
 /* The per-warp q4 decode kernel (src/cuda/attn_tcd.cu: bf16 queries, MLX's
- * group 64, head dims 128 / 256, up to 8 query vectors per KV head, 4 and
- * contiguous rows at 256). The selector sends only large calls there (B KVH
+ * group 64, head dims 128 / 256, up to 8 query vectors per KV head, 4 at
+ * 256; contiguous or block-table rows). The selector sends only large calls there (B KVH
  * N >= KVC_TCD_MIN_WORK token-heads); this context lowers the bar to 0
  * through KVA_CUDA_TCD_MIN_WORK, so that small cases run it, and every case
  * asserts it did. */
@@ -755,7 +770,7 @@ TEST(cuda_q4_tcd_path) {
         goto done;
       }
   for (size_t ci = 0; ci < sizeof tt / sizeof tt[0]; ++ci)
-    if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci)) break;
+    if (!run_table_case_want(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp decode")) break;
 done:
   kva_context_destroy(ctx);
 }

@@ -582,9 +582,10 @@ __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(
 
 /* ---- host side ---- */
 /* (D, groups per S m-tile, BLOCK_TABLE rows): at D = 256 up to 4 query
- * vectors and contiguous rows only (the selector) */
+ * vectors (the selector) */
 #define KVC_TCD_INSTANCES(X)                                                                       \
-  X(256, 4, false) X(256, 2, false) X(256, 4, true) X(256, 2, true) X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
+  X(256, 4, false) X(256, 2, false) X(256, 4, true) X(256, 2, true)                                \
+  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
 
 int kvc_tcd_smem(int D) { return D == 256 ? kvc_tcd_geom<256>::TOTAL : kvc_tcd_geom<128>::TOTAL; }
 
