@@ -259,6 +259,22 @@ static int make_cuda_ctx(kva_context **ctx, void *stream) {
   return rc == 0;
 }
 
+/* Does the call dd would make run a kernel whose name contains want (NULL:
+ * any)? Fails the test with the kernel's name if not. */
+static int runs_kernel(kva_context *ctx, const dev_data *dd, const char *name, const char *want) {
+  if (!want) return 1;
+  char kname[160];
+  if (kva_attention_kernel(ctx, &dd->q, &dd->view, &dd->params, &dd->out, kname, sizeof kname) < 0) {
+    FAIL_("%s: kva_attention_kernel(CUDA): %s", name, kva_last_error());
+    return 0;
+  }
+  if (!strstr(kname, want)) {
+    FAIL_("%s: runs \"%s\", not a \"%s\"", name, kname, want);
+    return 0;
+  }
+  return 1;
+}
+
 /* Runs one case on the device against the oracle; `tweak` edits host operands first. */
 /* want: NULL, or a text the case's kernel name (kva_attention_kernel) must
  * contain: the case runs the kernel it is meant to test. */
@@ -285,17 +301,7 @@ static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_
     goto done;
   }
   if (!dev_poison(&dd, 0)) goto done;
-  if (want) {
-    char kname[160];
-    if (kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname) < 0) {
-      FAIL_("%s: kva_attention_kernel(CUDA): %s", name, kva_last_error());
-      goto done;
-    }
-    if (!strstr(kname, want)) {
-      FAIL_("%s: runs \"%s\", not a \"%s\"", name, kname, want);
-      goto done;
-    }
-  }
+  if (!runs_kernel(ctx, &dd, name, want)) goto done;
   int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0);
   if (rc) {
     FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
@@ -646,17 +652,7 @@ static int run_table_case_want(kva_context *ctx, const att_case *c, int64_t bs, 
                                (const int32_t *)dfo};
   dd.view = kva_view_block_table(&dk, &dv, &dbt);
   if (!dev_poison(&dd, 0)) goto done;
-  if (want) {
-    char kname[160];
-    if (kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname) < 0) {
-      FAIL_("%s block %lld: kva_attention_kernel(CUDA): %s", name, (long long)bs, kva_last_error());
-      goto done;
-    }
-    if (!strstr(kname, want)) {
-      FAIL_("%s block %lld: runs \"%s\", not a \"%s\"", name, (long long)bs, kname, want);
-      goto done;
-    }
-  }
+  if (!runs_kernel(ctx, &dd, name, want)) goto done;
   if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
     FAIL_("%s block %lld: kva_attention(CUDA, BLOCK_TABLE): %s", name, (long long)bs, kva_last_error());
     goto done;
