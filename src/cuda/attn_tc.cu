@@ -644,23 +644,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     constexpr int TPQ = KVC_TC_THREADS / (NTM * 8), DPT = D / TPQ;
     unsigned short *qst = (unsigned short *)(kvc_tc_buf + (STAGES - 1) * L.stage); /* [NTM * 8][D] bf16 */
     {
-      const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT, qv = q0 + j;
-      const unsigned short *qp =
-          qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
-      float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-      for (int d = 0; d < DPT; ++d) {
-        const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
-        qst[j * D + pd + d] = x;
-        amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
-        sum += kvc_bf16_bits(x);
-      }
-#pragma unroll
-      for (int off = TPQ / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
-      const int tpg = kgs / DPT; /* threads per quantization group (2 .. TPQ / 2) */
-      for (int off = 1; off < tpg; off <<= 1) sum += __shfl_xor_sync(KVC_FULL_MASK, sum, off);
+      const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT;
+      float amax, sum;
+      /* threads per quantization group: 2 .. TPQ / 2 */
+      kvc_stage_query<DPT, TPQ>(a, b, hk, q0 + j, Q, pd, kgs / DPT, qst + j * D, &amax, &sum);
       if ((pd & (kgs - 1)) == 0) qsum[(pd >> gk_sh) * NTM * 8 + j] = sum * scl2; /* pre-scaled bias term */
-      if (pd == 0) qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: NaN/Inf via the sums */
+      if (pd == 0) qsig[j] = kvc_query_sigma(amax);
     }
     __syncthreads();
     /* B fragments of k-step kj (32 dims) for lane (g, tq): byte i of b0, b1

@@ -285,26 +285,13 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
    * = max|q| / (127 * 128) and the per-group sums (times scl2) by shuffles. */
   unsigned short *qst = (unsigned short *)(kvc_tcd_buf + Gm::QST);
   float *qsig = (float *)(kvc_tcd_buf + Gm::QSIG), *qsum = (float *)(kvc_tcd_buf + Gm::QSUM);
-  const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
   {
-    constexpr int TPQ = KVC_TCD_THREADS / 8, DPT = D / TPQ, TPG = KVC_TC_GROUP / DPT;
+    constexpr int TPQ = KVC_TCD_THREADS / 8, DPT = D / TPQ;
     const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT;
-    const unsigned short *qp =
-        j < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + j / a.L, j % a.L, 0) : nullptr;
-    float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int d = 0; d < DPT; ++d) {
-      const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
-      qst[j * D + pd + d] = x;
-      amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
-      sum += kvc_bf16_bits(x);
-    }
-#pragma unroll
-    for (int off = TPQ / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
-#pragma unroll
-    for (int off = 1; off < TPG; off <<= 1) sum += __shfl_xor_sync(KVC_FULL_MASK, sum, off);
+    float amax, sum;
+    kvc_stage_query<DPT, TPQ>(a, b, hk, j, Q, pd, KVC_TC_GROUP / DPT, qst + j * D, &amax, &sum);
     if (pd % KVC_TC_GROUP == 0) qsum[(pd / KVC_TC_GROUP) * 8 + j] = sum * scl2;
-    if (pd == 0) qsig[j] = amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f; /* non-finite q: via the sums */
+    if (pd == 0) qsig[j] = kvc_query_sigma(amax);
   }
   __syncthreads();
 

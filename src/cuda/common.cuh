@@ -158,6 +158,37 @@ __device__ __forceinline__ const char *kvc_brow(const kvc_operand &op, int b, in
 __device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + d * a.qs[3];
 }
+/* The tensor-core kernels' query staging: thread pd / DPT of query vector
+ * qv (one of TPQ adjacent lanes per vector) copies dims pd .. pd + DPT - 1
+ * of the bf16 query (zeros when qv >= Q) into row (bf16, shared memory) and
+ * returns the vector's max |q| (over its TPQ threads) and the sum of its
+ * quantization group (over the tpg threads of the group) by shuffles. */
+template <int DPT, int TPQ>
+__device__ __forceinline__ void kvc_stage_query(const kvc_args &a, int b, int hk, int qv, int Q, int pd, int tpg,
+                                                unsigned short *row, float *amax_out, float *sum_out) {
+  const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
+  const unsigned short *qp =
+      qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
+  float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+  for (int d = 0; d < DPT; ++d) {
+    const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
+    row[pd + d] = x;
+    amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
+    sum += kvc_bf16_bits(x);
+  }
+#pragma unroll
+  for (int off = TPQ / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
+  for (int off = 1; off < tpg; off <<= 1) sum += __shfl_xor_sync(KVC_FULL_MASK, sum, off);
+  *amax_out = amax;
+  *sum_out = sum;
+}
+/* sigma of a query vector with max |q| = amax: q / sigma fits 127 * 128
+ * (two s8 parts); 1 for a zero or non-finite q (NaN / Inf reach the output
+ * through the group sums). */
+__device__ __forceinline__ float kvc_query_sigma(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f;
+}
 __device__ __forceinline__ char *kvc_out_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.out + b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3];
 }
