@@ -592,7 +592,7 @@ done:
  * 64, 8), the fused kernel (bf16, q8, q4 with f32 queries) and the general
  * kernel (bool mask, L > 16). want: a part of the name of the kernel the case
  * must run (kva_attention_kernel), or NULL. */
-static int run_table_case_want(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
   char name[256];
   att_case_str(c, name, sizeof name);
   att_data hd;
@@ -675,9 +675,6 @@ done:
   att_free(&hd);
   return ok;
 }
-static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed) {
-  return run_table_case_want(ctx, c, bs, seed, NULL);
-}
 
 TEST(cuda_block_table) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
@@ -705,14 +702,14 @@ TEST(cuda_block_table) {
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (size_t ci = 0; ci < sizeof tcases / sizeof tcases[0]; ++ci)
-    if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci)) break;
+    if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci, NULL)) break;
   kva_context_destroy(ctx);
 }
 
 /* The per-warp q4 decode kernel (src/cuda/attn_tcd.cu: bf16 queries, MLX's
  * group 64, head dims 128 / 256, up to 8 query vectors per KV head, 4 at
- * 256; contiguous or block-table rows). The selector sends only large calls there (B KVH
- * N >= KVC_TCD_MIN_WORK token-heads); this context lowers the bar to 0
+ * 256; contiguous or block-table rows). The selector sends only large calls
+ * there (B KVH N >= KVC_TCD_MIN_WORK token-heads); this context lowers the bar to 0
  * through KVA_CUDA_TCD_MIN_WORK, so that small cases run it, and every case
  * asserts it did. */
 TEST(cuda_q4_tcd_path) {
@@ -738,8 +735,9 @@ TEST(cuda_q4_tcd_path) {
       {1, 32, 8, 1, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 32, 8, 2, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
-  /* BLOCK_TABLE rows: block sizes 24 (the division), 64, 16 and 8 (tiles
-   * across blocks) */
+  /* BLOCK_TABLE rows: block sizes 24 (the division), 64, 16 and 8; at
+   * D = 256 tiles across blocks (first offsets 1 and 2..: the lane-pair
+   * copies) and, at block 64, tiles inside one block (the coalesced copies) */
   static const struct {
     att_case c;
     int64_t bs;
@@ -748,6 +746,7 @@ TEST(cuda_q4_tcd_path) {
       {{2, 16, 8, 1, 700, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 1, 0}, 64},
       {{1, 8, 4, 1, 1100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
       {{2, 16, 4, 1, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 1, 1, 0}, 8},
+      {{2, 8, 4, 1, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
   kva_context *ctx;
@@ -766,7 +765,7 @@ TEST(cuda_q4_tcd_path) {
         goto done;
       }
   for (size_t ci = 0; ci < sizeof tt / sizeof tt[0]; ++ci)
-    if (!run_table_case_want(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp decode")) break;
+    if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp decode")) break;
 done:
   kva_context_destroy(ctx);
 }
