@@ -714,9 +714,9 @@ TEST(cuda_block_table) {
  * asserts it did. */
 TEST(cuda_q4_tcd_path) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  /* groups per S m-tile 4 and 2 at D = 256 (4: P times the scale); 2 (P
-   * times the scale, 1 and 4 vectors) and 1 (8 vectors) at D = 128; window,
-   * softcap, sinks, segments, ragged, strided, a split shorter than a tile */
+  /* groups per S m-tile: 4 (1-2 vectors), 2 (3-4) and 1 (6, 8) at D = 256,
+   * 2 (1-4 vectors) and 1 (6, 8) at D = 128; window, softcap, sinks,
+   * segments, ragged, strided, a split shorter than a tile */
   static const att_case tc[] = {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {2, 16, 4, 1, 1333, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
@@ -727,6 +727,11 @@ TEST(cuda_q4_tcd_path) {
       {1, 4, 4, 8, 300, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
       {1, 8, 4, 3, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 5, 0, 0, 0, 0},
       {1, 8, 4, 1, 1, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 12, 4, 1, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 1, 1100, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 1},
+      {1, 8, 4, 4, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 16, 4, 2, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 1, 0, 0},
+      {1, 24, 4, 1, 800, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
   /* NaN / Inf (plant_q4) at each kind of m-tile and P.V */
   static const att_case nc[] = {
@@ -734,6 +739,7 @@ TEST(cuda_q4_tcd_path) {
       {1, 16, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 32, 8, 1, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 32, 8, 2, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
   /* BLOCK_TABLE rows: block sizes 24 (the division), 64, 16 and 8; at
    * D = 256 tiles across blocks (first offsets 1 and 2..: the lane-pair
@@ -747,6 +753,8 @@ TEST(cuda_q4_tcd_path) {
       {{1, 8, 4, 1, 1100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16},
       {{2, 16, 4, 1, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 1, 1, 0}, 8},
       {{2, 8, 4, 1, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
+      {{2, 24, 4, 1, 1000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 250, 0, 1, 1, 0}, 16},
+      {{1, 8, 4, 4, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
   kva_context *ctx;

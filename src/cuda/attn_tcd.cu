@@ -1,7 +1,7 @@
 /* Per-warp q4 decode kernel ("tcd"): bf16 queries, 4-bit MLX-affine K and V
  * with bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D
  * in {128, 256}, up to 8 query vectors per KV head (rep * L: decode and
- * short verify; 4 at D = 256), causal-family masks, softcap, sinks;
+ * short verify), causal-family masks, softcap, sinks;
  * contiguous or BLOCK_TABLE rows (paged views). The selector (context.cu)
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
@@ -44,24 +44,27 @@
  *         maximum exceeds it by more than KVC_TCD_SLACK (then O, l and the
  *         column sums are rescaled), so P <= 2^KVC_TCD_SLACK.
  *   math, O^T += V^T P^T (mma.m16n8k16, bf16, f32 accumulators): A = V^T
- *         (head dims as M, tokens as K): lane (g, t) holds dims
- *         8 WV g + 2 j (+1) of m-tile j for tokens 2t, 2t+1, 2t+8, 2t+9; one
- *         PRMT pairs two tokens' code bytes, a LOP3 under the 2^7 exponent
- *         gives 128 + c exactly. B = the thread's P (column g: the S
- *         accumulators of tokens 2t.., 2t+8.. are exactly the B fragment).
- *         - PS (all groups in one m-tile: rep * L <= 2 at D = 256, <= 4 at
- *           D = 128): column g = (vector, group) carries P * scale rounded
- *           to bf16, A = c - 8 (one exact bf16x2 FMA): O[d] of vector v is
- *           the column of d's group plus sum(P (bias + 8 scale)), summed per
- *           column in f32 from the unrounded P. One rounding per token (P *
- *           scale), none per element, and it multiplies c - 8, about the
- *           value's size (the bench's relative L2 error was 2-3x the narrow
- *           kernel's with A = 128 + c and the correction from the rounded
- *           P * scale: the error then scaled with the codes, not the values).
- *         - otherwise: A = scale * c + bias in bf16 (c = (128 + c) - 128 exact,
- *           then one bf16x2 FMA with the two tokens' scales and biases), B =
- *           P in bf16, l sums the rounded P.
- *         Tests compare both at the bf16 allowance (P, V rounding 2^-9).
+ *         (head dims as M, tokens as K): lane (g, t) takes words w(g, wj)
+ *         of tokens 2t, 2t+1, 2t+8, 2t+9 (kvc_tcd_word); m-tile 4 wj + i
+ *         holds element 2 i of word w(g, wj) in row g and 2 i + 1 in row
+ *         g + 8. One PRMT pairs two tokens' code bytes, a LOP3 under the 2^7
+ *         exponent gives 128 + c, one bf16x2 FMA c - 8 (exact: centered, so
+ *         the mma's f32 sums stay near the result). B = the thread's
+ *         P x V scale rounded to bf16, column g = S slot (vector, group c)
+ *         scaled by group c's scale (the S accumulators of tokens 2t..,
+ *         2t+8.. are exactly the B fragment): with one S m-tile (GPT = G)
+ *         one B for all V m-tiles, the output of row d and column (v, c)
+ *         kept when d lies in group c; with G / GPT > 1 S m-tiles one B
+ *         per S m-tile, and each lane's V words one per group, so that a V
+ *         m-tile lies in one group and takes the B of the S m-tile holding
+ *         it (GPT = 1: every column kept; 2: half). O[d] of vector v is
+ *         that column plus sum(P (bias + 8 scale)) of (v, group of d), summed
+ *         in f32 from the unrounded P. One rounding per token and group (P x
+ *         scale), none per element, and it multiplies c - 8, about the
+ *         value's size (with A = 128 + c and the correction from the rounded
+ *         P x scale the bench's relative L2 error was 2-3x the narrow
+ *         kernel's: the error then scaled with the codes, not the values).
+ *         Tests compare at the bf16 allowance (P, V rounding 2^-9).
  *   launch: grid (1, nsplit, B * KVH), KVC_TCD_WARPS warps per block, warp w
  *         takes tiles w, w + 4, ... of the split's chunk; dynamic shared
  *         memory kvc_tcd_smem() (90,272 bytes at D = 256, 51,296 at 128);
@@ -240,14 +243,44 @@ __device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
-/* GPT: groups per S m-tile (8 slots = vectors x GPT); PS: every group in
- * one m-tile (GPT = G), scales folded into P (see the header). TBL:
+/* Word of a packed V row whose 8 codes lane row g takes as its wj-th word
+ * (wj < D / 64): SPREAD, word 8 wj + g (group wj: every V m-tile of a word
+ * lies in one group, so it can take the B of the S m-tile holding that
+ * group); else words D / 64 g .. (contiguous: one 16- or 8-byte load per
+ * token, the m-tiles' rows in different groups). Both are free of bank
+ * conflicts with the padded rows (8 consecutive words per quad, rows 2 t4
+ * apart shift the banks by 8 t4). */
+template <int D, bool SPREAD> __device__ __forceinline__ int kvc_tcd_word(int g, int wj) {
+  return SPREAD ? 8 * wj + g : (D / 64) * g + wj;
+}
+
+/* out[mt] = the bf16 value of group mt GPT + gi in a scale or bias row of G
+ * values (MTK = G / GPT of them; GPT = 1: the whole row in one load). The
+ * rows are 8-byte aligned (kvc_tcd_geom: SB-byte rows from 128-aligned
+ * slots and 16-multiple offsets). */
+template <int G, int GPT>
+__device__ __forceinline__ void kvc_tcd_row(const unsigned char *row, int gi, float (&out)[G / GPT]) {
+  if constexpr (GPT == 1 && G == 4) {
+    const uint2 u = *(const uint2 *)row;
+    out[0] = __uint_as_float(u.x << 16), out[1] = __uint_as_float(u.x & 0xffff0000u);
+    out[2] = __uint_as_float(u.y << 16), out[3] = __uint_as_float(u.y & 0xffff0000u);
+  } else if constexpr (GPT == 1 && G == 2) {
+    const uint32_t u = *(const uint32_t *)row;
+    out[0] = __uint_as_float(u << 16), out[1] = __uint_as_float(u & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < G / GPT; ++mt) out[mt] = kvc_bf16_bits(kvc_lds16(row + 2 * (mt * GPT + gi)));
+  }
+}
+
+/* GPT: groups per S m-tile (8 slots = vectors x GPT; kvc_tcd_gpt), V
+ * scales folded into P in every case (see the header). TBL:
  * BLOCK_TABLE rows (an instance each: one copy of the loop per kernel; the
  * two copies in one kernel measured 4-17 % slower at D = 256, H200). */
 template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body(const kvc_args &a) {
   using Gm = kvc_tcd_geom<D>;
   constexpr int G = Gm::G, MTK = G / GPT, KSTEPS = D / 32, MTV = D / 16, WV = D / 64;
-  constexpr bool PS = GPT == G;
+  constexpr bool SPREAD = MTK > 1; /* V words of a lane one per group (see kvc_tcd_word) */
   constexpr int NS = KVC_TCD_NS, W = KVC_TCD_WARPS;
   extern __shared__ __align__(128) unsigned char kvc_tcd_buf[];
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
@@ -330,14 +363,12 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   for (int mt = 0; mt < MTK; ++mt) qs[mt] = vok ? qsum[(mt * GPT + gi) * 8 + vq] : 0.0f;
   const long long pos = len - a.L + (vok ? vq % a.L : 0);
   const int32_t segp = vok ? kvc_seg_of_row(a, b, pos) : 0;
-  /* PS: column g is (vector vq, group gi) of V; else the dims of this lane
-   * (words WV g ..) lie in V group gvd */
-  const int gvd = PS ? gi : (8 * WV * g) / KVC_TC_GROUP;
-
   float o[MTV][4];
 #pragma unroll
   for (int j = 0; j < MTV; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m = -INFINITY, l = 0.0f, cs = 0.0f; /* cs (PS): sum(P (bias + 8 scale)) of column g */
+  float m = -INFINITY, l = 0.0f, cs[MTK]; /* cs[mt]: sum(P (bias + 8 scale)) of column g of S m-tile mt */
+#pragma unroll
+  for (int mt = 0; mt < MTK; ++mt) cs[mt] = 0.0f;
 
   for (int n = 0; n < nmine; ++n) {
     kvc_cp_wait<NS - 2>(); /* this lane's copies of tile n landed */
@@ -384,14 +415,13 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int nt = e >> 1, x = e & 1, tok = 8 * nt + 2 * t4 + x;
-      float ss = 0.0f, sz = 0.0f;
+      float ks[MTK], kz[MTK], ss = 0.0f, sz = 0.0f;
+      kvc_tcd_row<G, GPT>(st + Gm::KS + tok * Gm::SB, gi, ks);
+      kvc_tcd_row<G, GPT>(st + Gm::KB + tok * Gm::SB, gi, kz);
 #pragma unroll
       for (int mt = 0; mt < MTK; ++mt) {
-        const int c = mt * GPT + gi;
-        const float s = kvc_bf16_bits(kvc_lds16(st + Gm::KS + tok * Gm::SB + 2 * c));
-        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::KB + tok * Gm::SB + 2 * c));
-        ss = fmaf(s, (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
-        sz = fmaf(z, qs[mt], sz);
+        ss = fmaf(ks[mt], (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
+        sz = fmaf(kz[mt], qs[mt], sz);
       }
       sc[e] = fmaf(ss, sig, sz);
 #pragma unroll
@@ -423,7 +453,8 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
       const float corr = mn == m ? 1.0f : kvc_exp2(m - mn); /* 0 when m = -inf */
       m = mn;
       l *= corr;
-      cs *= corr;
+#pragma unroll
+      for (int mt = 0; mt < MTK; ++mt) cs[mt] *= corr;
       /* O columns 2 t4, 2 t4 + 1 belong to the slots (lanes 4 col) of those columns */
       const float c0 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4), c1 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4 + 4);
 #pragma unroll
@@ -438,57 +469,57 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
 #pragma unroll
     for (int e = 0; e < 4; ++e) p[e] = vis[e] ? kvc_exp2(sc[e] - m) : 0.0f;
 
-    /* ---- P as the B fragment of column g (tokens 2 t4, + 1 | + 8, + 9) ---- */
-    uint32_t pb0, pb1;
-    uint32_t vs01 = 0u, vb01 = 0u, vs89 = 0u, vb89 = 0u; /* !PS: scale / bias pairs of tokens (2 t4, + 1), (+ 8, + 9) */
-    if constexpr (PS) {
-      /* r = bf16(P scale) feeds the mma with A = c - 8; the 8 r and bias
-       * parts are summed here in f32 from the unrounded P: the rounding of r
+    /* ---- P times the V scale as the B fragment of column g (tokens 2 t4, + 1 | + 8, + 9), one per
+     * S m-tile: B[mt] feeds the V m-tiles of the groups of S m-tile mt ---- */
+    uint32_t pb0[MTK], pb1[MTK];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) l += p[e];
+    {
+      /* r = bf16(P scale) feeds the mma with A = c - 8; the 8 scale + bias
+       * part is summed here in f32 from the unrounded P: the rounding of r
        * then only scales c - 8 (about the value's size, as for a rounded V) */
-      float r[4];
+      float r[MTK][4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
-        const float sv = kvc_bf16_bits(kvc_lds16(st + Gm::VS + tok * Gm::SB + 2 * gvd));
-        const float z = kvc_bf16_bits(kvc_lds16(st + Gm::VB + tok * Gm::SB + 2 * gvd));
-        r[e] = vis[e] ? p[e] * sv : 0.0f;
-        if (vis[e]) cs = fmaf(p[e], fmaf(8.0f, sv, z), cs);
-        l += p[e];
-      }
-      pb0 = kvc_bf16x2_of(r[0], r[1]);
-      pb1 = kvc_bf16x2_of(r[2], r[3]);
-    } else {
-      pb0 = kvc_bf16x2_of(p[0], p[1]);
-      pb1 = kvc_bf16x2_of(p[2], p[3]);
-      l += __uint_as_float(pb0 << 16) + __uint_as_float(pb0 & 0xffff0000u) + __uint_as_float(pb1 << 16) +
-           __uint_as_float(pb1 & 0xffff0000u);
-      const unsigned char *vsr = st + Gm::VS + 2 * gvd, *vbr = st + Gm::VB + 2 * gvd;
-      const int ta = 2 * t4;
-      vs01 = kvc_lds16(vsr + ta * Gm::SB) | (kvc_lds16(vsr + (ta + 1) * Gm::SB) << 16);
-      vb01 = kvc_lds16(vbr + ta * Gm::SB) | (kvc_lds16(vbr + (ta + 1) * Gm::SB) << 16);
-      vs89 = kvc_lds16(vsr + (ta + 8) * Gm::SB) | (kvc_lds16(vsr + (ta + 9) * Gm::SB) << 16);
-      vb89 = kvc_lds16(vbr + (ta + 8) * Gm::SB) | (kvc_lds16(vbr + (ta + 9) * Gm::SB) << 16);
-    }
-
-    /* ---- O^T += V^T P^T: m-tile j = dims 8 WV g + 2 j (row g), + 1 (row g + 8) ---- */
-    uint32_t wa[WV], wb[WV], wc[WV], wd[WV]; /* words WV g .. of tokens 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 */
-    {
-      const unsigned char *vr = st + Gm::VD + 4 * WV * g;
+        float sv[MTK], z[MTK];
+        kvc_tcd_row<G, GPT>(st + Gm::VS + tok * Gm::SB, gi, sv);
+        kvc_tcd_row<G, GPT>(st + Gm::VB + tok * Gm::SB, gi, z);
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int tok = 2 * t4 + (x & 1) + 8 * (x >> 1);
-        uint32_t *dst = x == 0 ? wa : x == 1 ? wb : x == 2 ? wc : wd;
-        if (WV == 4) {
-          const uint4 u = *(const uint4 *)(vr + tok * Gm::RSV);
-          dst[0] = u.x, dst[1] = u.y, dst[2] = u.z, dst[3] = u.w;
-        } else {
-          const uint2 u = *(const uint2 *)(vr + tok * Gm::RSV);
-          dst[0] = u.x, dst[1] = u.y;
+        for (int mt = 0; mt < MTK; ++mt) {
+          r[mt][e] = vis[e] ? p[e] * sv[mt] : 0.0f;
+          if (vis[e]) cs[mt] = fmaf(p[e], fmaf(8.0f, sv[mt], z[mt]), cs[mt]);
         }
       }
+#pragma unroll
+      for (int mt = 0; mt < MTK; ++mt) {
+        pb0[mt] = kvc_bf16x2_of(r[mt][0], r[mt][1]);
+        pb1[mt] = kvc_bf16x2_of(r[mt][2], r[mt][3]);
+      }
+    }
+
+    /* ---- O^T += V^T P^T: m-tile j = 4 wj + (j % 4): element 2 (j % 4) of word w(g, wj) (row g), + 1
+     * (row g + 8) ---- */
+    uint32_t wa[WV], wb[WV], wc[WV], wd[WV]; /* words w(g, 0 ..) of tokens 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 */
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int tok = 2 * t4 + (x & 1) + 8 * (x >> 1);
+      uint32_t *dst = x == 0 ? wa : x == 1 ? wb : x == 2 ? wc : wd;
+      const unsigned char *vr = st + Gm::VD + tok * Gm::RSV;
+      if (SPREAD) { /* word 8 wj + g: group wj */
+#pragma unroll
+        for (int wj = 0; wj < WV; ++wj) dst[wj] = *(const uint32_t *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, wj));
+      } else if (WV == 4) { /* words 4 g ..: one 16-byte load */
+        const uint4 u = *(const uint4 *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, 0));
+        dst[0] = u.x, dst[1] = u.y, dst[2] = u.z, dst[3] = u.w;
+      } else {
+        const uint2 u = *(const uint2 *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, 0));
+        dst[0] = u.x, dst[1] = u.y;
+      }
     }
 #pragma unroll
-    for (int wj = 0; wj < WV; ++wj)
+    for (int wj = 0; wj < WV; ++wj) {
+      const int mb = SPREAD ? wj / GPT : 0; /* the B of this word's group */
 #pragma unroll
       for (int hb = 0; hb < 2; ++hb) {
         const uint32_t sel = hb ? 0x7632u : 0x5410u; /* bytes 2 hb, 2 hb + 1 of both tokens */
@@ -500,18 +531,13 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
                             kvc_and_or(y01 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128),
                             kvc_and_or(y89 >> sh, KVC_NIB_PAIR, KVC_BF16X2_128),
                             kvc_and_or(y89 >> (sh + 4), KVC_NIB_PAIR, KVC_BF16X2_128)};
+          /* c - 8, exact: centered, so the f32 sums in the mma stay near the result */
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if constexpr (PS) { /* c - 8, exact: centered, so the f32 sums in the mma stay near the result */
-              af[i] = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M136);
-            } else {
-              const uint32_t c = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M128); /* c, exact */
-              af[i] = kvc_fma_bf16x2(c, i < 2 ? vs01 : vs89, i < 2 ? vb01 : vb89);
-            }
-          }
-          kvc_mma_bf16(o[j], af, pb0, pb1);
+          for (int i = 0; i < 4; ++i) af[i] = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M136);
+          kvc_mma_bf16(o[j], af, pb0[mb], pb1[mb]);
         }
       }
+    }
   }
 #undef KVC_TCD_T0
   kvc_cp_wait<0>();
@@ -522,12 +548,13 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   /* ---- the warps' states -> shared memory -> one state per vector ---- */
   l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
   l += __shfl_xor_sync(KVC_FULL_MASK, l, 2);
-  float csc[2] = {0.0f, 0.0f}; /* PS: cs of columns 2 t4, 2 t4 + 1 */
-  if constexpr (PS) {
-    cs += __shfl_xor_sync(KVC_FULL_MASK, cs, 1);
-    cs += __shfl_xor_sync(KVC_FULL_MASK, cs, 2);
-    csc[0] = __shfl_sync(KVC_FULL_MASK, cs, 8 * t4);
-    csc[1] = __shfl_sync(KVC_FULL_MASK, cs, 8 * t4 + 4);
+  float csc[MTK][2]; /* cs of columns 2 t4, 2 t4 + 1 */
+#pragma unroll
+  for (int mt = 0; mt < MTK; ++mt) {
+    cs[mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[mt], 1);
+    cs[mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[mt], 2);
+    csc[mt][0] = __shfl_sync(KVC_FULL_MASK, cs[mt], 8 * t4);
+    csc[mt][1] = __shfl_sync(KVC_FULL_MASK, cs[mt], 8 * t4 + 4);
   }
   __syncthreads(); /* every warp is done with its ring */
   float *ml = (float *)kvc_tcd_buf, *ost = (float *)(kvc_tcd_buf + Gm::OST);
@@ -539,10 +566,9 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   for (int j = 0; j < MTV; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int col = 2 * t4 + (e & 1), d = 8 * WV * g + 2 * j + (e >> 1);
-      const int v = col / GPT;
-      const bool mine = PS ? (col % G) == d / KVC_TC_GROUP : col % GPT == 0;
-      if (mine && v < Q) ost[(warp * 8 + v) * D + d] = o[j][e] + (PS ? csc[e & 1] : 0.0f);
+      const int col = 2 * t4 + (e & 1), d = 8 * kvc_tcd_word<D, SPREAD>(g, j / 4) + 2 * (j % 4) + (e >> 1);
+      const int v = col / GPT, gd = d / KVC_TC_GROUP; /* column col: vector v, group mt GPT + col % GPT */
+      if (col % GPT == gd % GPT && v < Q) ost[(warp * 8 + v) * D + d] = o[j][e] + csc[gd / GPT][e & 1];
     }
   __syncthreads();
   for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
@@ -568,18 +594,22 @@ __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(
 }
 
 /* ---- host side ---- */
-/* (D, groups per S m-tile, BLOCK_TABLE rows): at D = 256 up to 4 query
- * vectors (the selector) */
+/* (D, groups per S m-tile, BLOCK_TABLE rows) */
 #define KVC_TCD_INSTANCES(X)                                                                       \
-  X(256, 4, false) X(256, 2, false) X(256, 4, true) X(256, 2, true)                                \
+  X(256, 4, false) X(256, 2, false) X(256, 1, false) X(256, 4, true) X(256, 2, true) X(256, 1, true) \
   X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
 
 int kvc_tcd_smem(int D) { return D == 256 ? kvc_tcd_geom<256>::TOTAL : kvc_tcd_geom<128>::TOTAL; }
 
-/* Groups per S m-tile for q query vectors per KV head at head dim D. */
+/* Groups per S m-tile for q <= 8 query vectors per KV head at head dim D:
+ * all G while q G <= 8 (one S m-tile, one B for P.V), else G / 2 while
+ * q G <= 16, else 1 (G m-tiles, one B per group). H200 (BENCHMARKS.md,
+ * ninth session), 128k B=1: 3-4 vectors at D = 256 with GPT 2 63.4 us
+ * (GPT 1 65.5; V dequantized per element, the earlier path, 64.1), 6
+ * vectors with GPT 1 68.1 (the narrow kernel 70.8). */
 int kvc_tcd_gpt(int D, int q) {
-  const int G = D / KVC_TC_GROUP, slots = q <= 2 ? 4 : q <= 4 ? 2 : 1;
-  return slots < G ? slots : G;
+  const int G = D / KVC_TC_GROUP;
+  return q * G <= 8 ? G : q * G <= 16 ? G / 2 : 1;
 }
 
 template <int D, int GPT, bool TBL> static cudaError_t kvc_tcd_prepare(void) {

@@ -27,11 +27,6 @@
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
 #define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
-#define KVC_TCD_MAX_Q_D256 4        /* the per-warp q4 decode kernel (attn_tcd.cu) at head dim 256 up to 4 query
-                                        vectors per KV head (beyond: one group per S m-tile and V dequantized per
-                                        element; H200, 24/4/256 128k 75.3 us against the narrow kernel's 70.1); at
-                                        128 up to 8; contiguous or block-table rows (8/4/256 B=16 32k paged/16: 205
-                                        us against the narrow kernel's 261) */
 #define KVC_TCD_MIN_WORK (1LL << 18) /* ... and from B * KVH * N >= this many token-heads (the default; the
                                         environment variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0:
                                         never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5
@@ -305,10 +300,10 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int di = kvc_tc_dim_index(p, &tcf);
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
-      (p->Dk == 128 || (p->Dk == 256 && Q <= KVC_TCD_MAX_Q_D256)) &&
+      (p->Dk == 128 || p->Dk == 256) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
       p->B * p->KVH * p->N >= tcd_min) {
-    /* q4 decode with MLX's default group at head dims 128 / 256: the
+    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 128 / 256: the
      * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
      * stage max or P round trip per stage) */
     pl.fmt = KVC_Q4;
