@@ -233,27 +233,69 @@ __device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, floa
   }
 }
 
+/* Where a query vector's result goes, found once per vector: with one split
+ * the output row (the sink joined: the outputs are O f1 / Ls), otherwise the
+ * split's state slot for the merge kernel. */
+struct kvc_emit_row {
+  char *out; /* output row (one split), else nullptr */
+  float *st; /* split state [m, l, o[Dv]] (several splits) */
+  float f1, Ls;
+};
+__device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int split, int b, int hk, int qv, float M,
+                                                        float Ls) {
+  const int h = hk * a.rep + qv / a.L, i = qv % a.L;
+  kvc_emit_row r;
+  r.out = nullptr;
+  r.st = nullptr;
+  r.f1 = 1.0f;
+  r.Ls = Ls;
+  if (a.nsplit == 1) {
+    if (a.sinks && M != -INFINITY) {
+      float mn, f2;
+      kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, r.f1, f2);
+      r.Ls = Ls * r.f1 + f2;
+    }
+    r.out = kvc_out_at(a, b, h, i, 0);
+  } else {
+    r.st = kvc_state_at(a, split, b, h, i);
+  }
+  return r;
+}
+/* Element d (output O) of a row; the state's m and l go with d = 0. */
+__device__ __forceinline__ void kvc_emit_elem(const kvc_args &a, const kvc_emit_row &r, int d, float M, float O) {
+  if (r.out) {
+    kvc_store(r.out + d * a.os[3], a.out_dtype, kvc_finish(O * r.f1, r.Ls));
+  } else {
+    if (d == 0) {
+      r.st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
+      r.st[1] = r.Ls;
+    }
+    r.st[2 + d] = O;
+  }
+}
 /* Element d of query vector qv's combined state (log2-domain max M, sum
  * Ls, output O): with one split, the sink joins and the output is written;
  * otherwise the state goes to the split's slot for the merge kernel. */
 __device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, int hk, int qv, int d, float M,
                                          float Ls, float O) {
-  const int h = hk * a.rep + qv / a.L, i = qv % a.L;
-  if (a.nsplit == 1) {
-    if (a.sinks && M != -INFINITY) {
-      float mn, f1, f2;
-      kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, f1, f2);
-      Ls = Ls * f1 + f2;
-      O *= f1;
-    }
-    kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(O, Ls));
-  } else {
-    float *st = kvc_state_at(a, split, b, h, i);
-    if (d == 0) {
-      st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */
-      st[1] = Ls;
-    }
-    st[2 + d] = O;
+  kvc_emit_elem(a, kvc_emit_row_of(a, split, b, hk, qv, M, Ls), d, M, O);
+}
+
+/* A block's final states from shared memory: ost [nq][D] the outputs of
+ * vectors q0 .. q0 + nq - 1, ms and ls [nq] their max and sum; a warp per
+ * vector (its row located once), lanes over the dims (coalesced), in loops
+ * kept rolled. Unrolled per accumulator register, the emits of the 32-vector
+ * tensor-core instance were ~5,000 instructions of straight-line code that
+ * every block fetched cold (H200, a 2k-token verify: 67 % of the stall
+ * samples were instruction fetches). */
+__device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int b, int hk, int q0, int nq, int D,
+                                               const float *ost, const float *ms, const float *ls, int nthreads) {
+  const int lane = threadIdx.x % KVC_WARP;
+#pragma unroll 1
+  for (int v = threadIdx.x / KVC_WARP; v < nq; v += nthreads / KVC_WARP) {
+    const kvc_emit_row r = kvc_emit_row_of(a, split, b, hk, q0 + v, ms[v], ls[v]);
+#pragma unroll 1
+    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], ost[v * D + d]);
   }
 }
 

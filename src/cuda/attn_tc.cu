@@ -581,6 +581,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
   constexpr bool I8 = !BF && NTM == 1;
   constexpr int WPL = D / 32; /* K words per lane and token row (S phase); V words per warp slice */
   constexpr int MT = D / 64;  /* m-tiles (16 dims) of O^T per warp */
+  /* PV k-steps unrolled in the decode instance only: with NTM n-tiles the
+   * unrolled body outgrows the instruction caches (H200, 2k-token verify:
+   * 67 % of the stalls were instruction fetches) */
+  constexpr int PVU = NTM == 1 ? KVC_TC_TOK / 16 : 1;
   extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int g = lane >> 2, tq = lane & 3; /* mma fragment row group and thread-in-group */
@@ -873,21 +877,17 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     }
     else { /* q4 K dequantized to bf16 into mma A registers, one rounding per element */
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
-      uint32_t kw0[WPL], kw1[WPL];
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq * WPL;
       const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq * WPL;
-#pragma unroll
-      for (int k = 0; k < WPL; k += 2) {
-        const uint2 x0 = *(const uint2 *)(p0 + k), x1 = *(const uint2 *)(p1 + k);
-        kw0[k] = x0.x; kw0[k + 1] = x0.y;
-        kw1[k] = x1.x; kw1[k + 1] = x1.y;
-      }
 #pragma unroll
       for (int nt = 0; nt < NTM; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[nt][e] = sbias[nt][e] = 0.0f;
-#pragma unroll
+      /* not unrolled: the loop body (8 NTM mma) is the kernel's largest code;
+       * unrolled, its instructions outgrow the instruction caches */
+#pragma unroll 1
       for (int P = 0; P < WPL; ++P) {
+        const uint32_t kw0 = p0[P], kw1 = p1[P];
         const int gi = (8 * (tq * WPL + P)) >> gk_sh;
         const uint32_t sa = kvc_lds16(st + L.ks + (r0 * gk + gi) * 2), ba = kvc_lds16(st + L.kb + (r0 * gk + gi) * 2);
         const uint32_t sb = kvc_lds16(st + L.ks + (r1 * gk + gi) * 2), bb = kvc_lds16(st + L.kb + (r1 * gk + gi) * 2);
@@ -895,10 +895,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 #pragma unroll
         for (int h = 0; h < 2; ++h) { /* k-step 2P + h: codes (2h, 2h + 4) and (2h + 1, 2h + 5) */
           uint32_t af[4];
-          af[0] = kvc_deq_pair(kw0[P], 2 * h, sa2, ba2);
-          af[1] = kvc_deq_pair(kw1[P], 2 * h, sb2, bb2);
-          af[2] = kvc_deq_pair(kw0[P], 2 * h + 1, sa2, ba2);
-          af[3] = kvc_deq_pair(kw1[P], 2 * h + 1, sb2, bb2);
+          af[0] = kvc_deq_pair(kw0, 2 * h, sa2, ba2);
+          af[1] = kvc_deq_pair(kw1, 2 * h, sb2, bb2);
+          af[2] = kvc_deq_pair(kw0, 2 * h + 1, sa2, ba2);
+          af[3] = kvc_deq_pair(kw1, 2 * h + 1, sb2, bb2);
           const int kk = 2 * P + h;
 #pragma unroll
           for (int nt = 0; nt < NTM; ++nt)
@@ -990,7 +990,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     __syncthreads();
 
     /* ---- PV phase: O^T[dims of this warp] += V^T P^T over the 64 tokens ---- */
-#pragma unroll
+#pragma unroll PVU
     for (int kq = 0; kq < KVC_TC_TOK / 16; ++kq) {
       uint32_t pb[NTM][2];
       kvc_p_frags<NTM>(ps, KVC_TC_PS, 16 * kq + 2 * tq, g, ntc, pb);
@@ -1014,26 +1014,34 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       for (int off = 4; off < KVC_WARP; off <<= 1) l[nt][j] += __shfl_xor_sync(KVC_FULL_MASK, l[nt][j], off);
       if (g == 0) lsum[warp * NTM * 8 + 8 * nt + 2 * tq + j] = l[nt][j];
     }
-  __syncthreads();
+  __syncthreads(); /* also: every warp is done with the ring */
+  /* the final states through the idle ring (>= 2 stages of 64 rows of D / 2
+   * bytes each for K and V: at least the 32 NTM D + 256 bytes used here):
+   * O [NTM 8][D], then m and L per vector (m is the same in every warp) */
+  float *ost = (float *)kvc_tc_buf, *ms = ost + NTM * 8 * D, *ls = ms + NTM * 8;
 #pragma unroll
   for (int nt = 0; nt < NTM; ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int qv = q0 + 8 * nt + 2 * tq + j;
-      if (qv >= Q) continue;
-      float Ls = 0.0f;
+      const int qr = 8 * nt + 2 * tq + j;
+      if (warp == 0 && g == 0) {
+        float Ls = 0.0f;
 #pragma unroll
-      for (int w = 0; w < KVC_TC_WARPS; ++w) Ls += lsum[w * NTM * 8 + 8 * nt + 2 * tq + j];
+        for (int w = 0; w < KVC_TC_WARPS; ++w) Ls += lsum[w * NTM * 8 + qr];
+        ms[qr] = m[nt][j];
+        ls[qr] = Ls;
+      }
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
           const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r
                            : F == KVC_Q8 ? 4 * (xq + 8 * (i / 2)) + 2 * (i % 2) + r : 8 * xw + cb + 2 * i + r;
-          kvc_emit(a, split, b, hk, qv, d, m[nt][j], Ls,
-                   acc[i][nt][2 * r + j] + (F == KVC_Q8 ? accc[nt][j] : 0.0f));
+          ost[qr * D + d] = acc[i][nt][2 * r + j] + (F == KVC_Q8 ? accc[nt][j] : 0.0f);
         }
     }
+  __syncthreads();
+  kvc_emit_block(a, split, b, hk, q0, min(NTM * 8, Q - q0), D, ost, ms, ls, KVC_TC_THREADS);
 }
 
 /* ---- the wide kernel: up to 48 query vectors per KV head (verify, GQA x L) ----
@@ -1244,6 +1252,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         kw[k] = x.x;
         kw[k + 1] = x.y;
       }
+      /* unrolled: rolled (code size) it measured 8 % slower at 128k tokens */
 #pragma unroll
       for (int P = 0; P < WPL; ++P) {
         const int gi = (8 * (tq * WPL + P)) >> gk_sh;
@@ -1373,24 +1382,33 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][nt][e] += xa[(i * NT + nt) * 4 + e];
+    __syncthreads(); /* xa read: the ring is free again */
   }
-  if (th != 0) return;
+  /* the final states through the idle ring (>= 4 stages of 64 rows, or 2 of
+   * bf16 rows at D = 256: more than the 48 x D floats used here): O [48][D]
+   * from token half 0, L per vector in the corr slots, m in mrow */
+  float *ost = (float *)kvc_tc_buf, *ls = (float *)(kvc_tc_buf + L.corr);
+  if (th == 0)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int qr = 8 * nt + 2 * tq + j, qv = q0 + qr;
-      if (nt >= ntc || qv >= Q) continue;
-      const float4 l0 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS), l1 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS + 4);
-      const float Ls = ((l0.x + l0.y) + (l0.z + l0.w)) + ((l1.x + l1.y) + (l1.z + l1.w));
+      for (int j = 0; j < 2; ++j) {
+        const int qr = 8 * nt + 2 * tq + j;
+        if (nt < ntc)
 #pragma unroll
-      for (int i = 0; i < MTV; ++i)
+          for (int i = 0; i < MTV; ++i)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int d = PAIRS ? 2 * (xw + 8 * i) + r : 8 * xw + cb + 2 * i + r;
-          kvc_emit(a, split, b, hk, qv, d, mrow[qr], Ls, acc[i][nt][2 * r + j]);
-        }
-    }
+            for (int r = 0; r < 2; ++r) {
+              const int d = PAIRS ? 2 * (xw + 8 * i) + r : 8 * xw + cb + 2 * i + r;
+              ost[qr * D + d] = acc[i][nt][2 * r + j];
+            }
+      }
+  for (int qr = threadIdx.x; qr < KVC_TCW_QV; qr += KVC_TCW_THREADS) {
+    const float4 l0 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS), l1 = *(const float4 *)(lsum + qr * KVC_TCW_WARPS + 4);
+    ls[qr] = ((l0.x + l0.y) + (l0.z + l0.w)) + ((l1.x + l1.y) + (l1.z + l1.w));
+  }
+  __syncthreads();
+  kvc_emit_block(a, split, b, hk, q0, min(KVC_TCW_QV, Q - q0), D, ost, mrow, ls, KVC_TCW_THREADS);
 }
 
 /* ---- host side ---- */
