@@ -1015,9 +1015,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       if (g == 0) lsum[warp * NTM * 8 + 8 * nt + 2 * tq + j] = l[nt][j];
     }
   __syncthreads(); /* also: every warp is done with the ring */
-  /* the final states through the idle ring (>= 2 stages of 64 rows of D / 2
-   * bytes each for K and V: at least the 32 NTM D + 256 bytes used here):
-   * O [NTM 8][D], then m and L per vector (m is the same in every warp) */
+  /* the final states through the idle ring: O [NTM 8][D], then m and L per
+   * vector (m is the same in every warp) */
+  static_assert(kvc_tc_stages(NTM) * KVC_TC_TOK * D >= (NTM * 8 * (D + 2)) * 4,
+                "the ring (stages of 64 K and V rows, >= D bytes a row pair) holds the final states");
   float *ost = (float *)kvc_tc_buf, *ms = ost + NTM * 8 * D, *ls = ms + NTM * 8;
 #pragma unroll
   for (int nt = 0; nt < NTM; ++nt)
@@ -1384,9 +1385,11 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
           for (int e = 0; e < 4; ++e) acc[i][nt][e] += xa[(i * NT + nt) * 4 + e];
     __syncthreads(); /* xa read: the ring is free again */
   }
-  /* the final states through the idle ring (>= 4 stages of 64 rows, or 2 of
-   * bf16 rows at D = 256: more than the 48 x D floats used here): O [48][D]
-   * from token half 0, L per vector in the corr slots, m in mrow */
+  /* the final states through the idle ring: O [48][D] from token half 0, L
+   * per vector in the corr slots, m in mrow */
+  static_assert(kvc_tcw_stages(F, D) * KVC_TC_TOK * (kvc_tc_float(F) ? 4 * D : F == KVC_Q8 ? 2 * D : D) >=
+                    KVC_TCW_QV * D * 4,
+                "the ring (stages of 64 K and V rows) holds the final outputs");
   float *ost = (float *)kvc_tc_buf, *ls = (float *)(kvc_tc_buf + L.corr);
   if (th == 0)
 #pragma unroll
