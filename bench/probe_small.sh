@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# small-N fixed cost probe: plans, hot vs cold, kernel durations under ncu
+# Short GPU calls (bench/README.md): the kernel and split count of each case,
+# hot against rotated caches, Nsight Compute durations of the 2k cases.
+#   BIN=./build/variants/<name>/kvattn bash bench/probe_small.sh
 cd "$(dirname "$0")/.." 2>/dev/null || true
 BIN=${BIN:-./build/kvattn}
 KB="$BIN bench --backend cuda --quiet --no-check --reps 30"
