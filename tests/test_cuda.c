@@ -30,6 +30,7 @@ TEST(cuda_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_graph_replay_changing_lengths) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_q4_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
@@ -372,6 +373,8 @@ TEST(cuda_q4_tc_path) {
        * per KV head), strided */
       {2, 16, 2, 5, 333, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      /* image segments at 24 vectors: the narrow kernel (the warpgroup one takes no segments) */
+      {1, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
       /* bf16 K/V on the same kernel (>= 3 query vectors per KV head): decode
        * instance, wide instance (verify), D = 128 / 64, window, softcap, sinks, ragged, strided */
       {1, 24, 4, 1, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
@@ -397,6 +400,29 @@ TEST(cuda_q4_tc_path) {
       {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1, "tensor-core kernel");
+}
+
+/* The warpgroup q4 kernel (src/cuda/attn_wg.cu: wgmma, by default from 17
+ * query vectors per KV head at head dims 128 / 256 on sm_90; here from 1;
+ * elsewhere these cases run the narrow and wide kernels, which the second
+ * pass, with the warpgroup kernel off, checks here too): 16 vectors (8/4/256 L = 8); 80 vectors (two blocks
+ * per KV head) with group 32 at 128, sinks, ragged, strided; group 128 at
+ * 256 with window, softcap, f32 out; no mask; 48 vectors with splits. */
+TEST(cuda_q4_wg_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case wcases[] = {
+      {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 40, 2, 4, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
+      {2, 12, 4, 4, 500, 256, 256, BF16, F32, 4, 4, 128, BF16, MASK_WINDOW, 70, 20.0f, 0, 1, 0},
+      {1, 16, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 2600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 12, 2, 3, 333, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 0, 1, 0},
+  };
+  setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
+  run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");
+  setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
+  run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "tensor-core kernel");
+  unsetenv("KVA_CUDA_WG_MIN_Q");
 }
 
 /* NaN/Inf planted in q, in visible K/V rows, and beyond each sequence's
@@ -471,7 +497,7 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 8, 2, 2, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
-      {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* wide kernel */
+      {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* warpgroup kernel (sm_90; else the wide one) */
       {1, 8, 4, 1, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q8 */
       {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* q8 wide */
   };
@@ -479,7 +505,7 @@ TEST(cuda_q4_tc_nan_inf) {
 }
 
 /* One capture, replayed while the lengths in device memory change. */
-static void graph_replay(int tcd) {
+static void graph_replay(int tcd, int wg) {
   const att_case c = {2, 8, 2, 2, 3000, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
   static const int32_t lens_sets[][2] = {{3000, 2}, {17, 2999}, {1000, 1500}, {2, 3000}};
   att_data hd;
@@ -496,8 +522,10 @@ static void graph_replay(int tcd) {
     goto done;
   }
   if (tcd) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1); /* the per-warp q4 kernel at this size */
+  if (wg) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);       /* the warpgroup q4 kernel (sm_90) */
   const int made = cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream") && make_cuda_ctx(&ctx, s);
   if (tcd) unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (wg) unsetenv("KVA_CUDA_WG_MIN_Q");
   if (!made) goto done;
   size_t bytes = 0;
   if (kva_attention_workspace_size(ctx, &dd.q, &dd.view, &dd.params, &bytes)) {
@@ -543,8 +571,9 @@ done:
 
 TEST(cuda_graph_replay_changing_lengths) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  graph_replay(0);
-  graph_replay(1);
+  graph_replay(0, 0);
+  graph_replay(1, 0);
+  graph_replay(0, 1);
 }
 
 /* A caller workspace one byte short is refused before anything is enqueued. */
@@ -698,6 +727,9 @@ TEST(cuda_block_table) {
       {{2, 8, 4, 1, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 8},
       {{2, 16, 8, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 24},
       {{1, 32, 8, 1, 1000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 128},
+      /* the warpgroup q4 kernel over tables (20 vectors at 256, 24 at 128 with a block size that is no power of two) */
+      {{2, 16, 4, 5, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{1, 32, 4, 3, 700, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 24},
   };
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;

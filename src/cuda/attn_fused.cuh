@@ -281,21 +281,21 @@ __device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, in
   kvc_emit_elem(a, kvc_emit_row_of(a, split, b, hk, qv, M, Ls), d, M, O);
 }
 
-/* A block's final states from shared memory: ost [nq][D] the outputs of
- * vectors q0 .. q0 + nq - 1, ms and ls [nq] their max and sum; a warp per
+/* A block's final states from shared memory: ost [nq][ld >= D] the outputs
+ * of vectors q0 .. q0 + nq - 1, ms and ls [nq] their max and sum; a warp per
  * vector (its row located once), lanes over the dims (coalesced), in loops
  * kept rolled. Unrolled per accumulator register, the emits of the 32-vector
  * tensor-core instance were ~5,000 instructions of straight-line code that
  * every block fetched cold (H200, a 2k-token verify: 67 % of the stall
  * samples were instruction fetches). */
 __device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int b, int hk, int q0, int nq, int D,
-                                               const float *ost, const float *ms, const float *ls, int nthreads) {
+                                               int ld, const float *ost, const float *ms, const float *ls, int nthreads) {
   const int lane = threadIdx.x % KVC_WARP;
 #pragma unroll 1
   for (int v = threadIdx.x / KVC_WARP; v < nq; v += nthreads / KVC_WARP) {
     const kvc_emit_row r = kvc_emit_row_of(a, split, b, hk, q0 + v, ms[v], ls[v]);
 #pragma unroll 1
-    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], ost[v * D + d]);
+    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], ost[v * ld + d]);
   }
 }
 

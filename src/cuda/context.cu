@@ -34,6 +34,12 @@
                                         never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5
                                         us against 17.0, 32k B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k
                                         62.4 against 67.1) */
+#define KVC_WG_MIN_Q 17              /* q4 at head dims 128 / 256 on the warpgroup verify kernel from this many
+                                        query vectors per KV head (sm_90 only; the environment variable
+                                        KVA_CUDA_WG_MIN_Q sets it per context, < 0: never). H200, L = 8 against
+                                        the narrow / wide kernels: 48 vectors (24/4/256) 128k 239 -> 181 us,
+                                        2k 29.8 -> 27.1; 32 (32/8/128 B=4 32k) 254.5 -> 240.8; 16 (8/4/256)
+                                        128k 159 -> 174 (slower), 2k 25.2 -> 18.8 */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
                                         32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
@@ -57,6 +63,8 @@ struct kvc_state {
   int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
   int tcd_occupancy[2][3][2];           /* resident per-warp decode blocks per SM by [D / 128 - 1][log2 gpt][table] */
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
+  int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
+  int wg_occupancy[2], wg_smem[2];      /* its resident blocks per SM by [D / 128 - 1], for that shared memory */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -107,6 +115,8 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   }
   const char *ev = getenv("KVA_CUDA_TCD_MIN_WORK"); /* tuning and tests: see KVC_TCD_MIN_WORK */
   st->tcd_min_work = ev && *ev ? strtoll(ev, NULL, 0) : KVC_TCD_MIN_WORK;
+  ev = getenv("KVA_CUDA_WG_MIN_Q"); /* tuning and tests: see KVC_WG_MIN_Q */
+  st->wg_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_MIN_Q) : -1;
   ctx->cuda = st;
   return 0;
 }
@@ -324,6 +334,29 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     kvc_plan_splits(&pl, p, p->B * p->KVH, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
+  if (di >= 0 && tcf == KVC_Q4 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q && (p->Dk == 128 || p->Dk == 256) &&
+      !(p->mask.kind == KVA_MASK_CAUSAL && p->mask.segments.data)) {
+    /* q4 verify-sized calls (and wide GQA) on Hopper without image segments:
+     * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
+     * 64 query vectors per block) when its shared memory fits */
+    const int smem = kvc_wg_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size));
+    const int wi = p->Dk == 256;
+    if (smem <= KVC_TC_SMEM_MAX) {
+      if (st->wg_smem[wi] != smem) {
+        st->wg_occupancy[wi] = kvc_wg_occupancy((int)p->Dk, smem);
+        st->wg_smem[wi] = smem;
+      }
+      if (st->wg_occupancy[wi] > 0) {
+        pl.fmt = KVC_Q4;
+        pl.tc = 3;
+        pl.QW = 64;
+        pl.qtiles = (Q + pl.QW - 1) / pl.QW;
+        kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * st->wg_occupancy[wi], KVC_TC_STEP,
+                        KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
+        return pl;
+      }
+    }
+  }
   if (di >= 0) {
     /* the narrow kernel with one n-tile of 8 query vectors per block for
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
@@ -382,6 +415,9 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   const kvc_plan pl = kvc_select(ctx, p);
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel");
+  else if (pl.tc == 3)
+    snprintf(name, size, "cuda q4 tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s", pl.QW,
+             pl.nsplit, pl.nsplit == 1 ? "" : "s");
   else if (pl.tc == 2)
     snprintf(name, size, "cuda q4 tensor-core kernel: per-warp decode, %d query vectors, group compiled in, %d split%s",
              (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s");
@@ -495,7 +531,10 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   kvc_args_of(p, pl, ws, &a);
   cudaStream_t stream = (cudaStream_t)ctx->stream;
   if (pl.fmt < 0) return kvc_launch_generic(a, stream);
-  int rc = pl.tc == 2 ? kvc_launch_tcd(a, pl, stream) : pl.tc ? kvc_launch_tc(a, pl, stream) : kvc_launch_fused(a, pl, stream);
+  int rc = pl.tc == 3   ? kvc_launch_wg(a, pl, stream)
+           : pl.tc == 2 ? kvc_launch_tcd(a, pl, stream)
+           : pl.tc      ? kvc_launch_tc(a, pl, stream)
+                        : kvc_launch_fused(a, pl, stream);
   if (rc < 0 || pl.nsplit <= 1) return rc;
   return kvc_launch_merge(a, stream);
 }

@@ -29,7 +29,7 @@ struct kvc_plan {
   int nsplit;
   long long chunk;
   int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one;
-                    2: the per-warp q4 decode kernel (attn_tcd.cu) */
+                    2: the per-warp q4 decode kernel (attn_tcd.cu); 3: the warpgroup q4 verify kernel (attn_wg.cu) */
   int group;     /* tensor-core: the K/V group size compiled into the instance (KVC_TC_GROUP), 0 = read at run time */
 };
 
@@ -70,6 +70,12 @@ int kvc_launch_tcd(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream)
 int kvc_tcd_smem(int D);
 int kvc_tcd_gpt(int D, int q);
 int kvc_tcd_occupancy(int D, int gpt, int tbl);
+/* The warpgroup (wgmma) q4 verify kernel (attn_wg.cu, sm_90a): its dynamic
+ * shared memory at head dim D with gk / gv groups per K / V row; resident
+ * blocks per SM for that shared memory (0: none). */
+int kvc_wg_smem(int D, int gk, int gv);
+int kvc_wg_occupancy(int D, int smem);
+int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 /* The fused kernel's launcher for one format (attn_fused.cuh; instances in
  * attn_fused_float.cu and attn_fused_quant.cu). */
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);

@@ -1,6 +1,7 @@
 /* PTX wrappers and bit constants shared by the tensor-core kernels
- * (attn_tc.cu, attn_tcd.cu): mma.sync on bf16 / f16 / 8-bit operands,
- * bf16x2 arithmetic, cp.async into shared memory. No kernels here. */
+ * (attn_tc.cu, attn_tcd.cu, attn_wg.cu): mma.sync on bf16 / f16 / 8-bit
+ * operands, Hopper's wgmma, bf16x2 arithmetic, cp.async into shared memory.
+ * No kernels here. */
 #ifndef KVA_CUDA_MMA_CUH
 #define KVA_CUDA_MMA_CUH
 
@@ -77,5 +78,48 @@ __device__ __forceinline__ uint32_t kvc_bf16x2_of(float lo, float hi) {
   uint32_t d;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+}
+/* ---- Hopper warpgroup mma (wgmma, sm_90a only: callers guard with
+ * __CUDA_ARCH_FEAT_SM90_ALL) ---- */
+/* Shared-memory matrix descriptor of a tile in the 128-byte swizzle: 14-bit
+ * start address, leading and stride byte offsets (all >> 4), swizzle mode 1
+ * (bits 62-63). The tile base must be 1024-byte aligned. */
+__device__ __forceinline__ uint64_t kvc_wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+__device__ __forceinline__ void kvc_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void kvc_wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kvc_wg_wait(void) {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+/* Generic-proxy shared-memory writes made visible to the async proxy (the
+ * wgmma operand reads), before the barrier that publishes them. */
+__device__ __forceinline__ void kvc_fence_proxy_async(void) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/* Orders the accumulator registers after a wgmma wait (the compiler sees no
+ * dependency between the wait and the registers otherwise). */
+template <int N> __device__ __forceinline__ void kvc_wg_fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+/* d (64 x 32, f32; per warp the lane layout of mma.m16n8, 4 n-tiles) = a b^T
+ * (+ d when ACC): a 64 x 16 and b 32 x 16, both bf16 K-major tiles in shared
+ * memory (descriptors). */
+template <int ACC> __device__ __forceinline__ void kvc_wgmma_ss32(float (&d)[16], uint64_t da, uint64_t db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(da), "l"(db), "n"(ACC));
+}
+/* d (64 x 64, f32) += a b: a 64 x 16 bf16 from registers (the mma.m16n8k16 A
+ * fragment of each warp's 16 rows), b 16 x 64 bf16 N-major in shared memory
+ * (descriptor; transposed operand). */
+__device__ __forceinline__ void kvc_wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
 }
 #endif

@@ -1,0 +1,447 @@
+/* Warpgroup verify kernel ("wg", Hopper wgmma): bf16 queries, 4-bit
+ * MLX-affine K/V with bf16 scales and biases (2 to 8 groups per row, as the
+ * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {128, 256}, up
+ * to 64 query vectors per block (the selector, context.cu, sends q4 calls
+ * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
+ * wide GQA); causal masks with or without a window, softcap, sinks (no
+ * image segments); contiguous or BLOCK_TABLE rows. sm_90a only: selected on
+ * compute capability 9.0; splits are merged by the merge launch.
+ *
+ * Why another kernel: the narrow and wide kernels of attn_tc.cu give each
+ * warp a share of a stage's tokens (S) and of its head dims (P.V), so every
+ * stage needs the row maxima and P through shared memory, three barriers,
+ * and each warp's mma.sync fragments built per warp: at 48 query vectors the
+ * wide kernel issued ~1,260 instructions per warp and stage at 0.39 per
+ * cycle (q4 24/4/256 L = 8 at 128k tokens: 239 us, 3.5x its decode).
+ * Here each warpgroup multiplies whole tiles from shared memory and each
+ * query row's softmax stays inside one warp (H200: 175 us).
+ *
+ *   memory: raw stages of 64 token rows (packed codes and scale / bias rows,
+ *         ~20 KB at D = 256) land by cp.async in a ring of KVC_WG_RAW slots
+ *         (tc_stage.cuh's loader, run by warpgroup 0; KVC_WG_RAW - 1 stages
+ *         in flight); each is converted once per element into bf16 K and V
+ *         tiles (double buffered). Each K/V byte is read from DRAM once per
+ *         block of up to 64 query vectors. Shared memory ~224 KB at D = 256
+ *         (one block per SM), ~119 KB at 128.
+ *   bf16 tiles: [D / 64 column chunks][64 rows][128 B], the 16-byte unit u
+ *         of row r stored at u ^ (r % 8): the 128-byte swizzle of wgmma
+ *         descriptors (tile bases 1024-byte aligned). K and V tiles have
+ *         tokens as rows (K: the K-major B of S; V: the N-major B of P.V);
+ *         the Q tile has query vectors as rows (the K-major A of S).
+ *   dim order: inside each unit of 8 dims, logical dim 2 k + h holds dim
+ *         k + 4 h, the pair order of a q4 word (codes k and k + 4 become one
+ *         bf16x2 by a shift and one LOP3: kvc_deq_pair). Q is staged in the
+ *         same order; output column n is dim 8 (n / 8) + (n % 8) / 2 +
+ *         4 (n % 2).
+ *   work split: KVC_WG_WGS = 2 warpgroups; warpgroup w owns tokens 32 w ..
+ *         32 w + 31 of every stage: it converts their rows, multiplies them
+ *         and keeps its own softmax state (m, l, O for all 64 query rows);
+ *         the two states are combined once at the end.
+ *   conversion: thread i of warpgroup w takes token row 32 w + i % 32 and
+ *         16-byte pieces (32 codes) i / 32 + 4 j of its K and V rows: one
+ *         LDS.128, its group's scale and bias, 16 pairs (shift, LOP3, two
+ *         bf16x2 FMAs: 128 + c, c exact, then s c + b with one rounding),
+ *         four STS.128 (rows of a quarter-warp are 8 consecutive tokens: no
+ *         bank conflicts).
+ *   math: S = Q K^T by wgmma m64n32k16 (both operands from shared memory),
+ *         D / 16 k-steps, f32. Softmax in registers, log2 units: warp w of a
+ *         warpgroup holds query rows 16 w + g and + 8 (lane (g, t)), 8
+ *         tokens each; row maxima by two quad shuffles. The running maximum
+ *         moves only when a stage's exceeds it by more than KVC_WG_SLACK, so
+ *         O is rarely rescaled and P <= 2^KVC_WG_SLACK. P rounded to bf16
+ *         stays in registers as the A operand of O += P V: wgmma m64n64k16
+ *         per 64-dim chunk and 16-token k-step, B the V tile (N-major).
+ *   pipeline, stage s (each warpgroup): issue S(s); warpgroup 0 issues the
+ *         copies of stage s + 2; wait for stage s + 1's copies (block
+ *         barrier) and for P.V(s - 1), convert stage s + 1 into the other
+ *         tile buffer while S(s) runs; wait for S(s); softmax; issue P.V(s);
+ *         fence to the async proxy, warpgroup barrier.
+ *   precision: K, V and P rounded to bf16 (2^-9 relative), f32 sums: the
+ *         bf16 allowance, as the wide kernel.
+ *   launch: grid (ceil(rep L / 64), nsplit, B KVH) x 256 threads.
+ *   Measured (H200, BENCHMARKS.md): per stage and SM ~7,700 warp
+ *         instructions at ~1.3 per cycle, 45 % of them the conversion; a
+ *         producer warpgroup converting for two consumer warpgroups
+ *         measured slower (203 against 181 us: the producer bounds it). */
+#include "cuda/launch.cuh"
+#include "cuda/tc_stage.cuh"
+
+#define KVC_WG_THREADS 128   /* one warpgroup */
+#define KVC_WG_WGS 2         /* warpgroups per block: each takes 32 tokens of a stage */
+#define KVC_WG_QV 64         /* query vectors per block: the wgmma M */
+#define KVC_WG_RAW 3         /* raw stage slots in the cp.async ring */
+#define KVC_WG_SLACK 8.0f    /* log2 units: P <= 2^8 between rescales */
+#define KVC_WG_CHUNK 8192    /* bytes of a 64-row x 128-byte column chunk of a tile */
+#define KVC_WG_SMEM_MAX (227 * 1024)
+
+/* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
+ * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
+ * block ids of BLOCK_TABLE views, the final maxima and sums. */
+struct kvc_wg_layout {
+  int tile; /* bytes of one bf16 tile: 64 rows x 2 D */
+  int qt, raw, ids, ms, ls, mw, total;
+  kvc_tc_layout st;
+};
+__host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv) {
+  kvc_wg_layout w;
+  kvc_tc_stage_layout(w.st, KVC_Q4, D, gk, gv);
+  w.tile = 64 * 2 * D;
+  w.qt = 0;
+  w.raw = 5 * w.tile;
+  w.ids = w.raw + KVC_WG_RAW * w.st.stage;
+  w.ms = w.ids + 2 * KVC_WG_RAW * KVC_TC_IDS * 4;
+  w.ls = w.ms + KVC_WG_QV * 4;
+  w.mw = w.ls + KVC_WG_QV * 4; /* both warpgroups' m and l before they combine */
+  w.total = w.mw + 4 * KVC_WG_QV * 4;
+  return w;
+}
+__host__ __device__ inline int kvc_wg_kt(const kvc_wg_layout &w, int buf) { return w.tile * (1 + 2 * buf); }
+__host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { return w.tile * (2 + 2 * buf); }
+/* dynamic shared memory: the layout plus the base's alignment */
+int kvc_wg_smem(int D, int gk, int gv) { return kvc_wg_layout_of(D, gk, gv).total + 1024; }
+
+/* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
+ * bf16 K and V tiles (see the file comment). */
+template <int D>
+__device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
+                                               unsigned char *vt, int wg, int gk, int gv, int gk_sh, int gv_sh) {
+  const int wt = threadIdx.x % KVC_WG_THREADS, r = 32 * wg + (wt & 31), c0 = wt >> 5;
+#pragma unroll
+  for (int op = 0; op < 2; ++op) {
+    const unsigned char *row = slot + (op ? L.vd : L.kd) + r * L.rs;
+    const int ng = op ? gv : gk, gsh = op ? gv_sh : gk_sh;
+    const unsigned char *sr = slot + (op ? L.vs : L.ks) + r * ng * 2, *zr = slot + (op ? L.vb : L.kb) + r * ng * 2;
+    unsigned char *dst = (op ? vt : kt) + r * 128;
+#pragma unroll
+    for (int i = 0; i < D / 128; ++i) {
+      const int c = c0 + 4 * i; /* piece: dims 32 c .. 32 c + 31 */
+      const uint4 w = *(const uint4 *)(row + 16 * c);
+      const int gi = (32 * c) >> gsh;
+      const uint32_t s1 = kvc_lds16(sr + 2 * gi), z1 = kvc_lds16(zr + 2 * gi);
+      const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
+      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 o = make_uint4(kvc_deq_pair(ws[j], 0, s2, z2), kvc_deq_pair(ws[j], 1, s2, z2),
+                                   kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
+        *(uint4 *)(dst + (c >> 1) * KVC_WG_CHUNK + ((((c & 1) * 4 + j) ^ (r & 7)) << 4)) = o;
+      }
+    }
+  }
+}
+/* Barrier of one warpgroup's 128 threads (named barrier 1 + wg). */
+__device__ __forceinline__ void kvc_wg_sync(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, %0;" ::"n"(KVC_WG_THREADS) : "memory");
+  else
+    asm volatile("bar.sync 2, %0;" ::"n"(KVC_WG_THREADS) : "memory");
+}
+
+template <int D>
+__global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(const kvc_args a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int NC = D / 64, KS = D / 16;
+  extern __shared__ unsigned char kvc_wg_buf[];
+  const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+  unsigned char *base = kvc_wg_buf + (sbase - sraw);
+  const int tid = threadIdx.x, wg = tid / KVC_WG_THREADS, wt = tid % KVC_WG_THREADS;
+  const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
+  const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
+  const int qg = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const int gk = D / a.k.group, gv = D / a.v.group;
+  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group);
+  const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
+  const kvc_tc_layout &L = W.st;
+  const long long len = kvc_seq_len(a, b);
+  const int fo = kvc_first_offset(a.k, b);
+  const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
+  long long t_lo, t_hi;
+  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
+  const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
+  const bool capped = a.softcap > 0.0f;
+
+  /* prologue: the first KVC_WG_RAW - 1 stages in flight (one commit group each);
+   * BLOCK_TABLE ids as in the narrow kernel (stage x's in slot x % (2 RAW)) */
+  const uint32_t ring = sbase + W.raw;
+  kvc_tc_loader ld = kvc_tc_loader_of<KVC_Q4, D>(a, L, b, hk, t_lo);
+  const bool tbl = a.k.tbl != nullptr;
+  int *ids = (int *)(base + W.ids);
+  const uint32_t ids_sh = sbase + W.ids;
+  if (tbl) {
+    if (loads)
+      for (int s = 0; s < KVC_WG_RAW - 1; ++s)
+        kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int s = 0; s < KVC_WG_RAW - 1; ++s) {
+    const long long ts = t_lo + (long long)s * KVC_TC_TOK;
+    if (loads && s < nst) kvc_tc_load_stage<KVC_Q4, D>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
+    if (loads && tbl)
+      kvc_tc_issue_ids(a, b, fo, ts + (long long)(KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
+                       ids_sh + ((s + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+    kvc_cp_commit();
+  }
+
+  /* the Q tile: row r = query vector q0 + r (zeros past Q), logical unit u of
+   * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7) */
+  for (int u = tid; u < KVC_WG_QV * D / 8; u += KVC_WG_WGS * KVC_WG_THREADS) {
+    const int r = u / (D / 8), un = u % (D / 8), qv = q0 + r;
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (qv < Q) {
+      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 8 * un);
+      uint32_t w[4];
+      if (((uintptr_t)qp & 15) == 0) {
+        const uint4 x = *(const uint4 *)qp;
+        w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = (uint32_t)qp[2 * k] | ((uint32_t)qp[2 * k + 1] << 16);
+      }
+      o = make_uint4(__byte_perm(w[0], w[2], 0x5410), __byte_perm(w[0], w[2], 0x7632), __byte_perm(w[1], w[3], 0x5410),
+                     __byte_perm(w[1], w[3], 0x7632));
+    }
+    *(uint4 *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
+  }
+
+  /* this thread's query rows 16 warp + g + 8 r */
+  long long pos[2];
+  float m[2], l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qv = q0 + 16 * warp + g + 8 * r;
+    pos[r] = qv < Q ? len - a.L + qv % a.L : -1; /* -1: no query vector, sees nothing */
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  float oacc[NC][32];
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+
+  if (nst > 0) { /* stage 0 into tile buffer 0 */
+    kvc_cp_wait<KVC_WG_RAW - 2>();
+    __syncthreads();
+    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh);
+  }
+  kvc_fence_proxy_async();
+  __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
+
+  /* descriptors: the Q tile; this warpgroup's 32 K rows and V rows of each buffer */
+  const uint64_t dq = kvc_wg_desc(sbase + W.qt, 16, 1024);
+  const uint64_t dk0 = kvc_wg_desc(sbase + kvc_wg_kt(W, 0) + 4096 * wg, 16, 1024),
+                 dk1 = kvc_wg_desc(sbase + kvc_wg_kt(W, 1) + 4096 * wg, 16, 1024);
+  const uint64_t dv0 = kvc_wg_desc(sbase + kvc_wg_vt(W, 0) + 4096 * wg, KVC_WG_CHUNK, 1024),
+                 dv1 = kvc_wg_desc(sbase + kvc_wg_vt(W, 1) + 4096 * wg, KVC_WG_CHUNK, 1024);
+  for (int s = 0; s < nst; ++s) {
+    const int cb = s & 1;
+    const uint64_t dkc = cb ? dk1 : dk0, dvc = cb ? dv1 : dv0;
+    /* S(s) = Q K^T over this warpgroup's 32 tokens (k-step kk: chunk kk / 4, + 32 (kk % 4) bytes) */
+    float sacc[16];
+    kvc_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const uint64_t off = ((kk >> 2) * KVC_WG_CHUNK + (kk & 3) * 32) >> 4;
+      if (kk == 0)
+        kvc_wgmma_ss32<0>(sacc, dq + off, dkc + off);
+      else
+        kvc_wgmma_ss32<1>(sacc, dq + off, dkc + off);
+    }
+    kvc_wg_commit();
+    { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
+      const int sn = s + KVC_WG_RAW - 1;
+      if (loads && sn < nst)
+        kvc_tc_load_stage<KVC_Q4, D>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
+                                     t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % (2 * KVC_WG_RAW)) * KVC_TC_IDS);
+      if (loads && tbl)
+        kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
+                         ids_sh + ((sn + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+      kvc_cp_commit();
+    }
+    if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
+      kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+      __syncthreads();               /* visible to both; every slot's earlier conversions done */
+      kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
+      kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
+                        base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh);
+    }
+    kvc_wg_wait<0>();
+    kvc_wg_fence_regs(sacc);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
+
+    /* masks and logits (log2 units): sacc[4 j + e] is (row 16 warp + g + 8 (e >> 1),
+     * stage token 32 wg + 8 j + 2 t4 + (e & 1)); a row sees stage tokens [lo, hi) */
+    const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
+    const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
+    int lo[2] = {0, 0}, hi[2] = {KVC_TC_TOK, KVC_TC_TOK};
+    if (!full)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        long long h = a.mask_kind == KVA_MASK_NONE ? t_hi : min(t_hi, pos[r] + 1);
+        long long o = a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 ? pos[r] - a.window + 1 : t0;
+        if (pos[r] < 0) h = t0; /* no query vector */
+        hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
+        lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
+      }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
+        float x = sacc[4 * j + e] * scl2;
+        if (capped) x = cap2 * tanhf(x * cap2_inv);
+        x = tok >= lo[r] && tok < hi[r] ? x : -INFINITY;
+        sacc[4 * j + e] = x;
+        mx[r] = kvc_max(mx[r], x);
+      }
+    float corr[2];
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+      corr[r] = 1.0f;
+      /* move up by more than the slack, or to NaN (which then stays) */
+      if (mx[r] > m[r] + KVC_WG_SLACK || (mx[r] != mx[r] && m[r] == m[r])) {
+        corr[r] = kvc_exp2(m[r] - mx[r]); /* 0 from -inf */
+        m[r] = mx[r];
+        l[r] *= corr[r];
+        moved = true;
+      }
+    }
+    if (__any_sync(KVC_FULL_MASK, moved))
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          oacc[c][4 * j] *= corr[0];
+          oacc[c][4 * j + 1] *= corr[0];
+          oacc[c][4 * j + 2] *= corr[1];
+          oacc[c][4 * j + 3] *= corr[1];
+        }
+    /* P in bf16 as the A fragments of the 2 P.V k-steps: a[2 h + r] = tokens
+     * 16 kq + 8 h + 2 t4, + 1 of row r; l sums the rounded values */
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int j = 2 * kq + h;
+          const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
+          const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
+          const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
+          const uint32_t pk = kvc_bf16x2_of(p0, p1);
+          l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
+          pa[kq][2 * h + r] = pk;
+        }
+    /* O += P V (k-step kq: this warpgroup's V rows 16 kq .., chunk c) */
+    kvc_wg_fence();
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq)
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+        kvc_wgmma_rs(oacc[c], pa[kq], dvc + ((c * KVC_WG_CHUNK + kq * 2048) >> 4));
+    kvc_wg_commit();
+    /* this warpgroup's conversion of stage s + 1 published to the async proxy
+     * (the fence waits for its stores: placed here, after the softmax, it
+     * finds them done) */
+    kvc_fence_proxy_async();
+    kvc_wg_sync(wg);
+  }
+  kvc_wg_wait<0>();
+#pragma unroll
+  for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
+  kvc_cp_wait<0>();
+  cudaTriggerProgrammaticLaunchCompletion(); /* the merge waits for this grid's completion */
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
+  }
+  __syncthreads(); /* every warp done with the tiles and the ring */
+  /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
+   * each (padded: no bank conflicts), column n of chunk c to dim 64 c + 8 j +
+   * t4 + 4 (n % 2); then combined into warpgroup 0's */
+  constexpr int OLD = D + 4;
+  float *ost = (float *)(base + kvc_wg_kt(W, 0)), *ms = (float *)(base + W.ms), *ls = (float *)(base + W.ls);
+  float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + W.mw);
+  static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 <= 4 * 64 * 2 * D + KVC_WG_RAW * 64 * (D / 2 + KVC_TC_ROWPAD),
+                "the tiles and the ring hold both warpgroups' outputs");
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        own[(16 * warp + g + 8 * (e >> 1)) * OLD + 64 * c + 8 * j + t4 + 4 * (e & 1)] = oacc[c][4 * j + e];
+  if (t4 == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mw[wg * KVC_WG_QV + 16 * warp + g + 8 * r] = m[r];
+      mw[(2 + wg) * KVC_WG_QV + 16 * warp + g + 8 * r] = l[r];
+    }
+  __syncthreads();
+  const int nq = min(KVC_WG_QV, Q - q0);
+  for (int i = tid; i < nq * D; i += KVC_WG_WGS * KVC_WG_THREADS) {
+    const int v = i / D, d = i % D;
+    float mn, f0, f1;
+    kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
+    ost[v * OLD + d] = ost[v * OLD + d] * f0 + ost[(KVC_WG_QV + v) * OLD + d] * f1;
+    if (d == 0) {
+      ms[v] = mn;
+      ls[v] = mw[2 * KVC_WG_QV + v] * f0 + mw[3 * KVC_WG_QV + v] * f1;
+    }
+  }
+  __syncthreads();
+  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, ost, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
+#else
+  __trap(); /* built without sm_90a code: the selector must not pick this kernel */
+#endif
+}
+
+/* ---- host side ---- */
+/* The dynamic shared memory limit of an instance, set to the opt-in maximum
+ * (every layout fits under it or is not selected). */
+template <int D> static cudaError_t kvc_wg_prepare(void) {
+  return cudaFuncSetAttribute(kvc_wg_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_WG_SMEM_MAX);
+}
+#define KVC_WG_INSTANCES(X) X(128) X(256)
+
+int kvc_wg_occupancy(int D, int smem) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_OCC(D_)                                                                        \
+  if (D == D_ && (e = kvc_wg_prepare<D_>()) == cudaSuccess)                                \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_wg_kernel<D_>, KVC_WG_WGS * KVC_WG_THREADS, smem);
+  KVC_WG_INSTANCES(KVC_OCC)
+#undef KVC_OCC
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
+  dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
+  const int smem = kvc_wg_smem(a.Dk, a.Dk / a.k.group, a.Dv / a.v.group);
+  cudaError_t e = cudaErrorInvalidValue;
+#define KVC_CASE(D_)                                                                               \
+  if (a.Dk == D_) {                                                                                \
+    kvc_wg_kernel<D_><<<grid, KVC_WG_WGS * KVC_WG_THREADS, smem, stream>>>(a);                                  \
+    e = cudaGetLastError();                                                                        \
+  }
+  KVC_WG_INSTANCES(KVC_CASE)
+#undef KVC_CASE
+  if (e != cudaSuccess)
+    return kva_seterr(KVA_ECUDA, "q4 warpgroup verify kernel (D = %d, %d query vectors): %s", a.Dk, a.rep * a.L,
+                      cudaGetErrorString(e));
+  return 0;
+}
