@@ -67,12 +67,16 @@ if has racecheck; then
     cuda_block_table >> "$OUT/sanitizer.log" 2>&1
   run racecheck-tcd 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
     cuda_q4_tcd_path >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-wg 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_q4_wg_path >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi
 if has kvbench; then # the target shapes, each checked against the oracle
   KB="./build/kvattn bench --backend cuda --quiet --reps 30"
   {
     run kvbench-128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
+    run kvbench-verify 240 $KB --preset llama3-8b --ctx 32k --batch 4 --rows 8 --kv q4
+    run kvbench-verify-paged 240 $KB --preset gqa6-256 --ctx 128k --rows 8 --kv q4 --layout paged --block 16
     run kvbench-b16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16
     run kvbench-paged16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged --block 16
     run kvbench-paged64 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 64
