@@ -133,7 +133,9 @@ __device__ __forceinline__ void kvc_cp_async_rb(uint32_t d, const char *src, int
  * views: IDS: ids holds the block ids of the stage's table columns (from
  * the column of token t0), landed and visible (kvc_tc_issue_ids); !IDS: id
  * is the block of this thread's row (kvc_tc_table_id). */
-template <int F, int D, bool IDS = true>
+/* LAYOUT: 0 = the view's layout read at run time, 1 = contiguous rows only,
+ * 2 = BLOCK_TABLE rows only (an instance per layout: less code in the loop). */
+template <int F, int D, bool IDS = true, int LAYOUT = 0>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
                                                   uint32_t slot, int fo, long long t0, long long t_hi,
                                                   const int *ids, int id = 0) {
@@ -144,7 +146,7 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
   const bool full = t0 + KVC_TC_TOK <= t_hi;
   const char *sr, *zr;
   bool sok;
-  if (!a.k.tbl) {
+  if (LAYOUT == 1 || (LAYOUT == 0 && !a.k.tbl)) {
     if (full) {
 #pragma unroll
       for (int k = 0; k < PER; ++k) {
