@@ -373,8 +373,10 @@ TEST(cuda_q4_tc_path) {
        * per KV head), strided */
       {2, 16, 2, 5, 333, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
-      /* image segments at 24 vectors: the narrow kernel (the warpgroup one takes no segments) */
+      /* image segments, and no mask, at 24 vectors: the narrow kernel (the
+       * warpgroup one takes the causal mask only) */
       {1, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
+      {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 1, 0},
       /* bf16 K/V on the same kernel (>= 3 query vectors per KV head): decode
        * instance, wide instance (verify), D = 128 / 64, window, softcap, sinks, ragged, strided */
       {1, 24, 4, 1, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
@@ -407,7 +409,7 @@ TEST(cuda_q4_tc_path) {
  * elsewhere these cases run the narrow and wide kernels, which the second
  * pass, with the warpgroup kernel off, checks here too): 16 vectors (8/4/256 L = 8); 80 vectors (two blocks
  * per KV head) with group 32 at 128, sinks, ragged, strided; group 128 at
- * 256 with window, softcap, f32 out; no mask; 48 vectors with splits, ragged.
+ * 256 with window, softcap, f32 out; strided; 48 vectors with splits, ragged.
  * The f32-out cases have full-length sequences: with K, V and P in bf16 a
  * row that sees one to three keys (ragged lengths) gets no averaging, and
  * over 30 seeds the narrow kernel's max error on such a case reached 0.0151
@@ -419,7 +421,7 @@ TEST(cuda_q4_wg_path) {
       {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 40, 2, 4, 300, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
       {2, 12, 4, 4, 500, 256, 256, BF16, F32, 4, 4, 128, BF16, MASK_WINDOW, 70, 20.0f, 0, 0, 0},
-      {1, 16, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {1, 16, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       {1, 24, 4, 8, 2600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 0, 0, 0},
   };

@@ -3,8 +3,8 @@
  * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {128, 256}, up
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
- * wide GQA); causal masks with or without a window, softcap, sinks (no
- * image segments); contiguous or BLOCK_TABLE rows. sm_90a only: selected on
+ * wide GQA); the causal mask with or without a window (no image segments,
+ * no unmasked calls), softcap, sinks; contiguous or BLOCK_TABLE rows. sm_90a only: selected on
  * compute capability 9.0; splits are merged by the merge launch.
  *
  * Why another kernel: the narrow and wide kernels of attn_tc.cu give each
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int qv = q0 + 16 * warp + g + 8 * r;
-    pos[r] = qv < Q ? len - a.L + qv % a.L : -1; /* -1: no query vector, sees nothing */
+    pos[r] = qv < Q ? len - a.L + qv % a.L : -1; /* -1: no query vector, sees nothing (as any row before token 0) */
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
@@ -282,12 +282,10 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
     const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
     int lo[2] = {0, 0}, hi[2] = {KVC_TC_TOK, KVC_TC_TOK};
-    if (!full)
+    if (!full) /* causal (the selector sends no other mask here): t <= pos, t > pos - window */
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        long long h = a.mask_kind == KVA_MASK_NONE ? t_hi : min(t_hi, pos[r] + 1);
-        long long o = a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 ? pos[r] - a.window + 1 : t0;
-        if (pos[r] < 0) h = t0; /* no query vector */
+        const long long h = min(t_hi, pos[r] + 1), o = a.window > 0 ? pos[r] - a.window + 1 : t0;
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
       }
