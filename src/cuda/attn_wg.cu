@@ -4,8 +4,9 @@
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
  * wide GQA); the causal mask with or without a window (no image segments,
- * no unmasked calls), softcap, sinks; contiguous or BLOCK_TABLE rows. sm_90a only: selected on
- * compute capability 9.0; splits are merged by the merge launch.
+ * no unmasked calls), softcap, sinks; contiguous or BLOCK_TABLE rows.
+ * sm_90a only: selected on compute capability 9.0 when the build carries
+ * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
  * Why another kernel: the narrow and wide kernels of attn_tc.cu give each
  * warp a share of a stage's tokens (S) and of its head dims (P.V), so every
@@ -404,11 +405,37 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
   __syncthreads();
   kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, ost, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
 #else
-  __trap(); /* built without sm_90a code: the selector must not pick this kernel */
+  __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
 #endif
 }
 
 /* ---- host side ---- */
+/* A marker kernel whose static shared memory says, through
+ * cudaFuncGetAttributes (no launch, no synchronization: capture-safe),
+ * whether the code this device runs was compiled with the sm_90a features:
+ * a build for Hopper without sm_90a code (a compute_90 PTX build, say) has
+ * the warpgroup kernel compiled out (a trap), and the selector must not
+ * pick it. Never launched. */
+#define KVC_WG_MARK_WORDS 4
+__global__ void kvc_wg_mark_kernel(int *out) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ volatile int mark[KVC_WG_MARK_WORDS];
+  mark[threadIdx.x % KVC_WG_MARK_WORDS] = (int)threadIdx.x;
+  __syncthreads();
+  if (out) *out = mark[0];
+#else
+  if (out) *out = 0;
+#endif
+}
+static int kvc_wg_compiled(void) {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kvc_wg_mark_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return fa.sharedSizeBytes == KVC_WG_MARK_WORDS * sizeof(int);
+}
+
 /* The dynamic shared memory limit of an instance, set to the opt-in maximum
  * (every layout fits under it or is not selected). */
 template <int D, bool T> static cudaError_t kvc_wg_prepare(void) {
@@ -428,6 +455,7 @@ template <int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) {
 }
 int kvc_wg_occupancy(int D, int smem) {
   int n = 0;
+  if (!kvc_wg_compiled()) return 0;
   const cudaError_t e = D == 128   ? kvc_wg_occupancy_d<128>(&n, smem)
                         : D == 256 ? kvc_wg_occupancy_d<256>(&n, smem)
                                    : cudaErrorInvalidValue;
