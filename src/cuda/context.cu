@@ -37,9 +37,9 @@
 #define KVC_WG_MIN_Q 17              /* q4 at head dims 128 / 256 on the warpgroup verify kernel from this many
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never). H200, L = 8 against
-                                        the narrow / wide kernels: 48 vectors (24/4/256) 128k 239 -> 181 us,
-                                        2k 29.8 -> 27.1; 32 (32/8/128 B=4 32k) 254.5 -> 240.8; 16 (8/4/256)
-                                        128k 159 -> 174 (slower), 2k 25.2 -> 18.8 */
+                                        the narrow / wide kernels: 48 vectors (24/4/256) 128k 239 -> 171 us,
+                                        2k 29.5 -> 26.9; 32 (32/8/128 B=4 32k) 254 -> 242; 16 (8/4/256) 128k
+                                        156 -> 167 (slower), 2k 25.2 -> 18.6 */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
                                         32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
