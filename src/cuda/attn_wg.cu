@@ -77,7 +77,6 @@
 #define KVC_WG_RAW 3         /* raw stage slots in the cp.async ring */
 #define KVC_WG_SLACK 8.0f    /* log2 units: P <= 2^8 between rescales */
 #define KVC_WG_CHUNK 8192    /* bytes of a 64-row x 128-byte column chunk of a tile */
-#define KVC_WG_SMEM_MAX (227 * 1024)
 
 /* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
  * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
@@ -439,7 +438,7 @@ static int kvc_wg_compiled(void) {
 /* The dynamic shared memory limit of an instance, set to the opt-in maximum
  * (every layout fits under it or is not selected). */
 template <int D, bool T> static cudaError_t kvc_wg_prepare(void) {
-  return cudaFuncSetAttribute(kvc_wg_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_WG_SMEM_MAX);
+  return cudaFuncSetAttribute(kvc_wg_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_TC_SMEM_MAX);
 }
 /* (head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
 #define KVC_WG_INSTANCES(X) X(128, false) X(128, true) X(256, false) X(256, true)

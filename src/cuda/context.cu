@@ -28,7 +28,6 @@
 #define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
 #define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
                                      the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
-#define KVC_TC_SMEM_MAX (227 * 1024) /* opt-in shared memory per block (sm_90) */
 #define KVC_TCD_MIN_WORK (1LL << 18) /* ... and from B * KVH * N >= this many token-heads (the default; the
                                         environment variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0:
                                         never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5

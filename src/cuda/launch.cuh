@@ -39,6 +39,10 @@ struct kvc_plan {
  * group read at run time, 8/4/256 and 24/4/256 at 128k, B = 16 at 32k). */
 #define KVC_TC_GROUP 64
 
+/* Opt-in dynamic shared memory per block on sm_90: the most a tensor-core
+ * instance may ask for (the selector skips layouts beyond it). */
+#define KVC_TC_SMEM_MAX (227 * 1024)
+
 /* The narrow tensor-core kernel (attn_tc.cu): warps per block (each takes 16
  * tokens of a 64-token stage). */
 #define KVC_TC_WARPS 4
