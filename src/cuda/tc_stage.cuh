@@ -33,7 +33,7 @@ struct kvc_tc_layout {
  * consecutive tokens: up to 64 at block size 1, plus one for the offset),
  * staged in a ring of 2 x STAGES slots of KVC_TC_IDS ints (kvc_tc_issue_ids). */
 #define KVC_TC_IDS 68
-/* The ring's stage part, common to both kernels. */
+/* The ring's stage part, common to the narrow, wide and warpgroup kernels. */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
   l.rs = (kvc_tc_float(f) ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
