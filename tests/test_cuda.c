@@ -108,29 +108,41 @@ static const att_case cases[] = {
     {1, 4, 2, 12, 300, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_SEG, 0, 0, 0, 0, 0},
     {1, 4, 2, 1, 1, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {3, 24, 4, 8, 999, 256, 256, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
+    /* one group per row: on the tensor cores, and strided (scale entries 18
+     * bytes apart: the fused kernel) */
+    {2, 16, 4, 2, 999, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+    {2, 16, 4, 2, 999, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
 /* f32 arithmetic over up to 20k keys vs the double oracle (same bound as the CPU). */
 #define ATOL_REL 3e-5
 
+/* Groups per row the quantized tensor-core kernels take: 2 to 8, or 1 when
+ * the scale entries can be copied 8 tokens at a time (kvc_one_group_rows:
+ * not the strided views, whose entries are 18 bytes apart; block tables of
+ * a multiple of 8 tokens; table_bs = 0: contiguous). */
+static int tc_groups(const att_case *c, int64_t table_bs) {
+  const int groups = c->group ? c->Dk / c->group : 0;
+  return (groups >= 2 && groups <= 8) || (groups == 1 && !c->strided && table_bs % 8 == 0);
+}
+
 /* The arithmetic allowance of a case on the CUDA backend: bf16 products
  * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the
  * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, Dk = Dv
  * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
- * with bf16 scales and biases, 2 to 8 groups per row, or 8-bit ones (up to
+ * with bf16 scales and biases, 1 to 8 groups per row (tc_groups), or 8-bit ones (up to
  * 8 query vectors per KV head: D 128 / 256 with D / 4 <= group; any D beyond),
  * or bf16 K and V with at least 3 query vectors per KV head
  * (KVC_TC_FLOAT_MIN_Q; 2 at head dim 64, and over block tables at 128), or
  * f16 ones with f16 queries); K, V and P (8-bit decode: P times the V scale) enter
  * its mma as bf16 (f16 for f16 rows).
  * Else f32 products. */
-static double cuda_case_atol_layout(const att_case *c, int table) {
+static double cuda_case_atol_layout(const att_case *c, int64_t table_bs) {
+  const int table = table_bs > 0;
   const int fused = c->mask != MASK_BOOL && c->mask != MASK_ADD && c->L <= 16;
   const int dims = c->Dk == c->Dv && (c->Dk == 64 || c->Dk == 128 || c->Dk == 256);
-  const int groups = c->group ? c->Dk / c->group : 0;
-  if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && groups >= 2 &&
-      groups <= 8)
+  if (fused && dims && c->qdt == BF16 && c->kbits == 4 && c->vbits == 4 && c->kvdt == BF16 && tc_groups(c, table_bs))
     return ATT_ATOL_BF16;
   if (fused && dims && (c->qdt == BF16 || c->qdt == F16) && c->kbits == 0 && c->vbits == 0 && c->kvdt == c->qdt &&
       (int64_t)(c->H / c->KVH) * c->L >= (c->Dk == 64 || (table && c->Dk <= 128) ? 2 : 3))
@@ -138,8 +150,8 @@ static double cuda_case_atol_layout(const att_case *c, int table) {
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
    * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
   const int64_t qv = (int64_t)(c->H / c->KVH) * c->L;
-  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && groups >= 2 &&
-      groups <= 8 && (qv > 8 || (c->Dk >= 128 && c->Dk / 4 <= c->group)))
+  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && tc_groups(c, table_bs) &&
+      (qv > 8 || (c->Dk >= 128 && c->Dk / 4 <= c->group)))
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
@@ -366,7 +378,7 @@ TEST(cuda_q4_tc_path) {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 6, 2, 2, 333, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
-      {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_NONE, 0, 0, 0, 0, 1}, /* 2 groups: group 64 at D = 64 is fused */
+      {1, 4, 4, 4, 150, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_NONE, 0, 0, 0, 0, 1},
       {2, 24, 4, 1, 2100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, /* rep 6, sinks, ragged */
       /* the wide kernel (q4 from 33 vectors): D = 128 with window, softcap,
        * sinks, ragged (40 vectors); D = 64 with 64 vectors (two blocks of 48
@@ -400,6 +412,21 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      /* one group per row (group 64 at D = 64, 128 at 128: scale entries
+       * copied 8 tokens at a time; odd lengths put each head's token 0 at a
+       * different entry of its 16-byte piece): q4 decode at rep 2 (the
+       * compiled-group instance, groups not in the mma columns), 16 vectors
+       * with window, softcap, sinks, ragged, f32 out; 64 vectors (the wide
+       * kernel, two blocks); segments at 24 vectors; no mask; D = 128 at 6
+       * vectors (run-time group); q8 decode at D = 128 and wide at D = 64 */
+      {1, 8, 4, 1, 701, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 16, 4, 4, 333, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 32, 4, 8, 501, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {1, 12, 2, 4, 300, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
+      {1, 4, 4, 4, 151, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {2, 24, 4, 1, 603, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {1, 8, 4, 1, 705, 128, 128, BF16, BF16, 8, 8, 128, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {1, 16, 2, 8, 499, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1, "tensor-core kernel");
 }
@@ -424,6 +451,8 @@ TEST(cuda_q4_wg_path) {
       {1, 16, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       {1, 24, 4, 8, 2600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 0, 0, 0},
+      /* one group per row (group 128 at D = 128), odd length, ragged */
+      {2, 24, 4, 8, 1001, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
   };
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
   run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");
@@ -695,7 +724,7 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
   double max_err = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol_layout(c, 1), att_rtol(c->odt), &max_err, NULL)) {
+  if (!att_compare(&hd.out, &ref, cuda_case_atol_layout(c, bs), att_rtol(c->odt), &max_err, NULL)) {
     FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g)", name,
           (long long)bs, max_err);
     goto done;
@@ -738,10 +767,32 @@ TEST(cuda_block_table) {
       {{2, 16, 4, 5, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
       {{1, 32, 4, 3, 700, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 24},
   };
+  /* one group per row (group 64 at D = 64, 128 at 128) over tables: block
+   * sizes 8, 24, 16, 64 with first offsets that start a stage anywhere in an
+   * 8-token piece of scale entries: q4 decode, 16 vectors with a window,
+   * sinks, ragged; the wide kernel (64 vectors); 48 vectors at D = 128 (the
+   * warpgroup kernel on sm_90); q8 at 16 vectors; block 12 (no multiple of
+   * 8: pieces would span blocks) runs the fused kernel */
+  static const struct {
+    att_case c;
+    int64_t bs;
+    const char *want;
+  } ocases[] = {
+      {{2, 8, 4, 1, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 8, "tensor-core kernel"},
+      {{2, 16, 4, 4, 500, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 90, 0, 1, 1, 0}, 24, "tensor-core kernel"},
+      {{1, 32, 4, 8, 400, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "tensor-core kernel"},
+      {{2, 24, 4, 8, 900, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 64, "tensor-core kernel"},
+      {{1, 8, 4, 8, 300, 128, 128, BF16, BF16, 8, 8, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "tensor-core kernel"},
+      {{2, 8, 4, 1, 500, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 12, "fused"},
+  };
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (size_t ci = 0; ci < sizeof tcases / sizeof tcases[0]; ++ci)
-    if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci, NULL)) break;
+    if (!run_table_case(ctx, &tcases[ci].c, tcases[ci].bs, 11 + ci, NULL)) goto done;
+  for (size_t ci = 0; ci < sizeof ocases / sizeof ocases[0]; ++ci)
+    for (uint64_t seed = 41; seed < 44; ++seed) /* three sets of first offsets */
+      if (!run_table_case(ctx, &ocases[ci].c, ocases[ci].bs, seed + 5 * ci, ocases[ci].want)) goto done;
+done:
   kva_context_destroy(ctx);
 }
 

@@ -1,6 +1,7 @@
 /* Tensor-core decode/verify kernel, template on the K/V format F: 4-bit
- * MLX-affine K/V with bf16 scales and biases (KVC_Q4: 2 to 8 groups per
- * row, scale rows of 4, 8 or 16 bytes, one cp.async each), 16-bit float
+ * MLX-affine K/V with bf16 scales and biases (KVC_Q4: 1 to 8 groups per
+ * row, scale rows of 4, 8 or 16 bytes, one cp.async each; one group: 8
+ * tokens' entries per cp.async, kvc_tc_so in tc_stage.cuh), 16-bit float
  * rows (KVC_BF16, KVC_F16 with queries of the same type: the rows are the
  * mma operands, no dequantization, no scale rows; 2 ring slots of 64 rows x
  * 2 D bytes per operand), or 8-bit K/V with bf16 scales (KVC_Q8: in this
@@ -351,12 +352,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
   const int gk_sh = BF ? 0 : 31 - __clz(kgs), gv_sh = BF ? 0 : 31 - __clz(vgs); /* log2 of the group sizes */
   const kvc_tc_layout L = kvc_tc_layout_of(F, D, gk, gv, NTM);
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b);
+  const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * NTM * 8;
   const int ntc = min(NTM, (Q - q0 + 7) / 8); /* n-tiles with query vectors in this block */
-  /* decode instance with (query vectors of the block) x (groups per row) <= 8:
-   * the groups go into the mma columns (see the S phase) */
-  const bool packed = I8 && min(Q - q0, 8) * gk <= 8;
+  /* decode instance with (query vectors of the block) x (groups per row) <= 8,
+   * 2 or more groups: the groups go into the mma columns (see the S phase) */
+  const bool packed = I8 && gk >= 2 && min(Q - q0, 8) * gk <= 8;
 
   long long t_lo, t_hi;
   const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
@@ -510,6 +511,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
     }
     const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
+    const int so = kvc_tc_so(gk, t0, e0); /* one group per row: the stage's scale entries start so in */
 
     /* ---- S phase: tokens r0 = 16 warp + g and r1 = r0 + 8 of the stage ----
      * k-step kj (32 dims, inside one group): lane tq's K word 4 kj + tq of
@@ -584,11 +586,11 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
             kvc_mma_u8s8(al[nt], af, fl.x, fl.y);
           }
         if ((((kj + 1) * 32) & (kgs - 1)) == 0) { /* the group ends with this k-step */
-          const int gi = (kj * 32) >> gk_sh;
-          const float s0 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r0 * gk + gi) * 2));
-          const float z0 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r0 * gk + gi) * 2));
-          const float s1 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r1 * gk + gi) * 2));
-          const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r1 * gk + gi) * 2));
+          const int gi = (kj * 32) >> gk_sh, ge = gi + so; /* ge: its scale entry (kvc_tc_so) */
+          const float s0 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r0 * gk + ge) * 2));
+          const float z0 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r0 * gk + ge) * 2));
+          const float s1 = kvc_bf16_bits(kvc_lds16(st + L.ks + (r1 * gk + ge) * 2));
+          const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (r1 * gk + ge) * 2));
 #pragma unroll
           for (int nt = 0; nt < NTM; ++nt)
             if (nt < ntc) {
@@ -644,7 +646,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 #pragma unroll 1
       for (int P = 0; P < WPL; ++P) {
         const uint32_t kw0 = p0[P], kw1 = p1[P];
-        const int gi = (8 * (tq * WPL + P)) >> gk_sh;
+        const int gi = ((8 * (tq * WPL + P)) >> gk_sh) + so;
         const uint32_t sa = kvc_lds16(st + L.ks + (r0 * gk + gi) * 2), ba = kvc_lds16(st + L.kb + (r0 * gk + gi) * 2);
         const uint32_t sb = kvc_lds16(st + L.ks + (r1 * gk + gi) * 2), bb = kvc_lds16(st + L.kb + (r1 * gk + gi) * 2);
         const uint32_t sa2 = sa | (sa << 16), ba2 = ba | (ba << 16), sb2 = sb | (sb << 16), bb2 = bb | (bb << 16);
@@ -752,9 +754,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
       kvc_p_frags<NTM>(ps, KVC_TC_PS, 16 * kq + 2 * tq, g, ntc, pb);
       /* bf16: the warp's dims are words warp D/8 .. of the rows */
       if (F == KVC_Q8)
-        kvc_pv_step_q8<MT, NTM>(st, L, 16 * kq + 2 * tq, xq, vgi, gv, pb, ntc, acc, accc);
+        kvc_pv_step_q8<MT, NTM>(st, L, 16 * kq + 2 * tq, xq, vgi + so, gv, pb, ntc, acc, accc);
       else
-        kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi, gv, pb, ntc, acc);
+        kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi + so, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
@@ -883,7 +885,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   const int gk_sh = BF ? 0 : 31 - __clz(a.k.group), gv_sh = BF ? 0 : 31 - __clz(a.v.group);
   const kvc_tc_layout L = kvc_tcw_layout_of(F, D, gk, gv);
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b);
+  const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_TCW_QV;
   const int mqc = min(MQ, (Q - q0 + 15) / 16), ntc = min(NT, (Q - q0 + 7) / 8); /* tiles with query vectors */
 
@@ -973,6 +975,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     }
     const unsigned char *st = kvc_tc_buf + (s % STAGES) * L.stage;
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
+    const int so = kvc_tc_so(gk, t0, e0); /* one group per row: the stage's scale entries start so in */
 
     /* ---- S^T phase: token row 8 warp + g is this lane's B column ---- */
     const int tok = 8 * warp + g;
@@ -993,7 +996,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq;
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
-        const int gi = (16 * kk) >> gk_sh;
+        const int gi = ((16 * kk) >> gk_sh) + so;
         const float s1 = kvc_bf16_bits(kvc_lds16(st + L.ks + (tok * gk + gi) * 2));
         const float z1 = kvc_bf16_bits(kvc_lds16(st + L.kb + (tok * gk + gi) * 2));
         const uint32_t w = kr[4 * kk];
@@ -1012,7 +1015,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       /* unrolled: rolled (code size) it measured 8 % slower at 128k tokens */
 #pragma unroll
       for (int P = 0; P < WPL; ++P) {
-        const int gi = (8 * (tq * WPL + P)) >> gk_sh;
+        const int gi = ((8 * (tq * WPL + P)) >> gk_sh) + so;
         const uint32_t s1 = kvc_lds16(st + L.ks + (tok * gk + gi) * 2), z1 = kvc_lds16(st + L.kb + (tok * gk + gi) * 2);
         const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
 #pragma unroll
@@ -1102,7 +1105,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       const int tb = 16 * (th * KQ + kq);
       uint32_t pb[NT][2];
       kvc_p_frags<NT>(ps, KVC_TC_PS, tb + 2 * tq, g, ntc, pb);
-      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, xw, cb, vgi, gv, pb, ntc, acc);
+      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, xw, cb, vgi + so, gv, pb, ntc, acc);
     }
   }
   kvc_cp_wait<0>();

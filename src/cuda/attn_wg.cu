@@ -1,5 +1,5 @@
 /* Warpgroup verify kernel ("wg", Hopper wgmma): bf16 queries, 4-bit
- * MLX-affine K/V with bf16 scales and biases (2 to 8 groups per row, as the
+ * MLX-affine K/V with bf16 scales and biases (1 to 8 groups per row, as the
  * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {128, 256}, up
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
@@ -105,10 +105,11 @@ __host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { retu
 int kvc_wg_smem(int D, int gk, int gv) { return kvc_wg_layout_of(D, gk, gv).total + 1024; }
 
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
- * bf16 K and V tiles (see the file comment). */
+ * bf16 K and V tiles (see the file comment); so: where the stage's scale
+ * entries start with one group per row (kvc_tc_so). */
 template <int D>
 __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
-                                               unsigned char *vt, int wg, int gk, int gv, int gk_sh, int gv_sh) {
+                                               unsigned char *vt, int wg, int gk, int gv, int gk_sh, int gv_sh, int so) {
   const int wt = threadIdx.x % KVC_WG_THREADS, r = 32 * wg + (wt & 31), c0 = wt >> 5;
 #pragma unroll
   for (int op = 0; op < 2; ++op) {
@@ -120,7 +121,7 @@ __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const 
     for (int i = 0; i < D / 128; ++i) {
       const int c = c0 + 4 * i; /* piece: dims 32 c .. 32 c + 31 */
       const uint4 w = *(const uint4 *)(row + 16 * c);
-      const int gi = (32 * c) >> gsh;
+      const int gi = ((32 * c) >> gsh) + so; /* its scale entry */
       const uint32_t s1 = kvc_lds16(sr + 2 * gi), z1 = kvc_lds16(zr + 2 * gi);
       const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
       const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
   const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
   const kvc_tc_layout &L = W.st;
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b);
+  const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
   const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
@@ -229,7 +230,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
   if (nst > 0) { /* stage 0 into tile buffer 0 */
     kvc_cp_wait<KVC_WG_RAW - 2>();
     __syncthreads();
-    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh);
+    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh,
+                      kvc_tc_so(gk, t_lo, e0));
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -270,7 +272,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(
       __syncthreads();               /* visible to both; every slot's earlier conversions done */
       kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
       kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
-                        base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh);
+                        base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh,
+                        kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
     }
     kvc_wg_wait<0>();
     kvc_wg_fence_regs(sacc);

@@ -209,7 +209,8 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
  * or bf16 queries over 4-bit or 8-bit K/V with bf16 scales and biases (with
  * f16/f32 ones the bf16 rounding of K measured up to 1.5x the bf16
  * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
- * bytes: one cp.async each). Its products are bf16 (f16 for f16 rows):
+ * bytes: one cp.async each) or one (head dim 64 with group 64, 128 with
+ * 128: entries of 8 tokens per cp.async, kvc_one_group_rows). Its products are bf16 (f16 for f16 rows):
  * tests compare it at the bf16 allowance. Returns the head-dim index or -1
  * and sets *fmt (KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16). (The caller has
  * checked the fused path.) */
@@ -217,6 +218,26 @@ static bool kvc_aligned(const kva_tensor *t, long long align) {
   if ((uintptr_t)t->data % align) return false;
   for (int d = 0; d < 3; ++d)
     if (t->stride[d] % align) return false;
+  return true;
+}
+/* Scale and bias entries of one group per row, as the stage loader copies
+ * them (8 tokens per 16-byte cp.async, aligned in memory: kvc_tc_e0 in
+ * tc_stage.cuh): adjacent tokens 2 bytes apart in all four arrays; over a
+ * block table, 16-byte aligned block and head starts and blocks of a
+ * multiple of 8 tokens (no piece spans two blocks); contiguous, the four
+ * arrays alike modulo 16 bytes (base and strides), so one entry offset per
+ * sequence and head holds for all. */
+static bool kvc_one_group_rows(const kva_kv_view *kv) {
+  const kva_tensor *t[4] = {&kv->k.scales, &kv->k.biases, &kv->v.scales, &kv->v.biases};
+  const bool tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
+  if (tbl && kv->k.data.shape[2] % 8) return false;
+  for (int i = 0; i < 4; ++i) {
+    if (t[i]->stride[2] != 2) return false;
+    const long long r[3] = {(long long)((uintptr_t)t[i]->data % 16), t[i]->stride[0] % 16, t[i]->stride[1] % 16};
+    const long long r0[3] = {(long long)((uintptr_t)t[0]->data % 16), t[0]->stride[0] % 16, t[0]->stride[1] % 16};
+    for (int j = 0; j < 3; ++j)
+      if (tbl ? r[j] != 0 : r[j] != r0[j]) return false;
+  }
   return true;
 }
 static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
@@ -240,11 +261,13 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
      * kernel (K and V dequantized to bf16) */
     if (kv->k.bits == 8 && p->rep * p->L <= 8 && (p->Dk < 128 || p->Dk / 4 > kv->v.group_size)) return -1;
     *fmt = kv->k.bits == 8 ? KVC_Q8 : KVC_Q4;
+    const int gk = (int)(p->Dk / kv->k.group_size), gv = (int)(p->Dv / kv->v.group_size);
+    if ((gk == 1) != (gv == 1)) return -1; /* one group per row: K and V alike (one stage layout) */
+    if (gk == 1 && !kvc_one_group_rows(kv)) return -1;
     for (int i = 0; i < 2; ++i) {
-      const int groups = (int)(p->Dk / ops[i]->group_size);
-      if (groups < 2 || groups > 8) return -1;
-      if (!kvc_aligned(&ops[i]->data, 16) || !kvc_aligned(&ops[i]->scales, 2 * groups) ||
-          !kvc_aligned(&ops[i]->biases, 2 * groups))
+      const int groups = i ? gv : gk;
+      if (groups > 8 || !kvc_aligned(&ops[i]->data, 16)) return -1;
+      if (groups > 1 && (!kvc_aligned(&ops[i]->scales, 2 * groups) || !kvc_aligned(&ops[i]->biases, 2 * groups)))
         return -1;
     }
   }

@@ -68,6 +68,10 @@ template <int BYTES> __device__ __forceinline__ void kvc_cp_async(uint32_t d, co
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(BYTES), "r"(src_bytes)
                  : "memory");
 }
+/* A 16-bit store to shared address d. */
+__device__ __forceinline__ void kvc_sts16(uint32_t d, unsigned short x) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(d), "h"(x) : "memory");
+}
 __device__ __forceinline__ void kvc_cp_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void kvc_cp_wait(void) {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");

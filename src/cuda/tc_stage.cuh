@@ -33,16 +33,34 @@ struct kvc_tc_layout {
  * consecutive tokens: up to 64 at block size 1, plus one for the offset),
  * staged in a ring of 2 x STAGES slots of KVC_TC_IDS ints (kvc_tc_issue_ids). */
 #define KVC_TC_IDS 68
+/* One group per row (head dim 64 with MLX's group 64, 128 with 128): a
+ * scale row is 2 bytes, below cp.async's 4, so the loader copies the scale
+ * and bias entries of 8 tokens at a time, as 16-byte pieces aligned in
+ * memory (the selector, kvc_one_group_rows: adjacent tokens' entries 2
+ * bytes apart; block tables: 16-byte aligned block and head starts, blocks
+ * of a multiple of 8 tokens, so no piece spans two blocks; contiguous rows:
+ * the four scale / bias arrays alike modulo 16 bytes). Token 0 of a
+ * sequence's head sits e0 entries into its piece (kvc_tc_e0: the first
+ * offset fo of a table, the address's for contiguous rows), so a stage's
+ * first row t0 sits so = (t0 + e0) % 8 entries in, and the stage's arrays
+ * (KVC_TC_TOK + 8 entries each) hold row r at entry r + so: for one group
+ * the usual index r * g + gi with the group index gi + so (so = 0 with 2
+ * or more groups). */
+__host__ __device__ inline int kvc_tc_scale_rows(int g) { return g == 1 ? KVC_TC_TOK + 8 : KVC_TC_TOK; }
+__device__ __forceinline__ int kvc_tc_e0(const kvc_args &a, int b, int hk, int fo) {
+  return a.k.tbl ? fo : (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
+}
+__device__ __forceinline__ int kvc_tc_so(int gk, long long t0, int e0) { return gk == 1 ? (int)((t0 + e0) & 7) : 0; }
 /* The ring's stage part, common to the narrow, wide and warpgroup kernels. */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
   l.rs = (kvc_tc_float(f) ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
   l.ks = l.vd + KVC_TC_TOK * l.rs;
-  l.kb = l.ks + KVC_TC_TOK * gk * 2;
-  l.vs = l.kb + KVC_TC_TOK * gk * 2;
-  l.vb = l.vs + KVC_TC_TOK * gv * 2;
-  l.stage = (l.vb + KVC_TC_TOK * gv * 2 + 127) / 128 * 128;
+  l.kb = l.ks + kvc_tc_scale_rows(gk) * gk * 2;
+  l.vs = l.kb + kvc_tc_scale_rows(gk) * gk * 2;
+  l.vb = l.vs + kvc_tc_scale_rows(gv) * gv * 2;
+  l.stage = (l.vb + kvc_tc_scale_rows(gv) * gv * 2 + 127) / 128 * 128;
 }
 
 /* A thread's share of the stage copies, set up once per block so that a
@@ -71,7 +89,8 @@ struct kvc_tc_loader {
   long long srs, zrs;      /* table: bytes per scale / bias row */
   uint32_t dk, ds, dz;     /* shared offsets in a slot: its first K piece (its V piece at + vd - kd), scale and bias rows */
   int tk;                  /* stage row of its first piece */
-  int rb;                  /* bytes of a scale row: 4, 8 or 16 */
+  int rb;                  /* bytes of a scale row: 2 (kvc_tc_so), 4, 8 or 16 */
+  int e0;                  /* one group per row: kvc_tc_e0 */
 };
 
 template <int F, int D, int G = 0, bool IDS = true>
@@ -84,6 +103,7 @@ __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, con
   const kvc_operand &O = half ? V : K;
   kvc_tc_loader ld;
   ld.rb = kvc_tc_float(F) ? 0 : 2 * (D / (G ? G : O.group));
+  ld.e0 = kvc_tc_e0(a, b, hk, kvc_first_offset(K, b));
   ld.ds = (half ? L.vs : L.ks) + tok * ld.rb;
   ld.dz = (half ? L.vb : L.kb) + tok * ld.rb;
   if (!K.tbl) {
@@ -212,6 +232,32 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
   }
   if (kvc_tc_float(F)) return; /* no scale rows */
+  if (ld.rb == 2) {
+    /* one group per row (see kvc_tc_so): the thread of the first row of
+     * each 8-entry piece copies the piece, from its own row's entry back to
+     * the piece's start (the same pool block); entries of tokens at or past
+     * t_hi are zero-filled */
+    const int tok = threadIdx.x >> 1, so = kvc_tc_so(1, t0, ld.e0), off = (tok + so) & 7;
+    if (tok != 0 && off != 0) return;
+    const long long nv = sok ? t_hi - (t0 + tok - off) : 0; /* tokens of the piece before t_hi */
+    const uint32_t dd = 2 * (so - off);
+    if (nv <= 0 || nv >= 8) {
+      const int n = nv > 0 ? 16 : 0;
+      kvc_cp_async<16>(slot + ld.ds + dd, n ? sr - 2 * off : a.k.scales, n);
+      kvc_cp_async<16>(slot + ld.dz + dd, n ? zr - 2 * off : a.k.biases, n);
+    } else {
+      /* the piece that t_hi cuts (one per split): its entries before t_hi by
+       * plain loads, zeros after; no read past t_hi, which may be the end
+       * of the caller's array */
+      const unsigned short *s16 = (const unsigned short *)(sr - 2 * off), *z16 = (const unsigned short *)(zr - 2 * off);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        kvc_sts16(slot + ld.ds + dd + 2 * e, e < nv ? __ldg(s16 + e) : (unsigned short)0);
+        kvc_sts16(slot + ld.dz + dd + 2 * e, e < nv ? __ldg(z16 + e) : (unsigned short)0);
+      }
+    }
+    return;
+  }
   const int n = sok ? ld.rb : 0;
   kvc_cp_async_rb(slot + ld.ds, sr, ld.rb, n);
   kvc_cp_async_rb(slot + ld.dz, zr, ld.rb, n);
