@@ -231,10 +231,10 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
   const kva_tensor *t[4] = {&kv->k.scales, &kv->k.biases, &kv->v.scales, &kv->v.biases};
   const bool tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
   if (tbl && kv->k.data.shape[2] % 8) return false;
+  const long long r0[3] = {(long long)((uintptr_t)t[0]->data % 16), t[0]->stride[0] % 16, t[0]->stride[1] % 16};
   for (int i = 0; i < 4; ++i) {
     if (t[i]->stride[2] != 2) return false;
     const long long r[3] = {(long long)((uintptr_t)t[i]->data % 16), t[i]->stride[0] % 16, t[i]->stride[1] % 16};
-    const long long r0[3] = {(long long)((uintptr_t)t[0]->data % 16), t[0]->stride[0] % 16, t[0]->stride[1] % 16};
     for (int j = 0; j < 3; ++j)
       if (tbl ? r[j] != 0 : r[j] != r0[j]) return false;
   }
