@@ -16,6 +16,7 @@ CORE_SRC  = $(wildcard src/core/*.c) $(wildcard src/ref/*.c) $(wildcard src/cpu/
 SIMD_SRC  = $(wildcard src/cpu/simd/*.c)
 CUDA_SRC  = $(wildcard src/cuda/*.cu)
 TOOL_SRC  = $(wildcard tools/*.c)
+TOOL_CU   = $(wildcard tools/*.cu)
 TEST_SRC  = $(wildcard tests/*.c)
 
 SIMD_LEVELS = portable avx2 avx512
@@ -52,7 +53,7 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h te
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(CFLAGS) -c $< -o $@
 $(foreach l,$(SIMD_LEVELS),$(eval $(BUILD)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
-$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*/*.h src/cuda/*.cuh)
+$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*/*.h src/cuda/*.cuh tools/*.h)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -66,7 +67,7 @@ $(BUILD)/libkvattn.a: $(LIB_OBJS)
 	ar rcs $@ $^
 $(BUILD)/libkvattn.so: $(LIB_OBJS)
 	$(CC) -shared -o $@ $^ $(LDLIBS)
-$(BUILD)/kvattn: $(patsubst %.c,$(BUILD)/%.o,$(TOOL_SRC)) $(BUILD)/libkvattn.a
+$(BUILD)/kvattn: $(patsubst %.c,$(BUILD)/%.o,$(TOOL_SRC)) $(if $(HAVE_CUDA),$(patsubst %.cu,$(BUILD)/%.cu.o,$(TOOL_CU))) $(BUILD)/libkvattn.a
 	$(CC) -o $@ $^ $(LDLIBS)
 $(BUILD)/kvattn_tests: $(patsubst %.c,$(BUILD)/%.o,$(TEST_SRC)) $(BUILD)/libkvattn.a
 	$(CC) -o $@ $^ $(LDLIBS)

@@ -244,3 +244,27 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
   if (rel_l2) *rel_l2 = den > 0 ? sqrt(num / den) : sqrt(num);
   return 1;
 }
+
+static void nan_row(const kva_tensor *t, int b, int hk, int64_t tok) {
+  char *r = (char *)t->data + b * t->stride[0] + hk * t->stride[1] + tok * t->stride[2];
+  for (int64_t e = 0; e < t->shape[3]; ++e) test_store(r + e * t->stride[3], t->dtype, NAN);
+}
+void att_plant_unseen(att_data *d) {
+  const att_case *c = &d->c;
+  const kva_kv *ops[2] = {&d->k, &d->v};
+  for (int b = 0; b < c->B; ++b) {
+    const int64_t len = d->lens ? d->lens[b] : c->N;
+    const int64_t first = c->mask == MASK_WINDOW ? len - c->L - c->window + 1 : 0; /* row 0's first key */
+    for (int hk = 0; hk < c->KVH; ++hk)
+      for (int64_t t = 0; t < c->N; ++t) {
+        if (t >= first && t < len) continue;
+        for (int i = 0; i < 2; ++i)
+          if (ops[i]->bits) {
+            nan_row(&ops[i]->scales, b, hk, t);
+            nan_row(&ops[i]->biases, b, hk, t);
+          } else {
+            nan_row(&ops[i]->data, b, hk, t);
+          }
+      }
+  }
+}

@@ -46,6 +46,12 @@ void att_free(att_data *d);
 void att_poison(att_data *d);
 /* Sentinel after the output intact? */
 int att_sentinel_ok(const att_data *d);
+/* NaN in every K/V row no query row sees: past each sequence's length and,
+ * with a window, before row 0's window (a paged engine's freed or never
+ * written blocks): the row itself for float formats, its scale and bias
+ * entries for quantized ones (the codes hold no NaN). The oracle never
+ * reads them, so any NaN in a kernel's output is a read it must not make. */
+void att_plant_unseen(att_data *d);
 /* Compares out with ref (same shape): NaN/Inf exact, then
  * |out - ref| <= atol_rel * max|ref| + rtol * |ref| everywhere.
  * Prints the first mismatch. Returns 1 when within tolerance. */

@@ -224,6 +224,43 @@ TEST(attention_nan_inf_16bit) {
   kva_context_destroy(ctx);
 }
 
+/* Keys no query row sees (past each length, before row 0's window) hold NaN
+ * (att_plant_unseen): the output matches the oracle, which never reads
+ * them. Float and quantized K/V, ragged batches, windows, verify rows, the
+ * AMX kernel (bf16 queries, 16 vectors per KV head), threads splitting the
+ * tokens (the default context: all cores). */
+TEST(attention_unseen_nan) {
+  static const att_case uc[] = {
+      {3, 4, 2, 1, 700, 64, 64, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 100, 0, 0, 1, 0},
+      {3, 8, 4, 3, 900, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 150, 0, 1, 1, 0},
+      {3, 8, 4, 1, 1100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 0, 1, 0},
+      {2, 8, 2, 4, 800, 128, 128, F32, F32, 8, 8, 32, F32, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 16, 2, 8, 600, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 200, 0, 0, 1, 0},
+      {2, 4, 4, 2, 500, 64, 64, F16, F16, 2, 2, 32, F16, MASK_WINDOW, 60, 0, 0, 1, 1},
+  };
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (size_t ci = 0; ci < sizeof uc / sizeof uc[0]; ++ci) {
+    att_data d;
+    ASSERT_TRUE(att_make(&d, &uc[ci]) == 0);
+    att_plant_unseen(&d);
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    int ok = kva_reference_attention(&d.q, &d.view, &d.params, &ref) == 0;
+    att_poison(&d);
+    ok = ok && kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0) == 0;
+    ok = ok && att_compare(&d.out, &ref, att_case_atol(&uc[ci]), att_rtol(uc[ci].odt), NULL, NULL) &&
+         att_sentinel_ok(&d);
+    char name[256];
+    att_case_str(&uc[ci], name, sizeof name);
+    att_free(&d);
+    if (!ok) {
+      FAIL_("%s: %s", name, kva_last_error());
+      break;
+    }
+  }
+  kva_context_destroy(ctx);
+}
+
 /* A row that sees no key outputs zeros (array mask all false for one row). */
 TEST(attention_row_without_keys_is_zero) {
   const att_case c = {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0};

@@ -32,6 +32,7 @@ TEST(cuda_caller_workspace) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 #else
@@ -148,10 +149,9 @@ static double cuda_case_atol_layout(const att_case *c, int64_t table_bs) {
       (int64_t)(c->H / c->KVH) * c->L >= (c->Dk == 64 || (table && c->Dk <= 128) ? 2 : 3))
     return ATT_ATOL_BF16; /* bf16 / f16 rows and queries: P rounded to their type */
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
-   * vectors (P' = p s in bf16), the wide kernel beyond (K, V, P in bf16) */
-  const int64_t qv = (int64_t)(c->H / c->KVH) * c->L;
-  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && tc_groups(c, table_bs) &&
-      (qv > 8 || (c->Dk >= 128 && c->Dk / 4 <= c->group)))
+   * vectors at D 128 / 256 with D / 4 <= group (P' = p s in bf16), the wide
+   * kernel otherwise (K, V, P in bf16) */
+  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && tc_groups(c, table_bs))
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
@@ -412,6 +412,13 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      /* q8 decode where the decode instance does not apply (head dim 64;
+       * D 256 with group 32): the wide kernel at 1 to 8 vectors; window,
+       * softcap, sinks, ragged; one group per row at D = 64 */
+      {1, 8, 4, 1, 700, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 8, 2, 2, 333, 64, 64, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 4, 4, 1, 515, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {1, 8, 4, 1, 600, 256, 256, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       /* one group per row (group 64 at D = 64, 128 at 128: scale entries
        * copied 8 tokens at a time; odd lengths put each head's token 0 at a
        * different entry of its 16-byte piece): q4 decode at rep 2 (the
@@ -538,6 +545,44 @@ TEST(cuda_q4_tc_nan_inf) {
       {1, 24, 4, 8, 500, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* q8 wide */
   };
   run_case_table(qc, sizeof qc / sizeof qc[0], plant_q4, 3, "tensor-core kernel");
+}
+
+/* NaN in every key no query row sees (att_plant_unseen): must not reach
+ * the output on any tensor-core kernel. */
+static void plant_unseen(att_data *d, int variant) {
+  (void)variant;
+  att_plant_unseen(d);
+}
+
+TEST(cuda_tc_unseen_nan) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* ragged lengths and windows on each tensor-core kernel: the narrow one
+   * (q4 decode, 6 and 16 vectors, one group per row; q8; bf16 rows), the
+   * wide one (q8 at head dim 64), the warpgroup one (causal and window,
+   * KVA_CUDA_WG_MIN_Q = 1) and the per-warp one (KVA_CUDA_TCD_MIN_WORK = 0) */
+  static const att_case nc[] = {
+      {3, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 150, 0, 0, 1, 0},
+      {3, 24, 4, 1, 900, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 16, 4, 4, 333, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 90, 0, 1, 1, 0},
+      {3, 8, 4, 2, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_WINDOW, 120, 0, 0, 1, 0},
+      {3, 24, 4, 2, 600, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 200, 0, 0, 1, 0},
+      {2, 8, 4, 2, 555, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_WINDOW, 77, 0, 0, 1, 0},
+  };
+  static const att_case wc[] = {
+      {3, 24, 4, 8, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 24, 4, 8, 700, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_WINDOW, 130, 0, 0, 1, 0},
+  };
+  static const att_case dc[] = {
+      {3, 8, 4, 1, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 0, 1, 0},
+      {3, 32, 8, 2, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+  };
+  run_case_table(nc, sizeof nc / sizeof nc[0], plant_unseen, 1, "tensor-core kernel");
+  setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
+  run_case_table(wc, sizeof wc / sizeof wc[0], plant_unseen, 1, "warpgroup");
+  unsetenv("KVA_CUDA_WG_MIN_Q");
+  setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  run_case_table(dc, sizeof dc / sizeof dc[0], plant_unseen, 1, "per-warp decode");
+  unsetenv("KVA_CUDA_TCD_MIN_WORK");
 }
 
 /* One capture, replayed while the lengths in device memory change. */

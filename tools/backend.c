@@ -13,6 +13,8 @@
 #include <unistd.h>
 #ifdef KVA_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+#include "bench_cuda.h"
 #endif
 
 #define CPU_ALIGN (2u << 20) /* huge-page size: fewer TLB misses over the rotation */
@@ -66,11 +68,14 @@ static void cpu_destroy(kb_backend *be) {
 #define CUDA_CEILING_BYTES (1ull << 30)
 #define CUDA_CEILING_PASSES 10
 
-#define CUDA_BUSY_BYTES (64ull << 20) /* a memset ahead of each timed call: ~30 us of device work */
+#define CUDA_FLUSH_READ_BYTES (128ull << 20) /* read ahead of each timed call: ~35 us of device work */
+#define CUDA_FLUSH_MEMSET_BYTES (64ull << 20) /* --cuda-flush memset: ~30 us */
 
 typedef struct cuda_state {
   cudaEvent_t start, stop;
-  void *busy; /* CUDA_BUSY_BYTES of scratch */
+  void *busy; /* CUDA_FLUSH_READ_BYTES of scratch (+ 4 bytes: the read's sink) */
+  bool memset_flush;
+  int sms;
   unsigned calls;
 } cuda_state;
 
@@ -104,16 +109,25 @@ static int cuda_replicate(kb_backend *be, void *dst, const void *src, size_t byt
   return cuda_status(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy device to device");
 }
 
-/* Device time of one call: a memset of CUDA_BUSY_BYTES keeps the device busy
- * while the host enqueues the start event and the call, so the events time
- * the kernels alone, as in a CUDA graph or a decode loop that enqueues ahead,
- * not the host's launch overhead (without it the start event fires at once
- * and the call's host time counts too). The memset also evicts the previous
- * call's lines from the 60 MB L2. */
+/* Device time of one call: a flush queued first keeps the device busy while
+ * the host enqueues the start event and the call, so the events time the
+ * kernels alone, as in a CUDA graph or a decode loop that enqueues ahead, not
+ * the host's launch overhead (without it the start event fires at once and
+ * the call's host time counts too), and it evicts the previous call's lines
+ * from the 60 MB L2. By default the flush reads CUDA_FLUSH_READ_BYTES
+ * (tools/cuda_flush.cu: clean lines, as the reads of a decode step's other
+ * work leave them); --cuda-flush memset writes CUDA_FLUSH_MEMSET_BYTES, whose
+ * dirty lines are written back while the call runs (measured 2026-12-01:
+ * BENCHMARKS.md). */
 static int cuda_time_call(kb_backend *be, const kva_tensor *q, const kva_kv_view *kv,
                           const kva_attn_params *p, kva_tensor *out, double *us) {
   cuda_state *st = (cuda_state *)be->priv;
-  if (st->busy) cudaMemsetAsync(st->busy, (int)(++st->calls & 0xff), CUDA_BUSY_BYTES, 0);
+  ++st->calls;
+  if (st->busy && st->memset_flush)
+    cudaMemsetAsync(st->busy, (int)(st->calls & 0xff), CUDA_FLUSH_MEMSET_BYTES, 0);
+  else if (st->busy)
+    kb_cuda_read_flush(st->busy, CUDA_FLUSH_READ_BYTES, st->calls * 2654435761u,
+                       (char *)st->busy + CUDA_FLUSH_READ_BYTES, st->sms);
   cudaEventRecord(st->start, 0);
   int rc = kva_attention(be->ctx, q, kv, p, out, NULL, 0);
   cudaEventRecord(st->stop, 0);
@@ -162,7 +176,6 @@ static void cuda_destroy(kb_backend *be) {
 }
 
 static int cuda_open(const kb_opts *o, kb_backend *be, char *err, size_t errn) {
-  (void)o;
   kva_context_opts co;
   memset(&co, 0, sizeof co);
   co.backend = KVA_BACKEND_CUDA;
@@ -178,7 +191,15 @@ static int cuda_open(const kb_opts *o, kb_backend *be, char *err, size_t errn) {
     snprintf(err, errn, "--backend cuda: could not create CUDA events");
     return KVA_ECUDA;
   }
-  if (cudaMalloc(&st->busy, CUDA_BUSY_BYTES) != cudaSuccess) st->busy = NULL; /* then host time counts too */
+  st->memset_flush = o->cuda_flush_memset;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&st->sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    st->sms = 1;
+  if (cudaMalloc(&st->busy, CUDA_FLUSH_READ_BYTES + 4) != cudaSuccess) st->busy = NULL; /* then host time counts too */
+  else if (cudaMemset(st->busy, 0x5a, CUDA_FLUSH_READ_BYTES + 4) != cudaSuccess) { /* defined contents to read */
+    cudaFree(st->busy);
+    st->busy = NULL;
+  }
   be->priv = st;
   be->name = "cuda";
   be->kind = KVA_BACKEND_CUDA;

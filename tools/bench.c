@@ -434,8 +434,9 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
            o->min_reps == 1 ? "" : "s", o->warmups, o->warmups == 1 ? "" : "s", rot,
            (unsigned long long)o->seed);
     if (be.kind == KVA_BACKEND_CUDA)
-      printf("device time (CUDA events; a 64 MiB memset ahead of each call hides the host's launch overhead, "
-             "as a CUDA graph does)\n");
+      printf("device time (CUDA events; %s ahead of each call hides the host's launch overhead, "
+             "as a CUDA graph does, and flushes the L2)\n",
+             o->cuda_flush_memset ? "a 64 MiB memset (dirty L2 lines)" : "a 128 MiB read (clean L2 lines)");
     printf("GB/s = K/V data+scales+biases bytes / median; %%bw = GB/s / the memory ceiling above; "
            "floor_us = those bytes at that bandwidth;\nfma_us = the case's FLOPs at the f32 FMA "
            "peak; * = K/V not rotated over 1 GiB (note below)\n\n");

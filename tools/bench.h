@@ -114,6 +114,7 @@ typedef struct kb_opts {
   double bw_bytes;      /* bandwidth probe array size */
   int bw_passes;        /* bandwidth probe: best of this many passes */
   uint64_t seed;
+  bool cuda_flush_memset; /* --cuda-flush memset: the older flush ahead of each CUDA call (dirty L2 lines) */
 } kb_opts;
 
 /* ---------------------------------------------------------- results */

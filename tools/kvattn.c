@@ -96,6 +96,9 @@ static void usage_bench(FILE *f) {
           "  --max-reps N       at most N timed calls (default %d)\n"
           "  --budget S         seconds of timed calls per case after --reps (default %g)\n"
           "  --rotate-gib X     rotate K/V over at least X GiB (default %g; 0 = no rotation)\n"
+          "  --cuda-flush F     ahead of each timed CUDA call: read (default: a read of 128 MiB,\n"
+          "                     leaving clean L2 lines) | memset (64 MiB written: dirty lines whose\n"
+          "                     write-back competes with the call; the figures before 2026-12-01)\n"
           "  --mem-cap-gb X     most memory for one case's copies, GB (default %g)\n"
           "  --bw-gib X         bandwidth probe array, GiB (default %g)\n"
           "  --seed S           random seed (default: from the clock, printed)\n"
@@ -359,6 +362,12 @@ static int cmd_bench(int argc, char **argv) {
     else if (IS("--max-reps")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 1, MAX_REPS_LIMIT, false, &max_reps)); }
     else if (IS("--budget")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 3600, &budget)); }
     else if (IS("--rotate-gib")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 1024, &rotate)); }
+    else if (IS("--cuda-flush")) {
+      NEEDS_VALUE();
+      if (!strcmp(val, "read")) o.cuda_flush_memset = false;
+      else if (!strcmp(val, "memset")) o.cuda_flush_memset = true;
+      else return usage_error("--cuda-flush: '%s' is not one of read, memset", val), KB_EXIT_USAGE;
+    }
     else if (IS("--mem-cap-gb")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0.001, 1e6, &memcap)); }
     else if (IS("--bw-gib")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0.001, 1024, &bw)); }
     else if (IS("--seed")) {

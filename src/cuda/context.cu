@@ -240,6 +240,15 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
   }
   return true;
 }
+/* q8 on the narrow kernel's decode instance: head dim 128 or 256 with the
+ * warp's D / 4 dims of V inside one group (kvc_pv_step_q8). Other q8 rows
+ * (head dim 64, or D 256 with group 32) run the wide kernel at any number of
+ * query vectors: its mma columns are mostly padding at decode, but K and V
+ * are dequantized to bf16 once per stage, where the fused kernel spends f32
+ * FMAs per element and query vector. */
+static bool kvc_q8_narrow(const kva_problem *p) {
+  return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
+}
 static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   const kva_kv_view *kv = p->kv;
   if (p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
@@ -256,10 +265,8 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   } else {
     if (qt != KVA_BF16 || kv->k.bits != kv->v.bits || (kv->k.bits != 4 && kv->k.bits != 8)) return -1;
     if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
-    /* q8: up to 8 query vectors the decode instance (D 128 / 256, the warp's
-     * D / 4 dims of V inside one group: kvc_pv_step_q8), beyond the wide
-     * kernel (K and V dequantized to bf16) */
-    if (kv->k.bits == 8 && p->rep * p->L <= 8 && (p->Dk < 128 || p->Dk / 4 > kv->v.group_size)) return -1;
+    /* q8: up to 8 query vectors the decode instance where it applies
+     * (kvc_q8_narrow), else the wide kernel (K and V dequantized to bf16) */
     *fmt = kv->k.bits == 8 ? KVC_Q8 : KVC_Q4;
     const int gk = (int)(p->Dk / kv->k.group_size), gv = (int)(p->Dv / kv->v.group_size);
     if ((gk == 1) != (gv == 1)) return -1; /* one group per row: K and V alike (one stage layout) */
@@ -384,7 +391,9 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
      * the wide kernel (48 vectors per block: K/V staged and dequantized once
      * per 48) */
-    const int kind = Q <= 8 ? 0 : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q ? 1 : 2;
+    const int kind = Q <= 8 && (tcf != KVC_Q8 || kvc_q8_narrow(p)) ? 0
+                     : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q     ? 1
+                                                                     : 2;
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
     const int smem = tcf == KVC_BF16 || tcf == KVC_F16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
