@@ -150,8 +150,10 @@ static double cuda_case_atol_layout(const att_case *c, int64_t table_bs) {
     return ATT_ATOL_BF16; /* bf16 / f16 rows and queries: P rounded to their type */
   /* q8 on the tensor-core kernels: the decode instance up to 8 query
    * vectors at D 128 / 256 with D / 4 <= group (P' = p s in bf16), the wide
-   * kernel otherwise (K, V, P in bf16) */
-  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && tc_groups(c, table_bs))
+   * kernel at D 64 and beyond 8 vectors (K, V, P in bf16) */
+  const int64_t qv = (int64_t)(c->H / c->KVH) * c->L;
+  if (fused && dims && c->qdt == BF16 && c->kbits == 8 && c->vbits == 8 && c->kvdt == BF16 && tc_groups(c, table_bs) &&
+      (qv > 8 || c->Dk == 64 || c->Dk / 4 <= c->group))
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
@@ -412,13 +414,12 @@ TEST(cuda_q4_tc_path) {
       {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
-      /* q8 decode where the decode instance does not apply (head dim 64;
-       * D 256 with group 32): the wide kernel at 1 to 8 vectors; window,
-       * softcap, sinks, ragged; one group per row at D = 64 */
+      /* q8 decode at head dim 64 (the decode instance needs D >= 128): the
+       * wide kernel at 1 to 8 vectors; window, softcap, sinks, ragged; one
+       * group per row */
       {1, 8, 4, 1, 700, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {2, 8, 2, 2, 333, 64, 64, BF16, F32, 8, 8, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 4, 4, 1, 515, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
-      {1, 8, 4, 1, 600, 256, 256, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       /* one group per row (group 64 at D = 64, 128 at 128: scale entries
        * copied 8 tokens at a time; odd lengths put each head's token 0 at a
        * different entry of its 16-byte piece): q4 decode at rep 2 (the

@@ -241,11 +241,12 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
   return true;
 }
 /* q8 on the narrow kernel's decode instance: head dim 128 or 256 with the
- * warp's D / 4 dims of V inside one group (kvc_pv_step_q8). Other q8 rows
- * (head dim 64, or D 256 with group 32) run the wide kernel at any number of
- * query vectors: its mma columns are mostly padding at decode, but K and V
- * are dequantized to bf16 once per stage, where the fused kernel spends f32
- * FMAs per element and query vector. */
+ * warp's D / 4 dims of V inside one group (kvc_pv_step_q8: an even number of
+ * 16-dim m-tiles per warp). At head dim 64 up to 8 query vectors run the
+ * wide kernel (K and V dequantized to bf16 once per stage; its mma columns
+ * mostly padding): H200, B=16 N=32768, 32/8/64 1181 -> 1001 us, 14/2/64 457
+ * -> 262 against the fused kernel; at D 256 with group 32 the fused kernel
+ * stays (728 against 876 us on the wide one). */
 static bool kvc_q8_narrow(const kva_problem *p) {
   return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
 }
@@ -266,7 +267,9 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
     if (qt != KVA_BF16 || kv->k.bits != kv->v.bits || (kv->k.bits != 4 && kv->k.bits != 8)) return -1;
     if (kv->k.scales.dtype != KVA_BF16 || kv->v.scales.dtype != KVA_BF16) return -1;
     /* q8: up to 8 query vectors the decode instance where it applies
-     * (kvc_q8_narrow), else the wide kernel (K and V dequantized to bf16) */
+     * (kvc_q8_narrow), at head dim 64 the wide kernel, else the fused one;
+     * beyond 8 the wide kernel (K and V dequantized to bf16) */
+    if (kv->k.bits == 8 && p->rep * p->L <= 8 && p->Dk != 64 && !kvc_q8_narrow(p)) return -1;
     *fmt = kv->k.bits == 8 ? KVC_Q8 : KVC_Q4;
     const int gk = (int)(p->Dk / kv->k.group_size), gv = (int)(p->Dv / kv->v.group_size);
     if ((gk == 1) != (gv == 1)) return -1; /* one group per row: K and V alike (one stage layout) */
