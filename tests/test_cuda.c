@@ -576,6 +576,7 @@ TEST(cuda_tc_unseen_nan) {
   static const att_case dc[] = {
       {3, 8, 4, 1, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 0, 1, 0},
       {3, 32, 8, 2, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {3, 8, 4, 1, 1301, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 0, 1, 0},
   };
   run_case_table(nc, sizeof nc / sizeof nc[0], plant_unseen, 1, "tensor-core kernel");
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
@@ -868,6 +869,17 @@ TEST(cuda_q4_tcd_path) {
       {1, 8, 4, 4, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 16, 4, 2, 600, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 1, 0, 0},
       {1, 24, 4, 1, 800, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      /* head dim 64, one group per row (contiguous only): odd lengths put
+       * each head's token 0 at a different entry of its 16-byte scale piece;
+       * window, softcap, sinks, ragged (splits cut pieces); 7 vectors with
+       * f32 out; 8 vectors; segments; no mask; a single token */
+      {1, 8, 4, 1, 701, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 32, 8, 2, 1001, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
+      {1, 14, 2, 1, 1503, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 4, 2, 4, 333, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
+      {1, 8, 8, 1, 517, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {1, 8, 4, 1, 1, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {3, 16, 4, 2, 2999, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
   };
   /* NaN / Inf (plant_q4) at each kind of m-tile and P.V */
   static const att_case nc[] = {

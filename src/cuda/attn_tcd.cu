@@ -94,10 +94,15 @@
 template <int D> struct kvc_tcd_geom {
   static constexpr int G = D / KVC_TC_GROUP;      /* groups per row */
   static constexpr int SB = 2 * G;                /* bytes of a scale / bias row */
-  static constexpr int RSK = D / 2 + 32, RSV = D / 2 + 16;
+  /* K rows: 8 rows of 32 bytes per quad read; at D = 64 (32-byte rows) a
+   * 48-byte stride spreads 8 rows over all banks twice (the minimum) */
+  static constexpr int RSK = D == 64 ? 48 : D / 2 + 32, RSV = D / 2 + 16;
+  /* bytes of one scale / bias array of a tile: 16 rows, or at one group
+   * per row (D = 64) three 16-byte pieces of 8 entries (kvc_tcd_issue) */
+  static constexpr int SR = G == 1 ? 48 : KVC_TCD_TOK * SB;
   static constexpr int KD = 0, VD = KVC_TCD_TOK * RSK, KS = VD + KVC_TCD_TOK * RSV;
-  static constexpr int KB = KS + KVC_TCD_TOK * SB, VS = KB + KVC_TCD_TOK * SB, VB = VS + KVC_TCD_TOK * SB;
-  static constexpr int STAGE = (VB + KVC_TCD_TOK * SB + 127) / 128 * 128;
+  static constexpr int KB = KS + SR, VS = KB + SR, VB = VS + SR;
+  static constexpr int STAGE = (VB + SR + 127) / 128 * 128;
   static constexpr int WARP_BYTES = KVC_TCD_NS * STAGE;
   static constexpr int QST = KVC_TCD_WARPS * WARP_BYTES; /* queries */
   static constexpr int QSIG = QST + 8 * D * 2, QSUM = QSIG + 8 * 4;
@@ -133,7 +138,22 @@ struct kvc_tcd_loader {
   long long ko, vo, so, zo;  /* block tiles: the same as offsets from the tile's first row */
   long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
+  int ptok, pdst;            /* one group per row: this lane's piece's first token - t0, its slot offset */
 };
+/* One group per row (D = 64 with group 64; contiguous rows only, the
+ * selector): a scale or bias row is 2 bytes, below cp.async's 4, so the
+ * entries of 8 tokens are copied as one aligned 16-byte piece (adjacent
+ * tokens 2 bytes apart and the four arrays alike modulo 16 bytes: the
+ * selector's kvc_one_group_rows). Token 0 of a head sits e0 entries into
+ * its piece (the address's), a warp's tiles start 64 tokens apart, so all
+ * of them sit so = (t0 + e0) % 8 entries into their first piece: a tile's
+ * 16 tokens span three pieces (two when so = 0), and token r of the tile is
+ * entry r + so of the slot's array. Lanes 0 .. 11 copy them: lane 3 x + p
+ * piece p of array x (K scales, K biases, V scales, V biases). */
+__device__ __forceinline__ int kvc_tcd_so(const kvc_args &a, int b, int hk, long long t0) {
+  const int e0 = (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
+  return (int)((t0 + e0) & 7);
+}
 template <int D>
 __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, long long t0) {
   constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
@@ -155,6 +175,18 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
   ld.vt = adv * V.ds[2];
   ld.st = adv * O.ss[2];
   ld.zt = adv * O.bs[2];
+  ld.ptok = 0, ld.pdst = 0;
+  if constexpr (D / KVC_TC_GROUP == 1) {
+    using Gm = kvc_tcd_geom<D>;
+    const int x = lane / 3, p = lane % 3, so = kvc_tcd_so(a, b, hk, t0);
+    const kvc_operand &X = x < 2 ? K : V;
+    const char *base = x % 2 ? X.biases : X.scales;
+    const long long *xs = x % 2 ? X.bs : X.ss;
+    ld.ptok = 8 * p - so;
+    ld.pdst = (x == 0 ? Gm::KS : x == 1 ? Gm::KB : x == 2 ? Gm::VS : Gm::VB) + 16 * p;
+    ld.s = base + b * xs[0] + hk * xs[1] + (t0 + ld.ptok) * 2; /* xs[2] == 2 */
+    ld.st = adv * 2;
+  }
   return ld;
 }
 
@@ -195,8 +227,10 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
         kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, kb + k * ld.kp, 16);
         kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, vb + k * ld.vp, 16);
       }
-      kvc_cp_async<Gm::SB>(so, sb, Gm::SB);
-      kvc_cp_async<Gm::SB>(zo, zb, Gm::SB);
+      if constexpr (Gm::G > 1) {
+        kvc_cp_async<Gm::SB>(so, sb, Gm::SB);
+        kvc_cp_async<Gm::SB>(zo, zb, Gm::SB);
+      }
     } else { /* contiguous rows only (a partial block tile takes the pair pattern) */
 #pragma unroll
       for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
@@ -205,9 +239,23 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
         kvc_cp_async<16>(slot + Gm::KD + row * Gm::RSK + 16 * col, ok ? kb + k * ld.kp : K.data, ok ? 16 : 0);
         kvc_cp_async<16>(slot + Gm::VD + row * Gm::RSV + 16 * col, ok ? vb + k * ld.vp : V.data, ok ? 16 : 0);
       }
-      const bool ok = t0 + ti < t_hi;
-      kvc_cp_async<Gm::SB>(so, ok ? sb : O.scales, ok ? Gm::SB : 0);
-      kvc_cp_async<Gm::SB>(zo, ok ? zb : O.biases, ok ? Gm::SB : 0);
+      if constexpr (Gm::G > 1) {
+        const bool ok = t0 + ti < t_hi;
+        kvc_cp_async<Gm::SB>(so, ok ? sb : O.scales, ok ? Gm::SB : 0);
+        kvc_cp_async<Gm::SB>(zo, ok ? zb : O.biases, ok ? Gm::SB : 0);
+      }
+    }
+    if constexpr (Gm::G == 1) { /* the 8-entry pieces (kvc_tcd_so) */
+      const long long nv = t_hi - (t0 + ld.ptok); /* entries of the piece before t_hi */
+      if (lane < 12 && ld.ptok < KVC_TCD_TOK) {
+        if (nv <= 0 || nv >= 8) {
+          kvc_cp_async<16>(slot + ld.pdst, nv > 0 ? ld.s : K.scales, nv > 0 ? 16 : 0);
+        } else { /* the piece that t_hi cuts (one per split): no read past t_hi, maybe the array's end */
+          const unsigned short *s16 = (const unsigned short *)ld.s;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) kvc_sts16(slot + ld.pdst + 2 * e, e < nv ? __ldg(s16 + e) : (unsigned short)0);
+        }
+      }
     }
   }
   if constexpr (!TBL) {
@@ -292,6 +340,8 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
 
   long long t_lo, t_hi;
   kvc_split_range(a, split, len, &t_lo, &t_hi);
+  /* one group per row: token r of each of this warp's tiles is entry r + so of the slot's scale arrays */
+  const int so = G == 1 ? kvc_tcd_so(a, b, hk, t_lo + (long long)warp * KVC_TCD_TOK) : 0;
   const int ntiles = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TCD_TOK - 1) / KVC_TCD_TOK) : 0;
   const int nmine = ntiles > warp ? (ntiles - warp + W - 1) / W : 0; /* tiles warp + W n */
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tcd_buf) + warp * Gm::WARP_BYTES;
@@ -416,8 +466,8 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
     for (int e = 0; e < 4; ++e) {
       const int nt = e >> 1, x = e & 1, tok = 8 * nt + 2 * t4 + x;
       float ks[MTK], kz[MTK], ss = 0.0f, sz = 0.0f;
-      kvc_tcd_row<G, GPT>(st + Gm::KS + tok * Gm::SB, gi, ks);
-      kvc_tcd_row<G, GPT>(st + Gm::KB + tok * Gm::SB, gi, kz);
+      kvc_tcd_row<G, GPT>(st + Gm::KS + (tok + so) * Gm::SB, gi, ks);
+      kvc_tcd_row<G, GPT>(st + Gm::KB + (tok + so) * Gm::SB, gi, kz);
 #pragma unroll
       for (int mt = 0; mt < MTK; ++mt) {
         ss = fmaf(ks[mt], (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
@@ -483,8 +533,8 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
       for (int e = 0; e < 4; ++e) {
         const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
         float sv[MTK], z[MTK];
-        kvc_tcd_row<G, GPT>(st + Gm::VS + tok * Gm::SB, gi, sv);
-        kvc_tcd_row<G, GPT>(st + Gm::VB + tok * Gm::SB, gi, z);
+        kvc_tcd_row<G, GPT>(st + Gm::VS + (tok + so) * Gm::SB, gi, sv);
+        kvc_tcd_row<G, GPT>(st + Gm::VB + (tok + so) * Gm::SB, gi, z);
 #pragma unroll
         for (int mt = 0; mt < MTK; ++mt) {
           r[mt][e] = vis[e] ? p[e] * sv[mt] : 0.0f;
@@ -506,15 +556,17 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
       const int tok = 2 * t4 + (x & 1) + 8 * (x >> 1);
       uint32_t *dst = x == 0 ? wa : x == 1 ? wb : x == 2 ? wc : wd;
       const unsigned char *vr = st + Gm::VD + tok * Gm::RSV;
-      if (SPREAD) { /* word 8 wj + g: group wj */
+      if constexpr (SPREAD) { /* word 8 wj + g: group wj */
 #pragma unroll
         for (int wj = 0; wj < WV; ++wj) dst[wj] = *(const uint32_t *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, wj));
-      } else if (WV == 4) { /* words 4 g ..: one 16-byte load */
+      } else if constexpr (WV == 4) { /* words 4 g ..: one 16-byte load */
         const uint4 u = *(const uint4 *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, 0));
         dst[0] = u.x, dst[1] = u.y, dst[2] = u.z, dst[3] = u.w;
-      } else {
+      } else if constexpr (WV == 2) {
         const uint2 u = *(const uint2 *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, 0));
         dst[0] = u.x, dst[1] = u.y;
+      } else { /* D = 64: word g */
+        dst[0] = *(const uint32_t *)(vr + 4 * kvc_tcd_word<D, SPREAD>(g, 0));
       }
     }
 #pragma unroll
@@ -597,9 +649,11 @@ __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(
 /* (D, groups per S m-tile, BLOCK_TABLE rows) */
 #define KVC_TCD_INSTANCES(X)                                                                       \
   X(256, 4, false) X(256, 2, false) X(256, 1, false) X(256, 4, true) X(256, 2, true) X(256, 1, true) \
-  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true)
+  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true) X(64, 1, false)
 
-int kvc_tcd_smem(int D) { return D == 256 ? kvc_tcd_geom<256>::TOTAL : kvc_tcd_geom<128>::TOTAL; }
+int kvc_tcd_smem(int D) {
+  return D == 256 ? kvc_tcd_geom<256>::TOTAL : D == 128 ? kvc_tcd_geom<128>::TOTAL : kvc_tcd_geom<64>::TOTAL;
+}
 
 /* Groups per S m-tile for q <= 8 query vectors per KV head at head dim D:
  * all G while q G <= 8 (one S m-tile, one B for P.V), else G / 2 while

@@ -60,7 +60,7 @@ struct kvc_state {
   int tc_occupancy[4][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
                                           [8, 32, 48 vectors, 8 and 32 with the compiled group size] */
   int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
-  int tcd_occupancy[2][3][2];           /* resident per-warp decode blocks per SM by [D / 128 - 1][log2 gpt][table] */
+  int tcd_occupancy[3][3][2];           /* resident per-warp decode blocks per SM by [head dim 128, 256, 64][log2 gpt][table] */
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_occupancy[2], wg_smem[2];      /* its resident blocks per SM by [D / 128 - 1], for that shared memory */
@@ -344,10 +344,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int di = kvc_tc_dim_index(p, &tcf);
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
-      (p->Dk == 128 || p->Dk == 256) &&
+      (p->Dk == 128 || p->Dk == 256 || (p->Dk == 64 && kv->layout != KVA_LAYOUT_BLOCK_TABLE)) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
       p->B * p->KVH * p->N >= tcd_min) {
-    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 128 / 256: the
+    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 128 / 256, and
+     * 64 over contiguous rows (one group per row: kvc_tc_dim_index checked kvc_one_group_rows): the
      * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
      * stage max or P round trip per stage) */
     pl.fmt = KVC_Q4;
@@ -359,7 +360,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     int per_sm = 1;
     if (st) {
       const int tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
-      int *slot = &st->tcd_occupancy[p->Dk == 256][kvc_log2(gpt)][tbl];
+      int *slot = &st->tcd_occupancy[p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2][kvc_log2(gpt)][tbl];
       if (*slot == 0) *slot = kvc_tcd_occupancy((int)p->Dk, gpt, tbl);
       per_sm = *slot > 0 ? *slot : 1;
     }
