@@ -903,6 +903,12 @@ TEST(cuda_q4_tcd_path) {
       {{2, 8, 4, 1, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
       {{2, 24, 4, 1, 1000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 250, 0, 1, 1, 0}, 16},
       {{1, 8, 4, 4, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64},
+      /* head dim 64 (one group per row: 8-entry scale pieces, each in one
+       * block): blocks 16, 8, 24 (the division) and 64, windows, ragged */
+      {{2, 32, 8, 1, 1100, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{2, 16, 4, 2, 900, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 250, 0, 1, 1, 0}, 8},
+      {{2, 14, 2, 1, 1000, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 24},
+      {{1, 8, 4, 1, 1300, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 700, 0, 0, 0, 0}, 64},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
   kva_context *ctx;

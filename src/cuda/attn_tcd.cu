@@ -140,22 +140,24 @@ struct kvc_tcd_loader {
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
   int ptok, pdst;            /* one group per row: this lane's piece's first token - t0, its slot offset */
 };
-/* One group per row (D = 64 with group 64; contiguous rows only, the
- * selector): a scale or bias row is 2 bytes, below cp.async's 4, so the
- * entries of 8 tokens are copied as one aligned 16-byte piece (adjacent
- * tokens 2 bytes apart and the four arrays alike modulo 16 bytes: the
- * selector's kvc_one_group_rows). Token 0 of a head sits e0 entries into
- * its piece (the address's), a warp's tiles start 64 tokens apart, so all
- * of them sit so = (t0 + e0) % 8 entries into their first piece: a tile's
- * 16 tokens span three pieces (two when so = 0), and token r of the tile is
- * entry r + so of the slot's array. Lanes 0 .. 11 copy them: lane 3 x + p
- * piece p of array x (K scales, K biases, V scales, V biases). */
-__device__ __forceinline__ int kvc_tcd_so(const kvc_args &a, int b, int hk, long long t0) {
-  const int e0 = (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
+/* One group per row (D = 64 with group 64): a scale or bias row is 2
+ * bytes, below cp.async's 4, so the entries of 8 tokens are copied as one
+ * aligned 16-byte piece (the selector's kvc_one_group_rows: adjacent tokens
+ * 2 bytes apart; contiguous rows: the four arrays alike modulo 16 bytes;
+ * block tables: blocks of a multiple of 8 tokens, 16-byte aligned block and
+ * head starts, so no piece spans two blocks). Token 0 of a head sits e0
+ * entries into its piece (contiguous: the address's; tables: the first
+ * offset fo), a warp's tiles start 64 tokens apart, so all of them sit so =
+ * (t0 + e0) % 8 entries into their first piece: a tile's 16 tokens span
+ * three pieces (two when so = 0), and token r of the tile is entry r + so
+ * of the slot's array. Lanes 0 .. 11 copy them: lane 3 x + p piece p of
+ * array x (K scales, K biases, V scales, V biases). */
+__device__ __forceinline__ int kvc_tcd_so(const kvc_args &a, int b, int hk, int fo, long long t0) {
+  const int e0 = a.k.tbl ? fo : (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
   return (int)((t0 + e0) & 7);
 }
 template <int D>
-__device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, long long t0) {
+__device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, int fo, long long t0) {
   constexpr int CPR = D / 32, RPI = KVC_WARP / CPR;
   const int lane = threadIdx.x % KVC_WARP, row = lane / CPR, col = lane % CPR, ti = lane % KVC_TCD_TOK;
   const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? a.k : a.v;
@@ -178,13 +180,13 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
   ld.ptok = 0, ld.pdst = 0;
   if constexpr (D / KVC_TC_GROUP == 1) {
     using Gm = kvc_tcd_geom<D>;
-    const int x = lane / 3, p = lane % 3, so = kvc_tcd_so(a, b, hk, t0);
+    const int x = lane / 3, p = lane % 3, so = kvc_tcd_so(a, b, hk, fo, t0);
     const kvc_operand &X = x < 2 ? K : V;
     const char *base = x % 2 ? X.biases : X.scales;
     const long long *xs = x % 2 ? X.bs : X.ss;
     ld.ptok = 8 * p - so;
     ld.pdst = (x == 0 ? Gm::KS : x == 1 ? Gm::KB : x == 2 ? Gm::VS : Gm::VB) + 16 * p;
-    ld.s = base + b * xs[0] + hk * xs[1] + (t0 + ld.ptok) * 2; /* xs[2] == 2 */
+    ld.s = base + b * xs[0] + hk * xs[1] + (t0 + ld.ptok) * 2; /* xs[2] == 2; tables: set per tile */
     ld.st = adv * 2;
   }
   return ld;
@@ -245,16 +247,27 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
         kvc_cp_async<Gm::SB>(zo, ok ? zb : O.biases, ok ? Gm::SB : 0);
       }
     }
-    if constexpr (Gm::G == 1) { /* the 8-entry pieces (kvc_tcd_so) */
-      const long long nv = t_hi - (t0 + ld.ptok); /* entries of the piece before t_hi */
-      if (lane < 12 && ld.ptok < KVC_TCD_TOK) {
-        if (nv <= 0 || nv >= 8) {
-          kvc_cp_async<16>(slot + ld.pdst, nv > 0 ? ld.s : K.scales, nv > 0 ? 16 : 0);
-        } else { /* the piece that t_hi cuts (one per split): no read past t_hi, maybe the array's end */
-          const unsigned short *s16 = (const unsigned short *)ld.s;
+  }
+  if constexpr (Gm::G == 1) { /* the 8-entry pieces (kvc_tcd_so) */
+    const long long tp = t0 + ld.ptok, nv = t_hi - tp; /* the piece's first token; its entries before t_hi */
+    const char *src = ld.s;
+    if constexpr (TBL) { /* the piece's block: that of its first token in the tile (lane 2 off's id) */
+      const int off = ld.ptok > 0 ? ld.ptok : 0;
+      const int pid = __shfl_sync(KVC_FULL_MASK, id, 2 * off); /* off < 16 */
+      const int x = lane / 3;
+      const kvc_operand &X = x < 2 ? K : V;
+      const long long r = tp + fo; /* >= 0: so <= t0 + fo */
+      const kvc_loc l = kvc_loc_of(pid, r, kvc_table_col(r, K.bsz, K.bsh), K.bsz, K.nblk);
+      src = x % 2 ? X.biases + l.outer * X.bs[0] + hk * X.bs[1] + l.row * 2
+                  : X.scales + l.outer * X.ss[0] + hk * X.ss[1] + l.row * 2;
+    }
+    if (lane < 12 && ld.ptok < KVC_TCD_TOK) {
+      if (nv <= 0 || nv >= 8) {
+        kvc_cp_async<16>(slot + ld.pdst, nv > 0 ? src : K.scales, nv > 0 ? 16 : 0);
+      } else { /* the piece that t_hi cuts (one per split): no read past t_hi, maybe the array's end */
+        const unsigned short *s16 = (const unsigned short *)src;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) kvc_sts16(slot + ld.pdst + 2 * e, e < nv ? __ldg(s16 + e) : (unsigned short)0);
-        }
+        for (int e = 0; e < 8; ++e) kvc_sts16(slot + ld.pdst + 2 * e, e < nv ? __ldg(s16 + e) : (unsigned short)0);
       }
     }
   }
@@ -280,8 +293,10 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
       kvc_cp_async<16>(kd + 32 * j, ok ? kr + 32 * j : K.data, ok ? 16 : 0);
       kvc_cp_async<16>(vd + 32 * j, ok ? vr + 32 * j : V.data, ok ? 16 : 0);
     }
-    kvc_cp_async<Gm::SB>(so, ok ? sr : O.scales, ok ? Gm::SB : 0);
-    kvc_cp_async<Gm::SB>(zo, ok ? zr : O.biases, ok ? Gm::SB : 0);
+    if constexpr (Gm::G > 1) {
+      kvc_cp_async<Gm::SB>(so, ok ? sr : O.scales, ok ? Gm::SB : 0);
+      kvc_cp_async<Gm::SB>(zo, ok ? zr : O.biases, ok ? Gm::SB : 0);
+    }
   }
 }
 
@@ -341,7 +356,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   long long t_lo, t_hi;
   kvc_split_range(a, split, len, &t_lo, &t_hi);
   /* one group per row: token r of each of this warp's tiles is entry r + so of the slot's scale arrays */
-  const int so = G == 1 ? kvc_tcd_so(a, b, hk, t_lo + (long long)warp * KVC_TCD_TOK) : 0;
+  const int so = G == 1 ? kvc_tcd_so(a, b, hk, fo, t_lo + (long long)warp * KVC_TCD_TOK) : 0;
   const int ntiles = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TCD_TOK - 1) / KVC_TCD_TOK) : 0;
   const int nmine = ntiles > warp ? (ntiles - warp + W - 1) / W : 0; /* tiles warp + W n */
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(kvc_tcd_buf) + warp * Gm::WARP_BYTES;
@@ -351,7 +366,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   /* prologue: the first NS - 1 tiles in flight (one commit group each); the
    * block ids of each tile loaded before its copies, the next one's ahead */
   int nid = 0;
-  kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, KVC_TCD_T0(0));
+  kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, fo, KVC_TCD_T0(0));
 #pragma unroll
   for (int n = 0; n < NS - 1; ++n) {
     const int id = TBL && n < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(n), t_hi) : 0;
@@ -649,7 +664,7 @@ __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(
 /* (D, groups per S m-tile, BLOCK_TABLE rows) */
 #define KVC_TCD_INSTANCES(X)                                                                       \
   X(256, 4, false) X(256, 2, false) X(256, 1, false) X(256, 4, true) X(256, 2, true) X(256, 1, true) \
-  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true) X(64, 1, false)
+  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true) X(64, 1, false) X(64, 1, true)
 
 int kvc_tcd_smem(int D) {
   return D == 256 ? kvc_tcd_geom<256>::TOTAL : D == 128 ? kvc_tcd_geom<128>::TOTAL : kvc_tcd_geom<64>::TOTAL;

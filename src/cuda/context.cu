@@ -344,11 +344,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int di = kvc_tc_dim_index(p, &tcf);
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
-      (p->Dk == 128 || p->Dk == 256 || (p->Dk == 64 && kv->layout != KVA_LAYOUT_BLOCK_TABLE)) &&
+      (p->Dk == 64 || p->Dk == 128 || p->Dk == 256) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
       p->B * p->KVH * p->N >= tcd_min) {
-    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 128 / 256, and
-     * 64 over contiguous rows (one group per row: kvc_tc_dim_index checked kvc_one_group_rows): the
+    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 64 (one group
+     * per row: kvc_tc_dim_index checked kvc_one_group_rows), 128 and 256: the
      * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
      * stage max or P round trip per stage) */
     pl.fmt = KVC_Q4;
