@@ -1,13 +1,15 @@
 /* Per-warp q4 decode kernel ("tcd"): bf16 queries, 4-bit MLX-affine K and V
  * with bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D
- * in {128, 256}, up to 8 query vectors per KV head (rep * L: decode and
+ * in {64, 128, 256} (at 64 one group per row: kvc_tcd_so), up to 8 query
+ * vectors per KV head (rep * L: decode and
  * short verify), causal-family masks, softcap, sinks;
  * contiguous or BLOCK_TABLE rows (paged views). The selector (context.cu)
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
  * below, this kernel's per-block fixed cost loses); splits are merged by the
  * same merge launch (attn_merge.cu). H200, against the narrow kernel
- * (BENCHMARKS.md): 8/4/256 128k 67.1 -> 62.4 us, B = 16 32k 208.8 -> 178.0,
+ * (BENCHMARKS.md): 32/8/64 B = 16 32k 247.4 -> 157.6 us, paged/16 303.7 ->
+ * 227.3; 8/4/256 128k 67.1 -> 62.4 us, B = 16 32k 208.8 -> 178.0,
  * 32/8/128 B = 16 32k 298.5 -> 210.5, paged/16 368.6 -> 296.9 (and to
  * 259 with the pair copies below); 8/4/256 paged/16 B = 16 261 -> 205.
  *
@@ -67,10 +69,11 @@
  *         Tests compare at the bf16 allowance (P, V rounding 2^-9).
  *   launch: grid (1, nsplit, B * KVH), KVC_TCD_WARPS warps per block, warp w
  *         takes tiles w, w + 4, ... of the split's chunk; dynamic shared
- *         memory kvc_tcd_smem() (90,272 bytes at D = 256, 51,296 at 128);
- *         2 blocks (8 warps) per SM at D = 256 by registers (~200) and
- *         memory, 3 at D = 128 (H200: 3 slots and 3 blocks at D = 256, or 4
- *         blocks at D = 128, measured no faster). */
+ *         memory kvc_tcd_smem() (90,272 bytes at D = 256, 51,296 at 128,
+ *         29,760 at 64); 2 blocks (8 warps) per SM at D = 256 by registers
+ *         (~200) and memory, 3 at D = 128, 4 at 64 (~120 registers) (H200:
+ *         3 slots and 3 blocks at D = 256, or 4 blocks at D = 128, measured
+ *         no faster). */
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_emit */
 #include "cuda/launch.cuh"
 #include "cuda/mma.cuh"
