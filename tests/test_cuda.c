@@ -461,6 +461,13 @@ TEST(cuda_q4_wg_path) {
       {2, 12, 2, 3, 333, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 0, 0, 0},
       /* one group per row (group 128 at D = 128), odd length, ragged */
       {2, 24, 4, 8, 1001, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      /* head dim 64 (one 64-dim tile chunk; half the threads convert): one
+       * group per row at 16 vectors; window, softcap, sinks, ragged at 48;
+       * group 32, strided, 64 vectors; 80 vectors (two blocks), ragged */
+      {1, 32, 8, 4, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 8, 501, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 20.0f, 1, 1, 0},
+      {1, 16, 2, 8, 400, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {2, 40, 2, 4, 333, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
   };
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
   run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");
@@ -572,6 +579,7 @@ TEST(cuda_tc_unseen_nan) {
   static const att_case wc[] = {
       {3, 24, 4, 8, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {2, 24, 4, 8, 700, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_WINDOW, 130, 0, 0, 1, 0},
+      {2, 24, 4, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 130, 0, 0, 1, 0},
   };
   static const att_case dc[] = {
       {3, 8, 4, 1, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 0, 0, 1, 0},

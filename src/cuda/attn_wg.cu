@@ -1,6 +1,6 @@
 /* Warpgroup verify kernel ("wg", Hopper wgmma): bf16 queries, 4-bit
  * MLX-affine K/V with bf16 scales and biases (1 to 8 groups per row, as the
- * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {128, 256}, up
+ * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {64, 128, 256}, up
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
  * wide GQA); the causal mask with or without a window (no image segments,
@@ -118,8 +118,9 @@ __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const 
     const unsigned char *sr = slot + (op ? L.vs : L.ks) + r * ng * 2, *zr = slot + (op ? L.vb : L.kb) + r * ng * 2;
     unsigned char *dst = (op ? vt : kt) + r * 128;
 #pragma unroll
-    for (int i = 0; i < D / 128; ++i) {
+    for (int i = 0; i < (D + 127) / 128; ++i) {
       const int c = c0 + 4 * i; /* piece: dims 32 c .. 32 c + 31 */
+      if (D < 128 && c >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
       const uint4 w = *(const uint4 *)(row + 16 * c);
       const int gi = ((32 * c) >> gsh) + so; /* its scale entry */
       const uint32_t s1 = kvc_lds16(sr + 2 * gi), z1 = kvc_lds16(zr + 2 * gi);
@@ -444,7 +445,7 @@ template <int D, bool T> static cudaError_t kvc_wg_prepare(void) {
   return cudaFuncSetAttribute(kvc_wg_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_TC_SMEM_MAX);
 }
 /* (head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
-#define KVC_WG_INSTANCES(X) X(128, false) X(128, true) X(256, false) X(256, true)
+#define KVC_WG_INSTANCES(X) X(64, false) X(64, true) X(128, false) X(128, true) X(256, false) X(256, true)
 
 /* Both layouts' instances get the limit; their residency is the same (one
  * block per SM: shared memory at D = 256, registers at 128). */
@@ -458,7 +459,8 @@ template <int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) {
 int kvc_wg_occupancy(int D, int smem) {
   int n = 0;
   if (!kvc_wg_compiled()) return 0;
-  const cudaError_t e = D == 128   ? kvc_wg_occupancy_d<128>(&n, smem)
+  const cudaError_t e = D == 64    ? kvc_wg_occupancy_d<64>(&n, smem)
+                        : D == 128 ? kvc_wg_occupancy_d<128>(&n, smem)
                         : D == 256 ? kvc_wg_occupancy_d<256>(&n, smem)
                                    : cudaErrorInvalidValue;
   if (e != cudaSuccess) {

@@ -63,7 +63,7 @@ struct kvc_state {
   int tcd_occupancy[3][3][2];           /* resident per-warp decode blocks per SM by [head dim 128, 256, 64][log2 gpt][table] */
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
-  int wg_occupancy[2], wg_smem[2];      /* its resident blocks per SM by [D / 128 - 1], for that shared memory */
+  int wg_occupancy[3], wg_smem[3];      /* its resident blocks per SM by [head dim 128, 256, 64], for that shared memory */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -367,13 +367,13 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     kvc_plan_splits(&pl, p, p->B * p->KVH, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
-  if (di >= 0 && tcf == KVC_Q4 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q && (p->Dk == 128 || p->Dk == 256) &&
+  if (di >= 0 && tcf == KVC_Q4 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
       p->mask.kind == KVA_MASK_CAUSAL && !p->mask.segments.data) {
     /* q4 verify-sized calls (and wide GQA) on Hopper, causal without image segments:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
      * 64 query vectors per block) when its shared memory fits */
     const int smem = kvc_wg_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size));
-    const int wi = p->Dk == 256;
+    const int wi = p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2;
     if (smem <= KVC_TC_SMEM_MAX) {
       if (st->wg_smem[wi] != smem) {
         st->wg_occupancy[wi] = kvc_wg_occupancy((int)p->Dk, smem);
