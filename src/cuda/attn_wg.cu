@@ -144,7 +144,7 @@ __device__ __forceinline__ void kvc_wg_sync(int wg) {
 }
 
 template <int D, bool TBL>
-__global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg_kernel(const kvc_args a) {
+__global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) kvc_wg_kernel(const kvc_args a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NC = D / 64, KS = D / 16;
   extern __shared__ unsigned char kvc_wg_buf[];
