@@ -23,7 +23,9 @@
  *         in flight); each is converted once per element into bf16 K and V
  *         tiles (double buffered). Each K/V byte is read from DRAM once per
  *         block of up to 64 query vectors. Shared memory ~224 KB at D = 256
- *         (one block per SM), ~119 KB at 128.
+ *         (one block per SM), ~119 KB at 128, ~65 KB at 64 (two blocks per
+ *         SM: the registers capped at 128 there; one block measured 37 %
+ *         slower, 212.7 against 154.8 us for 32/8/64 L = 8 B = 4 32k).
  *   bf16 tiles: [D / 64 column chunks][64 rows][128 B], the 16-byte unit u
  *         of row r stored at u ^ (r % 8): the 128-byte swizzle of wgmma
  *         descriptors (tile bases 1024-byte aligned). K and V tiles have
@@ -448,7 +450,7 @@ template <int D, bool T> static cudaError_t kvc_wg_prepare(void) {
 #define KVC_WG_INSTANCES(X) X(64, false) X(64, true) X(128, false) X(128, true) X(256, false) X(256, true)
 
 /* Both layouts' instances get the limit; their residency is the same (one
- * block per SM: shared memory at D = 256, registers at 128). */
+ * block per SM: shared memory at D = 256, registers at 128; two at 64). */
 template <int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) {
   cudaError_t e = kvc_wg_prepare<D, false>();
   if (e == cudaSuccess) e = kvc_wg_prepare<D, true>();

@@ -33,7 +33,7 @@
                                         never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5
                                         us against 17.0, 32k B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k
                                         62.4 against 67.1) */
-#define KVC_WG_MIN_Q 17              /* q4 at head dims 128 / 256 on the warpgroup verify kernel from this many
+#define KVC_WG_MIN_Q 17              /* q4 at head dims 64 / 128 / 256 on the warpgroup verify kernel from this many
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never). H200, L = 8 against
                                         the narrow / wide kernels: 48 vectors (24/4/256) 128k 239 -> 171 us,
