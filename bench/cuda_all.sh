@@ -87,6 +87,10 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-q8-b16 240 $KB --preset gemma3-4b,llama3-8b --ctx 32k --batch 16 --rows 1 --kv q8
     run kvbench-llama 240 $KB --preset llama3-8b --ctx 32k --batch 16 --rows 1 --kv bf16,q4
     run kvbench-llama-paged 240 $KB --preset llama3-8b --ctx 32k --batch 16 --rows 1 --kv bf16,q4 --layout paged --block 16
+    # head dim 64 (Llama-3.2-1B / 3B class: MLX's group 64 is one group per row): decode and verify, q4 and q8, paged
+    run kvbench-d64 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 16 --rows 1 --kv q4,q8,bf16
+    run kvbench-d64-verify 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 4 --rows 8 --kv q4,bf16
+    run kvbench-d64-paged 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 16
     # the pool's scatter apart from the kernel: the same paged cases with each sequence's blocks in order
     run kvbench-paged-inorder 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged \
       --block 16 --block-order sequential
