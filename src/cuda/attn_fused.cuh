@@ -150,7 +150,7 @@ __device__ __forceinline__ float kvc_byte_float(uint32_t w, int y) {
 template <int FMT, int E>
 __device__ __forceinline__ void kvc_decode_codes(const kvc_chunk<FMT, E> &ch, float (&x)[E]) {
   constexpr int QB = kvc_fmt_traits<FMT>::QBITS;
-  if (QB == 8 || QB == 4) {
+  if constexpr (QB == 8 || QB == 4) {
     /* codes byte by byte: PRMT puts a code byte under the 2^23 exponent */
 #pragma unroll
     for (int k = 0; k < kvc_chunk<FMT, E>::WORDS; ++k) {
@@ -167,17 +167,17 @@ __device__ __forceinline__ void kvc_decode_codes(const kvc_chunk<FMT, E> &ch, fl
         }
       }
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    if (FMT == KVC_F32) x[e] = __uint_as_float(ch.w[e]);
-    else if (FMT == KVC_F16) x[e] = kvc_f16_bits((ch.w[e / 2] >> (16 * (e % 2))) & 0xffffu);
-    else if (FMT == KVC_BF16)
-      x[e] = __uint_as_float(e % 2 ? (ch.w[e / 2] & 0xffff0000u) : (ch.w[e / 2] << 16));
-    else {
-      const uint32_t code = (ch.w[(e * QB) / 32] >> ((e * QB) % 32)) & ((1u << QB) - 1u);
-      x[e] = kvc_code_float(code);
+    for (int e = 0; e < E; ++e) {
+      if (FMT == KVC_F32) x[e] = __uint_as_float(ch.w[e]);
+      else if (FMT == KVC_F16) x[e] = kvc_f16_bits((ch.w[e / 2] >> (16 * (e % 2))) & 0xffffu);
+      else if (FMT == KVC_BF16)
+        x[e] = __uint_as_float(e % 2 ? (ch.w[e / 2] & 0xffff0000u) : (ch.w[e / 2] << 16));
+      else {
+        const uint32_t code = (ch.w[(e * QB) / 32] >> ((e * QB) % 32)) & ((1u << QB) - 1u);
+        x[e] = kvc_code_float(code);
+      }
     }
   }
 }
