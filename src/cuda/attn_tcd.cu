@@ -124,7 +124,7 @@ template <int D> struct kvc_tcd_geom {
  *   (running pointers: a tile costs its cp.async and four pointer
  *   additions), and at D = 256 BLOCK_TABLE tiles that lie in one block (one
  *   base per tile, from the block id of the tile's first token).
- * - pair (BLOCK_TABLE rows at D = 128, and tiles across blocks at 256):
+ * - pair (BLOCK_TABLE rows at D = 64 and 128, and tiles across blocks at 256):
  *   lane l takes token r = l / 2, the pair (2 r, 2 r + 1) its K and V rows
  *   (lane h = l % 2 the pieces 2 j + h: a warp instruction covers 32 whole
  *   32-byte sectors), even lanes its K scale and bias rows, odd lanes the V
