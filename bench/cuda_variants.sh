@@ -6,7 +6,10 @@
 #   bash bench/cuda_variants.sh build/variants.tgz   (or .txz: xz packs ~25 % smaller)
 # The tarball holds <name>/kvattn and <name>/kvattn_tests per variant (the
 # names sort into the run order). For each variant: the GPU tests in TESTS
-# (default: the tensor-core and block-table cases), racecheck on RACE (one
+# (default: the tensor-core and block-table cases; a variant may also be one
+# build run with other flags: a folder whose `kvattn` is a shell script
+# exec'ing another variant's binary with extra arguments, e.g.
+# `--cuda-flush memset`), racecheck on RACE (one
 # test; empty to skip); then ROUNDS (default 2) rounds over the variants of
 # the bench lines in BENCH (a file of `kvattn bench` argument lines; default
 # below), alternated so that drift in the machine hits every variant alike.
