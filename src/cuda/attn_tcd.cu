@@ -156,6 +156,7 @@ struct kvc_tcd_loader {
  * of the slot's array. Lanes 0 .. 11 copy them: lane 3 x + p piece p of
  * array x (K scales, K biases, V scales, V biases). */
 __device__ __forceinline__ int kvc_tcd_so(const kvc_args &a, int b, int hk, int fo, long long t0) {
+  /* e0 as kvc_tc_e0 of tc_stage.cuh (the tensor-core kernels' stage loader) computes it */
   const int e0 = a.k.tbl ? fo : (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
   return (int)((t0 + e0) & 7);
 }
