@@ -86,11 +86,10 @@ __device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op,
  * loads stay straight-line code). */
 template <int FMT, int E, bool TABLE>
 __device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_lane_rows &r, const kvc_operand &op,
-                                               int b, long long t) {
+                                               const kvc_loc &l, long long t) {
   typedef kvc_chunk<FMT, E> C;
   long long od = t * r.ds, os = t * r.ss, ob = t * r.bs;
   if (TABLE) {
-    const kvc_loc l = kvc_table_loc(op.tbl + b * op.tbl_rs, r.fo, op.bsz, op.bsh, op.nblk, t);
     od = l.outer * op.ds[0] + l.row * r.ds;
     os = l.outer * op.ss[0] + l.row * r.ss;
     ob = l.outer * op.bs[0] + l.row * r.bs;
@@ -382,8 +381,11 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       st.valid[u] = st.t[u] < t_hi;
       kvc_zero_chunk(st.k[u]);
       kvc_zero_chunk(st.v[u]);
-      if (st.valid[u] && kact) kvc_load_chunk<FMT, E, TB>(st.k[u], krows, a.k, b, st.t[u]);
-      if (st.valid[u] && vact) kvc_load_chunk<FMT, E, TB>(st.v[u], vrows, a.v, b, st.t[u]);
+      kvc_loc l = {0, 0};
+      if (TB && st.valid[u]) /* K and V rows share the table (and its first offsets): one lookup */
+        l = kvc_table_loc(a.k.tbl + b * a.k.tbl_rs, krows.fo, a.k.bsz, a.k.bsh, a.k.nblk, st.t[u]);
+      if (st.valid[u] && kact) kvc_load_chunk<FMT, E, TB>(st.k[u], krows, a.k, l, st.t[u]);
+      if (st.valid[u] && vact) kvc_load_chunk<FMT, E, TB>(st.v[u], vrows, a.v, l, st.t[u]);
     }
   };
   /* Logits, online softmax and P.V of one loaded step. */
