@@ -77,6 +77,7 @@
 #include "cuda/attn_fused.cuh" /* kvc_exp2, kvc_emit */
 #include "cuda/launch.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tc_stage.cuh" /* kvc_tc_e0, kvc_tc_so: where one-group-per-row scale pieces start */
 
 #define KVC_TCD_TOK 16     /* tokens per warp tile */
 /* build-time knobs for experiments (-D...): */
@@ -156,9 +157,7 @@ struct kvc_tcd_loader {
  * of the slot's array. Lanes 0 .. 11 copy them: lane 3 x + p piece p of
  * array x (K scales, K biases, V scales, V biases). */
 __device__ __forceinline__ int kvc_tcd_so(const kvc_args &a, int b, int hk, int fo, long long t0) {
-  /* e0 as kvc_tc_e0 of tc_stage.cuh (the tensor-core kernels' stage loader) computes it */
-  const int e0 = a.k.tbl ? fo : (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
-  return (int)((t0 + e0) & 7);
+  return (int)((t0 + kvc_tc_e0(a, b, hk, fo)) & 7); /* e0: the tensor-core kernels' rule (tc_stage.cuh) */
 }
 template <int D>
 __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, int b, int hk, int fo, long long t0) {
