@@ -84,7 +84,8 @@ size_t kva_dtype_size(kva_dtype dt);
 const char *kva_dtype_name(kva_dtype dt);
 
 #define KVA_MAX_DIMS 4
-/* A strided view of memory. stride[] in bytes; stride[ndim-1] == element size. */
+/* A strided view of memory. stride[] in bytes, each a multiple of the element
+ * size; stride[ndim-1] == element size; a view spans less than 2^62 bytes. */
 typedef struct kva_tensor {
   void *data;
   kva_dtype dtype;

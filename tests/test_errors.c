@@ -101,6 +101,9 @@ TEST(errors_strides_and_pointers) {
   c.out.stride[1] = c.out.stride[2];     EXPECT_BAD(&c, KVA_ESTRIDE, "out: stride[");
   c.view.k.data.stride[2] = 0;           EXPECT_BAD(&c, KVA_ESTRIDE, "k.data.stride[2] = 0");
   c.view.v.scales.stride[0] = -4;        EXPECT_BAD(&c, KVA_ESTRIDE, "v.scales.stride[0]");
+  c.q.stride[1] += 2;                    EXPECT_BAD(&c, KVA_ESTRIDE, "not a multiple of the element size 4");
+  c.view.k.data.stride[0] = (int64_t)1 << 62; EXPECT_BAD(&c, KVA_ESHAPE, "k.data spans 2^62 bytes or more");
+  c.view.v.data.shape[2] = INT64_MAX;    EXPECT_BAD(&c, KVA_ESHAPE, "v.data spans 2^62 bytes or more");
   c.q.data = NULL;                       EXPECT_BAD(&c, KVA_EINVAL, "q.data is NULL");
   c.view.v.biases.data = NULL;           EXPECT_BAD(&c, KVA_EINVAL, "v.biases.data is NULL");
   c.out.data = c.q.data;                 EXPECT_BAD(&c, KVA_EINVAL, "out overlaps q");

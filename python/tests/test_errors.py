@@ -111,6 +111,10 @@ def test_bad_strides(ops):
     raises(att(o, out=ro), r"out is read-only")
     raises(att(o, out=o["q"]), r"out overlaps q")
     raises(att(o, out=np.broadcast_to(np.empty(D, np.float32), (B, H, L, D))), r"out")
+    buf = np.zeros(k.nbytes + 64, np.uint8)  # rows 2 bytes off their f32 alignment
+    odd = np.lib.stride_tricks.as_strided(buf.view(np.float32), shape=k.shape,
+                                          strides=k.strides[:2] + (D * 4 + 2, 4))
+    raises(att(o, k=odd), r"k\.data\.stride\[2\] = 258 is not a multiple of the element size 4")
 
 
 def test_empty_dims(ops):

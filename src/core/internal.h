@@ -49,6 +49,7 @@ static inline char *kva_at4(const kva_tensor *t, int64_t i0, int64_t i1, int64_t
  * innermost dim, and (unless allow_broadcast) non-overlapping strides. `name`
  * names the argument in the error message. */
 #define KVA_DT(x) (1u << (x))
+#define KVA_MAX_SPAN ((int64_t)1 << 62) /* bytes a tensor view may span (kva_check_tensor) */
 #define KVA_DT_FLOAT (KVA_DT(KVA_F32) | KVA_DT(KVA_F16) | KVA_DT(KVA_BF16))
 int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int ndim,
                      bool allow_broadcast);

@@ -115,10 +115,25 @@ int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int
   if (t->stride[t->ndim - 1] != es && !(allow_broadcast && t->stride[t->ndim - 1] == 0))
     return kva_seterr(KVA_ESTRIDE, "%s: innermost stride %lld must equal the element size %lld",
                       name, (long long)t->stride[t->ndim - 1], (long long)es);
-  for (int d = 0; d < t->ndim; ++d)
+  for (int d = 0; d < t->ndim; ++d) {
     if (t->stride[d] < 0 || (!allow_broadcast && t->stride[d] == 0 && t->shape[d] > 1))
       return kva_seterr(KVA_ESTRIDE, "%s.stride[%d] = %lld is not allowed", name, d,
                         (long long)t->stride[d]);
+    if (t->stride[d] % es) /* elements stay aligned to their size */
+      return kva_seterr(KVA_ESTRIDE, "%s.stride[%d] = %lld is not a multiple of the element size %lld", name, d,
+                        (long long)t->stride[d], (long long)es);
+  }
+  /* The bytes the view spans, checked against overflow: no real view spans
+   * 2^62 bytes or more (a larger shape or stride is a corrupted descriptor,
+   * and the sums below must not wrap). */
+  int64_t span = es;
+  for (int d = 0; d < t->ndim; ++d) {
+    const int64_t n1 = t->shape[d] - 1;
+    if (n1 > 0 && t->stride[d] > (KVA_MAX_SPAN - span) / n1)
+      return kva_seterr(KVA_ESHAPE, "%s spans 2^62 bytes or more (shape[%d] = %lld, stride[%d] = %lld)", name, d,
+                        (long long)t->shape[d], d, (long long)t->stride[d]);
+    span += t->stride[d] * n1;
+  }
   if (allow_broadcast) return 0;
   /* Non-overlap: sort dims (shape > 1) by stride; each stride must cover the
    * extent of all smaller-stride dims. */
