@@ -268,3 +268,120 @@ void att_plant_unseen(att_data *d) {
       }
   }
 }
+
+void att_plant_last_v(att_data *d, float x) {
+  const att_case *c = &d->c;
+  for (int b = 0; b < c->B; ++b) {
+    const int64_t last = (d->lens ? d->lens[b] : c->N) - 1;
+    for (int hk = 0; hk < c->KVH; ++hk) {
+      const kva_tensor *t = d->v.bits ? &d->v.scales : &d->v.data; /* quantized: group 0's scale */
+      char *r = (char *)t->data + b * t->stride[0] + hk * t->stride[1] + last * t->stride[2];
+      test_store(r, t->dtype, x);
+    }
+  }
+}
+
+/* ------------------------------------------------ caller-owned block pools */
+/* One pool array [nblk, KVH, bs, W] shaped like `like` (a [B, KVH, N, W]
+ * operand) with padded strides, every byte `fill`. */
+static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, unsigned char fill, void **mem) {
+  const int64_t es = (int64_t)kva_dtype_size(like->dtype), W = like->shape[3], KVH = like->shape[1];
+  kva_tensor t = *like;
+  t.shape[0] = nblk;
+  t.shape[2] = bs;
+  t.stride[3] = es;
+  t.stride[2] = (W + 4) * es;          /* padded rows */
+  t.stride[1] = (bs + 1) * t.stride[2]; /* a padding row after each head */
+  t.stride[0] = KVH * t.stride[1] + 64;
+  size_t bytes = (size_t)(nblk * t.stride[0]);
+  *mem = malloc(bytes);
+  if (*mem) memset(*mem, fill, bytes);
+  t.data = *mem;
+  return t;
+}
+
+/* Copies row (b, hk, t) of src into pool row (blk, hk, row). */
+static void pool_copy_row(const kva_tensor *dst, int64_t blk, int64_t row, const kva_tensor *src, int64_t b,
+                          int64_t hk, int64_t t) {
+  memcpy((char *)dst->data + blk * dst->stride[0] + hk * dst->stride[1] + row * dst->stride[2],
+         (const char *)src->data + b * src->stride[0] + hk * src->stride[1] + t * src->stride[2],
+         (size_t)src->shape[3] * kva_dtype_size(src->dtype));
+}
+
+static int pool_kv_make(kva_kv *p, void **mem, const kva_kv *like, int64_t nblk, int64_t bs, unsigned char fill) {
+  *p = *like;
+  p->data = pool_array(&like->data, nblk, bs, fill, &mem[0]);
+  if (like->bits) {
+    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1]);
+    p->biases = pool_array(&like->biases, nblk, bs, fill, &mem[2]);
+    if (!mem[1] || !mem[2]) return -1;
+  }
+  return mem[0] ? 0 : -1;
+}
+
+static void pool_kv_write(kva_kv *p, int64_t blk, int64_t row, const kva_kv *src, int64_t b, int64_t hk, int64_t t) {
+  pool_copy_row(&p->data, blk, row, &src->data, b, hk, t);
+  if (src->bits) {
+    pool_copy_row(&p->scales, blk, row, &src->scales, b, hk, t);
+    pool_copy_row(&p->biases, blk, row, &src->biases, b, hk, t);
+  }
+}
+
+int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill) {
+  const att_case *c = &d->c;
+  memset(tb, 0, sizeof *tb);
+  tb->bs = bs;
+  tb->lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->B);
+  tb->fo = (int32_t *)malloc(sizeof(int32_t) * (size_t)c->B);
+  if (!tb->lens || !tb->fo) return -1;
+  int64_t mb = 0;
+  tb->nblk = 3; /* spare blocks nobody uses */
+  for (int b = 0; b < c->B; ++b) {
+    tb->lens[b] = d->lens ? d->lens[b] : (int32_t)c->N;
+    tb->fo[b] = (int32_t)(test_rand_u64() % (uint64_t)bs);
+    const int64_t nb = (tb->fo[b] + tb->lens[b] + bs - 1) / bs;
+    tb->nblk += nb;
+    if (nb > mb) mb = nb;
+  }
+  mb += 1;
+  /* blocks: a random permutation of the pool, taken in order */
+  int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)tb->nblk);
+  tb->blocks = (int32_t *)malloc(sizeof(int32_t) * (size_t)(c->B * mb));
+  if (!perm || !tb->blocks || pool_kv_make(&tb->k, tb->mem, &d->k, tb->nblk, bs, fill) ||
+      pool_kv_make(&tb->v, tb->mem + 3, &d->v, tb->nblk, bs, fill)) {
+    free(perm);
+    return -1;
+  }
+  for (int64_t i = 0; i < tb->nblk; ++i) perm[i] = (int32_t)i;
+  for (int64_t i = tb->nblk - 1; i > 0; --i) {
+    const int64_t j = (int64_t)(test_rand_u64() % (uint64_t)(i + 1));
+    const int32_t x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+  int64_t next = 0;
+  for (int b = 0; b < c->B; ++b) {
+    int32_t *row = tb->blocks + b * mb;
+    for (int64_t i = 0; i < mb; ++i) row[i] = -1;
+    for (int64_t t = 0; t < tb->lens[b]; ++t) {
+      const int64_t r = tb->fo[b] + t, slot = r / bs;
+      if (r % bs == 0 || t == 0) row[slot] = perm[next++];
+      for (int64_t hk = 0; hk < c->KVH; ++hk) {
+        pool_kv_write(&tb->k, row[slot], r % bs, &d->k, b, hk, t);
+        pool_kv_write(&tb->v, row[slot], r % bs, &d->v, b, hk, t);
+      }
+    }
+  }
+  free(perm);
+  tb->t = (kva_block_table){c->B, mb, 0, tb->blocks, tb->lens, tb->fo};
+  tb->view = kva_view_block_table(&tb->k, &tb->v, &tb->t);
+  return 0;
+}
+
+void att_table_free(att_table *tb) {
+  for (int i = 0; i < 6; ++i) free(tb->mem[i]);
+  free(tb->blocks);
+  free(tb->lens);
+  free(tb->fo);
+  memset(tb, 0, sizeof *tb);
+}

@@ -52,6 +52,10 @@ int att_sentinel_ok(const att_data *d);
  * entries for quantized ones (the codes hold no NaN). The oracle never
  * reads them, so any NaN in a kernel's output is a read it must not make. */
 void att_plant_unseen(att_data *d);
+/* x (NaN, Inf) in the V row of each sequence's last key, the key only the
+ * last query row sees when L > 1 (causal): element 0 for float rows, group
+ * 0's scale for quantized ones. */
+void att_plant_last_v(att_data *d, float x);
 /* Compares out with ref (same shape): NaN/Inf exact, then
  * |out - ref| <= atol_rel * max|ref| + rtol * |ref| everywhere.
  * Prints the first mismatch. Returns 1 when within tolerance. */
@@ -67,4 +71,23 @@ double att_case_atol(const att_case *c);
 double att_rtol(kva_dtype out);
 /* A second output tensor of the same shape/dtype (contiguous, owned by d). */
 kva_tensor att_alloc_like(att_data *d, const kva_tensor *t);
+
+/* The caller-owned block pools of a case (KVA_LAYOUT_BLOCK_TABLE, host
+ * memory): d's K/V rows copied into pools [nblk, KVH, bs, W] of the same
+ * formats with padded strides (every other byte `fill`: 0xff is NaN in every
+ * float dtype, so a row read by mistake shows in the output),
+ * blocks a random permutation of the pool, a random first offset per
+ * sequence, table columns past a sequence's last block -1 and one spare
+ * column (max_blocks = the longest sequence's blocks + 1). view reads the
+ * same tokens as d.view. */
+typedef struct att_table {
+  kva_kv k, v; /* the pools */
+  void *mem[6];
+  int32_t *blocks, *lens, *fo;
+  int64_t nblk, bs;
+  kva_block_table t;
+  kva_kv_view view;
+} att_table;
+int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);
+void att_table_free(att_table *tb);
 #endif

@@ -256,6 +256,39 @@ TEST(attention_unseen_nan) {
   kva_context_destroy(ctx);
 }
 
+/* A NaN or Inf in the V row of a key that only the last query row sees
+ * (the last key, causal, L > 1: a speculative token's) reaches that row
+ * only, as in the oracle: the rows it is masked for skip it (0 times NaN
+ * would not). Direct (<= 4 vectors) and L1-tile (> 4) V phases, float and
+ * quantized rows, f32 queries (bf16 queries with >= 6 vectors per KV head
+ * take the AMX kernel where present, which does not: README, Semantics). */
+TEST(attention_masked_key_nan) {
+  static const att_case mc[] = {
+      {2, 8, 2, 2, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 8, 2, 4, 300, 128, 128, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 4, 2, 2, 300, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 12, 2, 3, 300, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 1, 0},
+      {1, 8, 2, 8, 200, 64, 64, F32, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {1, 4, 4, 3, 200, 64, 64, F32, F32, 2, 2, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (size_t ci = 0; ci < sizeof mc / sizeof mc[0]; ++ci)
+    for (int inf = 0; inf < 2; ++inf) {
+      att_data d;
+      ASSERT_TRUE(att_make(&d, &mc[ci]) == 0);
+      att_plant_last_v(&d, inf ? INFINITY : NAN);
+      if (!planted_matches_oracle(ctx, &d)) {
+        char name[256];
+        att_case_str(&mc[ci], name, sizeof name);
+        FAIL_("%s (%s)", name, inf ? "Inf" : "NaN");
+        kva_context_destroy(ctx);
+        return;
+      }
+    }
+  kva_context_destroy(ctx);
+}
+
 /* A row that sees no key outputs zeros (array mask all false for one row). */
 TEST(attention_row_without_keys_is_zero) {
   const att_case c = {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0};

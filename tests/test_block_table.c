@@ -313,60 +313,6 @@ TEST(block_table_vs_paged) {
 }
 
 /* --------------------------------------------------------- caller pools */
-/* One caller pool array [nblk, KVH, bs, W] shaped like `like` (a contiguous
- * [B, KVH, N, W] operand's tensor) with padded strides, filled with 0xff
- * (NaN in every float dtype: a row read by mistake shows in the output). */
-static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, void **mem) {
-  const int64_t es = (int64_t)kva_dtype_size(like->dtype), W = like->shape[3], KVH = like->shape[1];
-  kva_tensor t = *like;
-  t.shape[0] = nblk;
-  t.shape[2] = bs;
-  t.stride[3] = es;
-  t.stride[2] = (W + 4) * es;          /* padded rows */
-  t.stride[1] = (bs + 1) * t.stride[2]; /* a padding row after each head */
-  t.stride[0] = KVH * t.stride[1] + 64;
-  size_t bytes = (size_t)(nblk * t.stride[0]);
-  *mem = malloc(bytes);
-  if (*mem) memset(*mem, 0xff, bytes);
-  t.data = *mem;
-  return t;
-}
-
-/* Copies contiguous row (b, hk, t) of src into pool row (blk, hk, row). */
-static void copy_row(const kva_tensor *dst, int64_t blk, int64_t row, const kva_tensor *src, int64_t b, int64_t hk,
-                     int64_t t) {
-  memcpy((char *)dst->data + blk * dst->stride[0] + hk * dst->stride[1] + row * dst->stride[2],
-         (const char *)src->data + b * src->stride[0] + hk * src->stride[1] + t * src->stride[2],
-         (size_t)src->shape[3] * kva_dtype_size(src->dtype));
-}
-
-typedef struct pool_kv {
-  kva_kv kv;
-  void *mem[3];
-} pool_kv;
-
-static int pool_kv_make(pool_kv *p, const kva_kv *like, int64_t nblk, int64_t bs) {
-  memset(p, 0, sizeof *p);
-  p->kv = *like;
-  p->kv.data = pool_array(&like->data, nblk, bs, &p->mem[0]);
-  if (like->bits) {
-    p->kv.scales = pool_array(&like->scales, nblk, bs, &p->mem[1]);
-    p->kv.biases = pool_array(&like->biases, nblk, bs, &p->mem[2]);
-    if (!p->mem[1] || !p->mem[2]) return -1;
-  }
-  return p->mem[0] ? 0 : -1;
-}
-static void pool_kv_free(pool_kv *p) {
-  for (int i = 0; i < 3; ++i) free(p->mem[i]);
-}
-static void pool_kv_write(pool_kv *p, int64_t blk, int64_t row, const kva_kv *src, int64_t b, int64_t hk, int64_t t) {
-  copy_row(&p->kv.data, blk, row, &src->data, b, hk, t);
-  if (src->bits) {
-    copy_row(&p->kv.scales, blk, row, &src->scales, b, hk, t);
-    copy_row(&p->kv.biases, blk, row, &src->biases, b, hk, t);
-  }
-}
-
 /* B, H, KVH, L, N, Dk, Dv, q, out, kbits, vbits, group, kv/scale dtype, mask, window, softcap, sinks, ragged,
  * strided; block (any size >= 1 for caller pools) */
 static const struct {
@@ -394,43 +340,9 @@ TEST(block_table_caller_pools) {
     snprintf(name, sizeof name, "%s block=%lld", cs, (long long)bs);
     att_data d;
     ASSERT_TRUE(att_make(&d, c) == 0);
-    int32_t lens[8], fo[8];
-    int64_t mb = 0, nblk = 3;
-    for (int b = 0; b < c->B; ++b) {
-      lens[b] = d.lens ? d.lens[b] : (int32_t)c->N;
-      fo[b] = (int32_t)(test_rand_u64() % (uint64_t)bs);
-      int64_t nb = (fo[b] + lens[b] + bs - 1) / bs;
-      nblk += nb;
-      if (nb > mb) mb = nb;
-    }
-    mb += 1;
-    /* Blocks: a random permutation of the pool, taken in order. */
-    int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)nblk);
-    int32_t *tbl = (int32_t *)malloc(sizeof(int32_t) * (size_t)(c->B * mb));
-    ASSERT_TRUE(perm && tbl);
-    for (int64_t i = 0; i < nblk; ++i) perm[i] = (int32_t)i;
-    for (int64_t i = nblk - 1; i > 0; --i) {
-      int64_t j = (int64_t)(test_rand_u64() % (uint64_t)(i + 1));
-      int32_t x = perm[i];
-      perm[i] = perm[j];
-      perm[j] = x;
-    }
-    pool_kv pk, pv;
-    ASSERT_TRUE(pool_kv_make(&pk, &d.k, nblk, bs) == 0 && pool_kv_make(&pv, &d.v, nblk, bs) == 0);
-    int64_t next = 0;
-    for (int b = 0; b < c->B; ++b) {
-      for (int64_t i = 0; i < mb; ++i) tbl[b * mb + i] = -1;
-      for (int64_t t = 0; t < lens[b]; ++t) {
-        int64_t r = fo[b] + t, slot = r / bs;
-        if (r % bs == 0 || t == 0) tbl[b * mb + slot] = perm[next++];
-        for (int64_t hk = 0; hk < c->KVH; ++hk) {
-          pool_kv_write(&pk, tbl[b * mb + slot], r % bs, &d.k, b, hk, t);
-          pool_kv_write(&pv, tbl[b * mb + slot], r % bs, &d.v, b, hk, t);
-        }
-      }
-    }
-    kva_block_table t = {c->B, mb, 0, tbl, lens, fo};
-    kva_kv_view view = kva_view_block_table(&pk.kv, &pv.kv, &t);
+    att_table tb;
+    ASSERT_TRUE(att_table_make(&tb, &d, bs, 0xff) == 0);
+    const kva_kv_view view = tb.view;
     kva_tensor ref = att_alloc_like(&d, &d.out), ref_t = att_alloc_like(&d, &d.out);
     ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
     ASSERT_OK(kva_reference_attention(&d.q, &view, &d.params, &ref_t));
@@ -447,10 +359,7 @@ TEST(block_table_caller_pools) {
     }
     kva_cpu_set_simd(NULL);
     printf("  caller pools %s\n", name);
-    pool_kv_free(&pk);
-    pool_kv_free(&pv);
-    free(perm);
-    free(tbl);
+    att_table_free(&tb);
     att_free(&d);
   }
   kva_context_destroy(ctx);
