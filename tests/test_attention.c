@@ -226,6 +226,30 @@ TEST(attention_nan_inf_16bit) {
   kva_context_destroy(ctx);
 }
 
+/* Each case with each of `variants` plantings (plant(d, variant)) against
+ * the oracle (planted_matches_oracle) on the default context. */
+static void run_planted(const att_case *cases, size_t n, void (*plant)(att_data *, int), int variants) {
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (size_t ci = 0; ci < n && !test_failed_flag; ++ci)
+    for (int var = 0; var < variants && !test_failed_flag; ++var) {
+      att_data d;
+      if (att_make(&d, &cases[ci])) { FAIL_("att_make"); break; }
+      plant(&d, var);
+      if (!planted_matches_oracle(ctx, &d)) {
+        char name[256];
+        att_case_str(&cases[ci], name, sizeof name);
+        FAIL_("%s (planting %d)", name, var);
+      }
+    }
+  kva_context_destroy(ctx);
+}
+static void plant_unseen(att_data *d, int var) {
+  (void)var;
+  att_plant_unseen(d);
+}
+static void plant_last_v(att_data *d, int var) { att_plant_last_v(d, var ? INFINITY : NAN); }
+
 /* Keys no query row sees (past each length, before row 0's window) hold NaN
  * (att_plant_unseen): the output matches the oracle, which never reads
  * them. Float and quantized K/V, ragged batches, windows, verify rows, the
@@ -240,20 +264,7 @@ TEST(attention_unseen_nan) {
       {2, 16, 2, 8, 600, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 200, 0, 0, 1, 0},
       {2, 4, 4, 2, 500, 64, 64, F16, F16, 2, 2, 32, F16, MASK_WINDOW, 60, 0, 0, 1, 1},
   };
-  kva_context *ctx;
-  ASSERT_OK(kva_context_create(&ctx, NULL));
-  for (size_t ci = 0; ci < sizeof uc / sizeof uc[0]; ++ci) {
-    att_data d;
-    ASSERT_TRUE(att_make(&d, &uc[ci]) == 0);
-    att_plant_unseen(&d);
-    if (!planted_matches_oracle(ctx, &d)) {
-      char name[256];
-      att_case_str(&uc[ci], name, sizeof name);
-      FAIL_("%s", name);
-      break;
-    }
-  }
-  kva_context_destroy(ctx);
+  run_planted(uc, sizeof uc / sizeof uc[0], plant_unseen, 1);
 }
 
 /* A NaN or Inf in the V row of a key that only the last query row sees
@@ -271,22 +282,7 @@ TEST(attention_masked_key_nan) {
       {1, 8, 2, 8, 200, 64, 64, F32, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       {1, 4, 4, 3, 200, 64, 64, F32, F32, 2, 2, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
-  kva_context *ctx;
-  ASSERT_OK(kva_context_create(&ctx, NULL));
-  for (size_t ci = 0; ci < sizeof mc / sizeof mc[0]; ++ci)
-    for (int inf = 0; inf < 2; ++inf) {
-      att_data d;
-      ASSERT_TRUE(att_make(&d, &mc[ci]) == 0);
-      att_plant_last_v(&d, inf ? INFINITY : NAN);
-      if (!planted_matches_oracle(ctx, &d)) {
-        char name[256];
-        att_case_str(&mc[ci], name, sizeof name);
-        FAIL_("%s (%s)", name, inf ? "Inf" : "NaN");
-        kva_context_destroy(ctx);
-        return;
-      }
-    }
-  kva_context_destroy(ctx);
+  run_planted(mc, sizeof mc / sizeof mc[0], plant_last_v, 2);
 }
 
 /* A row that sees no key outputs zeros (array mask all false for one row). */
