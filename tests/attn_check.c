@@ -385,3 +385,74 @@ void att_table_free(att_table *tb) {
   free(tb->fo);
   memset(tb, 0, sizeof *tb);
 }
+
+/* ------------------------------------------------ random mutations */
+/* A distinct absurd value: 2^40 and up, or near INT64_MAX. */
+int64_t att_absurd(void) {
+  const uint64_t r = test_rand_u64();
+  return r & 1 ? ((int64_t)1 << 40) + (int64_t)(r >> 24) : INT64_MAX - (int64_t)(r >> 40);
+}
+int att_pick(int n) { return (int)(test_rand_u64() % (uint64_t)n); }
+
+void att_mutate_tensor(kva_tensor *t) {
+  const int nd = t->ndim >= 1 && t->ndim <= KVA_MAX_DIMS ? t->ndim : 1;
+  const int d = att_pick(nd);
+  switch (att_pick(7)) {
+  case 0: { /* rank */
+    static const int ranks[] = {-1, 0, 1, 2, 3, 5, 100};
+    t->ndim = ranks[att_pick(7)];
+    break;
+  }
+  case 1: { /* dtype, valid or not */
+    static const int dts[] = {-1, 0, 1, 2, 3, 4, 5, 6, 1000};
+    t->dtype = (kva_dtype)dts[att_pick(9)];
+    break;
+  }
+  case 2: /* shape: shrink */
+    if (t->shape[d] > 1) t->shape[d] -= 1 + att_pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
+    break;
+  case 3: { /* shape: zero, negative, absurd */
+    const int k = att_pick(3);
+    t->shape[d] = k == 0 ? 0 : k == 1 ? -1 - att_pick(100) : att_absurd();
+    break;
+  }
+  case 4: { /* stride: negative, zero, overlapping, one byte off */
+    const int64_t s = t->stride[d];
+    const int k = att_pick(4);
+    /* (halving only a real stride: half of an absurd one would be a valid
+     * view far outside the buffer) */
+    const int64_t es = (int64_t)kva_dtype_size(t->dtype);
+    t->stride[d] = k == 0   ? -s - 1
+                   : k == 1 ? 0
+                   : k == 2 ? (s > 1 && s < ((int64_t)1 << 40) ? s / 2 : 0)
+                            : s + (att_pick(2) && es > 1 ? 1 : -1); /* one byte more only where it misaligns */
+    break;
+  }
+  case 5: /* stride: a span of 2^62 bytes or more (when shape[d] > 1; else unused) */
+    t->stride[d] = ((int64_t)1 << 62) + (int64_t)(test_rand_u64() >> 24);
+    break;
+  default: /* pointer */
+    t->data = NULL;
+    break;
+  }
+}
+
+void att_mutate_kv(kva_kv *kv) {
+  switch (att_pick(5)) {
+  case 0: att_mutate_tensor(&kv->data); break;
+  case 1: att_mutate_tensor(&kv->scales); break;
+  case 2: att_mutate_tensor(&kv->biases); break;
+  case 3: {
+    static const int bits[] = {-1, 0, 1, 2, 3, 4, 8, 16, 32};
+    kv->bits = bits[att_pick(9)];
+    break;
+  }
+  default: {
+    static const int groups[] = {-64, 0, 1, 16, 32, 48, 64, 128, 256, 1 << 30};
+    kv->group_size = groups[att_pick(10)];
+    break;
+  }
+  }
+}
+
+/* One mutation somewhere in the call; lens: a writable copy of the lengths. */

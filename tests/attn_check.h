@@ -90,4 +90,16 @@ typedef struct att_table {
 } att_table;
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);
 void att_table_free(att_table *tb);
+
+/* Random mutations of descriptors for the bad-input tests (test_mutations.c,
+ * test_cache_write.c). A mutation never makes a view larger than its buffer
+ * by accident: shapes only shrink or become absurd (att_absurd: a distinct
+ * huge value each time, so two mutations never agree by chance), strides
+ * only become invalid (negative, zero, overlapping, misaligned) or span
+ * 2^62 bytes and more (refused: KVA_MAX_SPAN); ranks, dtypes, pointers,
+ * bits and group sizes take valid and invalid values. */
+int64_t att_absurd(void);
+int att_pick(int n); /* 0 .. n-1 */
+void att_mutate_tensor(kva_tensor *t);
+void att_mutate_kv(kva_kv *kv); /* its data, scales or biases tensor, bits or group size */
 #endif

@@ -506,6 +506,101 @@ TEST(cache_write_errors) {
   kva_context_destroy(ctx);
 }
 
+/* Random bad input: valid cases broken by one to three random mutations of
+ * the pools, inputs, slots and n (att_mutate_tensor / att_mutate_kv, slot
+ * values out of range or moved to a free slot, n changed, NULL pointers).
+ * Each call must fail with a message and leave every pool and input byte
+ * (guards included) as it was, or succeed and write exactly the rows its
+ * descriptors name, bit for bit kva_quantize / kva_convert of the input
+ * rows, and no other byte. Under ASan and UBSan in `make test`. */
+static void mutate_write(kva_kv *kp, kva_kv *vp, kva_tensor *k, kva_tensor *v, int32_t *slots, int64_t n0,
+                         int64_t *n, int64_t nslots, const int32_t **sp) {
+  switch (att_pick(9)) {
+  case 0: att_mutate_kv(kp); break;
+  case 1: att_mutate_kv(vp); break;
+  case 2: att_mutate_tensor(k); break;
+  case 3: att_mutate_tensor(v); break;
+  case 4: case 5: { /* a slot: out of range, skipped, or moved to a free slot */
+    const int64_t i = att_pick((int)n0); /* n0 >= 1: the slots the case allocated */
+    int32_t free_slot = -1;
+    for (int64_t s = att_pick((int)nslots), tries = 0; tries < nslots && free_slot < 0; ++tries, s = (s + 1) % nslots) {
+      int used = 0;
+      for (int64_t j = 0; j < n0 && !used; ++j) used = slots[j] == s;
+      if (!used) free_slot = (int32_t)s;
+    }
+    const int64_t vals[] = {nslots, nslots + 7, INT32_MAX, -1, INT32_MIN, free_slot};
+    slots[i] = (int32_t)vals[att_pick(6)];
+    break;
+  }
+  case 6: {
+    const int64_t vals[] = {0, -1, *n - 1, *n + 1, att_absurd()};
+    const int64_t x = vals[att_pick(5)];
+    if (x <= n0 || x == vals[4]) *n = x; /* never more tokens than the slots hold, unless absurd */
+    break;
+  }
+  case 7: *sp = NULL; break;
+  default:
+    if (att_pick(2)) k->data = NULL;
+    else v->data = NULL;
+    break;
+  }
+}
+
+TEST(cache_write_random_mutations) {
+  static const cw_fmt fmts[] = {
+      {4, 4, 32, KVA_BF16, KVA_BF16, KVA_F32, KVA_F32}, {8, 8, 64, KVA_F16, KVA_F16, KVA_BF16, KVA_BF16},
+      {0, 0, 0, KVA_BF16, KVA_F16, KVA_F32, KVA_BF16},  {2, 4, 32, KVA_F32, KVA_BF16, KVA_F16, KVA_F32},
+  };
+  kva_context *ctx = cpu_ctx(2);
+  ASSERT_TRUE(ctx != NULL);
+  const int iters = test_quick ? 300 : 1500;
+  int accepted = 0;
+  for (int it = 0; it < iters && !test_failed_flag; ++it) {
+    cw_case c;
+    cw_make(&c, &fmts[it % 4], false, 12);
+    kva_kv kp = c.kp.kv, vp = c.vp.kv;
+    kva_tensor k = c.k, v = c.v;
+    int64_t n = c.n;
+    const int64_t nslots = c.nb * c.bs;
+    const int32_t *sp = c.slots;
+    const int nm = 1 + att_pick(3);
+    for (int m = 0; m < nm; ++m) mutate_write(&kp, &vp, &k, &v, c.slots, c.n, &n, nslots, &sp);
+    const int rc = kva_cache_write(ctx, &kp, &vp, &k, &v, sp, n);
+    const int inputs_kept = !memcmp(c.kin.p, c.kin.snap, c.kin.n) && !memcmp(c.vin.p, c.vin.snap, c.vin.n);
+    if (rc < 0) {
+      if (!kva_last_error()[0]) FAIL_("iteration %d: code %d without a message", it, rc);
+      else if (!pool_untouched(&c.kp) || !pool_untouched(&c.vp) || !inputs_kept)
+        FAIL_("iteration %d (%s): error %d (%s) but a pool or input changed", it, c.label, rc, kva_last_error());
+    } else {
+      ++accepted;
+      /* the expected bytes under the mutated (valid) descriptors */
+      cw_pool pk = c.kp, pv = c.vp;
+      pk.kv = kp;
+      pv.kv = vp;
+      pk.D = kva_kv_dim(&kp);
+      pv.D = kva_kv_dim(&vp);
+      const int64_t bs = kp.data.shape[2], ns = kp.data.shape[0] * bs;
+      for (int64_t i = 0; i < n && !test_failed_flag; ++i) {
+        const int32_t s = sp[i];
+        if (s < 0) continue;
+        if (s >= ns) { FAIL_("iteration %d (%s): slot %d of %lld accepted", it, c.label, (int)s, (long long)ns); break; }
+        for (int64_t h = 0; h < kp.data.shape[1]; ++h)
+          if (expect_row(&pk, &k, i, h, s / bs, s % bs) || expect_row(&pv, &v, i, h, s / bs, s % bs)) {
+            FAIL_("iteration %d (%s): expected rows: %s", it, c.label, kva_last_error());
+            break;
+          }
+      }
+      if (!test_failed_flag && (!pool_as_expected(&pk, c.label, "k_pool") || !pool_as_expected(&pv, c.label, "v_pool")))
+        FAIL_("iteration %d: accepted call wrote other bytes", it);
+      if (!inputs_kept) FAIL_("iteration %d (%s): an input was modified", it, c.label);
+    }
+    cw_free(&c);
+  }
+  fprintf(stderr, "  %d mutated calls, %d accepted\n", iters, accepted);
+  if (!test_failed_flag && accepted == 0) FAIL_("no mutated call was accepted (the expected-bytes branch never ran)");
+  kva_context_destroy(ctx);
+}
+
 /* ------------------------------------------------- end to end (CPU) */
 /* A sequence written token by token through kva_cache_write into scattered
  * pool blocks holds, row for row, the bytes of kva_quantize over the whole

@@ -23,75 +23,6 @@
 
 enum { MUT_ITERS = 2500, MUT_ITERS_QUICK = 400 };
 
-/* A distinct absurd value: 2^40 and up, or near INT64_MAX. */
-static int64_t absurd(void) {
-  const uint64_t r = test_rand_u64();
-  return r & 1 ? ((int64_t)1 << 40) + (int64_t)(r >> 24) : INT64_MAX - (int64_t)(r >> 40);
-}
-static int pick(int n) { return (int)(test_rand_u64() % (uint64_t)n); }
-
-static void mutate_tensor(kva_tensor *t) {
-  const int nd = t->ndim >= 1 && t->ndim <= KVA_MAX_DIMS ? t->ndim : 1;
-  const int d = pick(nd);
-  switch (pick(7)) {
-  case 0: { /* rank */
-    static const int ranks[] = {-1, 0, 1, 2, 3, 5, 100};
-    t->ndim = ranks[pick(7)];
-    break;
-  }
-  case 1: { /* dtype, valid or not */
-    static const int dts[] = {-1, 0, 1, 2, 3, 4, 5, 6, 1000};
-    t->dtype = (kva_dtype)dts[pick(9)];
-    break;
-  }
-  case 2: /* shape: shrink */
-    if (t->shape[d] > 1) t->shape[d] -= 1 + pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
-    break;
-  case 3: { /* shape: zero, negative, absurd */
-    const int k = pick(3);
-    t->shape[d] = k == 0 ? 0 : k == 1 ? -1 - pick(100) : absurd();
-    break;
-  }
-  case 4: { /* stride: negative, zero, overlapping, one byte off */
-    const int64_t s = t->stride[d];
-    const int k = pick(4);
-    /* (halving only a real stride: half of an absurd one would be a valid
-     * view far outside the buffer) */
-    const int64_t es = (int64_t)kva_dtype_size(t->dtype);
-    t->stride[d] = k == 0   ? -s - 1
-                   : k == 1 ? 0
-                   : k == 2 ? (s > 1 && s < ((int64_t)1 << 40) ? s / 2 : 0)
-                            : s + (pick(2) && es > 1 ? 1 : -1); /* one byte more only where it misaligns */
-    break;
-  }
-  case 5: /* stride: a span of 2^62 bytes or more (when shape[d] > 1; else unused) */
-    t->stride[d] = ((int64_t)1 << 62) + (int64_t)(test_rand_u64() >> 24);
-    break;
-  default: /* pointer */
-    t->data = NULL;
-    break;
-  }
-}
-
-static void mutate_kv(kva_kv *kv) {
-  switch (pick(5)) {
-  case 0: mutate_tensor(&kv->data); break;
-  case 1: mutate_tensor(&kv->scales); break;
-  case 2: mutate_tensor(&kv->biases); break;
-  case 3: {
-    static const int bits[] = {-1, 0, 1, 2, 3, 4, 8, 16, 32};
-    kv->bits = bits[pick(9)];
-    break;
-  }
-  default: {
-    static const int groups[] = {-64, 0, 1, 16, 32, 48, 64, 128, 256, 1 << 30};
-    kv->group_size = groups[pick(10)];
-    break;
-  }
-  }
-}
-
-/* One mutation somewhere in the call; lens: a writable copy of the lengths. */
 /* One call's descriptors, mutable copies of the base call's (and of its
  * block table and the table's arrays). */
 typedef struct mut_call {
@@ -114,42 +45,42 @@ typedef struct mut_base {
 static void mutate_table(mut_call *c, const mut_base *m) {
   const int B = m->d.c.B, L = m->d.c.L;
   const int64_t mb = m->tb.t.max_blocks, bs = m->tb.bs, nblk = m->tb.nblk;
-  const int b = pick(B);
-  switch (pick(8)) {
+  const int b = att_pick(B);
+  switch (att_pick(8)) {
   case 0: {
-    const int64_t vals[] = {0, -1, B - 1, B + 1, absurd()};
-    c->t.batch = vals[pick(5)];
+    const int64_t vals[] = {0, -1, B - 1, B + 1, att_absurd()};
+    c->t.batch = vals[att_pick(5)];
     break;
   }
   case 1: { /* fewer columns, or none */
-    const int64_t vals[] = {0, -1, mb - 1, absurd()};
-    c->t.max_blocks = vals[pick(4)];
+    const int64_t vals[] = {0, -1, mb - 1, att_absurd()};
+    c->t.max_blocks = vals[att_pick(4)];
     break;
   }
   case 2: { /* row stride: never past the table's rows */
     const int64_t vals[] = {-1, -mb, 1, mb - 1, 0};
-    c->t.row_stride = vals[pick(5)];
+    c->t.row_stride = vals[att_pick(5)];
     break;
   }
   case 3: { /* a block id: out of the pool, or another block's */
-    const int64_t vals[] = {-1, nblk, INT32_MAX, INT32_MIN, pick((int)nblk)};
-    c->blocks[b * mb + pick((int)mb)] = (int32_t)vals[pick(5)];
+    const int64_t vals[] = {-1, nblk, INT32_MAX, INT32_MIN, att_pick((int)nblk)};
+    c->blocks[b * mb + att_pick((int)mb)] = (int32_t)vals[att_pick(5)];
     break;
   }
   case 4: { /* a length */
     const int64_t cap = mb * bs - c->fo[b];
     const int64_t vals[] = {INT32_MIN, -1, 0, 1, L - 1, L, cap, cap + 1, INT32_MAX};
-    c->tlens[b] = (int32_t)vals[pick(9)];
+    c->tlens[b] = (int32_t)vals[att_pick(9)];
     break;
   }
   case 5: { /* a first offset */
     const int64_t vals[] = {INT32_MIN, -1, 0, bs - 1, bs, INT32_MAX};
-    c->fo[b] = (int32_t)vals[pick(6)];
+    c->fo[b] = (int32_t)vals[att_pick(6)];
     break;
   }
   case 6: c->t.first_offset = NULL; break; /* valid: no offsets */
   default:
-    if (pick(2)) c->t.blocks = NULL;
+    if (att_pick(2)) c->t.blocks = NULL;
     else c->t.seq_lens = NULL;
     break;
   }
@@ -163,14 +94,14 @@ static void mutate_call(mut_call *c, const mut_base *m) {
   const int B = m->d.c.B, L = m->d.c.L;
   const int64_t N = m->d.c.N;
   kva_attn_params *p = &c->p;
-  switch (pick(m->table ? 15 : 12)) {
-  case 0: mutate_tensor(&c->q); break;
-  case 1: mutate_tensor(&c->out); break;
-  case 2: mutate_kv(&c->view.k); break;
-  case 3: mutate_kv(&c->view.v); break;
+  switch (att_pick(m->table ? 15 : 12)) {
+  case 0: att_mutate_tensor(&c->q); break;
+  case 1: att_mutate_tensor(&c->out); break;
+  case 2: att_mutate_kv(&c->view.k); break;
+  case 3: att_mutate_kv(&c->view.v); break;
   case 4: { /* layout without its view or table */
     static const int layouts[] = {-1, KVA_LAYOUT_CONTIGUOUS, KVA_LAYOUT_PAGED, KVA_LAYOUT_BLOCK_TABLE, 3};
-    const int l = layouts[pick(5)];
+    const int l = layouts[att_pick(5)];
     /* (contiguous over a table's pools would read them as [B, KVH, N, D]: past their end) */
     if (!(m->table && l == KVA_LAYOUT_CONTIGUOUS)) c->view.layout = (kva_layout)l;
     break;
@@ -178,23 +109,23 @@ static void mutate_call(mut_call *c, const mut_base *m) {
   case 5: { /* a length */
     const int64_t vals[] = {INT32_MIN, -1, 0, 1, L - 1, L, N - 1, N, N + 1, INT32_MAX};
     c->view.seq_lens = c->lens;
-    c->lens[pick(B)] = (int32_t)vals[pick(10)];
+    c->lens[att_pick(B)] = (int32_t)vals[att_pick(10)];
     break;
   }
-  case 6: p->scale = scales[pick(7)]; break;
-  case 7: p->softcap = caps[pick(7)]; break;
+  case 6: p->scale = scales[att_pick(7)]; break;
+  case 7: p->softcap = caps[att_pick(7)]; break;
   case 8: {
     static const int kinds[] = {-1, KVA_MASK_NONE, KVA_MASK_CAUSAL, KVA_MASK_ARRAY, 3, 99};
-    p->mask.kind = (kva_mask_kind)kinds[pick(6)];
+    p->mask.kind = (kva_mask_kind)kinds[att_pick(6)];
     break;
   }
-  case 9: p->mask.window = windows[pick(6)]; break;
+  case 9: p->mask.window = windows[att_pick(6)]; break;
   case 10:
-    if (p->mask.segments.data) mutate_tensor(&p->mask.segments);
-    else if (p->mask.array.data) mutate_tensor(&p->mask.array);
+    if (p->mask.segments.data) att_mutate_tensor(&p->mask.segments);
+    else if (p->mask.array.data) att_mutate_tensor(&p->mask.array);
     else p->sinks = NULL;
     break;
-  case 11: p->mask.segments_clamp = pick(2); break;
+  case 11: p->mask.segments_clamp = att_pick(2); break;
   default: mutate_table(c, m); break;
   }
 }
@@ -333,7 +264,7 @@ static int run_mutations(const att_case *ac, int64_t bs, int iters, int *accepte
     att_poison(d);
     memcpy(snap, d->out_buf, d->out_bytes);
     call_reset(&c, &m);
-    const int nm = 1 + pick(3);
+    const int nm = 1 + att_pick(3);
     for (int k = 0; k < nm; ++k) mutate_call(&c, &m);
     if (getenv("KVA_MUT_TRACE")) { /* a crash's last mutations, for whoever debugs one */
       fprintf(stderr, "iteration %d:\n", it);
