@@ -206,9 +206,10 @@ kva_attn_params kva_attn_defaults(void);
 
 typedef enum kva_backend { KVA_BACKEND_CPU = 0, KVA_BACKEND_CUDA = 1 } kva_backend;
 
+#define KVA_MAX_THREADS 1024 /* the most CPU worker threads a context may ask for */
 typedef struct kva_context_opts {
   kva_backend backend;
-  int threads;  /* CPU: worker threads, 0 = all cores */
+  int threads;  /* CPU: worker threads, 0 = all cores, at most KVA_MAX_THREADS */
   int device;   /* CUDA: device ordinal */
   void *stream; /* CUDA: cudaStream_t, NULL = default stream */
 } kva_context_opts;

@@ -193,6 +193,8 @@ TEST(errors_context_and_masks) {
   kva_context *ctx = NULL;
   kva_context_opts o = {KVA_BACKEND_CPU, -2, 0, NULL};
   ASSERT_ERR(kva_context_create(&ctx, &o), KVA_EINVAL, "opts.threads = -2");
+  o.threads = KVA_MAX_THREADS + 1;
+  ASSERT_ERR(kva_context_create(&ctx, &o), KVA_EINVAL, "exceeds KVA_MAX_THREADS");
   ASSERT_ERR(kva_context_create(NULL, NULL), KVA_EINVAL, "ctx");
   o.threads = 1;
   o.backend = (kva_backend)5;

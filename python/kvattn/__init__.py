@@ -83,6 +83,9 @@ class Context:
             raise ValueError("backend must be 'cpu' or 'cuda', got %r" % (backend,))
         if threads is not None and not isinstance(threads, (int, np.integer)):
             raise TypeError("threads must be an int or None, got %r" % (threads,))
+        for name, x in (("threads", threads), ("device", device)):  # ctypes would wrap them silently
+            if x is not None and not -_INT32_MAX - 1 <= int(x) <= _INT32_MAX:
+                raise C.error(C.EINVAL, "%s = %d is out of the int32 range" % (name, int(x)))
         opts = C.kva_context_opts()
         opts.backend = backends[backend]
         opts.threads = 0 if threads is None else int(threads)

@@ -224,6 +224,9 @@ def test_mask_function_errors():
 
 def test_context_errors():
     raises(lambda: kvattn.Context(threads=-1), r"threads = -1")
+    raises(lambda: kvattn.Context(threads=10**9), r"exceeds KVA_MAX_THREADS \(1024\)")
+    raises(lambda: kvattn.Context(threads=2**40), r"threads = 1099511627776 is out of the int32 range")
+    raises(lambda: kvattn.Context(device=2**33), r"device = 8589934592 is out of the int32 range")
     raises(lambda: kvattn.set_cpu_simd("neon"), r"neon")
     with pytest.raises(ValueError, match="backend"):
         kvattn.Context(backend="tpu")

@@ -186,6 +186,8 @@ int kva_context_create(kva_context **out, const kva_context_opts *opts) {
   if (o.backend != KVA_BACKEND_CPU && o.backend != KVA_BACKEND_CUDA)
     return kva_seterr(KVA_EINVAL, "opts.backend = %d is not a kva_backend", (int)o.backend);
   if (o.threads < 0) return kva_seterr(KVA_EINVAL, "opts.threads = %d must be >= 0", o.threads);
+  if (o.threads > KVA_MAX_THREADS) /* before starting any: a typo must not start a million threads */
+    return kva_seterr(KVA_EINVAL, "opts.threads = %d exceeds KVA_MAX_THREADS (%d)", o.threads, KVA_MAX_THREADS);
   kva_context *ctx = (kva_context *)calloc(1, sizeof *ctx);
   if (!ctx) return kva_seterr(KVA_ENOMEM, "context");
   ctx->backend = o.backend;
@@ -194,7 +196,7 @@ int kva_context_create(kva_context **out, const kva_context_opts *opts) {
   int rc = 0;
   if (o.backend == KVA_BACKEND_CPU) {
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    ctx->threads = o.threads > 0 ? o.threads : (int)(ncpu > 0 ? ncpu : 1);
+    ctx->threads = o.threads > 0 ? o.threads : (int)(ncpu > KVA_MAX_THREADS ? KVA_MAX_THREADS : ncpu > 0 ? ncpu : 1);
     rc = kva_threadpool_create(&ctx->pool, ctx->threads);
   } else {
     ctx->threads = 1;
