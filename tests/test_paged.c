@@ -143,6 +143,17 @@ TEST(paged_pool_desc) {
   b = d;
   b.kv_heads = 0;
   ASSERT_ERR(kva_pool_create(&pool, &b, NULL), KVA_EINVAL, "kv_heads");
+  /* too large for size_t: each array alone (~3e18 bytes) below the bound, K and V together above it */
+  b = d;
+  b.bits = 0;
+  b.num_blocks = INT32_MAX;
+  b.block_size = 256;
+  b.kv_heads = 1376;
+  b.dk = b.dv = 1000;
+  b.dtype = KVA_F32;
+  ASSERT_ERR(kva_pool_memory_size(&b, &bytes), KVA_EINVAL, "is too large");
+  b.kv_heads = (int64_t)1 << 40;
+  ASSERT_ERR(kva_pool_create(&pool, &b, NULL), KVA_EINVAL, "is too large");
   ASSERT_ERR(kva_pool_create(&pool, NULL, NULL), KVA_EINVAL, "desc");
   ASSERT_ERR(kva_pool_create(NULL, &d, NULL), KVA_EINVAL, "pool");
 }

@@ -130,6 +130,14 @@ def _int(value, name):
     return int(value)
 
 
+def _int32(value, name):
+    """An int for a C int field (ctypes would wrap a larger one silently)."""
+    value = _int(value, name)
+    if not -2**31 <= value < 2**31:
+        raise C.error(C.EINVAL, "%s = %d is out of the int32 range" % (name, value))
+    return value
+
+
 def _i32(arr):
     return arr.ctypes.data_as(_i32p)
 
@@ -165,8 +173,8 @@ class Pool:
         if dt not in C.FLOAT_DTYPES:
             raise C.error(C.EDTYPE, "dtype %s must be float32, float16 or bfloat16" % dt)
         d.dtype = C.NP_TO_KVA[dt]
-        d.bits = _int(bits, "bits")
-        d.group_size = _int(group_size, "group_size") if d.bits else 0
+        d.bits = _int32(bits, "bits")
+        d.group_size = _int32(group_size, "group_size") if d.bits else 0
         nbytes = ctypes.c_size_t()
         C.check(lib.kva_pool_memory_size(ctypes.byref(d), ctypes.byref(nbytes)))
         raw = np.empty(nbytes.value + _POOL_ALIGN, np.uint8)
@@ -265,7 +273,7 @@ class Pool:
 
     def block_refs(self, block):
         r = ctypes.c_int32()
-        C.check(lib.kva_pool_block_refs(self.handle, _int(block, "block"), ctypes.byref(r)))
+        C.check(lib.kva_pool_block_refs(self.handle, _int32(block, "block"), ctypes.byref(r)))
         return r.value
 
     def check(self):

@@ -98,6 +98,9 @@ def test_pool_arrays_and_memory():
     ({"bits": 3}, C.EUNSUPPORTED, "bits"),
     ({"bits": 4, "group_size": 16}, C.EUNSUPPORTED, "group_size"),
     ({"bits": 4, "dk": 96}, C.ESHAPE, "group_size"),
+    ({"bits": 4, "group_size": 2**32 + 64}, C.EINVAL, "group_size = 4294967360 is out of the int32 range"),
+    ({"bits": 2**32 + 4}, C.EINVAL, "bits = 4294967300 is out of the int32 range"),
+    ({"kv_heads": 2**50}, C.EINVAL, "is too large"),
 ])
 def test_bad_pool(kw, code, needle):
     args = dict(num_blocks=4, block_size=16, kv_heads=2, dk=128, dtype=F16)

@@ -55,14 +55,15 @@ static void array_row(const kva_pool_desc *d, int a, int64_t *elems, kva_dtype *
 /* Byte offsets of the arrays and the total; desc already checked. Fails on overflow. */
 static int layout(const kva_pool_desc *d, size_t off[ARR_COUNT], size_t *total) {
   size_t pos = 0;
+  double approx = 0.0; /* the arrays so far, in bytes: all of them must fit size_t */
   for (int a = 0; a < ARR_COUNT; ++a) {
     int64_t elems;
     kva_dtype dt;
     array_row(d, a, &elems, &dt);
-    double approx = (double)d->num_blocks * (double)d->kv_heads * (double)d->block_size * (double)elems *
-                    (double)kva_dtype_size(dt);
+    approx += (double)d->num_blocks * (double)d->kv_heads * (double)d->block_size * (double)elems *
+              (double)kva_dtype_size(dt);
     if (approx > (double)(SIZE_MAX / 4))
-      return kva_seterr(KVA_EINVAL, "desc: pool of %.3g bytes is too large", approx);
+      return kva_seterr(KVA_EINVAL, "desc: pool of %.3g bytes or more is too large", approx);
     off[a] = pos;
     pos = align_up(pos + (size_t)d->num_blocks * (size_t)d->kv_heads * (size_t)d->block_size *
                              (size_t)elems * kva_dtype_size(dt));
