@@ -38,7 +38,6 @@ __version__ = lib.kva_version().decode()
 
 _QUANT_BITS = (2, 4, 8)
 _WORD_BITS = 32
-_INT32_MAX = 2**31 - 1
 
 
 def version():
@@ -83,9 +82,9 @@ class Context:
             raise ValueError("backend must be 'cpu' or 'cuda', got %r" % (backend,))
         if threads is not None and not isinstance(threads, (int, np.integer)):
             raise TypeError("threads must be an int or None, got %r" % (threads,))
-        for name, x in (("threads", threads), ("device", device)):  # ctypes would wrap them silently
-            if x is not None and not -_INT32_MAX - 1 <= int(x) <= _INT32_MAX:
-                raise C.error(C.EINVAL, "%s = %d is out of the int32 range" % (name, int(x)))
+        for name, x in (("threads", threads), ("device", device)):
+            if x is not None:
+                C.int32(int(x), name)
         opts = C.kva_context_opts()
         opts.backend = backends[backend]
         opts.threads = 0 if threads is None else int(threads)
@@ -162,6 +161,11 @@ def _check_int(value, name):
     return int(value)
 
 
+def _check_i32(value, name):
+    """An int for a C int argument or field (C.int32)."""
+    return C.int32(_check_int(value, name), name)
+
+
 def _packed_words(d, bits):
     """u32 words per row of d elements (a stand-in of 1 when bits is invalid:
     the library then reports bits)."""
@@ -182,8 +186,8 @@ def quantize(w, group_size=64, bits=4):
     mlx.core.quantize: returns (packed uint32 [..., D*bits/32],
     scales [..., D/group_size], biases [..., D/group_size]), scales and biases
     in w's dtype (float32, float16 or bfloat16). bits 2/4/8, group 32/64/128."""
-    group_size = _check_int(group_size, "group_size")
-    bits = _check_int(bits, "bits")
+    group_size = _check_i32(group_size, "group_size")
+    bits = _check_i32(bits, "bits")
     w = C.prepare_input(w, "w")
     if w.ndim == 0:
         raise C.error(C.ESHAPE, "w must have rank >= 1, got a scalar")
@@ -207,8 +211,8 @@ def quantize(w, group_size=64, bits=4):
 def dequantize(packed, scales, biases, group_size=64, bits=4, dtype=None):
     """Inverse of quantize: w[..., d] = scale * q + bias, shaped [..., D]
     (D = packed.shape[-1] * 32 / bits), in scales' dtype unless `dtype` is given."""
-    group_size = _check_int(group_size, "group_size")
-    bits = _check_int(bits, "bits")
+    group_size = _check_i32(group_size, "group_size")
+    bits = _check_i32(bits, "bits")
     kv = C.kva_kv()
     arrs = [C.prepare_input(a, n) for a, n in ((packed, "q.data"), (scales, "q.scales"), (biases, "q.biases"))]
     p, s, b = arrs
@@ -237,11 +241,9 @@ def _window(window):
     which a Python caller spells None); negative values go to the library."""
     if window is None:
         return 0
-    window = _check_int(window, "window")
+    window = _check_i32(window, "window")
     if window == 0:
         raise C.error(C.EINVAL, "window = 0 must be > 0 (None = no window)")
-    if not -_INT32_MAX <= window <= _INT32_MAX:
-        raise C.error(C.EINVAL, "window = %d is out of the int32 range" % window)
     return window
 
 
@@ -332,8 +334,8 @@ class _Call:
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
                  seq_lens, out):
-        group_size = _check_int(group_size, "group_size")
-        bits = _check_int(bits, "bits")
+        group_size = _check_i32(group_size, "group_size")
+        bits = _check_i32(bits, "bits")
         keep = self.keep = []
         q = C.prepare_input(q, "q")
         keep.append(q)
@@ -526,8 +528,8 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       run on the CUDA backend: kvattn.cuda.cache_write."""
     if _cuda.is_cuda_array(k):
         return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context)
-    group_size = _check_int(group_size, "group_size")
-    bits = _check_int(bits, "bits")
+    group_size = _check_i32(group_size, "group_size")
+    bits = _check_i32(bits, "bits")
     kp = _pool_operand(k_pool, "k_pool", bits, group_size)
     vp = _pool_operand(v_pool, "v_pool", bits, group_size)
     k = C.prepare_input(k, "k")

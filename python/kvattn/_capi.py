@@ -210,6 +210,14 @@ def error(code, message):
     return KvaError(code, "%s: %s" % (strerror(code), message))
 
 
+def int32(value, name):
+    """value (an int) for a C int argument or field: ctypes would wrap a
+    larger one silently (group_size 2**32 + 64 would pass as 64)."""
+    if not -2**31 <= value < 2**31:
+        raise error(EINVAL, "%s = %d is out of the int32 range" % (name, value))
+    return value
+
+
 # ------------------------------------------------------------ descriptors
 
 

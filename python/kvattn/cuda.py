@@ -100,8 +100,8 @@ class _Call:
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
                  seq_lens, out):
-        from . import _check_int, _mask_kind, _params, _window
-        group_size, bits = _check_int(group_size, "group_size"), _check_int(bits, "bits")
+        from . import _check_i32, _mask_kind, _params, _window
+        group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
         self.keep = [q, k, v]
         self.q, qshape, dev, stream = _tensor(q, "q")
         self.device = 0 if dev is None else dev
@@ -227,9 +227,9 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=N
     v [n, KVH, Dv] into the device pools at slots [n] (int32, device), on the
     arrays' device and the producer's current stream; out-of-range slots are
     skipped on the device (negative ones by definition)."""
-    from . import _cache_write_c, _check_int
+    from . import _cache_write_c, _check_i32
 
-    group_size, bits = _check_int(group_size, "group_size"), _check_int(bits, "bits")
+    group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
     call = _Call.__new__(_Call)  # only its array helpers (_device_array, _kv) and keep list
     call.keep = []
     kt, kshape, dev, stream = _tensor(call._device_array(k, "k"), "k")

@@ -131,11 +131,7 @@ def _int(value, name):
 
 
 def _int32(value, name):
-    """An int for a C int field (ctypes would wrap a larger one silently)."""
-    value = _int(value, name)
-    if not -2**31 <= value < 2**31:
-        raise C.error(C.EINVAL, "%s = %d is out of the int32 range" % (name, value))
-    return value
+    return C.int32(_int(value, name), name)
 
 
 def _i32(arr):

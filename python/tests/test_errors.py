@@ -89,6 +89,7 @@ def test_unsupported_format(ops, request):
            r"head dim")
     raises(att(ops, k=ops["kq"], v=ops["vq"], bits=3), r"k\.bits = 3")
     raises(att(ops, k=ops["kq"], v=ops["vq"], bits=4, group_size=16), r"k\.group_size = 16")
+    raises(att(ops, k=ops["kq"], v=ops["vq"], group_size=2**32 + 64), r"group_size = 4294967360 is out of the int32 range")
     # D = 80 at group 64: head dim not a multiple of the group
     k80 = (np.zeros((B, KVH, N, 10), np.uint32), np.ones((B, KVH, N, 1), np.float32),
            np.ones((B, KVH, N, 1), np.float32))
@@ -194,6 +195,10 @@ def test_quantize_errors(request):
     raises(lambda: kvattn.quantize(w, bits=3), r"bits = 3")
     raises(lambda: kvattn.quantize(w, bits=16), r"bits = 16")
     raises(lambda: kvattn.quantize(w, group_size=16), r"group_size = 16")
+    # C int arguments: ctypes would wrap these to 64 and 4
+    raises(lambda: kvattn.quantize(w, group_size=2**32 + 64), r"group_size = 4294967360 is out of the int32 range")
+    raises(lambda: kvattn.quantize(w, bits=2**32 + 4), r"bits = 4294967300 is out of the int32 range")
+    raises(lambda: kvattn.dequantize(*kvattn.quantize(w), group_size=2**32 + 64), r"out of the int32 range")
     raises(lambda: kvattn.quantize(w.astype(np.float64)), r"\bw has unsupported dtype float64")
     raises(lambda: kvattn.quantize(w.astype(np.int32)), r"\bw has unsupported dtype")
     raises(lambda: kvattn.quantize(np.float32(1.0)), r"\bw must have rank >= 1")
