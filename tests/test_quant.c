@@ -4,7 +4,7 @@
  * conversions against a reference built from double-precision rounding.
  * Every output lives in a strided view inside a larger buffer filled with
  * random bytes: every byte that is not an element of the view is a sentinel. */
-#include "test.h"
+#include "attn_check.h" /* att_mutate_* (includes test.h) */
 
 #include <float.h>
 
@@ -918,6 +918,82 @@ TEST(dequant_bad_input) {
     bad_dequant_case(c);
     if (test_failed_flag) { FAIL_("in kva_dequantize bad-input case %d", c); return; }
   }
+}
+
+/* Random bad input to kva_quantize: the good setup broken by one to three
+ * random mutations of w and out (att_mutate_tensor / att_mutate_kv: shapes
+ * only shrink or become absurd, strides only become invalid, so nothing
+ * accepted reaches past the buffers). A refused call leaves every byte of
+ * w, data, scales and biases as it was; an accepted one writes, for every
+ * row of its w view, exactly the bits of that row quantized alone, at the
+ * row's place in its out views, and no other byte. Under ASan and UBSan in
+ * `make test`. */
+static char *row_at(const kva_tensor *t, const int64_t *idx) {
+  char *p = (char *)t->data;
+  for (int d = 0; d + 1 < t->ndim; ++d) p += idx[d] * t->stride[d];
+  return p;
+}
+TEST(quant_random_mutations) {
+  static qsetup s, orig;
+  static uint32_t edata[48];
+  static uint16_t escales[6], ebiases[6];
+  const int iters = test_quick ? 500 : 3000;
+  int accepted = 0;
+  for (int it = 0; it < iters && !test_failed_flag; ++it) {
+    qsetup_init(&s);
+    orig = s;
+    const int nm = 1 + att_pick(3);
+    for (int m = 0; m < nm; ++m) {
+      if (att_pick(2)) att_mutate_tensor(&s.wt);
+      else att_mutate_kv(&s.out);
+    }
+    const int rc = kva_quantize(&s.wt, &s.out);
+    if (memcmp(s.w, orig.w, sizeof s.w)) { FAIL_("iteration %d: w modified", it); break; }
+    if (rc < 0) {
+      if (!kva_last_error()[0]) FAIL_("iteration %d: code %d without a message", it, rc);
+      else if (memcmp(s.data, orig.data, sizeof s.data) || memcmp(s.scales, orig.scales, sizeof s.scales) ||
+               memcmp(s.biases, orig.biases, sizeof s.biases))
+        FAIL_("iteration %d: error %d (%s) but an output byte changed", it, rc, kva_last_error());
+      continue;
+    }
+    ++accepted;
+    /* expected: the original bytes, each row of the view quantized alone into its place */
+    memcpy(edata, orig.data, sizeof edata);
+    memcpy(escales, orig.scales, sizeof escales);
+    memcpy(ebiases, orig.biases, sizeof ebiases);
+    const kva_tensor *w = &s.wt;
+    const int64_t D = w->shape[w->ndim - 1], words = s.out.data.shape[s.out.data.ndim - 1],
+                  groups = s.out.scales.shape[s.out.scales.ndim - 1];
+    int64_t rows = 1, idx[KVA_MAX_DIMS] = {0, 0, 0, 0};
+    for (int d = 0; d + 1 < w->ndim; ++d) rows *= w->shape[d];
+    for (int64_t r = 0; r < rows && !test_failed_flag; ++r) {
+      for (int64_t x = r, d = w->ndim - 2; d >= 0; --d) { /* row r's leading index */
+        idx[d] = x % w->shape[d];
+        x /= w->shape[d];
+      }
+      uint32_t rd[8];
+      uint16_t rs[4], rb[4];
+      kva_tensor row = kva_tensor_1d(row_at(w, idx), w->dtype, D);
+      kva_kv one = s.out;
+      one.data = kva_tensor_1d(rd, KVA_U32, words);
+      one.scales = kva_tensor_1d(rs, s.out.scales.dtype, groups);
+      one.biases = kva_tensor_1d(rb, s.out.biases.dtype, groups);
+      if (words > 8 || groups > 4 || kva_quantize(&row, &one)) {
+        FAIL_("iteration %d: quantizing row %lld alone: %s", it, (long long)r, kva_last_error());
+        break;
+      }
+      memcpy((char *)edata + (row_at(&s.out.data, idx) - (char *)s.data), rd, (size_t)words * 4);
+      memcpy((char *)escales + (row_at(&s.out.scales, idx) - (char *)s.scales), rs,
+             (size_t)groups * kva_dtype_size(s.out.scales.dtype));
+      memcpy((char *)ebiases + (row_at(&s.out.biases, idx) - (char *)s.biases), rb,
+             (size_t)groups * kva_dtype_size(s.out.biases.dtype));
+    }
+    if (!test_failed_flag && (memcmp(s.data, edata, sizeof edata) || memcmp(s.scales, escales, sizeof escales) ||
+                              memcmp(s.biases, ebiases, sizeof ebiases)))
+      FAIL_("iteration %d: accepted call wrote other bytes than its rows quantized alone", it);
+  }
+  fprintf(stderr, "  %d mutated calls, %d accepted\n", iters, accepted);
+  if (!test_failed_flag && accepted == 0) FAIL_("no mutated call was accepted (the expected-bytes branch never ran)");
 }
 
 /* ------------------------------------------------------------ kva_convert */
