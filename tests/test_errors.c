@@ -133,6 +133,7 @@ TEST(errors_lengths_and_params) {
   c.params.scale = INFINITY;             EXPECT_BAD(&c, KVA_EINVAL, "scale = inf");
   c.params.softcap = -1.0f;              EXPECT_BAD(&c, KVA_EINVAL, "softcap = -1");
   c.params.softcap = NAN;                EXPECT_BAD(&c, KVA_EINVAL, "softcap = nan");
+  c.params.softcap = INFINITY;           EXPECT_BAD(&c, KVA_EINVAL, "softcap = inf must be finite and > 0");
   c.params.mask.kind = (kva_mask_kind)9; EXPECT_BAD(&c, KVA_EINVAL, "mask.kind = 9");
   int32_t seg[2 * 64];
   for (int i = 0; i < 128; ++i) seg[i] = i % 3;

@@ -282,6 +282,9 @@ def _params(scale, softcap):
     """kva_attn_params with the scalar options checked (0 means "default" in
     C; in Python that is spelled None)."""
     p = C.kva_attn_params()
+    for name, x in (("scale", scale), ("softcap", softcap)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating))):
+            raise TypeError("%s must be a number or None, got %r" % (name, x))
     if scale is not None:
         scale = float(scale)
         if scale == 0.0:

@@ -154,6 +154,13 @@ def test_scale(ops, scale):
     raises(att(ops, scale=scale), r"scale = ")
 
 
+def test_scalar_types(ops):
+    for kw in ({"scale": "1"}, {"softcap": "5"}, {"scale": True}, {"softcap": [5.0]}):
+        with pytest.raises(TypeError, match=r"must be a number or None"):
+            att(ops, **kw)()
+    assert np.isfinite(att(ops, scale=np.float32(0.5), softcap=np.int64(30))()).all()
+
+
 @pytest.mark.parametrize("softcap", [0.0, -1.0, float("nan"), float("inf")])
 def test_softcap(ops, softcap):
     raises(att(ops, softcap=softcap), r"softcap = ")

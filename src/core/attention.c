@@ -162,7 +162,7 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
     return kva_seterr(KVA_EINVAL, "scale = %g must be finite (0 = 1/sqrt(Dk))", (double)params->scale);
   p->scale = params->scale != 0.0f ? params->scale : (float)(1.0 / sqrt((double)Dk));
   if (!isfinite(params->softcap) || params->softcap < 0.0f)
-    return kva_seterr(KVA_EINVAL, "softcap = %g must be > 0 (or 0 for none)", (double)params->softcap);
+    return kva_seterr(KVA_EINVAL, "softcap = %g must be finite and > 0 (or 0 for none)", (double)params->softcap);
   p->softcap = params->softcap;
   p->sinks = params->sinks;
   p->mask = params->mask;
