@@ -852,19 +852,26 @@ TEST(quant_bad_input) {
 }
 
 /* Good operands: 4-bit group-64 q [2,3,8] with bf16 scales, out f32 [2,3,64]. */
+/* The dequantize setup: s's output as the input (bf16 scales and biases of
+ * random values), out f32 [2,3,64] in outbuf (random). */
+static kva_tensor dsetup_init(qsetup *s, float *outbuf) {
+  qsetup_init(s);
+  s->out.scales.dtype = s->out.biases.dtype = KVA_BF16;
+  for (int i = 0; i < 6; ++i) {
+    s->scales[i] = kva_f32_to_bf16(test_randn());
+    s->biases[i] = kva_f32_to_bf16(test_randn());
+  }
+  for (int i = 0; i < 384; ++i) outbuf[i] = test_randn();
+  kva_tensor ot = s->wt;
+  ot.data = outbuf;
+  return ot;
+}
+
 #define NDCASES 26
 static void bad_dequant_case(int c) {
   static qsetup s, orig;
   static float outbuf[2 * 3 * 64], outorig[2 * 3 * 64];
-  qsetup_init(&s);
-  s.out.scales.dtype = s.out.biases.dtype = KVA_BF16;
-  for (int i = 0; i < 6; ++i) {
-    s.scales[i] = kva_f32_to_bf16(test_randn());
-    s.biases[i] = kva_f32_to_bf16(test_randn());
-  }
-  for (int i = 0; i < 384; ++i) outbuf[i] = test_randn();
-  kva_tensor ot = s.wt;
-  ot.data = outbuf;
+  kva_tensor ot = dsetup_init(&s, outbuf);
   ASSERT_OK(kva_dequantize(&s.out, &ot)); /* the unbroken setup works */
   for (int i = 0; i < 384; ++i) outbuf[i] = test_randn();
   memcpy(outorig, outbuf, sizeof outbuf);
@@ -991,6 +998,64 @@ TEST(quant_random_mutations) {
     if (!test_failed_flag && (memcmp(s.data, edata, sizeof edata) || memcmp(s.scales, escales, sizeof escales) ||
                               memcmp(s.biases, ebiases, sizeof ebiases)))
       FAIL_("iteration %d: accepted call wrote other bytes than its rows quantized alone", it);
+  }
+  fprintf(stderr, "  %d mutated calls, %d accepted\n", iters, accepted);
+  if (!test_failed_flag && accepted == 0) FAIL_("no mutated call was accepted (the expected-bytes branch never ran)");
+}
+
+/* The same for kva_dequantize: q and out mutated; a refused call leaves q's
+ * buffers and out as they were, an accepted one writes each row of its q
+ * views dequantized alone at that row's place in out, and nothing else. */
+TEST(dequant_random_mutations) {
+  static qsetup s, orig;
+  static float outbuf[2 * 3 * 64], outorig[2 * 3 * 64], expect[2 * 3 * 64];
+  const int iters = test_quick ? 500 : 3000;
+  int accepted = 0;
+  for (int it = 0; it < iters && !test_failed_flag; ++it) {
+    kva_tensor ot = dsetup_init(&s, outbuf);
+    memcpy(outorig, outbuf, sizeof outbuf);
+    orig = s;
+    const int nm = 1 + att_pick(3);
+    for (int m = 0; m < nm; ++m) {
+      if (att_pick(2)) att_mutate_tensor(&ot);
+      else att_mutate_kv(&s.out);
+    }
+    const int rc = kva_dequantize(&s.out, &ot);
+    if (memcmp(s.data, orig.data, sizeof s.data) || memcmp(s.scales, orig.scales, sizeof s.scales) ||
+        memcmp(s.biases, orig.biases, sizeof s.biases)) {
+      FAIL_("iteration %d: q modified", it);
+      break;
+    }
+    if (rc < 0) {
+      if (!kva_last_error()[0]) FAIL_("iteration %d: code %d without a message", it, rc);
+      else if (memcmp(outbuf, outorig, sizeof outbuf))
+        FAIL_("iteration %d: error %d (%s) but out changed", it, rc, kva_last_error());
+      continue;
+    }
+    ++accepted;
+    memcpy(expect, outorig, sizeof expect);
+    const int64_t D = ot.shape[ot.ndim - 1], es = (int64_t)kva_dtype_size(ot.dtype);
+    int64_t rows = 1, idx[KVA_MAX_DIMS] = {0, 0, 0, 0};
+    for (int d = 0; d + 1 < ot.ndim; ++d) rows *= ot.shape[d];
+    for (int64_t r = 0; r < rows && !test_failed_flag; ++r) {
+      for (int64_t x = r, d = ot.ndim - 2; d >= 0; --d) { /* row r's leading index */
+        idx[d] = x % ot.shape[d];
+        x /= ot.shape[d];
+      }
+      float row[64];
+      kva_kv one = s.out;
+      one.data = kva_tensor_1d(row_at(&s.out.data, idx), KVA_U32, s.out.data.shape[s.out.data.ndim - 1]);
+      one.scales = kva_tensor_1d(row_at(&s.out.scales, idx), s.out.scales.dtype, s.out.scales.shape[s.out.scales.ndim - 1]);
+      one.biases = kva_tensor_1d(row_at(&s.out.biases, idx), s.out.biases.dtype, s.out.biases.shape[s.out.biases.ndim - 1]);
+      kva_tensor dst = kva_tensor_1d(row, ot.dtype, D);
+      if (D > 64 || kva_dequantize(&one, &dst)) {
+        FAIL_("iteration %d: dequantizing row %lld alone: %s", it, (long long)r, kva_last_error());
+        break;
+      }
+      memcpy((char *)expect + (row_at(&ot, idx) - (char *)outbuf), row, (size_t)(D * es));
+    }
+    if (!test_failed_flag && memcmp(outbuf, expect, sizeof outbuf))
+      FAIL_("iteration %d: accepted call wrote other bytes than its rows dequantized alone", it);
   }
   fprintf(stderr, "  %d mutated calls, %d accepted\n", iters, accepted);
   if (!test_failed_flag && accepted == 0) FAIL_("no mutated call was accepted (the expected-bytes branch never ran)");
