@@ -191,19 +191,35 @@ static int parse_f64(const char *opt, const char *s, double lo, double hi, doubl
   return 0;
 }
 
+/* Splits a comma-separated list into buf (items NUL-terminated in place):
+ * 1 to KB_MAX_AXIS items, none empty ("1k,,2k" and "4k," are errors). */
+typedef struct cli_list {
+  char buf[256];
+  char *item[KB_MAX_AXIS];
+  int n;
+} cli_list;
+static int split_list(const char *opt, const char *s, cli_list *l) {
+  if (strlen(s) >= sizeof l->buf) return usage_error("%s: list too long", opt);
+  snprintf(l->buf, sizeof l->buf, "%s", s);
+  l->n = 0;
+  for (char *p = l->buf;;) {
+    char *comma = strchr(p, ',');
+    if (comma) *comma = 0;
+    if (!*p) return usage_error("%s: empty item in '%s'", opt, s);
+    if (l->n == KB_MAX_AXIS) return usage_error("%s: at most %d values", opt, KB_MAX_AXIS);
+    l->item[l->n++] = p;
+    if (!comma) return 0;
+    p = comma + 1;
+  }
+}
+
 /* Comma-separated list of integers. */
 static int parse_list(const char *opt, const char *s, int64_t lo, int64_t hi, bool suffix,
                       int64_t *vals, int *n) {
-  char buf[256];
-  if (strlen(s) >= sizeof buf) return usage_error("%s: list too long", opt);
-  snprintf(buf, sizeof buf, "%s", s);
-  *n = 0;
-  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*n == KB_MAX_AXIS) return usage_error("%s: at most %d values", opt, KB_MAX_AXIS);
-    if (parse_i64(opt, tok, lo, hi, suffix, &vals[*n]) < 0) return -1;
-    ++*n;
-  }
-  if (*n == 0) return usage_error("%s: empty list", opt);
+  cli_list l;
+  if (split_list(opt, s, &l) < 0) return -1;
+  for (*n = 0; *n < l.n; ++*n)
+    if (parse_i64(opt, l.item[*n], lo, hi, suffix, &vals[*n]) < 0) return -1;
   return 0;
 }
 
@@ -231,12 +247,11 @@ static int parse_float_dtype(const char *opt, const char *s, kva_dtype *dt) {
 }
 
 static int parse_kv(const char *opt, const char *s, kb_kvfmt *vals, int *n) {
-  char buf[256];
-  if (strlen(s) >= sizeof buf) return usage_error("%s: list too long", opt);
-  snprintf(buf, sizeof buf, "%s", s);
+  cli_list l;
+  if (split_list(opt, s, &l) < 0) return -1;
   *n = 0;
-  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*n == KB_MAX_AXIS) return usage_error("%s: at most %d values", opt, KB_MAX_AXIS);
+  for (int i = 0; i < l.n; ++i) {
+    const char *tok = l.item[i];
     kb_kvfmt f = {0, KVA_BF16, 0};
     if (!strcmp(tok, "q2")) f.bits = 2;
     else if (!strcmp(tok, "q4")) f.bits = 4;
@@ -247,25 +262,18 @@ static int parse_kv(const char *opt, const char *s, kb_kvfmt *vals, int *n) {
     if (f.bits) f.group = 64;
     vals[(*n)++] = f;
   }
-  if (*n == 0) return usage_error("%s: empty list", opt);
   return 0;
 }
 
 static int parse_presets(const char *opt, const char *s, kb_axes *a) {
-  char buf[256];
-  if (strlen(s) >= sizeof buf) return usage_error("%s: list too long", opt);
-  snprintf(buf, sizeof buf, "%s", s);
-  a->n_preset = 0;
-  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (a->n_preset == KB_MAX_AXIS) return usage_error("%s: at most %d values", opt, KB_MAX_AXIS);
-    if (!kb_find_preset(tok, &a->preset[a->n_preset])) {
-      usage_error("%s: unknown preset '%s'; known:", opt, tok);
+  cli_list l;
+  if (split_list(opt, s, &l) < 0) return -1;
+  for (a->n_preset = 0; a->n_preset < l.n; a->n_preset++)
+    if (!kb_find_preset(l.item[a->n_preset], &a->preset[a->n_preset])) {
+      usage_error("%s: unknown preset '%s'; known:", opt, l.item[a->n_preset]);
       kb_list_presets(stderr);
       return -1;
     }
-    a->n_preset++;
-  }
-  if (a->n_preset == 0) return usage_error("%s: empty list", opt);
   return 0;
 }
 
