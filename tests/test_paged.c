@@ -552,6 +552,12 @@ TEST(paged_bad_input) {
   c.batch = 0;
   ASSERT_ERR(kva_paged_view_from_csr(pool, &c, &pv), KVA_EINVAL, "batch");
   c.batch = 1;
+  int64_t start[1] = {-1};
+  c.start = start;
+  ASSERT_ERR(kva_paged_view_from_csr(pool, &c, &pv), KVA_EINVAL, "csr.start[0] = -1 must be an absolute position");
+  start[0] = INT64_MAX - 5;
+  ASSERT_ERR(kva_paged_view_from_csr(pool, &c, &pv), KVA_EINVAL, "csr.start[0]");
+  c.start = NULL;
   ASSERT_TRUE(pv == NULL);
   /* Reservations: only reserved blocks go back, all or nothing. */
   int32_t un[2] = {tbl[0], tbl[0]};

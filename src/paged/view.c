@@ -113,6 +113,9 @@ static int check_csr(const kva_pool *p, const kva_paged_csr *c) {
                         (long long)b, (long long)first, (long long)bs);
     if ((nb - 1) * bs + last - first > INT32_MAX)
       return kva_seterr(KVA_EINVAL, "csr: sequence %lld is longer than %d tokens", (long long)b, INT32_MAX);
+    if (c->start && (c->start[b] < 0 || c->start[b] > INT64_MAX - INT32_MAX)) /* start + any length fits */
+      return kva_seterr(KVA_EINVAL, "csr.start[%lld] = %lld must be an absolute position in [0, 2^63 - 2^31]",
+                        (long long)b, (long long)c->start[b]);
   }
   for (int64_t i = 0; i < c->indptr[B]; ++i) {
     int32_t blk = c->indices[i];
