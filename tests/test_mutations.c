@@ -2,21 +2,18 @@
  * caches and over caller-owned block pools broken by one to three random
  * mutations of their descriptors (ranks, dtypes, shapes, strides, pointers,
  * bits, group sizes, layouts, lengths, scale, softcap, mask fields; block
- * tables: batch, columns, row stride, block ids, lengths, first offsets). Each mutated call must either fail with a negative code and
- * a message, leaving the output and its sentinel untouched, or succeed and
- * agree with the oracle (kva_reference_attention) on the same descriptors;
- * the oracle must accept exactly what the fast path accepts. Run under ASan
- * and UBSan by `make test`, so an out-of-bounds read or an overflowing size
- * computation in validation fails here too.
+ * tables: batch, columns, row stride, block ids, lengths, first offsets).
+ * Each mutated call must either fail with a negative code and a message,
+ * leaving the output and its sentinel untouched, or succeed, be accepted by
+ * the oracle (kva_reference_attention) too, and (strides unchanged) agree
+ * with it. Run under ASan and UBSan by `make test`, so an out-of-bounds read
+ * or an overflowing size computation in validation fails here too.
  *
- * A mutation never makes a view larger than its buffer by accident: shapes
- * only shrink or become absurd (a distinct huge value per mutation, so two
- * mutations never agree by chance), strides only become invalid (negative,
- * zero, overlapping, misaligned innermost) or span 2^62 bytes and more
- * (refused: KVA_MAX_SPAN); a table's columns and row stride only shrink or
- * become invalid, its block ids stay in the pool or become invalid; what is
- * left valid therefore stays inside the buffers att_make and att_table_make
- * allocated. */
+ * Tensor mutations (att_mutate_tensor / att_mutate_kv, attn_check.h) never
+ * make a view larger than its buffer; a table's columns and row stride only
+ * shrink or become invalid, its block ids stay in the pool or become
+ * invalid; what is left valid therefore stays inside the buffers att_make
+ * and att_table_make allocated. */
 #include "attn_check.h"
 
 #include <stdint.h>
