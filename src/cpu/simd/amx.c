@@ -218,9 +218,9 @@ static void attend_amx(const kva_item *it) {
                                                      7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   /* Tiles of 32 tokens across span (paged block) boundaries; the next
    * tile's K rows are prefetched (into L2) one per K row converted, its V
-   * rows one per V row (avx512.h, kva_tiles). */
+   * rows one per V row (tiles.h, kva_tiles). */
   kva_tiles tl;
-  tiles_init(&tl, it, &kf, p->Dk, &vf, p->Dv);
+  tiles_init(&tl, it);
   const kva_rows *trow;
   int64_t tf, n;
   while ((trow = tiles_next(&tl, &tf, &n))) {

@@ -1,5 +1,5 @@
-/* The fused decode/verify kernel for AVX-512 (the other levels use the
- * general kernel of generic.c).
+/* The fused decode/verify kernel for AVX-512 (AVX2: fast_avx2.c; the
+ * portable level uses the general kernel of generic.c).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
@@ -16,7 +16,7 @@
  * Traffic: each K/V row of the item's range is read once for all nq vectors
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
- *   phase, avx512.h); K codes are decoded in registers per block of <= 8
+ *   phase, tiles.h); K codes are decoded in registers per block of <= 8
  *   query vectors; V codes in registers per block of <= 2 vectors when
  *   nq <= 4, else once per tile into L1.
  *   Codes become floats exactly for f32 queries, by mantissa placement for
@@ -612,9 +612,9 @@ static void attend_fast(const kva_item *it) {
   const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
   const int32_t win = p->mask.window;
   /* Tiles across span (paged block) boundaries; the next tile's rows are
-   * prefetched during this tile's K phase (avx512.h, kva_tiles). */
+   * prefetched during this tile's K phase (tiles.h, kva_tiles). */
   kva_tiles tl;
-  tiles_init(&tl, it, &kf, p->Dk, &vf, p->Dv);
+  tiles_init(&tl, it);
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
@@ -660,7 +660,7 @@ const char *KFN(fast_name)(const kva_problem *p) {
   return !f ? NULL : f == attend_fast ? "fused kernel" : "AMX kernel (bf16 tiles)";
 }
 
-#else /* no AVX-512: the general kernel serves every call */
+#elif !defined(__AVX2__) /* portable: the general kernel serves every call (AVX2: fast_avx2.c) */
 kva_item_fn KFN(select_fast)(const kva_problem *p) {
   (void)p;
   return NULL;

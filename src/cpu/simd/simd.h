@@ -18,6 +18,7 @@
 #define STR2(x) #x
 #define STR(x) STR2(x)
 #define KVA_LEVEL_NAME STR(KVA_SIMD_LEVEL)
+#define ALWAYS static inline __attribute__((always_inline))
 
 /* Specialized kernels of this level (fast.c); NULL when none applies. */
 kva_item_fn KFN(select_fast)(const kva_problem *p);
