@@ -203,16 +203,17 @@ ALWAYS void kphase_q8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
     for (int j = 0; j < J; ++j) sc[j] = _mm256_setzero_ps();
     for (int c = 0; c < fp->nch; ++c) {
       const __m256i x = load_chunk(fp, row, c);
-      __m256 dot[KQB];
-      for (int j = 0; j < J; ++j) dot[j] = _mm256_setzero_ps();
+      __m256 dot[KQB][2]; /* two chains per vector: codes k even / odd (FMA latency) */
+      for (int j = 0; j < J; ++j) dot[j][0] = dot[j][1] = _mm256_setzero_ps();
       for (int k = 0; k < E; ++k) {
         const __m256 f = code8(x, k, bits);
         const float *qk = qp + (int64_t)(c * E + k) * L8;
-        for (int j = 0; j < J; ++j) dot[j] = _mm256_fmadd_ps(f, _mm256_loadu_ps(qk + (int64_t)j * fp->P), dot[j]);
+        for (int j = 0; j < J; ++j)
+          dot[j][k & 1] = _mm256_fmadd_ps(f, _mm256_loadu_ps(qk + (int64_t)j * fp->P), dot[j][k & 1]);
       }
       const __m256 sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
       for (int j = 0; j < J; ++j) {
-        sc[j] = _mm256_fmadd_ps(sv, dot[j], sc[j]);
+        sc[j] = _mm256_fmadd_ps(sv, _mm256_add_ps(dot[j][0], dot[j][1]), sc[j]);
         sc[j] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(qs + ((int64_t)j * fp->nch + c) * L8), sc[j]);
       }
     }
@@ -228,23 +229,26 @@ ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    __m256 acc[KQB];
-    for (int j = 0; j < J; ++j) acc[j] = _mm256_setzero_ps();
+    __m256 acc[KQB][2]; /* two chains per vector (FMA latency) */
+    for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     int d = 0;
     if (fp->split)
       for (; d + 16 <= fp->P; d += 16) {
         __m256 ke, ko;
         load_bf16_split8(row + d * es, &ke, &ko);
         for (int j = 0; j < J; ++j) {
-          acc[j] = _mm256_fmadd_ps(ke, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
-          acc[j] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j]);
+          acc[j][0] = _mm256_fmadd_ps(ke, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
         }
       }
     for (; d < fp->P; d += L8) {
       const __m256 kv = load8(row + d * es, fp->sdt);
-      for (int j = 0; j < J; ++j) acc[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
+      for (int j = 0; j < J; ++j)
+        acc[j][d / L8 & 1] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][d / L8 & 1]);
     }
-    put_scores8(part, acc, J, t, n, S);
+    __m256 sc[KQB];
+    for (int j = 0; j < J; ++j) sc[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
+    put_scores8(part, sc, J, t, n, S);
   }
 }
 
@@ -338,7 +342,9 @@ VDIRECT_Q(2, 1)
 VDIRECT_Q(2, 2)
 
 #define VFB 4 /* vectors of 8 values per pass over the tile (float V, J <= 2) */
-/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 8*NV); split: NV even. */
+/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 8*NV); split: NV even. Keys
+ * that no vector of the block sees are skipped; a key seen by one of two
+ * adds to that one only (0 x NaN must not leak). */
 ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o, int d0, int J,
                            int NV, int split, const kva_prefetch *pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
@@ -347,26 +353,24 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
     for (int k = 0; k < NV; ++k) acc[j][k] = _mm256_loadu_ps(o + (int64_t)j * fp->P + d0 + k * L8);
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
-    __m256 w[2], keep[2];
-    int live = 0, all = 1;
-    for (int j = 0; j < J; ++j) {
-      const float pj = P[j * KVA_TILE + t];
-      live |= pj != 0.0f;
-      all &= pj != 0.0f;
-      w[j] = _mm256_set1_ps(pj);
-      keep[j] = _mm256_castsi256_ps(_mm256_set1_epi32(pj != 0.0f ? -1 : 0));
-    }
-    if (!live) continue;
+    const float p0 = P[t], p1 = J == 2 ? P[KVA_TILE + t] : 0.0f;
+    if (p0 == 0.0f && p1 == 0.0f) continue;
     const char *row = rows[t].v + d0 * es;
+    __m256 v[VFB];
     for (int k = 0; k < NV; k += split ? 2 : 1) {
-      __m256 v0, v1 = _mm256_setzero_ps();
-      if (split) load_bf16_split8(row + k * L8 * es, &v0, &v1);
-      else v0 = load8(row + k * L8 * es, fp->sdt);
-      for (int j = 0; j < J; ++j) {
-        acc[j][k] = all ? _mm256_fmadd_ps(w[j], v0, acc[j][k]) : fma_keep(w[j], v0, acc[j][k], keep[j], 1);
-        if (split)
-          acc[j][k + 1] = all ? _mm256_fmadd_ps(w[j], v1, acc[j][k + 1]) : fma_keep(w[j], v1, acc[j][k + 1], keep[j], 1);
+      if (split) load_bf16_split8(row + k * L8 * es, &v[k], &v[k + 1]);
+      else v[k] = load8(row + k * L8 * es, fp->sdt);
+    }
+    const __m256 w0 = _mm256_set1_ps(p0), w1 = _mm256_set1_ps(p1);
+    if (J == 1 || (p0 != 0.0f && p1 != 0.0f)) {
+      for (int k = 0; k < NV; ++k) {
+        acc[0][k] = _mm256_fmadd_ps(w0, v[k], acc[0][k]);
+        if (J == 2) acc[1][k] = _mm256_fmadd_ps(w1, v[k], acc[1][k]);
       }
+    } else if (p0 != 0.0f) {
+      for (int k = 0; k < NV; ++k) acc[0][k] = _mm256_fmadd_ps(w0, v[k], acc[0][k]);
+    } else {
+      for (int k = 0; k < NV; ++k) acc[1][k] = _mm256_fmadd_ps(w1, v[k], acc[1][k]);
     }
   }
   for (int j = 0; j < J; ++j)
@@ -386,7 +390,12 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
 VDIRECT_F(1)
 VDIRECT_F(2)
 
-/* The tile's V rows as f32 values into vt[t][P] (quantized: s*c + b in the
+/* Row stride (floats) of the dequantized V tile: one line more than P, as
+ * rows 1 KiB apart (P = 256) would all fall into 4 of the 64 sets of a
+ * 32 KiB 8-way L1 (the 32 KiB tile then misses to L2 on every pass). */
+#define VT_LD(fp) ((fp)->P + 16)
+
+/* The tile's V rows as f32 values into vt[t][VT_LD] (quantized: s*c + b in the
  * permuted order). Returns whether any value is NaN or Inf, so that the
  * tiled V phase takes its masked form. */
 #define NONFINITE(v) _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), expo), expo)
@@ -408,7 +417,7 @@ static int decode_v_tile8(const fmt8 *fp, const kva_rows *rows, int64_t n, const
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
     const char *row = rows[t].v;
-    float *dst = vt + t * fp->P;
+    float *dst = vt + t * VT_LD(fp);
     if (!fp->bits) {
       const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
       int d = 0;
@@ -454,7 +463,7 @@ ALWAYS void vtile_block(const fmt8 *fp, int64_t n, const float *P, const float *
       if (MASK) keep[j] = _mm256_cmp_ps(w[j], _mm256_setzero_ps(), _CMP_NEQ_UQ);
     }
     for (int kb = 0; kb < KB; ++kb) {
-      const __m256 v = _mm256_loadu_ps(vt + t * fp->P + pos0 + kb * L8);
+      const __m256 v = _mm256_loadu_ps(vt + t * VT_LD(fp) + pos0 + kb * L8);
       for (int j = 0; j < J; ++j) acc[j][kb] = fma_keep(w[j], v, acc[j][kb], MASK ? keep[j] : w[j], MASK);
     }
   }
@@ -632,7 +641,7 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
 
 /* Scratch (floats): qp[nq][Pk], qs[nq][nchk*8],
  * o[nq][Pv], ob[nq][MAXG] (V's group bias sums), m/l[nq], S[nq][T], vt[T][Pv],
- * kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD] (vweights8). */
+ * kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD] (vweights8). vt: T rows of VT_LD. */
 static void attend_fast8(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -643,7 +652,7 @@ static void attend_fast8(const kva_item *it) {
   const int64_t kqs = (int64_t)kf.nch * L8, vbn = MAXG;
   float *qp = it->scratch, *qs = qp + nq * kf.P, *o = qs + nq * kqs, *ob = o + nq * vf.P;
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
-  float *kgs = vt + KVA_TILE * vf.P, *kgb = kgs + KVA_TILE * GLD, *vgs = kgb + KVA_TILE * GLD,
+  float *kgs = vt + KVA_TILE * VT_LD(&vf), *kgb = kgs + KVA_TILE * GLD, *vgs = kgb + KVA_TILE * GLD,
         *vgb = vgs + KVA_TILE * GLD, *ws = vgb + KVA_TILE * GLD;
   float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
