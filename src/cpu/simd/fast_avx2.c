@@ -285,6 +285,25 @@ ALWAYS __m256 fma_keep(__m256 w, __m256 v, __m256 acc, __m256 keep, int masked) 
   return masked ? _mm256_blendv_ps(acc, r, keep) : r;
 }
 
+/* A pass's share of the next tile's V prefetch (pf NULL: none): pass p of
+ * np over the tile prefetches rows p, p + np, ..., so that the rows are
+ * requested evenly over the V phase rather than all in its first pass
+ * (tiles.h: bursts stall on full fill buffers). */
+typedef struct vshare {
+  const kva_prefetch *pf;
+  int p, np;
+} vshare;
+/* Pass p's share when the V phase makes np passes: rows of 4 or more cache
+ * lines go out spread over all passes, smaller rows all in the first pass
+ * (cold 2-thread decode 8/4/256 32k on the AVX2 host, calls alternated:
+ * bf16 (8 lines) spread 9.0 -> 6.5-6.8 ms; q4 (2 lines) spread 4.69 -> 4.93
+ * ms, over the first 2 passes 5.24). */
+static inline vshare vshare_of(const kva_prefetch *pf, int p, int np) {
+  const int spread = pf && pf->bytes[KVA_ARR_V] >= 4 * 64 ? np : 1;
+  const vshare v = {p < spread ? pf : NULL, p, spread};
+  return v;
+}
+
 /* Direct V accumulation for J <= 2 vectors, quantized: per chunk, passes of
  * 4 codes per word (from code k0) over the tile's tokens, codes decoded in
  * registers and multiplied by the weights ws[j][t][g] = P*scale (vweights8:
@@ -292,7 +311,7 @@ ALWAYS __m256 fma_keep(__m256 w, __m256 v, __m256 acc, __m256 keep, int masked) 
  * they add exactly nothing; the biases: vbias8). ONE: the chunk lies in one
  * group (its weight a broadcast). */
 ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *ws, float *o, int c,
-                           int k0, int J, int bits, int ONE, const kva_prefetch *pf) {
+                           int k0, int J, int bits, int ONE, vshare pf) {
   const int E = 32 / bits;
   float *oc = o + (c * E + k0) * L8;
   const float *wc = ws + fp->g0[c];
@@ -300,8 +319,12 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
   __m256 acc[2][4];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_loadu_ps(oc + (int64_t)j * fp->P + k * L8);
+  int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (t == next) {
+      if (t < pf.pf->n) prefetch_row(pf.pf, t, KVA_ARR_V, KVA_ARRS);
+      next += pf.np;
+    }
     const __m256i x = load_chunk(fp, rows[t].v, c);
     __m256 w[2];
     for (int j = 0; j < J; ++j) {
@@ -320,19 +343,14 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
 #define VDIRECT_Q(BITS, J)                                                                                     \
   static void vdirect_q##BITS##_##J(const fmt8 *fp, const kva_rows *rows, int64_t n,                         \
                                     const float *ws, float *o, const kva_prefetch *pf) {                       \
-    for (int c = 0; c < fp->nch; ++c, pf = NULL) {                                                             \
-      if (fp->one_group) {                                                                                     \
-        vdirect_q_pass(fp, rows, n, ws, o, c, 0, J, BITS, 1, pf);                                   \
-        if (BITS <= 4) vdirect_q_pass(fp, rows, n, ws, o, c, 4, J, BITS, 1, NULL);                  \
-        if (BITS == 2) vdirect_q_pass(fp, rows, n, ws, o, c, 8, J, BITS, 1, NULL);                  \
-        if (BITS == 2) vdirect_q_pass(fp, rows, n, ws, o, c, 12, J, BITS, 1, NULL);                 \
-      } else {                                                                                                 \
-        vdirect_q_pass(fp, rows, n, ws, o, c, 0, J, BITS, 0, pf);                                   \
-        if (BITS <= 4) vdirect_q_pass(fp, rows, n, ws, o, c, 4, J, BITS, 0, NULL);                  \
-        if (BITS == 2) vdirect_q_pass(fp, rows, n, ws, o, c, 8, J, BITS, 0, NULL);                  \
-        if (BITS == 2) vdirect_q_pass(fp, rows, n, ws, o, c, 12, J, BITS, 0, NULL);                 \
+    enum { KP = 32 / BITS / 4 }; /* passes per chunk */                                                        \
+    const int np = fp->nch * KP;                                                                               \
+    for (int c = 0; c < fp->nch; ++c)                                                                          \
+      for (int kp = 0; kp < KP; ++kp) {                                                                        \
+        const vshare sh = vshare_of(pf, c * KP + kp, np);                                                      \
+        if (fp->one_group) vdirect_q_pass(fp, rows, n, ws, o, c, 4 * kp, J, BITS, 1, sh);                       \
+        else vdirect_q_pass(fp, rows, n, ws, o, c, 4 * kp, J, BITS, 0, sh);                                     \
       }                                                                                                        \
-    }                                                                                                          \
   }
 VDIRECT_Q(8, 1)
 VDIRECT_Q(8, 2)
@@ -346,13 +364,17 @@ VDIRECT_Q(2, 2)
  * that no vector of the block sees are skipped; a key seen by one of two
  * adds to that one only (0 x NaN must not leak). */
 ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o, int d0, int J,
-                           int NV, int split, const kva_prefetch *pf) {
+                           int NV, int split, vshare pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m256 acc[2][VFB];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) acc[j][k] = _mm256_loadu_ps(o + (int64_t)j * fp->P + d0 + k * L8);
+  int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (t == next) {
+      if (t < pf.pf->n) prefetch_row(pf.pf, t, KVA_ARR_V, KVA_ARRS);
+      next += pf.np;
+    }
     const float p0 = P[t], p1 = J == 2 ? P[KVA_TILE + t] : 0.0f;
     if (p0 == 0.0f && p1 == 0.0f) continue;
     const char *row = rows[t].v + d0 * es;
@@ -376,16 +398,23 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + (int64_t)j * fp->P + d0 + k * L8, acc[j][k]);
 }
+/* Passes of VFB vectors (split: pairs of full 16-element blocks first),
+ * then single vectors. */
 #define VDIRECT_F(J)                                                                                           \
   static void vdirect_f8_##J(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o,       \
                              const kva_prefetch *pf) {                                                         \
-    int d0 = 0;                                                                                                \
-    if (fp->split) {                                                                                           \
-      for (; d0 + VFB * L8 <= fp->P; d0 += VFB * L8, pf = NULL) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 1, pf); \
-      for (; d0 + 2 * L8 <= fp->P; d0 += 2 * L8, pf = NULL) vdirect_f_pass(fp, rows, n, P, o, d0, J, 2, 1, pf); \
+    const int big = fp->P / (VFB * L8), rest = fp->P % (VFB * L8);                                             \
+    const int pairs = fp->split ? rest / (2 * L8) : 0, singles = (rest - pairs * 2 * L8) / L8;                 \
+    const int np = big + pairs + singles;                                                                      \
+    int d0 = 0, ip = 0;                                                                                        \
+    for (int i = 0; i < big; ++i, d0 += VFB * L8, ++ip) {                                                      \
+      if (fp->split) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 1, vshare_of(pf, ip, np));                   \
+      else vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 0, vshare_of(pf, ip, np));                             \
     }                                                                                                          \
-    for (; d0 + VFB * L8 <= fp->P; d0 += VFB * L8, pf = NULL) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 0, pf); \
-    for (; d0 < fp->P; d0 += L8, pf = NULL) vdirect_f_pass(fp, rows, n, P, o, d0, J, 1, 0, pf);              \
+    for (int i = 0; i < pairs; ++i, d0 += 2 * L8, ++ip)                                                        \
+      vdirect_f_pass(fp, rows, n, P, o, d0, J, 2, 1, vshare_of(pf, ip, np));                                    \
+    for (int i = 0; i < singles; ++i, d0 += L8, ++ip)                                                          \
+      vdirect_f_pass(fp, rows, n, P, o, d0, J, 1, 0, vshare_of(pf, ip, np));                                    \
   }
 VDIRECT_F(1)
 VDIRECT_F(2)
