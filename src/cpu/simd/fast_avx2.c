@@ -152,13 +152,24 @@ ALWAYS void groups_f32(const char *p, kva_dtype dt, int n, float *dst) {
   for (; g < n; ++g) dst[g] = dt == KVA_F16 ? kva_f16_to_f32(h[g]) : simd_bf16f(h[g]);
 }
 /* The tile's scales and biases of one operand (arrays as, ab of the rows)
- * into gs/gb[t][GLD]. */
+ * into gs/gb[t][GLD]; one loop per scale dtype and for the common 4 groups
+ * (head dim 256 in groups of 64). */
+#define TILE_GROUPS_LOOP(DT, NG)                                                                               \
+  for (int64_t t = 0; t < n; ++t) {                                                                            \
+    groups_f32(rows[t].a[as], DT, NG, gs + t * GLD);                                                           \
+    groups_f32(rows[t].a[ab], DT, NG, gb + t * GLD);                                                           \
+  }
 static void tile_groups(const fmt8 *fp, const kva_rows *rows, int64_t n, int as, int ab, float *gs, float *gb) {
-  for (int64_t t = 0; t < n; ++t) {
-    groups_f32(rows[t].a[as], fp->sdt, fp->ngroups, gs + t * GLD);
-    groups_f32(rows[t].a[ab], fp->sdt, fp->ngroups, gb + t * GLD);
+  const int ng = fp->ngroups;
+  switch (fp->sdt) {
+  case KVA_BF16:
+    if (ng == 4) TILE_GROUPS_LOOP(KVA_BF16, 4) else TILE_GROUPS_LOOP(KVA_BF16, ng)
+    break;
+  case KVA_F16: TILE_GROUPS_LOOP(KVA_F16, ng) break;
+  default: TILE_GROUPS_LOOP(KVA_F32, ng) break;
   }
 }
+#undef TILE_GROUPS_LOOP
 /* The group values of chunk c's 8 word lanes (a row of a tile group table). */
 ALWAYS __m256 chunk_lanes(const fmt8 *fp, const float *g, int c) {
   if (fp->one_group) return _mm256_broadcast_ss(g + fp->g0[c]);
