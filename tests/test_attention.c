@@ -60,6 +60,11 @@ static const att_case cases[] = {
     {1, 4, 4, 1, 200, 512, 512, BF16, F32, 2, 4, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 5, 1, 1, 200, 256, 256, F16, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
     {1, 8, 4, 1, 500, 256, 256, BF16, F32, 4, 8, 64, BF16, MASK_CAUSAL, 0, 30.0f, 1, 0, 0},
+    /* AVX2 variants: quantized K through the dequantized L1 tile (> 4
+     * vectors) with partial chunks of 8 words (q2 D 96: 6 words; q4 D 96:
+     * 12) and with Dk > Dv (the tile sized for K) */
+    {1, 8, 2, 4, 300, 96, 96, F32, F32, 2, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 6, 1, 2, 250, 512, 128, F32, F32, 4, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0},
     /* explicit array masks (fallback) and long L (fallback row groups) */
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
