@@ -643,13 +643,8 @@ static int fast_format_ok(const kva_rowfmt *f) {
 }
 
 kva_item_fn KFN(select_fast)(const kva_problem *p) {
-  kva_rowfmt kf = kva_rowfmt_of(&p->kv->k), vf = kva_rowfmt_of(&p->kv->v);
-  if (p->kv->layout == KVA_LAYOUT_PAGED) { /* formats come from the pool */
-    kva_source s;
-    kva_source_paged(&s, p->kv);
-    kf = s.kf;
-    vf = s.vf;
-  }
+  kva_rowfmt kf, vf;
+  simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !fast_format_ok(&kf) || !fast_format_ok(&vf)) return NULL;
   kva_item_fn amx = KFN(select_amx)(p, &kf, &vf);
   return amx ? amx : attend_fast;

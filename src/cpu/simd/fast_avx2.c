@@ -744,13 +744,8 @@ static int format_ok8(const kva_rowfmt *f) {
 }
 
 kva_item_fn KFN(select_fast)(const kva_problem *p) {
-  kva_rowfmt kf = kva_rowfmt_of(&p->kv->k), vf = kva_rowfmt_of(&p->kv->v);
-  if (p->kv->layout == KVA_LAYOUT_PAGED) { /* formats come from the pool */
-    kva_source s;
-    kva_source_paged(&s, p->kv);
-    kf = s.kf;
-    vf = s.vf;
-  }
+  kva_rowfmt kf, vf;
+  simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !format_ok8(&kf) || !format_ok8(&vf)) return NULL;
   return attend_fast8;
 }

@@ -48,6 +48,19 @@ static inline const int32_t *simd_segments_row(const kva_problem *p, int64_t b) 
   return (const int32_t *)((const char *)p->mask.segments.data + b * p->mask.segments.stride[0]);
 }
 
+/* The row formats of a problem's K and V (a paged view's come from its pool). */
+static inline void simd_rowfmts(const kva_problem *p, kva_rowfmt *kf, kva_rowfmt *vf) {
+  if (p->kv->layout == KVA_LAYOUT_PAGED) {
+    kva_source s;
+    kva_source_paged(&s, p->kv);
+    *kf = s.kf;
+    *vf = s.vf;
+    return;
+  }
+  *kf = kva_rowfmt_of(&p->kv->k);
+  *vf = kva_rowfmt_of(&p->kv->v);
+}
+
 /* Row addresses of token t of one (sequence, KV head): k, ks, kb, v, vs, vb
  * (the order of KVA_ARR_*; ks..vb NULL for float rows). */
 typedef union kva_rows {
