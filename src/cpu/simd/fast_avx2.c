@@ -152,8 +152,8 @@ ALWAYS void groups_f32(const char *p, kva_dtype dt, int n, float *dst) {
   for (; g < n; ++g) dst[g] = dt == KVA_F16 ? kva_f16_to_f32(h[g]) : simd_bf16f(h[g]);
 }
 /* The tile's scales and biases of one operand (arrays as, ab of the rows)
- * into gs/gb[t][GLD]; one loop per scale dtype and for the common 4 groups
- * (head dim 256 in groups of 64). */
+ * into gs/gb[t][GLD]; one loop per scale dtype and for the common 4 and 2
+ * groups (head dims 256 and 128 in groups of 64). */
 #define TILE_GROUPS_LOOP(DT, NG)                                                                               \
   for (int64_t t = 0; t < n; ++t) {                                                                            \
     groups_f32(rows[t].a[as], DT, NG, gs + t * GLD);                                                           \
@@ -163,7 +163,9 @@ static void tile_groups(const fmt8 *fp, const kva_rows *rows, int64_t n, int as,
   const int ng = fp->ngroups;
   switch (fp->sdt) {
   case KVA_BF16:
-    if (ng == 4) TILE_GROUPS_LOOP(KVA_BF16, 4) else TILE_GROUPS_LOOP(KVA_BF16, ng)
+    if (ng == 4) TILE_GROUPS_LOOP(KVA_BF16, 4)
+    else if (ng == 2) TILE_GROUPS_LOOP(KVA_BF16, 2)
+    else TILE_GROUPS_LOOP(KVA_BF16, ng)
     break;
   case KVA_F16: TILE_GROUPS_LOOP(KVA_F16, ng) break;
   default: TILE_GROUPS_LOOP(KVA_F32, ng) break;
@@ -322,14 +324,14 @@ static inline vshare vshare_of(const kva_prefetch *pf, int p, int np) {
  * they add exactly nothing; the biases: vbias8). ONE: the chunk lies in one
  * group (its weight a broadcast). */
 ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *ws, float *o, int c,
-                           int k0, int J, int bits, int ONE, vshare pf) {
+                           int k0, int KB, int J, int bits, int ONE, vshare pf) {
   const int E = 32 / bits;
   float *oc = o + (c * E + k0) * L8;
   const float *wc = ws + fp->g0[c];
   const __m256i gidx = fp->gidx[c];
-  __m256 acc[2][4];
+  __m256 acc[4][4];
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_loadu_ps(oc + (int64_t)j * fp->P + k * L8);
+    for (int k = 0; k < KB; ++k) acc[j][k] = _mm256_loadu_ps(oc + (int64_t)j * fp->P + k * L8);
   int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
   for (int64_t t = 0; t < n; ++t) {
     if (t == next) {
@@ -337,30 +339,31 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
       next += pf.np;
     }
     const __m256i x = load_chunk(fp, rows[t].v, c);
-    __m256 w[2];
+    __m256 w[4];
     for (int j = 0; j < J; ++j) {
       const float *wt = wc + ((int64_t)j * KVA_TILE + t) * GLD;
       w[j] = ONE ? _mm256_broadcast_ss(wt) : _mm256_permutevar8x32_ps(_mm256_loadu_ps(wt), gidx);
     }
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < KB; ++k) {
       const __m256 f = code8(x, k0 + k, bits);
       for (int j = 0; j < J; ++j) acc[j][k] = _mm256_fmadd_ps(w[j], f, acc[j][k]);
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(oc + (int64_t)j * fp->P + k * L8, acc[j][k]);
+    for (int k = 0; k < KB; ++k) _mm256_storeu_ps(oc + (int64_t)j * fp->P + k * L8, acc[j][k]);
 }
-/* All chunks and passes of one block; k0 and ONE are constants. */
+/* All chunks and passes of one block of J vectors (4 codes per word per
+ * pass for J <= 2, 2 for J = 4: 8 accumulators); k0 and ONE are constants. */
 #define VDIRECT_Q(BITS, J)                                                                                     \
   static void vdirect_q##BITS##_##J(const fmt8 *fp, const kva_rows *rows, int64_t n,                         \
                                     const float *ws, float *o, const kva_prefetch *pf) {                       \
-    enum { KP = 32 / BITS / 4 }; /* passes per chunk */                                                        \
+    enum { KB = J == 4 ? 2 : 4, KP = 32 / BITS / KB }; /* codes per pass, passes per chunk */                  \
     const int np = fp->nch * KP;                                                                               \
     for (int c = 0; c < fp->nch; ++c)                                                                          \
       for (int kp = 0; kp < KP; ++kp) {                                                                        \
         const vshare sh = vshare_of(pf, c * KP + kp, np);                                                      \
-        if (fp->one_group) vdirect_q_pass(fp, rows, n, ws, o, c, 4 * kp, J, BITS, 1, sh);                       \
-        else vdirect_q_pass(fp, rows, n, ws, o, c, 4 * kp, J, BITS, 0, sh);                                     \
+        if (fp->one_group) vdirect_q_pass(fp, rows, n, ws, o, c, KB * kp, KB, J, BITS, 1, sh);                  \
+        else vdirect_q_pass(fp, rows, n, ws, o, c, KB * kp, KB, J, BITS, 0, sh);                                \
       }                                                                                                        \
   }
 VDIRECT_Q(8, 1)
@@ -369,6 +372,9 @@ VDIRECT_Q(4, 1)
 VDIRECT_Q(4, 2)
 VDIRECT_Q(2, 1)
 VDIRECT_Q(2, 2)
+VDIRECT_Q(8, 4)
+VDIRECT_Q(4, 4)
+VDIRECT_Q(2, 4)
 
 #define VFB 4 /* vectors of 8 values per pass over the tile (float V, J <= 2) */
 /* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 8*NV); split: NV even. Keys
@@ -582,6 +588,15 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
                     const kva_prefetch *pf) {
   if (nq <= 4) {
     if (fp->bits) vweights8(fp, n, S, gs, gb, ws, ob, nq);
+    if (fp->bits && nq == 4) { /* one block of 4: the codes decoded once */
+      const float *w4 = ws;
+      switch (fp->bits) {
+      case 2: vdirect_q2_4(fp, rows, n, w4, o, pf); break;
+      case 4: vdirect_q4_4(fp, rows, n, w4, o, pf); break;
+      default: vdirect_q8_4(fp, rows, n, w4, o, pf); break;
+      }
+      return;
+    }
     for (int64_t j = 0; j < nq; j += 2) {
       const int two = j + 1 < nq;
       const float *Pj = S + j * KVA_TILE;
