@@ -595,8 +595,11 @@ TEST(cuda_tc_unseen_nan) {
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
 }
 
-/* One capture, replayed while the lengths in device memory change. */
-static void graph_replay(int tcd, int wg) {
+/* One capture, replayed while the lengths in device memory change; on a
+ * caller's workspace, or (ctx_ws) on the context's own, sized by one call
+ * before the capture (the per-warp kernel then merges its splits itself,
+ * with arrival counters that every replay must leave at zero). */
+static void graph_replay(int tcd, int wg, int ctx_ws) {
   const att_case c = {2, 8, 2, 2, 3000, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
   static const int32_t lens_sets[][2] = {{3000, 2}, {17, 2999}, {1000, 1500}, {2, 3000}};
   att_data hd;
@@ -623,7 +626,15 @@ static void graph_replay(int tcd, int wg) {
     FAIL_("workspace size: %s", kva_last_error());
     goto done;
   }
-  if (bytes && !cuda_ok(cudaMalloc(&ws, bytes), "workspace")) goto done;
+  if (ctx_ws) {
+    if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0) ||
+        !cuda_ok(cudaStreamSynchronize(s), "sizing call")) {
+      FAIL_("sizing call: %s", kva_last_error());
+      goto done;
+    }
+    bytes = 0;
+  } else if (bytes && !cuda_ok(cudaMalloc(&ws, bytes), "workspace"))
+    goto done;
   if (!cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "begin capture")) goto done;
   int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes);
   cudaError_t ce = cudaStreamEndCapture(s, &graph);
@@ -662,9 +673,10 @@ done:
 
 TEST(cuda_graph_replay_changing_lengths) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  graph_replay(0, 0);
-  graph_replay(1, 0);
-  graph_replay(0, 1);
+  graph_replay(0, 0, 0);
+  graph_replay(1, 0, 0);
+  graph_replay(1, 0, 1);
+  graph_replay(0, 1, 0);
 }
 
 /* A caller workspace one byte short is refused before anything is enqueued. */
