@@ -21,8 +21,10 @@
  *   order, one operation per 8 values), and q / the V accumulator follow.
  * Traffic: each K/V row of the item's range is read once for all nq
  *   vectors (tiles run across paged blocks; the next tile's rows are
- *   prefetched into L2 one per row, tiles.h); the rows' group scales and
- *   biases are converted to f32 once per tile.
+ *   prefetched into L2 one per row handled, tiles.h: K rows during the K
+ *   phase, V rows during the V phase's first pass, or spread over all its
+ *   passes when a row spans 4 lines or more, vshare_of); the rows' group
+ *   scales and biases are converted to f32 once per tile.
  * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
