@@ -383,7 +383,7 @@ VDIRECT_Q(2, 4)
  * that no vector of the block sees are skipped; a key seen by one of two
  * adds to that one only (0 x NaN must not leak). */
 ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o, int d0, int J,
-                           int NV, int split, vshare pf) {
+                           int NV, int split, int SAME, vshare pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   __m256 acc[2][VFB];
   for (int j = 0; j < J; ++j)
@@ -403,7 +403,7 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
       else v[k] = load8(row + k * L8 * es, fp->sdt);
     }
     const __m256 w0 = _mm256_set1_ps(p0), w1 = _mm256_set1_ps(p1);
-    if (J == 1 || (p0 != 0.0f && p1 != 0.0f)) {
+    if (J == 1 || SAME || (p0 != 0.0f && p1 != 0.0f)) {
       for (int k = 0; k < NV; ++k) {
         acc[0][k] = _mm256_fmadd_ps(w0, v[k], acc[0][k]);
         if (J == 2) acc[1][k] = _mm256_fmadd_ps(w1, v[k], acc[1][k]);
@@ -418,22 +418,32 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
     for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + (int64_t)j * fp->P + d0 + k * L8, acc[j][k]);
 }
 /* Passes of VFB vectors (split: pairs of full 16-element blocks first),
- * then single vectors. */
+ * then single vectors. SAME: every key of the tile is seen by both vectors
+ * of the block or by neither (always at L = 1): no per-key branch between
+ * the FMAs (with it the compiler kept accumulators on the stack). */
+#define VDIRECT_F_PASSES(J, SAME)                                                                              \
+  for (int i = 0; i < big; ++i, d0 += VFB * L8, ++ip) {                                                        \
+    if (fp->split) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 1, SAME, vshare_of(pf, ip, np));               \
+    else vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 0, SAME, vshare_of(pf, ip, np));                         \
+  }                                                                                                            \
+  for (int i = 0; i < pairs; ++i, d0 += 2 * L8, ++ip)                                                          \
+    vdirect_f_pass(fp, rows, n, P, o, d0, J, 2, 1, SAME, vshare_of(pf, ip, np));                               \
+  for (int i = 0; i < singles; ++i, d0 += L8, ++ip)                                                            \
+    vdirect_f_pass(fp, rows, n, P, o, d0, J, 1, 0, SAME, vshare_of(pf, ip, np));
 #define VDIRECT_F(J)                                                                                           \
   static void vdirect_f8_##J(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o,       \
                              const kva_prefetch *pf) {                                                         \
     const int big = fp->P / (VFB * L8), rest = fp->P % (VFB * L8);                                             \
     const int pairs = fp->split ? rest / (2 * L8) : 0, singles = (rest - pairs * 2 * L8) / L8;                 \
     const int np = big + pairs + singles;                                                                      \
+    int same = 1;                                                                                              \
+    for (int64_t t = 0; J == 2 && t < n; ++t) same &= (P[t] != 0.0f) == (P[KVA_TILE + t] != 0.0f);            \
     int d0 = 0, ip = 0;                                                                                        \
-    for (int i = 0; i < big; ++i, d0 += VFB * L8, ++ip) {                                                      \
-      if (fp->split) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 1, vshare_of(pf, ip, np));                   \
-      else vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 0, vshare_of(pf, ip, np));                             \
+    if (same) {                                                                                                \
+      VDIRECT_F_PASSES(J, 1)                                                                                   \
+    } else {                                                                                                   \
+      VDIRECT_F_PASSES(J, 0)                                                                                   \
     }                                                                                                          \
-    for (int i = 0; i < pairs; ++i, d0 += 2 * L8, ++ip)                                                        \
-      vdirect_f_pass(fp, rows, n, P, o, d0, J, 2, 1, vshare_of(pf, ip, np));                                    \
-    for (int i = 0; i < singles; ++i, d0 += L8, ++ip)                                                          \
-      vdirect_f_pass(fp, rows, n, P, o, d0, J, 1, 0, vshare_of(pf, ip, np));                                    \
   }
 VDIRECT_F(1)
 VDIRECT_F(2)
