@@ -256,10 +256,17 @@ ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
           acc[j][1] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
         }
       }
-    for (; d < fp->P; d += L8) {
+    /* constant chain indices (a run-time index put the accumulators on the stack) */
+    for (; d + 2 * L8 <= fp->P; d += 2 * L8) {
+      const __m256 k0 = load8(row + d * es, fp->sdt), k1 = load8(row + (d + L8) * es, fp->sdt);
+      for (int j = 0; j < J; ++j) {
+        acc[j][0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
+        acc[j][1] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
+      }
+    }
+    if (d < fp->P) {
       const __m256 kv = load8(row + d * es, fp->sdt);
-      for (int j = 0; j < J; ++j)
-        acc[j][d / L8 & 1] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][d / L8 & 1]);
+      for (int j = 0; j < J; ++j) acc[j][0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
     }
     __m256 sc[KQB];
     for (int j = 0; j < J; ++j) sc[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
