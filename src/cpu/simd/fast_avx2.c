@@ -220,11 +220,13 @@ ALWAYS void kphase_q8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
       const __m256i x = load_chunk(fp, row, c);
       __m256 dot[KQB][2]; /* two chains per vector: codes k even / odd (FMA latency) */
       for (int j = 0; j < J; ++j) dot[j][0] = dot[j][1] = _mm256_setzero_ps();
-      for (int k = 0; k < E; ++k) {
-        const __m256 f = code8(x, k, bits);
+      for (int k = 0; k < E; k += 2) { /* E is even; constant chain indices keep dot in registers */
+        const __m256 f0 = code8(x, k, bits), f1 = code8(x, k + 1, bits);
         const float *qk = qp + (int64_t)(c * E + k) * L8;
-        for (int j = 0; j < J; ++j)
-          dot[j][k & 1] = _mm256_fmadd_ps(f, _mm256_loadu_ps(qk + (int64_t)j * fp->P), dot[j][k & 1]);
+        for (int j = 0; j < J; ++j) {
+          dot[j][0] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(qk + (int64_t)j * fp->P), dot[j][0]);
+          dot[j][1] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(qk + L8 + (int64_t)j * fp->P), dot[j][1]);
+        }
       }
       const __m256 sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
       for (int j = 0; j < J; ++j) {
