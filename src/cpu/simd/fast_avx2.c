@@ -302,8 +302,8 @@ static void kphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
 }
 
 /* ---- V phase ---- */
-/* acc += w * v, or, where keep is all-ones only for some lanes' vectors
- * (masked keys of a mixed token), only where keep is set. */
+/* acc += w * v; masked: only where keep is set (the tiled V phase on a tile
+ * holding a NaN or Inf: keys with P == 0 must add exactly nothing). */
 ALWAYS __m256 fma_keep(__m256 w, __m256 v, __m256 acc, __m256 keep, int masked) {
   const __m256 r = _mm256_fmadd_ps(w, v, acc);
   return masked ? _mm256_blendv_ps(acc, r, keep) : r;
@@ -601,20 +601,20 @@ static void vweights8(const fmt8 *fp, int64_t n, const float *S, const float *gs
   }
 }
 
-/* V phase for one tile: direct (codes in registers) for <= 4 vectors in
- * blocks of two, with the group biases summed apart (vbias8), else through
- * the dequantized L1 tile. */
+/* V phase for one tile: direct (codes in registers) for <= 4 vectors, in
+ * blocks of two or, for quantized rows and exactly 4 vectors, one block of
+ * 4 (weights and group bias sums from vweights8); else through the
+ * dequantized L1 tile. */
 static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *S, const float *gs,
                     const float *gb, float *vt, float *ws, float *o, float *ob, int64_t nq,
                     const kva_prefetch *pf) {
   if (nq <= 4) {
     if (fp->bits) vweights8(fp, n, S, gs, gb, ws, ob, nq);
     if (fp->bits && nq == 4) { /* one block of 4: the codes decoded once */
-      const float *w4 = ws;
       switch (fp->bits) {
-      case 2: vdirect_q2_4(fp, rows, n, w4, o, pf); break;
-      case 4: vdirect_q4_4(fp, rows, n, w4, o, pf); break;
-      default: vdirect_q8_4(fp, rows, n, w4, o, pf); break;
+      case 2: vdirect_q2_4(fp, rows, n, ws, o, pf); break;
+      case 4: vdirect_q4_4(fp, rows, n, ws, o, pf); break;
+      default: vdirect_q8_4(fp, rows, n, ws, o, pf); break;
       }
       return;
     }
