@@ -19,7 +19,16 @@ TOOL_SRC  = $(wildcard tools/*.c)
 TOOL_CU   = $(wildcard tools/*.cu)
 TEST_SRC  = $(wildcard tests/*.c)
 
+# x86 targets build all three levels (picked at run time by cpuid); other
+# targets (aarch64: Grace, Graviton, ...) the portable level, whose fused
+# kernel runs on generic vectors (NEON there). src/cpu/attend.c follows the
+# compiler's target macros the same way.
+KVA_ARCH := $(shell $(CC) -dumpmachine)
+ifneq ($(filter x86_64% i386% i486% i586% i686%,$(KVA_ARCH)),)
 SIMD_LEVELS = portable avx2 avx512
+else
+SIMD_LEVELS = portable
+endif
 SIMD_FLAGS_portable =
 SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
 SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16

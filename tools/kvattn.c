@@ -91,6 +91,8 @@ static void usage_bench(FILE *f) {
           "run:\n"
           "  --backend B        cpu (default) | cuda\n"
           "  --threads T        worker threads, 0 = all cores (default)\n"
+          "  --simd LEVEL       CPU kernels of this SIMD level: avx512 | avx2 | portable\n"
+          "                     (default: the best this CPU supports; `kvattn info` names it)\n"
           "  --warmups N        untimed calls per case (default %d)\n"
           "  --reps N           at least N timed calls (default %d; fewer for huge cases)\n"
           "  --max-reps N       at most N timed calls (default %d)\n"
@@ -365,6 +367,10 @@ static int cmd_bench(int argc, char **argv) {
       else if (!strcmp(val, "cuda")) o.backend = KVA_BACKEND_CUDA;
       else return usage_error("--backend: '%s' is not one of cpu, cuda", val), KB_EXIT_USAGE;
     } else if (IS("--threads")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 0, MAX_THREADS_ARG, false, &threads)); }
+    else if (IS("--simd")) {
+      NEEDS_VALUE();
+      if (kva_cpu_set_simd(val) != 0) return usage_error("--simd: %s", kva_last_error()), KB_EXIT_USAGE;
+    }
     else if (IS("--warmups")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 0, MAX_REPS_LIMIT, false, &warmups)); }
     else if (IS("--reps")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 1, MAX_REPS_LIMIT, false, &min_reps)); }
     else if (IS("--max-reps")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 1, MAX_REPS_LIMIT, false, &max_reps)); }

@@ -88,9 +88,19 @@ void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
 }
 
 /* ---- SIMD level ---- */
+/* Which levels are built follows the target (the Makefile's SIMD_LEVELS):
+ * x86 builds all three and picks by cpuid; other architectures build the
+ * portable level only (generic vectors: NEON on aarch64). */
+#if defined(__x86_64__) || defined(__i386__)
+#define KVA_X86 1
+#define KVA_CPU_LEVELS "portable avx2 avx512"
+#else
+#define KVA_X86 0
+#define KVA_CPU_LEVELS "portable"
+#endif
 static const kva_cpu_kernels *forced;
 
-#if defined(__x86_64__) || defined(__i386__)
+#if KVA_X86
 #include <cpuid.h>
 /* CPU features by cpuid, and the OS's consent (XCR0) to the register state. */
 static const kva_cpu_kernels *best_kernels(void) {
@@ -137,6 +147,7 @@ int kva_cpu_set_simd(const char *level) {
     forced = NULL;
     return 0;
   }
+#if KVA_X86
   const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
   const kva_cpu_kernels *best = detected_kernels();
   int best_rank = best == &kva_cpu_kernels_avx512 ? 2 : best == &kva_cpu_kernels_avx2 ? 1 : 0;
@@ -146,11 +157,19 @@ int kva_cpu_set_simd(const char *level) {
       forced = all[i];
       return 0;
     }
+#else
+  if (!strcmp(level, "portable")) {
+    forced = &kva_cpu_kernels_portable;
+    return 0;
+  }
+  if (!strcmp(level, "avx512") || !strcmp(level, "avx2"))
+    return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": an x86 level, not built for this architecture", level);
+#endif
   return kva_seterr(KVA_EINVAL, "level \"%s\" (expected avx512, avx2 or portable)", level);
 }
 
 const char *kva_build_info(void) {
-  return "kvattn " KVA_BUILD_COMPILER ", CPU kernels: portable avx2 avx512"
+  return "kvattn " KVA_BUILD_COMPILER ", CPU kernels: " KVA_CPU_LEVELS
 #ifdef KVA_HAVE_CUDA
          ", CUDA: sm_90a (+PTX compute_80)"
 #else

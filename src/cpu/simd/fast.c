@@ -1,5 +1,5 @@
-/* The fused decode/verify kernel for AVX-512 (AVX2: fast_avx2.c; the
- * portable level uses the general kernel of generic.c).
+/* The fused decode/verify kernel for AVX-512 (the avx2 and portable levels:
+ * fast8.c).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
@@ -655,13 +655,4 @@ const char *KFN(fast_name)(const kva_problem *p) {
   return !f ? NULL : f == attend_fast ? "fused kernel" : "AMX kernel (bf16 tiles)";
 }
 
-#elif !defined(__AVX2__) /* portable: the general kernel serves every call (AVX2: fast_avx2.c) */
-kva_item_fn KFN(select_fast)(const kva_problem *p) {
-  (void)p;
-  return NULL;
-}
-const char *KFN(fast_name)(const kva_problem *p) {
-  (void)p;
-  return NULL;
-}
 #endif

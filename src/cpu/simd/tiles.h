@@ -1,11 +1,10 @@
 /* Tiles of KVA_TILE tokens over an item's rows and the software prefetch of
- * the next tile, shared by the fast kernels of the x86 levels (fast.c,
- * fast_avx2.c, amx.c); ISA-neutral but for _mm_prefetch. */
+ * the next tile, shared by the fast kernels (fast.c, fast8.c, amx.c);
+ * ISA-neutral (__builtin_prefetch with locality 2: prefetcht1 on x86). */
 #ifndef KVA_CPU_TILES_H
 #define KVA_CPU_TILES_H
 
 #include "cpu/simd/simd.h"
-#include <immintrin.h>
 
 /* Software prefetch of the rows of the next tile, spread over the current
  * one: while a kernel handles row t of this tile, it prefetches row t of
@@ -59,7 +58,7 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r, int a0, int a1) {
       const uintptr_t prev_last = ((uintptr_t)pf->rows[r - 1].a[a] + (uintptr_t)bytes - 1) & ~(uintptr_t)63;
       if (prev_last == line) line += 64;
     }
-    for (; line < end; line += 64) _mm_prefetch((const char *)line, _MM_HINT_T1);
+    for (; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
   }
 }
 
@@ -88,7 +87,7 @@ ALWAYS void prefetch_block_starts(const kva_seqmap *m, const kva_prefetch *pf, i
   for (; u < pf->n; u += m->bs, ++slot) {
     const int64_t blk = m->ids[slot];
     for (int a = 0; a < KVA_ARRS; ++a)
-      if (pf->bytes[a]) _mm_prefetch(m->base[a] + blk * m->bstride[a], _MM_HINT_T1);
+      if (pf->bytes[a]) __builtin_prefetch(m->base[a] + blk * m->bstride[a], 0, 2);
   }
 }
 

@@ -1,7 +1,9 @@
-/* The fused decode/verify kernel for AVX2 (+FMA, F16C): 8 f32 lanes. The
- * AVX-512 level has its own (fast.c); this one serves processors without
- * AVX-512 (AMD Zen 2/3, Intel client cores), where the general kernel ran
- * 20-50x slower on quantized caches.
+/* The fused decode/verify kernel on 8 f32 lanes (vec8.h), compiled at the
+ * avx2 level (AVX2 + FMA + F16C: AMD Zen 2/3, Intel client cores) and at
+ * the portable level (generic vectors: SSE2 pairs on x86-64, NEON pairs on
+ * aarch64 such as Grace or Graviton); the AVX-512 level has its own
+ * (fast.c). Without it the general kernel ran 20-50x slower on quantized
+ * caches.
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
@@ -13,7 +15,7 @@
  *   codes decoded in registers and sum_t P*b_g kept per group (vweights8);
  *   for more vectors the tile's rows are dequantized once into L1 as
  *   s*c + b and every vector reads them from there.
- * Layout: a quantized row is read 8 u32 words (one ymm, a "chunk") at a
+ * Layout: a quantized row is read 8 u32 words (one v8i, a "chunk") at a
  *   time; code k of word w lands in lane w of vector k: position
  *   (chunk*E + k)*8 + w <-> element (chunk*8 + w)*E + k (E = 32/bits codes
  *   per word); q and the V accumulator live in that permuted order. bf16
@@ -28,8 +30,9 @@
  * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#if !defined(__AVX512F__) /* the avx512 level: fast.c */
 #include "cpu/simd/tiles.h"
+#include "cpu/simd/vec8.h"
 
 #define L8 8      /* f32 lanes */
 #define MAXCH 16  /* chunks of 8 words per row: 512 dims at 8 bits */
@@ -46,8 +49,8 @@ typedef struct fmt8 {
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
   int full[MAXCH];                 /* all 8 words of the chunk are in the row */
-  __m256i chmask[MAXCH];           /* valid words (maskload) */
-  __m256i gidx[MAXCH];             /* group - g0 of each lane (word) of the chunk */
+  v8i chmask[MAXCH];           /* valid words (maskload) */
+  v8i gidx[MAXCH];             /* group - g0 of each lane (word) of the chunk */
 } fmt8;
 
 static void plan8(const kva_rowfmt *f, fmt8 *fp) {
@@ -76,8 +79,8 @@ static void plan8(const kva_rowfmt *f, fmt8 *fp) {
       idx[l] = (g < fp->ngroups ? g : fp->ngroups - 1) - fp->g0[c];
     }
     fp->full[c] = words - c * L8 >= L8;
-    fp->chmask[c] = _mm256_loadu_si256((const __m256i *)m);
-    fp->gidx[c] = _mm256_loadu_si256((const __m256i *)idx);
+    fp->chmask[c] = v8i_load(m);
+    fp->gidx[c] = v8i_load(idx);
   }
 }
 
@@ -113,42 +116,40 @@ static void unpermute8(const fmt8 *fp, int64_t D, const float *src, const float 
 }
 
 /* 8 elements of a float row as f32 (not split). */
-ALWAYS __m256 load8(const char *p, kva_dtype dt) {
-  if (dt == KVA_F32) return _mm256_loadu_ps((const float *)p);
-  const __m128i h = _mm_loadu_si128((const __m128i *)p);
-  if (dt == KVA_F16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+ALWAYS v8f load8(const char *p, kva_dtype dt) {
+  if (dt == KVA_F32) return v8f_load((const float *)p);
+  if (dt == KVA_F16) return v8f_from_f16((const uint16_t *)p);
+  return v8f_from_bf16((const uint16_t *)p);
 }
 /* 16 bf16 elements as f32 in split order: even (shift) and odd (and). */
-ALWAYS void load_bf16_split8(const char *p, __m256 *even, __m256 *odd) {
-  const __m256i x = _mm256_loadu_si256((const __m256i *)p);
-  *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-  *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+ALWAYS void load_bf16_split8(const char *p, v8f *even, v8f *odd) {
+  const v8i x = v8i_load(p);
+  *even = v8i_as_f(v8i_sll(x, 16));
+  *odd = v8i_as_f(v8i_and(x, v8i_set1((int)0xffff0000u)));
 }
 static void load_row8(const char *row, kva_dtype dt, int64_t D, float *dst) {
   const int64_t es = (int64_t)kva_dtype_size(dt);
-  for (int64_t d = 0; d < D; d += L8) _mm256_storeu_ps(dst + d, load8(row + d * es, dt));
+  for (int64_t d = 0; d < D; d += L8) v8f_store(dst + d, load8(row + d * es, dt));
 }
 
 /* Chunk c of a quantized row (8 words; masked past the row's end). */
-ALWAYS __m256i load_chunk(const fmt8 *fp, const char *row, int c) {
-  if (fp->full[c]) return _mm256_loadu_si256((const __m256i *)(row + c * 32));
-  return _mm256_maskload_epi32((const int *)(row + c * 32), fp->chmask[c]);
+ALWAYS v8i load_chunk(const fmt8 *fp, const char *row, int c) {
+  if (fp->full[c]) return v8i_load(row + c * 32);
+  return v8i_maskload(row + c * 32, fp->chmask[c]);
 }
 
 /* n (<= MAXG) group scales or biases of a row as f32. */
 ALWAYS void groups_f32(const char *p, kva_dtype dt, int n, float *dst) {
   int g = 0;
   if (dt == KVA_F32) {
-    for (; g + 8 <= n; g += 8) _mm256_storeu_ps(dst + g, _mm256_loadu_ps((const float *)p + g));
+    for (; g + 8 <= n; g += 8) v8f_store(dst + g, v8f_load((const float *)p + g));
     for (; g < n; ++g) dst[g] = ((const float *)p)[g];
     return;
   }
   const uint16_t *h = (const uint16_t *)p;
-  for (; g + 8 <= n; g += 8) _mm256_storeu_ps(dst + g, load8(p + 2 * g, dt));
+  for (; g + 8 <= n; g += 8) v8f_store(dst + g, load8(p + 2 * g, dt));
   if (g + 4 <= n) {
-    const __m128i x = _mm_loadl_epi64((const __m128i *)(h + g));
-    _mm_storeu_ps(dst + g, dt == KVA_F16 ? _mm_cvtph_ps(x) : _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), x)));
+    v4_from_half(h + g, dt == KVA_F16, dst + g);
     g += 4;
   }
   for (; g < n; ++g) dst[g] = dt == KVA_F16 ? kva_f16_to_f32(h[g]) : simd_bf16f(h[g]);
@@ -175,32 +176,25 @@ static void tile_groups(const fmt8 *fp, const kva_rows *rows, int64_t n, int as,
 }
 #undef TILE_GROUPS_LOOP
 /* The group values of chunk c's 8 word lanes (a row of a tile group table). */
-ALWAYS __m256 chunk_lanes(const fmt8 *fp, const float *g, int c) {
-  if (fp->one_group) return _mm256_broadcast_ss(g + fp->g0[c]);
-  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(g + fp->g0[c]), fp->gidx[c]);
+ALWAYS v8f chunk_lanes(const fmt8 *fp, const float *g, int c) {
+  if (fp->one_group) return v8f_bcast(g + fp->g0[c]);
+  return v8f_permute(v8f_load(g + fp->g0[c]), fp->gidx[c]);
 }
 
 /* Code k of each word of x as f32, exactly. */
-ALWAYS __m256 code8(__m256i x, int k, int bits) {
-  const __m256i y = k ? _mm256_srli_epi32(x, k * bits) : x;
-  return _mm256_cvtepi32_ps(k * bits + bits == 32 ? y : _mm256_and_si256(y, _mm256_set1_epi32((1 << bits) - 1)));
-}
-/* Lane t of the result = the sum of the 8 lanes of v[t]. */
-ALWAYS __m256 reduce8(const __m256 v[8]) {
-  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+ALWAYS v8f code8(v8i x, int k, int bits) {
+  const v8i y = k ? v8i_srl(x, k * bits) : x;
+  return v8i_to_f(k * bits + bits == 32 ? y : v8i_and(y, v8i_set1((1 << bits) - 1)));
 }
 /* Row t's J lane-partial score vectors into part; after every 8th row (or
  * the last, n - 1) the block is reduced into S[j][t0 .. t0 + 8). */
-ALWAYS void put_scores8(__m256 (*part)[L8], const __m256 *sc, int J, int64_t t, int64_t n, float *S) {
+ALWAYS void put_scores8(v8f (*part)[L8], const v8f *sc, int J, int64_t t, int64_t n, float *S) {
   for (int j = 0; j < J; ++j) part[j][t % L8] = sc[j];
   if (t % L8 != L8 - 1 && t != n - 1) return;
   const int64_t t0 = t - t % L8;
   for (int j = 0; j < J; ++j) {
-    for (int64_t u = t + 1; u < t0 + L8; ++u) part[j][u % L8] = _mm256_setzero_ps();
-    _mm256_storeu_ps(S + j * KVA_TILE + t0, reduce8(part[j]));
+    for (int64_t u = t + 1; u < t0 + L8; ++u) part[j][u % L8] = v8f_zero();
+    v8f_store(S + j * KVA_TILE + t0, v8f_reduce8(part[j]));
   }
 }
 
@@ -209,29 +203,29 @@ ALWAYS void put_scores8(__m256 (*part)[L8], const __m256 *sc, int J, int64_t t, 
  * sc += s_lane*dot + b_lane*qs_lane (qs: the query's sums per word lane). */
 ALWAYS void kphase_q8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
                       const float *gs, const float *gb, int J, int bits, float *S, const kva_prefetch *pf) {
-  __m256 part[KQB][L8];
+  v8f part[KQB][L8];
   const int E = 32 / bits;
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    __m256 sc[KQB];
-    for (int j = 0; j < J; ++j) sc[j] = _mm256_setzero_ps();
+    v8f sc[KQB];
+    for (int j = 0; j < J; ++j) sc[j] = v8f_zero();
     for (int c = 0; c < fp->nch; ++c) {
-      const __m256i x = load_chunk(fp, row, c);
-      __m256 dot[KQB][2]; /* two chains per vector: codes k even / odd (FMA latency) */
-      for (int j = 0; j < J; ++j) dot[j][0] = dot[j][1] = _mm256_setzero_ps();
+      const v8i x = load_chunk(fp, row, c);
+      v8f dot[KQB][2]; /* two chains per vector: codes k even / odd (FMA latency) */
+      for (int j = 0; j < J; ++j) dot[j][0] = dot[j][1] = v8f_zero();
       for (int k = 0; k < E; k += 2) { /* E is even; constant chain indices keep dot in registers */
-        const __m256 f0 = code8(x, k, bits), f1 = code8(x, k + 1, bits);
+        const v8f f0 = code8(x, k, bits), f1 = code8(x, k + 1, bits);
         const float *qk = qp + (int64_t)(c * E + k) * L8;
         for (int j = 0; j < J; ++j) {
-          dot[j][0] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(qk + (int64_t)j * fp->P), dot[j][0]);
-          dot[j][1] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(qk + L8 + (int64_t)j * fp->P), dot[j][1]);
+          dot[j][0] = v8f_fma(f0, v8f_load(qk + (int64_t)j * fp->P), dot[j][0]);
+          dot[j][1] = v8f_fma(f1, v8f_load(qk + L8 + (int64_t)j * fp->P), dot[j][1]);
         }
       }
-      const __m256 sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
+      const v8f sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
       for (int j = 0; j < J; ++j) {
-        sc[j] = _mm256_fmadd_ps(sv, _mm256_add_ps(dot[j][0], dot[j][1]), sc[j]);
-        sc[j] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(qs + ((int64_t)j * fp->nch + c) * L8), sc[j]);
+        sc[j] = v8f_fma(sv, v8f_add(dot[j][0], dot[j][1]), sc[j]);
+        sc[j] = v8f_fma(bv, v8f_load(qs + ((int64_t)j * fp->nch + c) * L8), sc[j]);
       }
     }
     put_scores8(part, sc, J, t, n, S);
@@ -242,36 +236,36 @@ ALWAYS void kphase_q8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
 ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *qp, int J, float *S,
                       const kva_prefetch *pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
-  __m256 part[KQB][L8];
+  v8f part[KQB][L8];
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    __m256 acc[KQB][2]; /* two chains per vector (FMA latency) */
-    for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    v8f acc[KQB][2]; /* two chains per vector (FMA latency) */
+    for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = v8f_zero();
     int d = 0;
     if (fp->split)
       for (; d + 16 <= fp->P; d += 16) {
-        __m256 ke, ko;
+        v8f ke, ko;
         load_bf16_split8(row + d * es, &ke, &ko);
         for (int j = 0; j < J; ++j) {
-          acc[j][0] = _mm256_fmadd_ps(ke, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
-          acc[j][1] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
+          acc[j][0] = v8f_fma(ke, v8f_load(qp + (int64_t)j * fp->P + d), acc[j][0]);
+          acc[j][1] = v8f_fma(ko, v8f_load(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
         }
       }
     /* constant chain indices (a run-time index put the accumulators on the stack) */
     for (; d + 2 * L8 <= fp->P; d += 2 * L8) {
-      const __m256 k0 = load8(row + d * es, fp->sdt), k1 = load8(row + (d + L8) * es, fp->sdt);
+      const v8f k0 = load8(row + d * es, fp->sdt), k1 = load8(row + (d + L8) * es, fp->sdt);
       for (int j = 0; j < J; ++j) {
-        acc[j][0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
-        acc[j][1] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
+        acc[j][0] = v8f_fma(k0, v8f_load(qp + (int64_t)j * fp->P + d), acc[j][0]);
+        acc[j][1] = v8f_fma(k1, v8f_load(qp + (int64_t)j * fp->P + d + L8), acc[j][1]);
       }
     }
     if (d < fp->P) {
-      const __m256 kv = load8(row + d * es, fp->sdt);
-      for (int j = 0; j < J; ++j) acc[j][0] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j][0]);
+      const v8f kv = load8(row + d * es, fp->sdt);
+      for (int j = 0; j < J; ++j) acc[j][0] = v8f_fma(kv, v8f_load(qp + (int64_t)j * fp->P + d), acc[j][0]);
     }
-    __m256 sc[KQB];
-    for (int j = 0; j < J; ++j) sc[j] = _mm256_add_ps(acc[j][0], acc[j][1]);
+    v8f sc[KQB];
+    for (int j = 0; j < J; ++j) sc[j] = v8f_add(acc[j][0], acc[j][1]);
     put_scores8(part, sc, J, t, n, S);
   }
 }
@@ -304,9 +298,9 @@ static void kphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
 /* ---- V phase ---- */
 /* acc += w * v; masked: only where keep is set (the tiled V phase on a tile
  * holding a NaN or Inf: keys with P == 0 must add exactly nothing). */
-ALWAYS __m256 fma_keep(__m256 w, __m256 v, __m256 acc, __m256 keep, int masked) {
-  const __m256 r = _mm256_fmadd_ps(w, v, acc);
-  return masked ? _mm256_blendv_ps(acc, r, keep) : r;
+ALWAYS v8f fma_keep(v8f w, v8f v, v8f acc, v8f keep, int masked) {
+  const v8f r = v8f_fma(w, v, acc);
+  return masked ? v8f_blend(acc, r, keep) : r;
 }
 
 /* A pass's share of the next tile's V prefetch (pf NULL: none): pass p of
@@ -339,29 +333,29 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
   const int E = 32 / bits;
   float *oc = o + (c * E + k0) * L8;
   const float *wc = ws + fp->g0[c];
-  const __m256i gidx = fp->gidx[c];
-  __m256 acc[4][4];
+  const v8i gidx = fp->gidx[c];
+  v8f acc[4][4];
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < KB; ++k) acc[j][k] = _mm256_loadu_ps(oc + (int64_t)j * fp->P + k * L8);
+    for (int k = 0; k < KB; ++k) acc[j][k] = v8f_load(oc + (int64_t)j * fp->P + k * L8);
   int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
   for (int64_t t = 0; t < n; ++t) {
     if (t == next) {
       if (t < pf.pf->n) prefetch_row(pf.pf, t, KVA_ARR_V, KVA_ARRS);
       next += pf.np;
     }
-    const __m256i x = load_chunk(fp, rows[t].v, c);
-    __m256 w[4];
+    const v8i x = load_chunk(fp, rows[t].v, c);
+    v8f w[4];
     for (int j = 0; j < J; ++j) {
       const float *wt = wc + ((int64_t)j * KVA_TILE + t) * GLD;
-      w[j] = ONE ? _mm256_broadcast_ss(wt) : _mm256_permutevar8x32_ps(_mm256_loadu_ps(wt), gidx);
+      w[j] = ONE ? v8f_bcast(wt) : v8f_permute(v8f_load(wt), gidx);
     }
     for (int k = 0; k < KB; ++k) {
-      const __m256 f = code8(x, k0 + k, bits);
-      for (int j = 0; j < J; ++j) acc[j][k] = _mm256_fmadd_ps(w[j], f, acc[j][k]);
+      const v8f f = code8(x, k0 + k, bits);
+      for (int j = 0; j < J; ++j) acc[j][k] = v8f_fma(w[j], f, acc[j][k]);
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < KB; ++k) _mm256_storeu_ps(oc + (int64_t)j * fp->P + k * L8, acc[j][k]);
+    for (int k = 0; k < KB; ++k) v8f_store(oc + (int64_t)j * fp->P + k * L8, acc[j][k]);
 }
 /* All chunks and passes of one block of J vectors (4 codes per word per
  * pass for J <= 2, 2 for J = 4: 8 accumulators); k0 and ONE are constants. */
@@ -394,9 +388,9 @@ VDIRECT_Q(2, 4)
 ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o, int d0, int J,
                            int NV, int split, int SAME, vshare pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
-  __m256 acc[2][VFB];
+  v8f acc[2][VFB];
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < NV; ++k) acc[j][k] = _mm256_loadu_ps(o + (int64_t)j * fp->P + d0 + k * L8);
+    for (int k = 0; k < NV; ++k) acc[j][k] = v8f_load(o + (int64_t)j * fp->P + d0 + k * L8);
   int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
   for (int64_t t = 0; t < n; ++t) {
     if (t == next) {
@@ -406,25 +400,25 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
     const float p0 = P[t], p1 = J == 2 ? P[KVA_TILE + t] : 0.0f;
     if (p0 == 0.0f && p1 == 0.0f) continue;
     const char *row = rows[t].v + d0 * es;
-    __m256 v[VFB];
+    v8f v[VFB];
     for (int k = 0; k < NV; k += split ? 2 : 1) {
       if (split) load_bf16_split8(row + k * L8 * es, &v[k], &v[k + 1]);
       else v[k] = load8(row + k * L8 * es, fp->sdt);
     }
-    const __m256 w0 = _mm256_set1_ps(p0), w1 = _mm256_set1_ps(p1);
+    const v8f w0 = v8f_set1(p0), w1 = v8f_set1(p1);
     if (J == 1 || SAME || (p0 != 0.0f && p1 != 0.0f)) {
       for (int k = 0; k < NV; ++k) {
-        acc[0][k] = _mm256_fmadd_ps(w0, v[k], acc[0][k]);
-        if (J == 2) acc[1][k] = _mm256_fmadd_ps(w1, v[k], acc[1][k]);
+        acc[0][k] = v8f_fma(w0, v[k], acc[0][k]);
+        if (J == 2) acc[1][k] = v8f_fma(w1, v[k], acc[1][k]);
       }
     } else if (p0 != 0.0f) {
-      for (int k = 0; k < NV; ++k) acc[0][k] = _mm256_fmadd_ps(w0, v[k], acc[0][k]);
+      for (int k = 0; k < NV; ++k) acc[0][k] = v8f_fma(w0, v[k], acc[0][k]);
     } else {
-      for (int k = 0; k < NV; ++k) acc[1][k] = _mm256_fmadd_ps(w1, v[k], acc[1][k]);
+      for (int k = 0; k < NV; ++k) acc[1][k] = v8f_fma(w1, v[k], acc[1][k]);
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int k = 0; k < NV; ++k) _mm256_storeu_ps(o + (int64_t)j * fp->P + d0 + k * L8, acc[j][k]);
+    for (int k = 0; k < NV; ++k) v8f_store(o + (int64_t)j * fp->P + d0 + k * L8, acc[j][k]);
 }
 /* Passes of VFB vectors (split: pairs of full 16-element blocks first),
  * then single vectors. SAME: every key of the tile is seen by both vectors
@@ -465,22 +459,22 @@ VDIRECT_F(2)
 /* The tile's V rows as f32 values into vt[t][VT_LD] (quantized: s*c + b in the
  * permuted order). Returns whether any value is NaN or Inf, so that the
  * tiled V phase takes its masked form. */
-#define NONFINITE(v) _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), expo), expo)
+#define NONFINITE(v) v8i_eq(v8i_and(v8f_as_i(v), expo), expo)
 /* s*c + b of the E codes per word of chunk x into dst[k][8]; the lanes that are NaN or Inf. */
-ALWAYS __m256i dequant_chunk(__m256i x, __m256 sv, __m256 bv, int bits, float *dst) {
-  const __m256i expo = _mm256_set1_epi32(0x7f800000);
-  __m256i bad = _mm256_setzero_si256();
+ALWAYS v8i dequant_chunk(v8i x, v8f sv, v8f bv, int bits, float *dst) {
+  const v8i expo = v8i_set1(0x7f800000);
+  v8i bad = v8i_zero();
   for (int k = 0; k < 32 / bits; ++k) {
-    const __m256 v = _mm256_fmadd_ps(sv, code8(x, k, bits), bv);
-    bad = _mm256_or_si256(bad, NONFINITE(v));
-    _mm256_storeu_ps(dst + k * L8, v);
+    const v8f v = v8f_fma(sv, code8(x, k, bits), bv);
+    bad = v8i_or(bad, NONFINITE(v));
+    v8f_store(dst + k * L8, v);
   }
   return bad;
 }
 static int decode_v_tile8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *gs, const float *gb,
                           float *vt, const kva_prefetch *pf) {
-  const __m256i expo = _mm256_set1_epi32(0x7f800000);
-  __m256i bad = _mm256_setzero_si256();
+  const v8i expo = v8i_set1(0x7f800000);
+  v8i bad = v8i_zero();
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
     const char *row = rows[t].v;
@@ -490,52 +484,52 @@ static int decode_v_tile8(const fmt8 *fp, const kva_rows *rows, int64_t n, const
       int d = 0;
       if (fp->split)
         for (; d + 16 <= fp->P; d += 16) {
-          __m256 ve, vo;
+          v8f ve, vo;
           load_bf16_split8(row + d * es, &ve, &vo);
-          bad = _mm256_or_si256(bad, _mm256_or_si256(NONFINITE(ve), NONFINITE(vo)));
-          _mm256_storeu_ps(dst + d, ve);
-          _mm256_storeu_ps(dst + d + L8, vo);
+          bad = v8i_or(bad, v8i_or(NONFINITE(ve), NONFINITE(vo)));
+          v8f_store(dst + d, ve);
+          v8f_store(dst + d + L8, vo);
         }
       for (; d < fp->P; d += L8) {
-        const __m256 v = load8(row + d * es, fp->sdt);
-        bad = _mm256_or_si256(bad, NONFINITE(v));
-        _mm256_storeu_ps(dst + d, v);
+        const v8f v = load8(row + d * es, fp->sdt);
+        bad = v8i_or(bad, NONFINITE(v));
+        v8f_store(dst + d, v);
       }
       continue;
     }
     for (int c = 0; c < fp->nch; ++c) {
-      const __m256i x = load_chunk(fp, row, c);
-      const __m256 sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
+      const v8i x = load_chunk(fp, row, c);
+      const v8f sv = chunk_lanes(fp, gs + t * GLD, c), bv = chunk_lanes(fp, gb + t * GLD, c);
       switch (fp->bits) {
-      case 4: bad = _mm256_or_si256(bad, dequant_chunk(x, sv, bv, 4, dst + c * 8 * L8)); break;
-      case 8: bad = _mm256_or_si256(bad, dequant_chunk(x, sv, bv, 8, dst + c * 4 * L8)); break;
-      default: bad = _mm256_or_si256(bad, dequant_chunk(x, sv, bv, 2, dst + c * 16 * L8)); break;
+      case 4: bad = v8i_or(bad, dequant_chunk(x, sv, bv, 4, dst + c * 8 * L8)); break;
+      case 8: bad = v8i_or(bad, dequant_chunk(x, sv, bv, 8, dst + c * 4 * L8)); break;
+      default: bad = v8i_or(bad, dequant_chunk(x, sv, bv, 2, dst + c * 16 * L8)); break;
       }
     }
   }
-  return !_mm256_testz_si256(bad, bad);
+  return v8i_any(bad);
 }
 
 /* o[j][pos0 .. pos0 + 8*KB) += sum_t P[j][t] * vt[t][...] for J vectors;
  * MASK: keys with P == 0 add exactly nothing (tiles with a NaN or Inf). */
 ALWAYS void vtile_block(const fmt8 *fp, int64_t n, const float *P, const float *vt, float *o, int64_t pos0, int J,
                         int KB, int MASK) {
-  __m256 acc[VJB][2];
+  v8f acc[VJB][2];
   for (int j = 0; j < J; ++j)
-    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm256_loadu_ps(o + (int64_t)j * fp->P + pos0 + kb * L8);
+    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = v8f_load(o + (int64_t)j * fp->P + pos0 + kb * L8);
   for (int64_t t = 0; t < n; ++t) {
-    __m256 w[VJB], keep[VJB];
+    v8f w[VJB], keep[VJB];
     for (int j = 0; j < J; ++j) {
-      w[j] = _mm256_broadcast_ss(P + j * KVA_TILE + t);
-      if (MASK) keep[j] = _mm256_cmp_ps(w[j], _mm256_setzero_ps(), _CMP_NEQ_UQ);
+      w[j] = v8f_bcast(P + j * KVA_TILE + t);
+      if (MASK) keep[j] = v8f_neq0(w[j]);
     }
     for (int kb = 0; kb < KB; ++kb) {
-      const __m256 v = _mm256_loadu_ps(vt + t * VT_LD(fp) + pos0 + kb * L8);
+      const v8f v = v8f_load(vt + t * VT_LD(fp) + pos0 + kb * L8);
       for (int j = 0; j < J; ++j) acc[j][kb] = fma_keep(w[j], v, acc[j][kb], MASK ? keep[j] : w[j], MASK);
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int kb = 0; kb < KB; ++kb) _mm256_storeu_ps(o + (int64_t)j * fp->P + pos0 + kb * L8, acc[j][kb]);
+    for (int kb = 0; kb < KB; ++kb) v8f_store(o + (int64_t)j * fp->P + pos0 + kb * L8, acc[j][kb]);
 }
 #define VTILE(J_, KB_)                                                                                         \
   static void vtile_##J_##_##KB_(const fmt8 *fp, int64_t n, const float *P, const float *vt, float *o,        \
@@ -579,25 +573,25 @@ static void vweights8(const fmt8 *fp, int64_t n, const float *S, const float *gs
   const int two = fp->ngroups > L8;
   for (int64_t j = 0; j < nq; ++j) {
     float *obj = ob + j * MAXG;
-    __m256 a0 = _mm256_loadu_ps(obj), a1 = _mm256_loadu_ps(obj + L8);
+    v8f a0 = v8f_load(obj), a1 = v8f_load(obj + L8);
     for (int64_t t = 0; t < n; ++t) {
       const float pj = S[j * KVA_TILE + t];
       float *w = ws + (j * KVA_TILE + t) * GLD;
       if (pj == 0.0f) {
-        _mm256_storeu_ps(w, _mm256_setzero_ps());
-        if (two) _mm256_storeu_ps(w + L8, _mm256_setzero_ps());
+        v8f_store(w, v8f_zero());
+        if (two) v8f_store(w + L8, v8f_zero());
         continue;
       }
-      const __m256 pv = _mm256_set1_ps(pj);
-      _mm256_storeu_ps(w, _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t * GLD)));
-      a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(gb + t * GLD), a0);
+      const v8f pv = v8f_set1(pj);
+      v8f_store(w, v8f_mul(pv, v8f_load(gs + t * GLD)));
+      a0 = v8f_fma(pv, v8f_load(gb + t * GLD), a0);
       if (two) {
-        _mm256_storeu_ps(w + L8, _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t * GLD + L8)));
-        a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(gb + t * GLD + L8), a1);
+        v8f_store(w + L8, v8f_mul(pv, v8f_load(gs + t * GLD + L8)));
+        a1 = v8f_fma(pv, v8f_load(gb + t * GLD + L8), a1);
       }
     }
-    _mm256_storeu_ps(obj, a0);
-    _mm256_storeu_ps(obj + L8, a1);
+    v8f_store(obj, a0);
+    v8f_store(obj + L8, a1);
   }
 }
 
@@ -642,35 +636,22 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
 
 /* ---- online softmax over a tile ---- */
 /* exp(x) for x <= 88 (NaN -> NaN, -inf -> 0, below -87 -> 0): 2^n * p(f). */
-ALWAYS __m256 exp8(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ); /* x >= -87 or NaN */
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), f);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-  const __m256 r = _mm256_mul_ps(p, two_n);
-  return _mm256_and_ps(_mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)), keep);
-}
-ALWAYS float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-ALWAYS float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+ALWAYS v8f exp8(v8f x) {
+  const v8f keep = v8f_nlt(x, v8f_set1(-87.0f)); /* x >= -87 or NaN */
+  const v8f xc = v8f_min(v8f_max(x, v8f_set1(-87.0f)), v8f_set1(88.0f));
+  const v8f n = v8f_round(v8f_mul(xc, v8f_set1(1.44269504088896341f)));
+  v8f f = v8f_fnma(n, v8f_set1(0.693145751953125f), xc);
+  f = v8f_fnma(n, v8f_set1(1.428606765330187e-06f), f);
+  v8f p = v8f_set1(1.0f / 720);
+  p = v8f_fma(p, f, v8f_set1(1.0f / 120));
+  p = v8f_fma(p, f, v8f_set1(1.0f / 24));
+  p = v8f_fma(p, f, v8f_set1(1.0f / 6));
+  p = v8f_fma(p, f, v8f_set1(0.5f));
+  p = v8f_fma(p, f, v8f_set1(1.0f));
+  p = v8f_fma(p, f, v8f_set1(1.0f));
+  const v8f two_n = v8i_as_f(v8i_sll(v8i_add(v8f_to_i(n), v8i_set1(127)), 23));
+  const v8f r = v8f_mul(p, two_n);
+  return v8f_and(v8f_blend(r, x, v8f_isnan(x)), keep);
 }
 
 /* For each vector j: S[j] (logits, -inf where masked) becomes P = exp(S -
@@ -682,13 +663,13 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
   for (int64_t j = 0; j < nq; ++j) {
     float *s = S + j * KVA_TILE;
     for (int64_t r = n; r < KVA_TILE; ++r) s[r] = -INFINITY;
-    __m256 v[KVA_TILE / L8], mx8 = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    v8f v[KVA_TILE / L8], mx8 = v8f_set1(-INFINITY), nan = v8f_zero();
     for (int u = 0; u < KVA_TILE / L8; ++u) {
-      v[u] = _mm256_loadu_ps(s + u * L8);
-      mx8 = _mm256_max_ps(mx8, v[u]);
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[u], v[u], _CMP_UNORD_Q));
+      v[u] = v8f_load(s + u * L8);
+      mx8 = v8f_max(mx8, v[u]);
+      nan = v8f_or(nan, v8f_isnan(v[u]));
     }
-    const float mx = _mm256_movemask_ps(nan) ? NAN : hmax8(mx8);
+    const float mx = v8f_any(nan) ? NAN : v8f_hmax(mx8);
     if (mx == -INFINITY) { /* nothing visible for this vector in this tile */
       memset(s, 0, sizeof(float) * KVA_TILE);
       continue;
@@ -696,20 +677,20 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
     any = 1;
     float mn, a_old, a_new;
     kva_softmax_factors(m[j], mx, &mn, &a_old, &a_new);
-    const __m256 vmn = _mm256_set1_ps(mn);
-    __m256 sum = _mm256_setzero_ps();
+    const v8f vmn = v8f_set1(mn);
+    v8f sum = v8f_zero();
     for (int u = 0; u < KVA_TILE / L8; ++u) {
-      const __m256 e = exp8(_mm256_sub_ps(v[u], vmn));
-      _mm256_storeu_ps(s + u * L8, e);
-      sum = _mm256_add_ps(sum, e);
+      const v8f e = exp8(v8f_sub(v[u], vmn));
+      v8f_store(s + u * L8, e);
+      sum = v8f_add(sum, e);
     }
     m[j] = mn;
-    l[j] = l[j] * a_old + hsum8(sum);
+    l[j] = l[j] * a_old + v8f_hsum(sum);
     if (a_old != 1.0f) {
-      const __m256 f = _mm256_set1_ps(a_old);
+      const v8f f = v8f_set1(a_old);
       float *oj = o + j * P, *obj = ob + j * obn;
-      for (int64_t d = 0; d < P; d += L8) _mm256_storeu_ps(oj + d, _mm256_mul_ps(_mm256_loadu_ps(oj + d), f));
-      for (int64_t d = 0; d < obn; d += L8) _mm256_storeu_ps(obj + d, _mm256_mul_ps(_mm256_loadu_ps(obj + d), f));
+      for (int64_t d = 0; d < P; d += L8) v8f_store(oj + d, v8f_mul(v8f_load(oj + d), f));
+      for (int64_t d = 0; d < obn; d += L8) v8f_store(obj + d, v8f_mul(v8f_load(obj + d), f));
     }
   }
   return any;
@@ -738,9 +719,9 @@ static void attend_fast8(const kva_item *it) {
     load_row8(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
     permute8(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
     for (int c = 0; c < kf.nch; ++c) {
-      __m256 sum = _mm256_setzero_ps();
-      for (int k = 0; k < kf.E; ++k) sum = _mm256_add_ps(sum, _mm256_loadu_ps(qp + j * kf.P + (c * kf.E + k) * L8));
-      _mm256_storeu_ps(qs + j * kqs + c * L8, sum);
+      v8f sum = v8f_zero();
+      for (int k = 0; k < kf.E; ++k) sum = v8f_add(sum, v8f_load(qp + j * kf.P + (c * kf.E + k) * L8));
+      v8f_store(qs + j * kqs + c * L8, sum);
     }
   }
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
@@ -783,6 +764,15 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   kva_rowfmt kf, vf;
   simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !format_ok8(&kf) || !format_ok8(&vf)) return NULL;
+#ifndef V8_AVX2
+  /* Generic vectors: float K and V rows stay on the general kernel, whose
+   * convert-then-dot loops the compiler vectorizes as well (x86-64 SSE2,
+   * one thread, 8/4/256 8k: bf16 decode 8.9 ms general against 9.6 fused,
+   * verify L=8 47.6 against 77.6, the fused kernel's 4-vector blocks
+   * spilling 16 xmm registers); quantized rows gain from the affine algebra
+   * (q4 decode 42.5 -> 12.3 ms, verify 81.7 -> 68.1). BENCHMARKS.md. */
+  if (!kf.bits && !vf.bits) return NULL;
+#endif
   return attend_fast8;
 }
 

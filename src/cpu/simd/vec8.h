@@ -1,0 +1,231 @@
+/* Eight f32 / i32 lanes for the fused kernel of fast8.c, the operations it
+ * needs and no more:
+ * - at the avx2 level one ymm register each, AVX2 + FMA + F16C intrinsics
+ *   (the same instructions the kernel used before this layer existed);
+ * - elsewhere (the portable level: any C11 compiler with GCC's vector
+ *   extensions, i.e. gcc and clang) 32-byte generic vectors, which the
+ *   compiler lowers to pairs of 128-bit operations: SSE2 on x86-64, NEON
+ *   (with fused multiply-add) on aarch64. Half-precision lanes are
+ *   converted one at a time there (kva_f16_to_f32).
+ * Masks (v8f_nlt, v8f_neq0, v8f_isnan, v8i_eq) are all-ones / all-zero
+ * lanes; v8f_blend and v8f_and take such masks. Lane order is memory order;
+ * little-endian only (the bf16 split loads take element 2i from the low
+ * half of 32-bit word i). */
+#ifndef KVA_CPU_VEC8_H
+#define KVA_CPU_VEC8_H
+
+#include "cpu/simd/simd.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the fused CPU kernel assumes a little-endian target"
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define V8_AVX2 1
+typedef __m256 v8f;
+typedef __m256i v8i;
+
+ALWAYS v8f v8f_load(const float *p) { return _mm256_loadu_ps(p); }
+ALWAYS void v8f_store(float *p, v8f v) { _mm256_storeu_ps(p, v); }
+ALWAYS v8f v8f_set1(float x) { return _mm256_set1_ps(x); }
+ALWAYS v8f v8f_bcast(const float *p) { return _mm256_broadcast_ss(p); }
+ALWAYS v8f v8f_zero(void) { return _mm256_setzero_ps(); }
+ALWAYS v8f v8f_add(v8f a, v8f b) { return _mm256_add_ps(a, b); }
+ALWAYS v8f v8f_sub(v8f a, v8f b) { return _mm256_sub_ps(a, b); }
+ALWAYS v8f v8f_mul(v8f a, v8f b) { return _mm256_mul_ps(a, b); }
+ALWAYS v8f v8f_fma(v8f a, v8f b, v8f c) { return _mm256_fmadd_ps(a, b, c); }   /* a*b + c */
+ALWAYS v8f v8f_fnma(v8f a, v8f b, v8f c) { return _mm256_fnmadd_ps(a, b, c); } /* c - a*b */
+ALWAYS v8f v8f_max(v8f a, v8f b) { return _mm256_max_ps(a, b); }
+ALWAYS v8f v8f_min(v8f a, v8f b) { return _mm256_min_ps(a, b); }
+ALWAYS v8f v8f_and(v8f a, v8f m) { return _mm256_and_ps(a, m); }
+ALWAYS v8f v8f_or(v8f a, v8f b) { return _mm256_or_ps(a, b); }
+ALWAYS v8f v8f_nlt(v8f a, v8f b) { return _mm256_cmp_ps(a, b, _CMP_NLT_UQ); } /* !(a < b): a >= b or NaN */
+ALWAYS v8f v8f_neq0(v8f a) { return _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ); }
+ALWAYS v8f v8f_isnan(v8f a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+ALWAYS v8f v8f_blend(v8f a, v8f b, v8f m) { return _mm256_blendv_ps(a, b, m); } /* m ? b : a */
+ALWAYS int v8f_any(v8f m) { return _mm256_movemask_ps(m) != 0; }
+/* Nearest integer (ties to even) as float. */
+ALWAYS v8f v8f_round(v8f a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* r[i] = a[idx[i]], idx in 0..7. */
+ALWAYS v8f v8f_permute(v8f a, v8i idx) { return _mm256_permutevar8x32_ps(a, idx); }
+
+ALWAYS v8i v8i_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+/* Lanes whose mask is set loaded, the others 0 (no access past them). */
+ALWAYS v8i v8i_maskload(const void *p, v8i m) { return _mm256_maskload_epi32((const int *)p, m); }
+ALWAYS v8i v8i_set1(int32_t x) { return _mm256_set1_epi32(x); }
+ALWAYS v8i v8i_zero(void) { return _mm256_setzero_si256(); }
+ALWAYS v8i v8i_add(v8i a, v8i b) { return _mm256_add_epi32(a, b); }
+ALWAYS v8i v8i_and(v8i a, v8i b) { return _mm256_and_si256(a, b); }
+ALWAYS v8i v8i_or(v8i a, v8i b) { return _mm256_or_si256(a, b); }
+ALWAYS v8i v8i_srl(v8i a, int n) { return _mm256_srli_epi32(a, n); } /* logical */
+ALWAYS v8i v8i_sll(v8i a, int n) { return _mm256_slli_epi32(a, n); }
+ALWAYS v8i v8i_eq(v8i a, v8i b) { return _mm256_cmpeq_epi32(a, b); }
+ALWAYS int v8i_any(v8i a) { return !_mm256_testz_si256(a, a); }
+ALWAYS v8f v8i_as_f(v8i a) { return _mm256_castsi256_ps(a); }
+ALWAYS v8i v8f_as_i(v8f a) { return _mm256_castps_si256(a); }
+ALWAYS v8f v8i_to_f(v8i a) { return _mm256_cvtepi32_ps(a); }
+/* Integral lanes (v8f_round's results) as int32. */
+ALWAYS v8i v8f_to_i(v8f a) { return _mm256_cvtps_epi32(a); }
+
+/* 8 f16 / bf16 values as f32. */
+ALWAYS v8f v8f_from_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS v8f v8f_from_bf16(const uint16_t *p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* 4 f16 (f16 != 0) or bf16 values as f32 into dst[0..4). */
+ALWAYS void v4_from_half(const uint16_t *p, int f16, float *dst) {
+  const __m128i x = _mm_loadl_epi64((const __m128i *)p);
+  _mm_storeu_ps(dst, f16 ? _mm_cvtph_ps(x) : _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), x)));
+}
+/* Lane t of the result = the sum of the 8 lanes of v[t]. */
+ALWAYS v8f v8f_reduce8(const v8f v[8]) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+ALWAYS float v8f_hmax(v8f v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+ALWAYS float v8f_hsum(v8f v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#else /* generic vectors */
+#if defined(__GNUC__) && !defined(__clang__)
+/* 32-byte vectors passed by value without AVX: GCC notes the ABI change;
+ * every function here is inlined, so no call crosses an ABI boundary. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+ALWAYS v8f v8f_load(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+ALWAYS void v8f_store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+ALWAYS v8f v8f_set1(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+ALWAYS v8f v8f_bcast(const float *p) { return v8f_set1(*p); }
+ALWAYS v8f v8f_zero(void) { return v8f_set1(0.0f); }
+ALWAYS v8f v8f_add(v8f a, v8f b) { return a + b; }
+ALWAYS v8f v8f_sub(v8f a, v8f b) { return a - b; }
+ALWAYS v8f v8f_mul(v8f a, v8f b) { return a * b; }
+/* Contracted to one fused operation where the target has it (-ffp-contract=fast). */
+ALWAYS v8f v8f_fma(v8f a, v8f b, v8f c) { return a * b + c; }
+ALWAYS v8f v8f_fnma(v8f a, v8f b, v8f c) { return c - a * b; }
+ALWAYS v8i v8f_as_i(v8f a) {
+  v8i r;
+  memcpy(&r, &a, sizeof r);
+  return r;
+}
+ALWAYS v8f v8i_as_f(v8i a) {
+  v8f r;
+  memcpy(&r, &a, sizeof r);
+  return r;
+}
+/* As the x86 instructions: the second operand when either is NaN. */
+ALWAYS v8f v8f_max(v8f a, v8f b) {
+  const v8i m = a > b;
+  return v8i_as_f((v8f_as_i(a) & m) | (v8f_as_i(b) & ~m));
+}
+ALWAYS v8f v8f_min(v8f a, v8f b) {
+  const v8i m = a < b;
+  return v8i_as_f((v8f_as_i(a) & m) | (v8f_as_i(b) & ~m));
+}
+ALWAYS v8f v8f_and(v8f a, v8f m) { return v8i_as_f(v8f_as_i(a) & v8f_as_i(m)); }
+ALWAYS v8f v8f_or(v8f a, v8f b) { return v8i_as_f(v8f_as_i(a) | v8f_as_i(b)); }
+ALWAYS v8f v8f_nlt(v8f a, v8f b) { return v8i_as_f(~(a < b)); }
+ALWAYS v8f v8f_neq0(v8f a) { return v8i_as_f(a != v8f_zero()); } /* true for NaN */
+ALWAYS v8f v8f_isnan(v8f a) { return v8i_as_f(a != a); }
+ALWAYS v8f v8f_blend(v8f a, v8f b, v8f m) {
+  const v8i k = v8f_as_i(m);
+  return v8i_as_f((v8f_as_i(b) & k) | (v8f_as_i(a) & ~k));
+}
+ALWAYS int v8f_any(v8f m) {
+  const v8i k = v8f_as_i(m);
+  int32_t r = 0;
+  for (int i = 0; i < 8; ++i) r |= k[i];
+  return r != 0;
+}
+/* Nearest integer (ties to even) as float, for |a| < 2^22 (exp8's range):
+ * adding and subtracting 1.5 * 2^23 rounds in the current (nearest) mode
+ * (the build has no -ffast-math, so the two are not folded). */
+ALWAYS v8f v8f_round(v8f a) {
+  const v8f magic = v8f_set1(12582912.0f);
+  return (a + magic) - magic;
+}
+ALWAYS v8f v8f_permute(v8f a, v8i idx) {
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = a[idx[i] & 7];
+  return r;
+}
+
+ALWAYS v8i v8i_load(const void *p) {
+  v8i v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+ALWAYS v8i v8i_maskload(const void *p, v8i m) {
+  v8i r;
+  for (int i = 0; i < 8; ++i) {
+    int32_t w = 0;
+    if (m[i]) memcpy(&w, (const char *)p + 4 * i, 4);
+    r[i] = w;
+  }
+  return r;
+}
+ALWAYS v8i v8i_set1(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+ALWAYS v8i v8i_zero(void) { return v8i_set1(0); }
+ALWAYS v8i v8i_add(v8i a, v8i b) { return a + b; }
+ALWAYS v8i v8i_and(v8i a, v8i b) { return a & b; }
+ALWAYS v8i v8i_or(v8i a, v8i b) { return a | b; }
+ALWAYS v8i v8i_srl(v8i a, int n) { return (v8i)((v8u)a >> (uint32_t)n); }
+ALWAYS v8i v8i_sll(v8i a, int n) { return (v8i)((v8u)a << (uint32_t)n); }
+ALWAYS v8i v8i_eq(v8i a, v8i b) { return a == b; }
+ALWAYS int v8i_any(v8i a) {
+  int32_t r = 0;
+  for (int i = 0; i < 8; ++i) r |= a[i];
+  return r != 0;
+}
+ALWAYS v8f v8i_to_f(v8i a) { return __builtin_convertvector(a, v8f); }
+ALWAYS v8i v8f_to_i(v8f a) { return __builtin_convertvector(a, v8i); } /* integral lanes: exact */
+
+ALWAYS v8f v8f_from_f16(const uint16_t *p) {
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = kva_f16_to_f32(p[i]);
+  return r;
+}
+ALWAYS v8f v8f_from_bf16(const uint16_t *p) {
+  v8f r;
+  for (int i = 0; i < 8; ++i) r[i] = simd_bf16f(p[i]);
+  return r;
+}
+ALWAYS void v4_from_half(const uint16_t *p, int f16, float *dst) {
+  for (int i = 0; i < 4; ++i) dst[i] = f16 ? kva_f16_to_f32(p[i]) : simd_bf16f(p[i]);
+}
+ALWAYS v8f v8f_reduce8(const v8f v[8]) {
+  v8f r;
+  for (int t = 0; t < 8; ++t) {
+    const v8f x = v[t];
+    r[t] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+  }
+  return r;
+}
+ALWAYS float v8f_hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+ALWAYS float v8f_hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+#endif
+
+#endif
