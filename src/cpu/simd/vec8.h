@@ -98,9 +98,15 @@ ALWAYS float v8f_hsum(v8f v) {
 }
 
 #else /* generic vectors */
-#if defined(__GNUC__) && !defined(__clang__)
-/* 32-byte vectors passed by value without AVX: GCC notes the ABI change;
- * every function here is inlined, so no call crosses an ABI boundary. */
+/* 32-byte vectors passed by value without AVX: gcc and clang note the ABI
+ * change (for the rest of the file that includes this one: clang warns at
+ * the call sites); every function taking them is inlined, so no call
+ * crosses an ABI boundary. */
+#if defined(__clang__)
+#if __has_warning("-Wpsabi")
+#pragma clang diagnostic ignored "-Wpsabi"
+#endif
+#elif defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 typedef float v8f __attribute__((vector_size(32)));
