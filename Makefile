@@ -54,7 +54,7 @@ ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
 
-.PHONY: all lib test test-c test-py bench bench-paged install clean format FORCE
+.PHONY: all lib test test-c test-py test-aarch64 bench bench-paged install clean format FORCE
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -109,6 +109,17 @@ test-py: $(BUILD)/libkvattn.so $(PY)
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench
+
+# The aarch64 build (portable level, generic vectors on NEON), cross-compiled
+# and run under qemu-user: the C tests (quick) and the oracle-checked bench
+# smoke run. Needs Debian's gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and
+# qemu-user (.ci/run installs them).
+CROSS_CC ?= aarch64-linux-gnu-gcc
+QEMU     ?= qemu-aarch64 -L /usr/aarch64-linux-gnu
+test-aarch64:
+	$(MAKE) CC=$(CROSS_CC) NVCC= BUILD=$(BUILD)/aarch64 $(BUILD)/aarch64/kvattn_tests $(BUILD)/aarch64/kvattn
+	$(QEMU) $(BUILD)/aarch64/kvattn_tests --quick
+	$(QEMU) $(BUILD)/aarch64/kvattn bench --quick --quiet
 
 # Paged vs contiguous (and a ragged batch) timed side by side in one run.
 $(BUILD)/paged_vs_contiguous: bench/paged_vs_contiguous.c $(BUILD)/libkvattn.a
