@@ -139,7 +139,9 @@ template <int D> struct kvc_tcd_geom {
  * first token's. */
 struct kvc_tcd_loader {
   const char *k, *v, *s, *z; /* contiguous: this lane's first piece / scale row in the next tile */
-  long long ko, vo, so, zo;  /* block tiles: the same as offsets from the tile's first row */
+  const char *hk, *hv, *hs, *hz; /* block tiles: the same in block 0 at row 0 (head and lane parts) */
+  long long so0, so2, zo0, zo2;  /* block tiles: block and row strides of this lane's scale / bias pool */
+  const int32_t *trow;       /* block tables: this sequence's table row */
   long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
   int ptok, pdst;            /* one group per row: this lane's piece's first token - t0, its slot offset */
@@ -166,14 +168,18 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
   const kvc_operand &K = a.k, &V = a.v, &O = lane < KVC_TCD_TOK ? a.k : a.v;
   const long long adv = (long long)KVC_TCD_WARPS * KVC_TCD_TOK;
   kvc_tcd_loader ld;
-  ld.ko = row * K.ds[2] + 16 * col;
-  ld.vo = row * V.ds[2] + 16 * col;
-  ld.so = ti * O.ss[2];
-  ld.zo = ti * O.bs[2];
-  ld.k = K.data + b * K.ds[0] + hk * K.ds[1] + t0 * K.ds[2] + ld.ko;
-  ld.v = V.data + b * V.ds[0] + hk * V.ds[1] + t0 * V.ds[2] + ld.vo;
-  ld.s = O.scales + b * O.ss[0] + hk * O.ss[1] + t0 * O.ss[2] + ld.so;
-  ld.z = O.biases + b * O.bs[0] + hk * O.bs[1] + t0 * O.bs[2] + ld.zo;
+  const long long ko = row * K.ds[2] + 16 * col, vo = row * V.ds[2] + 16 * col;
+  const long long so = ti * O.ss[2], zo = ti * O.bs[2];
+  ld.hk = K.data + hk * K.ds[1] + ko;
+  ld.hv = V.data + hk * V.ds[1] + vo;
+  ld.hs = O.scales + hk * O.ss[1] + so;
+  ld.hz = O.biases + hk * O.bs[1] + zo;
+  ld.so0 = O.ss[0], ld.so2 = O.ss[2], ld.zo0 = O.bs[0], ld.zo2 = O.bs[2];
+  ld.trow = K.tbl ? K.tbl + b * K.tbl_rs : nullptr;
+  ld.k = ld.hk + b * K.ds[0] + t0 * K.ds[2];
+  ld.v = ld.hv + b * V.ds[0] + t0 * V.ds[2];
+  ld.s = ld.hs + b * O.ss[0] + t0 * O.ss[2];
+  ld.z = ld.hz + b * O.bs[0] + t0 * O.bs[2];
   ld.kp = RPI * K.ds[2];
   ld.vp = RPI * V.ds[2];
   ld.kt = adv * K.ds[2];
@@ -212,13 +218,14 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
   if constexpr (TBL) {
     const long long r0 = t0 + fo, c0 = kvc_table_col(r0, K.bsz, K.bsh);
     coal = D == 256 && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0;
-    if (coal) { /* the tile lies in one block: its rows are consecutive */
-      const kvc_operand &O = lane < KVC_TCD_TOK ? K : V;
+    if (coal) { /* the tile lies in one block: its rows are consecutive; the
+                 * head and lane parts of the addresses were added once (the
+                 * loader), each array adds block and row offsets */
       const kvc_loc l = kvc_loc_of(__shfl_sync(KVC_FULL_MASK, id, 0), r0, c0, K.bsz, K.nblk);
-      kb = K.data + l.outer * K.ds[0] + hk * K.ds[1] + l.row * K.ds[2] + ld.ko;
-      vb = V.data + l.outer * V.ds[0] + hk * V.ds[1] + l.row * V.ds[2] + ld.vo;
-      sb = O.scales + l.outer * O.ss[0] + hk * O.ss[1] + l.row * O.ss[2] + ld.so;
-      zb = O.biases + l.outer * O.bs[0] + hk * O.bs[1] + l.row * O.bs[2] + ld.zo;
+      kb = ld.hk + l.outer * K.ds[0] + l.row * K.ds[2];
+      vb = ld.hv + l.outer * V.ds[0] + l.row * V.ds[2];
+      sb = ld.hs + l.outer * ld.so0 + l.row * ld.so2;
+      zb = ld.hz + l.outer * ld.zo0 + l.row * ld.zo2;
     }
   }
   if (coal) {
@@ -304,9 +311,10 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
 }
 
 /* The block id of token t0 + lane / 2 (0 when contiguous or past t_hi). */
-__device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, int b, int fo, long long t0, long long t_hi) {
+__device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, const kvc_tcd_loader &ld, int fo, long long t0,
+                                          long long t_hi) {
   const long long t = t0 + (threadIdx.x % KVC_WARP) / 2;
-  return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
+  return ld.trow && t < t_hi ? __ldg(ld.trow + kvc_table_col(t + fo, a.k.bsz, a.k.bsh)) : 0;
 }
 
 /* Word of a packed V row whose 8 codes lane row g takes as its wj-th word
@@ -372,11 +380,11 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   kvc_tcd_loader ld = kvc_tcd_loader_of<D>(a, b, hk, fo, KVC_TCD_T0(0));
 #pragma unroll
   for (int n = 0; n < NS - 1; ++n) {
-    const int id = TBL && n < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(n), t_hi) : 0;
+    const int id = TBL && n < nmine ? kvc_tcd_id(a, ld, fo, KVC_TCD_T0(n), t_hi) : 0;
     if (n < nmine) kvc_tcd_issue<D, TBL>(a, ld, ring + n * Gm::STAGE, KVC_TCD_T0(n), t_hi, hk, fo, id);
     kvc_cp_commit();
   }
-  if (TBL && NS - 1 < nmine) nid = kvc_tcd_id(a, b, fo, KVC_TCD_T0(NS - 1), t_hi);
+  if (TBL && NS - 1 < nmine) nid = kvc_tcd_id(a, ld, fo, KVC_TCD_T0(NS - 1), t_hi);
 
   /* logits in log2 units: x = scl2 q.k, a softcap c as (c log2 e) tanh(x / (c log2 e)) */
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
@@ -445,7 +453,7 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
       const int nn = n + NS - 1;
       if (nn < nmine) {
         kvc_tcd_issue<D, TBL>(a, ld, ring + (nn % NS) * Gm::STAGE, KVC_TCD_T0(nn), t_hi, hk, fo, nid);
-        if (TBL) nid = nn + 1 < nmine ? kvc_tcd_id(a, b, fo, KVC_TCD_T0(nn + 1), t_hi) : 0;
+        if (TBL) nid = nn + 1 < nmine ? kvc_tcd_id(a, ld, fo, KVC_TCD_T0(nn + 1), t_hi) : 0;
       }
       kvc_cp_commit();
     }
