@@ -88,6 +88,9 @@
 #define KVC_TCD_MINB 2     /* blocks per SM the registers are capped for */
 #endif
 #define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
+#ifndef KVC_TCD_COAL_MIN_D
+#define KVC_TCD_COAL_MIN_D 256 /* block-table tiles inside one block: coalesced copies from this head dim (128: 255.5 -> 272.6 us, 32/8/128 paged/16 B=16) */
+#endif
 
 /* Shared-memory layout (bytes) for head dim D: per warp a ring of tiles
  * {K codes, V codes, K scales, K biases, V scales, V biases}; then the
@@ -217,10 +220,12 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
   bool coal = true;
   if constexpr (TBL) {
     const long long r0 = t0 + fo, c0 = kvc_table_col(r0, K.bsz, K.bsh);
-    coal = D == 256 && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0;
+    coal = D >= KVC_TCD_COAL_MIN_D && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0;
     if (coal) { /* the tile lies in one block: its rows are consecutive; the
                  * head and lane parts of the addresses were added once (the
-                 * loader), each array adds block and row offsets */
+                 * loader), each array adds block and row offsets (64-bit
+                 * products: 32-bit ones, pools permitting, measured 1.5 %
+                 * slower, BENCHMARKS.md) */
       const kvc_loc l = kvc_loc_of(__shfl_sync(KVC_FULL_MASK, id, 0), r0, c0, K.bsz, K.nblk);
       kb = ld.hk + l.outer * K.ds[0] + l.row * K.ds[2];
       vb = ld.hv + l.outer * V.ds[0] + l.row * V.ds[2];
