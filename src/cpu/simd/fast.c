@@ -609,8 +609,6 @@ static void attend_fast(const kva_item *it) {
   }
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
   const int32_t *seg = simd_segments_row(p, it->b);
-  const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
-  const int32_t win = p->mask.window;
   /* Tiles across span (paged block) boundaries; the next tile's rows are
    * prefetched during this tile's K phase (tiles.h, kva_tiles). */
   kva_tiles tl;
@@ -620,11 +618,7 @@ static void attend_fast(const kva_item *it) {
   while ((rows = tiles_next(&tl, &tf, &n))) {
     kphase(&kf, rows, n, qp, qs, post, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
-    if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
-      for (int64_t j = 0; j < nq; ++j)
-        for (int64_t r = 0; r < n; ++r)
-          if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % nrows, win, seg, p->mask.segments_clamp))
-            S[j * KVA_TILE + r] = -INFINITY;
+    simd_mask_tile(it, seg, S, nq, tf, n);
     /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
     if (tile_softmax(S, n, nq, m, l, o, ob, vf.P, vbn)) vphase_tile(&vf, rows, n, S, vt, svt, bvt, o, ob, nq, &tl.pf);
   }

@@ -727,8 +727,6 @@ static void attend_fast8(const kva_item *it) {
   memset(o, 0, sizeof(float) * (size_t)(nq * (vf.P + vbn)));
   memset(kgs, 0, sizeof(float) * 4 * KVA_TILE * GLD); /* group tables: padding lanes stay 0 */
   const int32_t *seg = simd_segments_row(p, it->b);
-  const int64_t pos0 = it->len - p->L, pmin = pos0 + it->i0, pmax = pmin + nrows - 1;
-  const int32_t win = p->mask.window;
   kva_tiles tl;
   tiles_init(&tl, it);
   const kva_rows *rows;
@@ -737,11 +735,7 @@ static void attend_fast8(const kva_item *it) {
     if (kf.bits) tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
     kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
-    if (p->mask.kind == KVA_MASK_CAUSAL && !simd_tile_all_visible(tf, n, pmin, pmax, win))
-      for (int64_t j = 0; j < nq; ++j)
-        for (int64_t r = 0; r < n; ++r)
-          if (!kva_causal_visible(tf + r, pos0 + it->i0 + j % nrows, win, seg, p->mask.segments_clamp))
-            S[j * KVA_TILE + r] = -INFINITY;
+    simd_mask_tile(it, seg, S, nq, tf, n);
     if (!tile_softmax8(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
     if (vf.bits) tile_groups(&vf, rows, n, KVA_ARR_VS, KVA_ARR_VB, vgs, vgb);
     vphase8(&vf, rows, n, S, vgs, vgb, vt, ws, o, ob, nq, &tl.pf);

@@ -128,6 +128,23 @@ static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t pmin, int
   return tf + n - 1 <= pmin && (win <= 0 || tf > pmax - win);
 }
 
+/* Causal family for a fused kernel's tile: S[j][r] = -inf (row stride KVA_TILE)
+ * for each key tf + r (r < n) that query vector j (row it->i0 + j % rows, at
+ * position len - L + that row) does not see; nothing to do when every row
+ * of the item sees the whole tile. seg: simd_segments_row of the item. */
+static inline void simd_mask_tile(const kva_item *it, const int32_t *seg, float *S, int64_t nq, int64_t tf,
+                                  int64_t n) {
+  const kva_problem *p = it->p;
+  if (p->mask.kind != KVA_MASK_CAUSAL) return;
+  const int64_t pmin = it->len - p->L + it->i0, pmax = pmin + it->rows - 1;
+  const int32_t win = p->mask.window;
+  if (simd_tile_all_visible(tf, n, pmin, pmax, win)) return;
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t r = 0; r < n; ++r)
+      if (!kva_causal_visible(tf + r, pmin + j % it->rows, win, seg, p->mask.segments_clamp))
+        S[j * KVA_TILE + r] = -INFINITY;
+}
+
 /* S[j][r] = c * tanh(S[j][r] / c) for the n valid columns. */
 static inline void simd_softcap(float *S, int64_t nq, int64_t ld, int64_t n, float c) {
   const float inv = 1.0f / c;
