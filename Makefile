@@ -29,9 +29,7 @@ SIMD_LEVELS = portable avx2 avx512
 else
 SIMD_LEVELS = portable
 endif
-# -Wno-psabi: the portable level's 32-byte generic vectors (vec8.h) are only
-# passed to inlined functions; without it GCC prints an ABI note for them
-SIMD_FLAGS_portable = -Wno-psabi
+SIMD_FLAGS_portable =
 SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
 SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16
 

@@ -758,15 +758,6 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   kva_rowfmt kf, vf;
   simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !format_ok8(&kf) || !format_ok8(&vf)) return NULL;
-#ifndef V8_AVX2
-  /* Generic vectors: float K and V rows stay on the general kernel, whose
-   * convert-then-dot loops the compiler vectorizes as well (x86-64 SSE2,
-   * one thread, 8/4/256 8k: bf16 decode 8.9 ms general against 9.6 fused,
-   * verify L=8 47.6 against 77.6, the fused kernel's 4-vector blocks
-   * spilling 16 xmm registers); quantized rows gain from the affine algebra
-   * (q4 decode 42.5 -> 12.3 ms, verify 81.7 -> 68.1). BENCHMARKS.md. */
-  if (!kf.bits && !vf.bits) return NULL;
-#endif
   return attend_fast8;
 }
 

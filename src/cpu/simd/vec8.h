@@ -3,10 +3,10 @@
  * - at the avx2 level one ymm register each, AVX2 + FMA + F16C intrinsics
  *   (the same instructions the kernel used before this layer existed);
  * - elsewhere (the portable level: any C11 compiler with GCC's vector
- *   extensions, i.e. gcc and clang) 32-byte generic vectors, which the
- *   compiler lowers to pairs of 128-bit operations: SSE2 on x86-64, NEON
- *   (with fused multiply-add) on aarch64. Half-precision lanes are
- *   converted one at a time there (kva_f16_to_f32).
+ *   extensions, i.e. gcc and clang) a pair of 16-byte generic vectors per
+ *   8 lanes, each a register: SSE2 on x86-64, NEON (with fused
+ *   multiply-add) on aarch64. f16 lanes are converted by aarch64's __fp16,
+ *   else one at a time (kva_f16_to_f32).
  * Masks (v8f_nlt, v8f_neq0, v8f_isnan, v8i_eq) are all-ones / all-zero
  * lanes; v8f_blend and v8f_and take such masks. Lane order is memory order;
  * little-endian only (the bf16 split loads take element 2i from the low
@@ -21,7 +21,6 @@
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define V8_AVX2 1
 typedef __m256 v8f;
 typedef __m256i v8i;
 
@@ -97,141 +96,159 @@ ALWAYS float v8f_hsum(v8f v) {
   return _mm_cvtss_f32(s);
 }
 
-#else /* generic vectors */
-/* 32-byte vectors passed by value without AVX: gcc and clang note the ABI
- * change (for the rest of the file that includes this one: clang warns at
- * the call sites); every function taking them is inlined, so no call
- * crosses an ABI boundary. */
-#if defined(__clang__)
-#if __has_warning("-Wpsabi")
-#pragma clang diagnostic ignored "-Wpsabi"
-#endif
-#elif defined(__GNUC__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+#else /* generic vectors: two 16-byte halves */
+/* 16-byte vectors are native on every SIMD target (SSE2, NEON), so each
+ * half lives in a register; 32-byte generic vectors did not: GCC kept them
+ * in memory and converted int -> float one lane at a time on aarch64. */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef struct v8f {
+  v4f lo, hi; /* lanes 0-3, 4-7 */
+} v8f;
+typedef struct v8i {
+  v4i lo, hi;
+} v8i;
+#define V8_HALVES(T, a, b) ((T){(a), (b)})
 
 ALWAYS v8f v8f_load(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
+  v8f r;
+  memcpy(&r.lo, p, 16);
+  memcpy(&r.hi, p + 4, 16);
+  return r;
 }
-ALWAYS void v8f_store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-ALWAYS v8f v8f_set1(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+ALWAYS void v8f_store(float *p, v8f v) {
+  memcpy(p, &v.lo, 16);
+  memcpy(p + 4, &v.hi, 16);
+}
+ALWAYS v8f v8f_set1(float x) {
+  const v4f h = {x, x, x, x};
+  return V8_HALVES(v8f, h, h);
+}
 ALWAYS v8f v8f_bcast(const float *p) { return v8f_set1(*p); }
 ALWAYS v8f v8f_zero(void) { return v8f_set1(0.0f); }
-ALWAYS v8f v8f_add(v8f a, v8f b) { return a + b; }
-ALWAYS v8f v8f_sub(v8f a, v8f b) { return a - b; }
-ALWAYS v8f v8f_mul(v8f a, v8f b) { return a * b; }
+ALWAYS v8f v8f_add(v8f a, v8f b) { return V8_HALVES(v8f, a.lo + b.lo, a.hi + b.hi); }
+ALWAYS v8f v8f_sub(v8f a, v8f b) { return V8_HALVES(v8f, a.lo - b.lo, a.hi - b.hi); }
+ALWAYS v8f v8f_mul(v8f a, v8f b) { return V8_HALVES(v8f, a.lo * b.lo, a.hi * b.hi); }
 /* Contracted to one fused operation where the target has it (-ffp-contract=fast). */
-ALWAYS v8f v8f_fma(v8f a, v8f b, v8f c) { return a * b + c; }
-ALWAYS v8f v8f_fnma(v8f a, v8f b, v8f c) { return c - a * b; }
-ALWAYS v8i v8f_as_i(v8f a) {
-  v8i r;
-  memcpy(&r, &a, sizeof r);
-  return r;
-}
-ALWAYS v8f v8i_as_f(v8i a) {
-  v8f r;
-  memcpy(&r, &a, sizeof r);
-  return r;
-}
+ALWAYS v8f v8f_fma(v8f a, v8f b, v8f c) { return V8_HALVES(v8f, a.lo * b.lo + c.lo, a.hi * b.hi + c.hi); }
+ALWAYS v8f v8f_fnma(v8f a, v8f b, v8f c) { return V8_HALVES(v8f, c.lo - a.lo * b.lo, c.hi - a.hi * b.hi); }
+ALWAYS v8i v8f_as_i(v8f a) { return V8_HALVES(v8i, (v4i)a.lo, (v4i)a.hi); } /* same-size vector casts: bits */
+ALWAYS v8f v8i_as_f(v8i a) { return V8_HALVES(v8f, (v4f)a.lo, (v4f)a.hi); }
+ALWAYS v4f v4_select(v4i m, v4f a, v4f b) { return (v4f)(((v4i)a & m) | ((v4i)b & ~m)); } /* m ? a : b */
 /* As the x86 instructions: the second operand when either is NaN. */
 ALWAYS v8f v8f_max(v8f a, v8f b) {
-  const v8i m = a > b;
-  return v8i_as_f((v8f_as_i(a) & m) | (v8f_as_i(b) & ~m));
+  return V8_HALVES(v8f, v4_select(a.lo > b.lo, a.lo, b.lo), v4_select(a.hi > b.hi, a.hi, b.hi));
 }
 ALWAYS v8f v8f_min(v8f a, v8f b) {
-  const v8i m = a < b;
-  return v8i_as_f((v8f_as_i(a) & m) | (v8f_as_i(b) & ~m));
+  return V8_HALVES(v8f, v4_select(a.lo < b.lo, a.lo, b.lo), v4_select(a.hi < b.hi, a.hi, b.hi));
 }
-ALWAYS v8f v8f_and(v8f a, v8f m) { return v8i_as_f(v8f_as_i(a) & v8f_as_i(m)); }
-ALWAYS v8f v8f_or(v8f a, v8f b) { return v8i_as_f(v8f_as_i(a) | v8f_as_i(b)); }
-ALWAYS v8f v8f_nlt(v8f a, v8f b) { return v8i_as_f(~(a < b)); }
-ALWAYS v8f v8f_neq0(v8f a) { return v8i_as_f(a != v8f_zero()); } /* true for NaN */
-ALWAYS v8f v8f_isnan(v8f a) { return v8i_as_f(a != a); }
-ALWAYS v8f v8f_blend(v8f a, v8f b, v8f m) {
-  const v8i k = v8f_as_i(m);
-  return v8i_as_f((v8f_as_i(b) & k) | (v8f_as_i(a) & ~k));
+ALWAYS v8f v8f_and(v8f a, v8f m) {
+  return V8_HALVES(v8f, (v4f)((v4i)a.lo & (v4i)m.lo), (v4f)((v4i)a.hi & (v4i)m.hi));
 }
-ALWAYS int v8f_any(v8f m) {
-  const v8i k = v8f_as_i(m);
-  int32_t r = 0;
-  for (int i = 0; i < 8; ++i) r |= k[i];
-  return r != 0;
+ALWAYS v8f v8f_or(v8f a, v8f b) { return V8_HALVES(v8f, (v4f)((v4i)a.lo | (v4i)b.lo), (v4f)((v4i)a.hi | (v4i)b.hi)); }
+ALWAYS v8f v8f_nlt(v8f a, v8f b) { return V8_HALVES(v8f, (v4f)~(a.lo < b.lo), (v4f)~(a.hi < b.hi)); }
+ALWAYS v8f v8f_neq0(v8f a) { /* true for NaN */
+  const v4f z = {0.0f, 0.0f, 0.0f, 0.0f};
+  return V8_HALVES(v8f, (v4f)(a.lo != z), (v4f)(a.hi != z));
 }
+ALWAYS v8f v8f_isnan(v8f a) { return V8_HALVES(v8f, (v4f)(a.lo != a.lo), (v4f)(a.hi != a.hi)); }
+ALWAYS v8f v8f_blend(v8f a, v8f b, v8f m) { /* m ? b : a */
+  return V8_HALVES(v8f, v4_select((v4i)m.lo, b.lo, a.lo), v4_select((v4i)m.hi, b.hi, a.hi));
+}
+ALWAYS int v4i_any(v4i m) { return (m[0] | m[1] | m[2] | m[3]) != 0; }
+ALWAYS int v8f_any(v8f m) { return v4i_any((v4i)m.lo | (v4i)m.hi); }
 /* Nearest integer (ties to even) as float, for |a| < 2^22 (exp8's range):
  * adding and subtracting 1.5 * 2^23 rounds in the current (nearest) mode
  * (the build has no -ffast-math, so the two are not folded). */
 ALWAYS v8f v8f_round(v8f a) {
   const v8f magic = v8f_set1(12582912.0f);
-  return (a + magic) - magic;
+  return v8f_sub(v8f_add(a, magic), magic);
 }
+/* r[i] = a[idx[i]], idx in 0..7 (lane by lane: off the hot loops). */
 ALWAYS v8f v8f_permute(v8f a, v8i idx) {
-  v8f r;
-  for (int i = 0; i < 8; ++i) r[i] = a[idx[i] & 7];
-  return r;
+  float t[8], r[8];
+  int32_t ix[8];
+  v8f_store(t, a);
+  memcpy(ix, &idx.lo, 16);
+  memcpy(ix + 4, &idx.hi, 16);
+  for (int i = 0; i < 8; ++i) r[i] = t[ix[i] & 7];
+  return v8f_load(r);
 }
 
 ALWAYS v8i v8i_load(const void *p) {
   v8i v;
-  memcpy(&v, p, sizeof v);
+  memcpy(&v.lo, p, 16);
+  memcpy(&v.hi, (const char *)p + 16, 16);
   return v;
 }
+/* Lanes whose mask is set loaded, the others 0 (no access past them). */
 ALWAYS v8i v8i_maskload(const void *p, v8i m) {
-  v8i r;
-  for (int i = 0; i < 8; ++i) {
-    int32_t w = 0;
-    if (m[i]) memcpy(&w, (const char *)p + 4 * i, 4);
-    r[i] = w;
-  }
-  return r;
+  int32_t w[8] = {0}, k[8];
+  memcpy(k, &m.lo, 16);
+  memcpy(k + 4, &m.hi, 16);
+  for (int i = 0; i < 8; ++i)
+    if (k[i]) memcpy(&w[i], (const char *)p + 4 * i, 4);
+  return v8i_load(w);
 }
-ALWAYS v8i v8i_set1(int32_t x) { return (v8i){x, x, x, x, x, x, x, x}; }
+ALWAYS v8i v8i_set1(int32_t x) {
+  const v4i h = {x, x, x, x};
+  return V8_HALVES(v8i, h, h);
+}
 ALWAYS v8i v8i_zero(void) { return v8i_set1(0); }
-ALWAYS v8i v8i_add(v8i a, v8i b) { return a + b; }
-ALWAYS v8i v8i_and(v8i a, v8i b) { return a & b; }
-ALWAYS v8i v8i_or(v8i a, v8i b) { return a | b; }
-ALWAYS v8i v8i_srl(v8i a, int n) { return (v8i)((v8u)a >> (uint32_t)n); }
-ALWAYS v8i v8i_sll(v8i a, int n) { return (v8i)((v8u)a << (uint32_t)n); }
-ALWAYS v8i v8i_eq(v8i a, v8i b) { return a == b; }
-ALWAYS int v8i_any(v8i a) {
-  int32_t r = 0;
-  for (int i = 0; i < 8; ++i) r |= a[i];
-  return r != 0;
+ALWAYS v8i v8i_add(v8i a, v8i b) { return V8_HALVES(v8i, a.lo + b.lo, a.hi + b.hi); }
+ALWAYS v8i v8i_and(v8i a, v8i b) { return V8_HALVES(v8i, a.lo & b.lo, a.hi & b.hi); }
+ALWAYS v8i v8i_or(v8i a, v8i b) { return V8_HALVES(v8i, a.lo | b.lo, a.hi | b.hi); }
+ALWAYS v8i v8i_srl(v8i a, int n) { /* logical */
+  return V8_HALVES(v8i, (v4i)((v4u)a.lo >> (uint32_t)n), (v4i)((v4u)a.hi >> (uint32_t)n));
 }
-ALWAYS v8f v8i_to_f(v8i a) { return __builtin_convertvector(a, v8f); }
-ALWAYS v8i v8f_to_i(v8f a) { return __builtin_convertvector(a, v8i); } /* integral lanes: exact */
+ALWAYS v8i v8i_sll(v8i a, int n) {
+  return V8_HALVES(v8i, (v4i)((v4u)a.lo << (uint32_t)n), (v4i)((v4u)a.hi << (uint32_t)n));
+}
+ALWAYS v8i v8i_eq(v8i a, v8i b) { return V8_HALVES(v8i, a.lo == b.lo, a.hi == b.hi); }
+ALWAYS int v8i_any(v8i a) { return v4i_any(a.lo | a.hi); }
+ALWAYS v8f v8i_to_f(v8i a) {
+  return V8_HALVES(v8f, __builtin_convertvector(a.lo, v4f), __builtin_convertvector(a.hi, v4f));
+}
+/* Integral lanes (v8f_round's results) as int32: exact. */
+ALWAYS v8i v8f_to_i(v8f a) {
+  return V8_HALVES(v8i, __builtin_convertvector(a.lo, v4i), __builtin_convertvector(a.hi, v4i));
+}
 
+/* 8 f16 / bf16 values as f32 (f16: the target's half type where it has
+ * one, aarch64's __fp16, exact; else lane by lane). */
 ALWAYS v8f v8f_from_f16(const uint16_t *p) {
-  v8f r;
+  float r[8];
+#if defined(__aarch64__)
+  __fp16 h[8];
+  memcpy(h, p, sizeof h);
+  for (int i = 0; i < 8; ++i) r[i] = (float)h[i];
+#else
   for (int i = 0; i < 8; ++i) r[i] = kva_f16_to_f32(p[i]);
-  return r;
+#endif
+  return v8f_load(r);
 }
 ALWAYS v8f v8f_from_bf16(const uint16_t *p) {
-  v8f r;
-  for (int i = 0; i < 8; ++i) r[i] = simd_bf16f(p[i]);
-  return r;
+  uint32_t u[8];
+  for (int i = 0; i < 8; ++i) u[i] = (uint32_t)p[i] << 16;
+  return v8i_as_f(v8i_load(u));
 }
 ALWAYS void v4_from_half(const uint16_t *p, int f16, float *dst) {
   for (int i = 0; i < 4; ++i) dst[i] = f16 ? kva_f16_to_f32(p[i]) : simd_bf16f(p[i]);
 }
+ALWAYS float v4_hsum(v4f v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+/* Lane t of the result = the sum of the 8 lanes of v[t]. */
 ALWAYS v8f v8f_reduce8(const v8f v[8]) {
-  v8f r;
-  for (int t = 0; t < 8; ++t) {
-    const v8f x = v[t];
-    r[t] = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-  }
-  return r;
+  float r[8];
+  for (int t = 0; t < 8; ++t) r[t] = v4_hsum(v[t].lo + v[t].hi);
+  return v8f_load(r);
 }
 ALWAYS float v8f_hmax(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  const v4f m = v4_select(v.lo > v.hi, v.lo, v.hi);
+  const float a = m[0] > m[1] ? m[0] : m[1], b = m[2] > m[3] ? m[2] : m[3];
+  return a > b ? a : b;
 }
-ALWAYS float v8f_hsum(v8f v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+ALWAYS float v8f_hsum(v8f v) { return v4_hsum(v.lo + v.hi); }
 #endif
 
 #endif
