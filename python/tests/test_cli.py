@@ -37,6 +37,16 @@ def test_bench_json_case():
     assert c["status"] == "PASS" and c["us"] > 0 and 0 < c["max_rel_err"] < 1e-2
 
 
+def test_bench_simd_portable():
+    """--simd forces the CPU kernels' level: the portable one exists on every build."""
+    r = run("bench", "--json", "--quiet", "--simd", "portable", "--preset", "gemma3-4b", "--ctx", "1k", "--rows",
+            "1", "--kv", "q4", "--reps", "3", "--rotate-gib", "0", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1 and rows[0]["status"] == "PASS"
+    assert rows[0]["kernel"] == "cpu portable fused kernel"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["nope"], "unknown command 'nope'"),
     (["bench", "--bogus"], "unknown option '--bogus'"),
@@ -55,6 +65,8 @@ def test_bench_json_case():
     (["bench", "--reps", "-5"], "--reps"),
     (["bench", "--layout", "paged", "--block", "7"], "--block"),
     (["bench", "--ctx"], "--ctx"),
+    (["bench", "--simd", "sse9"], "--simd: invalid argument: level \"sse9\""),
+    (["bench", "--simd"], "--simd"),
 ])
 def test_bad_arguments(args, needle):
     r = run(*args, timeout=30)
