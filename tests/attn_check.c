@@ -1,6 +1,8 @@
 /* Random attention operands from a case description, sentinels, comparison. */
 #include "attn_check.h"
 
+#include "cpu/kernel.h" /* kva_cpu_general_only */
+
 const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp", "bool", "add"};
 
 #define SENTINEL_BYTES 64
@@ -456,3 +458,18 @@ void att_mutate_kv(kva_kv *kv) {
 }
 
 /* One mutation somewhere in the call; lens: a writable copy of the lengths. */
+
+static const char *const att_pass_names[ATT_PASSES] = {"portable", "avx2", "avx512", "general"};
+static int att_general; /* pass 3 active */
+int att_set_pass(int pass) {
+  att_general = pass == 3;
+  kva_cpu_general_only(att_general);
+  return kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
+}
+const char *att_pass_name(int pass) { return att_pass_names[pass]; }
+const char *att_pass_now(void) { return att_general ? "general" : kva_cpu_simd(); }
+void att_end_passes(void) {
+  att_general = 0;
+  kva_cpu_general_only(0);
+  kva_cpu_set_simd(NULL);
+}

@@ -78,7 +78,6 @@ static const att_case cases[] = {
  * (att_case_atol relaxes it to bf16 products where the bf16 path may run). */
 #define ATOL_REL ATT_ATOL_F32
 
-static const char *levels[] = {"portable", "avx2", "avx512"};
 
 static int run_case(const att_case *c, kva_context *ctx, const char *level, att_data *d, const kva_tensor *ref) {
   char name[256];
@@ -129,11 +128,11 @@ TEST(attention_cpu_vs_oracle) {
     int path = kva_attention_kernel(ctx1, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname);
     printf("  case %2d %-8s %-32s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", kname, name);
     int ok = 1;
-    for (int li = 0; li < 3 && ok; ++li) {
-      if (kva_cpu_set_simd(levels[li])) continue; /* this CPU lacks the level */
-      ok = run_case(c, ctx1, levels[li], &d, &ref) && run_case(c, ctx2, levels[li], &d, &ref);
+    for (int li = 0; li < ATT_PASSES && ok; ++li) {
+      if (att_set_pass(li)) continue; /* this CPU lacks the level */
+      ok = run_case(c, ctx1, att_pass_name(li), &d, &ref) && run_case(c, ctx2, att_pass_name(li), &d, &ref);
     }
-    kva_cpu_set_simd(NULL);
+    att_end_passes();
     att_free(&d);
     if (!ok) break;
   }

@@ -14,7 +14,6 @@
 #define F16 KVA_F16
 #define BF16 KVA_BF16
 
-static const char *simd_levels[] = {"portable", "avx2", "avx512"};
 
 /* Bitwise equality of two same-shape tensors (any strides). */
 static int same_bits(const kva_tensor *a, const kva_tensor *b) {
@@ -173,7 +172,7 @@ static int make_n_masks(att_data *d, int64_t n, int64_t maxlen, kva_attn_params 
 static int bt_run(const char *name, kva_context *ctx, att_data *d, const kva_kv_view *pview,
                   const kva_attn_params *pp, const kva_kv_view *tviews, const kva_attn_params *pt,
                   const kva_tensor *ref, kva_tensor *paged_out) {
-  const char *lvl = kva_cpu_simd();
+  const char *lvl = att_pass_now();
   if (kva_attention(ctx, &d->q, pview, pp, paged_out, NULL, 0)) {
     FAIL_("%s [%s]: paged attention: %s", name, lvl, kva_last_error());
     return 0;
@@ -294,12 +293,13 @@ TEST(block_table_vs_paged) {
       goto done;
     }
     ok = 1;
-    /* Every SIMD level this CPU has; --quick (sanitizers): the best one. */
-    for (int li = test_quick ? 2 : 0; li < 3 && ok; ++li) {
-      if (kva_cpu_set_simd(test_quick ? NULL : simd_levels[li])) continue;
+    /* Every SIMD level this CPU has and the general kernel alone (att_set_pass);
+     * --quick (sanitizers): the best level. */
+    for (int li = test_quick ? 2 : 0; li < (test_quick ? 3 : ATT_PASSES) && ok; ++li) {
+      if (test_quick ? kva_cpu_set_simd(NULL) : att_set_pass(li)) continue;
       ok = bt_run(name, ctx, &d, &pview, &pp, tviews, &pt, &ref, &paged_out);
     }
-    kva_cpu_set_simd(NULL);
+    att_end_passes();
   done:
     free(tbl);
     free(wide);
@@ -347,17 +347,18 @@ TEST(block_table_caller_pools) {
     ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
     ASSERT_OK(kva_reference_attention(&d.q, &view, &d.params, &ref_t));
     if (!same_bits(&ref, &ref_t)) FAIL_("%s: the oracle over the table differs from the contiguous cache's", name);
-    for (int li = test_quick ? 2 : 0; li < 3 && !test_failed_flag; ++li) {
-      if (kva_cpu_set_simd(test_quick ? NULL : simd_levels[li])) continue;
+    for (int li = test_quick ? 2 : 0; li < (test_quick ? 3 : ATT_PASSES) && !test_failed_flag; ++li) {
+      if (test_quick ? kva_cpu_set_simd(NULL) : att_set_pass(li)) continue;
+      const char *lv = att_pass_now();
       att_poison(&d);
       double err = 0;
       int rc = kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0);
-      if (rc) FAIL_("%s [%s]: kva_attention: %s", name, kva_cpu_simd(), kva_last_error());
-      else if (!att_sentinel_ok(&d)) FAIL_("%s [%s]: sentinel after out overwritten", name, kva_cpu_simd());
+      if (rc) FAIL_("%s [%s]: kva_attention: %s", name, lv, kva_last_error());
+      else if (!att_sentinel_ok(&d)) FAIL_("%s [%s]: sentinel after out overwritten", name, lv);
       else if (!att_compare(&d.out, &ref, att_case_atol(c), att_rtol(c->odt), &err, NULL))
-        FAIL_("%s [%s]: differs from the oracle (max err %.3g)", name, kva_cpu_simd(), err);
+        FAIL_("%s [%s]: differs from the oracle (max err %.3g)", name, lv, err);
     }
-    kva_cpu_set_simd(NULL);
+    att_end_passes();
     printf("  caller pools %s\n", name);
     att_table_free(&tb);
     att_free(&d);

@@ -929,7 +929,6 @@ static const paged_case pcases[] = {
  * shared rule of attn_check.h (att_case_atol per case of the table). */
 #define PAGED_ATOL_REL ATT_ATOL_F32
 
-static const char *simd_levels[] = {"portable", "avx2", "avx512"};
 
 /* Runs attention over the paged view and checks the sentinel, the oracle,
  * and the contiguous path run at the same SIMD level and thread count
@@ -1008,14 +1007,16 @@ TEST(paged_attention_vs_oracle) {
       goto done;
     }
     ok = 1;
-    /* Every SIMD level this CPU has at 1 and 2 threads; --quick (sanitizers):
+    /* Every SIMD level this CPU has and the general kernel alone (att_set_pass) at
+     * 1 and 2 threads; --quick (sanitizers):
      * the best level at 2 threads (the paged source is the same code at every level). */
-    for (int li = test_quick ? 2 : 0; li < 3 && ok; ++li) {
-      if (kva_cpu_set_simd(test_quick ? NULL : simd_levels[li])) continue; /* this CPU lacks the level */
-      ok = (test_quick || paged_run(name, ctx1, kva_cpu_simd(), &d, &pview, &ref, &contig)) &&
-           paged_run(name, ctx2, kva_cpu_simd(), &d, &pview, &ref, &contig);
+    for (int li = test_quick ? 2 : 0; li < (test_quick ? 3 : ATT_PASSES) && ok; ++li) {
+      if (test_quick ? kva_cpu_set_simd(NULL) : att_set_pass(li)) continue; /* this CPU lacks the level */
+      const char *lv = att_pass_now();
+      ok = (test_quick || paged_run(name, ctx1, lv, &d, &pview, &ref, &contig)) &&
+           paged_run(name, ctx2, lv, &d, &pview, &ref, &contig);
     }
-    kva_cpu_set_simd(NULL);
+    att_end_passes();
   done:
     kva_paged_view_release(pv);
     kva_pool_destroy(pool);

@@ -99,6 +99,8 @@ void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
 #define KVA_CPU_LEVELS "portable"
 #endif
 static const kva_cpu_kernels *forced;
+static int general_only; /* kva_cpu_general_only */
+void kva_cpu_general_only(int on) { general_only = on != 0; }
 
 #if KVA_X86
 #include <cpuid.h>
@@ -337,7 +339,7 @@ static void merge_task(void *arg, long task, int worker) {
 
 void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size) {
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
-  const char *fast = p->path == KVA_PATH_FUSED ? kt->fast_name(p) : NULL;
+  const char *fast = p->path == KVA_PATH_FUSED && !general_only ? kt->fast_name(p) : NULL;
   snprintf(name, size, "cpu %s %s", kt->level, fast ? fast : "general kernel");
 }
 
@@ -366,7 +368,7 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
   }
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
   r.generic = kt->generic;
-  r.fused = p->path == KVA_PATH_FUSED ? kt->fast(p) : NULL;
+  r.fused = p->path == KVA_PATH_FUSED && !general_only ? kt->fast(p) : NULL;
   kva_threadpool_run(ctx->pool, run_item, &r, (long)r.pl.items);
   kva_threadpool_run(ctx->pool, merge_task, &r, (long)(p->B * r.pl.ngroups * p->KVH));
   return 0;

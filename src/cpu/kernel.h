@@ -38,6 +38,11 @@ typedef struct kva_cpu_kernels {
 size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq);
 
 const kva_cpu_kernels *kva_cpu_kernels_get(void);
+/* Tests only (not in the public header): every call runs the general kernel
+ * (on != 0), the fallback path's kernel, which otherwise serves only array
+ * masks and long L now that every level has a fused kernel. Process-wide,
+ * like kva_cpu_set_simd. */
+void kva_cpu_general_only(int on);
 
 extern const kva_cpu_kernels kva_cpu_kernels_portable, kva_cpu_kernels_avx2, kva_cpu_kernels_avx512;
 #endif

@@ -49,8 +49,8 @@ typedef struct fmt8 {
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
   int full[MAXCH];                 /* all 8 words of the chunk are in the row */
-  v8i chmask[MAXCH];           /* valid words (maskload) */
-  v8i gidx[MAXCH];             /* group - g0 of each lane (word) of the chunk */
+  v8i chmask[MAXCH];               /* valid words (maskload) */
+  v8i gidx[MAXCH];                 /* group - g0 of each lane (word) of the chunk */
 } fmt8;
 
 static void plan8(const kva_rowfmt *f, fmt8 *fp) {
