@@ -274,8 +274,12 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
 /* ------------------------------------------------------------- info */
 /* SIMD level the CPU kernels use: "avx512", "avx2" or "portable". */
 const char *kva_cpu_simd(void);
-/* Override the SIMD level (for tests): "avx512", "avx2", "portable"; NULL =
- * best available. Fails with KVA_EUNSUPPORTED if the CPU lacks it. */
+/* Override the SIMD level (for tests and A/B runs): "avx512", "avx2",
+ * "portable" (the fused kernel on generic vectors; the only level built on
+ * non-x86 targets); NULL = best available. Process-wide, not thread-safe
+ * against concurrent calls. Fails with KVA_EUNSUPPORTED if the CPU lacks the
+ * level or the build does not have it (x86 levels on other architectures),
+ * KVA_EINVAL for an unknown name. */
 int kva_cpu_set_simd(const char *level);
 /* Number of CUDA devices visible (0 when the backend is not built or none). */
 int kva_cuda_device_count(void);
