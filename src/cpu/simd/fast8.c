@@ -45,6 +45,7 @@ typedef struct fmt8 {
   int bits, E, nch, ngroups, G;    /* E codes per word; nch chunks of 8 words */
   int P;                           /* permuted row length (floats): nch*E*8 quantized, D float */
   int one_group;                   /* every chunk lies in one group (8*E <= G) */
+  int wpg;                         /* words per group, G/E (else: 2 or 4, chunks hold whole groups) */
   int split;                       /* bf16 float rows in split order (full 16-element blocks) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
@@ -69,6 +70,7 @@ static void plan8(const kva_rowfmt *f, fmt8 *fp) {
   fp->nch = (words + L8 - 1) / L8;
   fp->P = fp->nch * fp->E * L8;
   fp->one_group = L8 * fp->E <= fp->G;
+  fp->wpg = fp->G / fp->E;
   fp->sdt = f->sdtype;
   for (int c = 0; c < fp->nch; ++c) {
     int32_t m[L8], idx[L8];
@@ -178,7 +180,7 @@ static void tile_groups(const fmt8 *fp, const kva_rows *rows, int64_t n, int as,
 /* The group values of chunk c's 8 word lanes (a row of a tile group table). */
 ALWAYS v8f chunk_lanes(const fmt8 *fp, const float *g, int c) {
   if (fp->one_group) return v8f_bcast(g + fp->g0[c]);
-  return v8f_permute(v8f_load(g + fp->g0[c]), fp->gidx[c]);
+  return v8f_groups(g + fp->g0[c], fp->gidx[c], fp->wpg);
 }
 
 /* Code k of each word of x as f32, exactly. */
@@ -347,7 +349,7 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
     v8f w[4];
     for (int j = 0; j < J; ++j) {
       const float *wt = wc + ((int64_t)j * KVA_TILE + t) * GLD;
-      w[j] = ONE ? v8f_bcast(wt) : v8f_permute(v8f_load(wt), gidx);
+      w[j] = ONE ? v8f_bcast(wt) : v8f_groups(wt, gidx, fp->wpg);
     }
     for (int k = 0; k < KB; ++k) {
       const v8f f = code8(x, k0 + k, bits);

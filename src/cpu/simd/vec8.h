@@ -45,8 +45,14 @@ ALWAYS v8f v8f_blend(v8f a, v8f b, v8f m) { return _mm256_blendv_ps(a, b, m); } 
 ALWAYS int v8f_any(v8f m) { return _mm256_movemask_ps(m) != 0; }
 /* Nearest integer (ties to even) as float. */
 ALWAYS v8f v8f_round(v8f a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-/* r[i] = a[idx[i]], idx in 0..7. */
-ALWAYS v8f v8f_permute(v8f a, v8i idx) { return _mm256_permutevar8x32_ps(a, idx); }
+/* Lane w = g[idx[w]]: the group values of a chunk's 8 words, idx the
+ * chunk's group pattern (wpg words per group: 2 or 4, groups whole within a
+ * chunk; the generic form uses wpg, AVX2 one permute by idx). g has 8
+ * readable floats (the kernel's group tables are padded). */
+ALWAYS v8f v8f_groups(const float *g, v8i idx, int wpg) {
+  (void)wpg;
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(g), idx);
+}
 
 ALWAYS v8i v8i_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 /* Lanes whose mask is set loaded, the others 0 (no access past them). */
@@ -165,11 +171,22 @@ ALWAYS v8f v8f_round(v8f a) {
   const v8f magic = v8f_set1(12582912.0f);
   return v8f_sub(v8f_add(a, magic), magic);
 }
-/* r[i] = a[idx[i]], idx in 0..7 (lane by lane: off the hot loops). */
-ALWAYS v8f v8f_permute(v8f a, v8i idx) {
+/* Lane w = g[idx[w]] (see the AVX2 form): with 4 words per group each half
+ * is one group, with 2 each half holds two (constant shuffles); idx itself
+ * only for other patterns (lane by lane). Lanes past a row's last group
+ * read the table's zero padding where idx repeats the last group: those
+ * words' codes are 0 (masked loads) and their lanes are discarded. */
+ALWAYS v8f v8f_groups(const float *g, v8i idx, int wpg) {
+  if (wpg == 4) {
+    const v4f a = {g[0], g[0], g[0], g[0]}, b = {g[1], g[1], g[1], g[1]};
+    return V8_HALVES(v8f, a, b);
+  }
+  v4f x;
+  memcpy(&x, g, 16);
+  if (wpg == 2) return V8_HALVES(v8f, __builtin_shufflevector(x, x, 0, 0, 1, 1), __builtin_shufflevector(x, x, 2, 2, 3, 3));
   float t[8], r[8];
   int32_t ix[8];
-  v8f_store(t, a);
+  memcpy(t, g, sizeof t);
   memcpy(ix, &idx.lo, 16);
   memcpy(ix + 4, &idx.hi, 16);
   for (int i = 0; i < 8; ++i) r[i] = t[ix[i] & 7];
