@@ -89,7 +89,9 @@
 #endif
 #define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
 #ifndef KVC_TCD_COAL_MIN_D
-#define KVC_TCD_COAL_MIN_D 256 /* block-table tiles inside one block: coalesced copies from this head dim (128: 255.5 -> 272.6 us, 32/8/128 paged/16 B=16) */
+/* block-table tiles inside one block: coalesced copies from this head dim
+ * (at 128 measured slower: 32/8/128 paged/16 B=16 255.5 -> 272.6 us) */
+#define KVC_TCD_COAL_MIN_D 256
 #endif
 
 /* Shared-memory layout (bytes) for head dim D: per warp a ring of tiles

@@ -45,7 +45,7 @@ typedef struct fmt8 {
   int bits, E, nch, ngroups, G;    /* E codes per word; nch chunks of 8 words */
   int P;                           /* permuted row length (floats): nch*E*8 quantized, D float */
   int one_group;                   /* every chunk lies in one group (8*E <= G) */
-  int wpg;                         /* words per group, G/E (else: 2 or 4, chunks hold whole groups) */
+  int wpg;                         /* words per group, G/E: 2 or 4 unless one_group (v8f_groups) */
   int split;                       /* bf16 float rows in split order (full 16-element blocks) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
