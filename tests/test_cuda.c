@@ -7,6 +7,7 @@
  * device output is copied back into the host view for the comparison.
  * Every GPU test reports SKIP when no device is visible (or no CUDA build). */
 #include "attn_check.h"
+#include "mutate_call.h"
 
 #define F32 KVA_F32
 #define F16 KVA_F16
@@ -35,6 +36,7 @@ TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -949,6 +951,155 @@ TEST(cuda_q4_tcd_path) {
   for (size_t ci = 0; ci < sizeof tt / sizeof tt[0]; ++ci)
     if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp decode")) break;
 done:
+  kva_context_destroy(ctx);
+}
+/* Randomized bad input on the device: test_mutations.c's mutations
+ * (mutate_call.c) of the same host descriptors, each mutated call mirrored:
+ * its pointers to the device copies of the base call's buffers (or NULL
+ * where a mutation made them NULL), its lengths, block ids and first
+ * offsets copied into device arrays. A call must fail with a message and
+ * leave the device output and its sentinel untouched, or succeed without a
+ * fault (a kernel fault is sticky: the fetch after the call reports it) and
+ * agree with the oracle, except where a mutated device value is one the
+ * oracle refuses: CUDA reads those arrays in the kernels and clamps them
+ * (kvattn.h, kva_block_table), so such a call only has to stay inside its
+ * buffers. Run under compute-sanitizer memcheck by bench/cuda_all.sh, which
+ * turns a read past a clamped value into a failure. */
+typedef struct mut_dev {
+  dev_data dd;                          /* q, out + sentinel, contiguous K/V, masks, sinks */
+  kva_kv pk, pv;                        /* the pools (block-table cases) */
+  int32_t *lens, *blocks, *tlens, *fo;  /* device arrays each call's values go to */
+  unsigned char *poison;                /* the host image of a poisoned output */
+} mut_dev;
+
+/* A mutated descriptor on the device: its fields, the device copy's pointer
+ * (a mutation only ever sets a pointer to NULL). */
+static kva_tensor mut_dev_tensor(const kva_tensor *mut, const kva_tensor *dev) {
+  kva_tensor t = *mut;
+  t.data = mut->data ? dev->data : NULL;
+  return t;
+}
+static kva_kv mut_dev_kv(const kva_kv *mut, const kva_kv *dev) {
+  kva_kv k = *mut;
+  k.data = mut_dev_tensor(&mut->data, &dev->data);
+  k.scales = mut_dev_tensor(&mut->scales, &dev->scales);
+  k.biases = mut_dev_tensor(&mut->biases, &dev->biases);
+  return k;
+}
+
+static int mut_dev_make(mut_dev *md, const mut_base *m) {
+  memset(md, 0, sizeof *md);
+  const int B = m->d.c.B;
+  const int64_t mb = m->table ? m->tb.t.max_blocks : 1;
+  if (!dev_make(&md->dd, &m->d)) return 0;
+  md->lens = (int32_t *)dev_keep(&md->dd, sizeof(int32_t) * (size_t)B);
+  md->blocks = (int32_t *)dev_keep(&md->dd, sizeof(int32_t) * (size_t)(B * mb));
+  md->tlens = (int32_t *)dev_keep(&md->dd, sizeof(int32_t) * (size_t)B);
+  md->fo = (int32_t *)dev_keep(&md->dd, sizeof(int32_t) * (size_t)B);
+  md->poison = (unsigned char *)malloc(m->d.out_bytes);
+  if (!md->lens || !md->blocks || !md->tlens || !md->fo || !md->poison) return 0;
+  memset(md->poison, DEV_POISON_BYTE, m->d.out_bytes);
+  return !m->table || (mirror_kv(&md->dd, &m->tb.k, &md->pk) && mirror_kv(&md->dd, &m->tb.v, &md->pv));
+}
+static void mut_dev_free(mut_dev *md) {
+  dev_free(&md->dd);
+  free(md->poison);
+}
+
+/* Runs the mutated calls of one base case on ctx; 0 when all held. */
+static int run_cuda_mutations(kva_context *ctx, const att_case *ac, int64_t bs, int iters, int *accepted,
+                              int *compared) {
+  mut_base m;
+  if (mut_base_make(&m, ac, bs)) return -1;
+  mut_call c;
+  mut_dev md;
+  int rc_all = mut_call_alloc(&c, &m) || !mut_dev_make(&md, &m) ? -1 : 0;
+  if (rc_all) FAIL_("could not mirror the base call to the device");
+  const int B = ac->B;
+  const int64_t mb = m.table ? m.tb.t.max_blocks : 1;
+  for (int it = 0; it < iters && rc_all == 0; ++it) {
+    mut_call_reset(&c, &m);
+    const int nm = 1 + att_pick(3);
+    for (int k = 0; k < nm; ++k) mut_call_mutate(&c, &m);
+    if (getenv("KVA_MUT_TRACE")) {
+      fprintf(stderr, "iteration %d:\n", it);
+      mut_call_diff(&c, &m);
+    }
+    /* the call's descriptors on the device */
+    const dev_data *dd = &md.dd;
+    kva_tensor q = mut_dev_tensor(&c.q, &dd->q), out = mut_dev_tensor(&c.out, &dd->out);
+    kva_kv_view view = c.view;
+    view.k = mut_dev_kv(&c.view.k, m.table ? &md.pk : &dd->k);
+    view.v = mut_dev_kv(&c.view.v, m.table ? &md.pv : &dd->v);
+    kva_block_table t = c.t;
+    int ok = 1;
+    if (c.view.seq_lens) {
+      ok &= cuda_ok(cudaMemcpy(md.lens, c.view.seq_lens, sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice), "lens");
+      view.seq_lens = md.lens;
+    }
+    if (c.view.table) { /* points at c.t (mut_call_reset) */
+      ok &= cuda_ok(cudaMemcpy(md.blocks, c.blocks, sizeof(int32_t) * (size_t)(B * mb), cudaMemcpyHostToDevice),
+                    "blocks") &&
+            cuda_ok(cudaMemcpy(md.tlens, c.tlens, sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice), "lens") &&
+            cuda_ok(cudaMemcpy(md.fo, c.fo, sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice), "offsets");
+      t.blocks = c.t.blocks ? md.blocks : NULL;
+      t.seq_lens = c.t.seq_lens ? md.tlens : NULL;
+      t.first_offset = c.t.first_offset ? md.fo : NULL;
+      view.table = &t;
+    }
+    kva_attn_params p = c.p;
+    p.sinks = c.p.sinks ? dd->sinks : NULL;
+    p.mask.segments = mut_dev_tensor(&c.p.mask.segments, &dd->params.mask.segments);
+    p.mask.array = mut_dev_tensor(&c.p.mask.array, &dd->params.mask.array);
+    if (!ok || !dev_poison(&md.dd, 0)) { rc_all = -1; break; }
+
+    const int rc = kva_attention(ctx, &q, &view, &p, &out, NULL, 0);
+    if (!dev_fetch(&md.dd, &m.d, "mutated call")) { /* a fault, or the sentinel */
+      FAIL_("iteration %d (code %d); the mutations:", it, rc);
+      mut_call_diff(&c, &m);
+      rc_all = -1;
+      break;
+    }
+    if (rc < 0) {
+      if (!kva_last_error()[0]) { FAIL_("iteration %d: code %d without a message", it, rc); rc_all = -1; }
+      if (memcmp(md.poison, m.d.out_buf, m.d.out_bytes) != 0) {
+        FAIL_("iteration %d: output modified on error %d (%s); the mutations:", it, rc, kva_last_error());
+        mut_call_diff(&c, &m);
+        rc_all = -1;
+      }
+      continue;
+    }
+    ++*accepted;
+    if (mut_check_accepted(&c, &m, cuda_case_atol_layout(ac, bs), c.dev_values, it, compared)) rc_all = -1;
+  }
+  mut_dev_free(&md);
+  mut_call_free(&c);
+  mut_base_free(&m);
+  return rc_all;
+}
+
+TEST(cuda_random_mutations) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* test_mutations.c's base cases, then q4 with bf16 queries (the
+   * tensor-core kernels) over contiguous rows and blocks of 16 */
+  static const att_case q4 = {2, 8, 4, 2, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  const int iters = test_quick ? MUT_ITERS_QUICK : MUT_ITERS;
+  for (int i = 0; i < MUT_NCASES + 2; ++i) {
+    const att_case *ac = i < MUT_NCASES ? &mut_cases[i].c : &q4;
+    const int bs = i < MUT_NCASES ? mut_cases[i].block : i == MUT_NCASES ? 0 : 16;
+    int accepted = 0, compared = 0;
+    if (run_cuda_mutations(ctx, ac, bs, iters, &accepted, &compared) < 0) {
+      char s[256];
+      att_case_str(ac, s, sizeof s);
+      FAIL_("case %s, block %d", s, bs);
+      break;
+    }
+    fprintf(stderr, "  case %d (block %d): %d mutated calls, %d accepted, %d of them compared with the oracle\n", i,
+            bs, iters, accepted, compared);
+    if (compared == 0) { FAIL_("case %d: no mutated call was accepted and compared (%d accepted)", i, accepted); break; }
+  }
   kva_context_destroy(ctx);
 }
 #endif
