@@ -22,12 +22,14 @@ static void mutate_table(mut_call *c, const mut_base *m) {
     c->t.batch = vals[att_pick(5)];
     break;
   }
-  case 1: { /* fewer columns, or none */
+  case 1: { /* fewer columns, or none (the columns and the row stride decide which device entries are read) */
+    c->dev_values = 1;
     const int64_t vals[] = {0, -1, mb - 1, att_absurd()};
     c->t.max_blocks = vals[att_pick(4)];
     break;
   }
   case 2: { /* row stride: never past the table's rows */
+    c->dev_values = 1;
     const int64_t vals[] = {-1, -mb, 1, mb - 1, 0};
     c->t.row_stride = vals[att_pick(5)];
     break;

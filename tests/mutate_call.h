@@ -32,8 +32,9 @@ typedef struct mut_call {
   kva_block_table t;            /* BLOCK_TABLE: view.table points here */
   int32_t *blocks, *tlens, *fo; /* its arrays */
   /* a value of the arrays the CUDA backend reads in device memory was
-   * mutated (a length, a block id, a first offset): the CPU refuses a bad
-   * one, CUDA clamps it (kvattn.h, kva_block_table) */
+   * mutated (a length, a block id, a first offset), or which of them a
+   * sequence reads (the table's columns or row stride): the CPU refuses a
+   * bad one, CUDA clamps it (kvattn.h, kva_block_table) */
   int dev_values;
 } mut_call;
 
