@@ -621,6 +621,175 @@ TEST(paged_bad_input) {
   kva_pool_destroy(pool);
 }
 
+/* Randomized bad input to the state layer. Appends whose K/V row
+ * descriptors carry one to three random mutations (att_mutate_tensor:
+ * ranks, dtypes, shapes, strides, NULL pointers; now and then a bad
+ * sequence id) must fail with a message and change nothing (pool
+ * statistics, kva_pool_check, the sequence's length and contents), or
+ * succeed and store bit for bit what kva_quantize / kva_convert make of
+ * the same descriptors (tp_kv_store). CSR views from the arrays of a live
+ * view with one random bad entry (batch, indptr, a block id, last length,
+ * first offset, start) must fail the same way, or, accepted, hold their
+ * references until released (kva_pool_check). Run under ASan and UBSan by
+ * `make test`. */
+static int paged_stats_same(kva_pool *pool, const kva_pool_stats *a) {
+  kva_pool_stats b;
+  return kva_pool_stats_get(pool, &b) == 0 && memcmp(a, &b, sizeof b) == 0;
+}
+
+static void mutate_csr(kva_paged_csr *c, int32_t *indptr, int32_t *indices, int32_t *last, int32_t *fo,
+                       int64_t *start, int64_t nblk, int64_t bs) {
+  const int64_t n = indptr[1];
+  switch (att_pick(7)) {
+  case 0: {
+    const int64_t vals[] = {0, -1, 2, att_absurd()};
+    c->batch = vals[att_pick(4)];
+    break;
+  }
+  case 1: {
+    const int32_t vals[] = {-1, 1, INT32_MIN};
+    indptr[0] = vals[att_pick(3)];
+    break;
+  }
+  case 2: {
+    const int32_t vals[] = {0, -1, (int32_t)n - 1, (int32_t)n + 1, INT32_MAX};
+    indptr[1] = vals[att_pick(5)];
+    break;
+  }
+  case 3: { /* a block id: out of the pool, or any block (free or not) */
+    const int64_t vals[] = {-1, nblk, INT32_MAX, INT32_MIN, att_pick((int)nblk)};
+    indices[att_pick((int)n)] = (int32_t)vals[att_pick(5)];
+    break;
+  }
+  case 4: {
+    const int64_t vals[] = {INT32_MIN, -1, 0, 1, bs - 1, bs, bs + 1};
+    last[0] = (int32_t)vals[att_pick(7)];
+    break;
+  }
+  case 5: {
+    const int64_t vals[] = {INT32_MIN, -1, 0, 1, bs - 1, bs};
+    fo[0] = (int32_t)vals[att_pick(6)];
+    c->first_offset = fo;
+    break;
+  }
+  default: {
+    const int64_t vals[] = {-1, 0, 5, INT64_MAX - 3, INT64_MIN};
+    start[0] = vals[att_pick(5)];
+    c->start = start;
+    break;
+  }
+  }
+}
+
+TEST(paged_random_mutations) {
+  const int iters = test_quick ? 300 : 1500;
+  const tp_fmt fmts[] = {formats[4], formats[2], formats[3]}; /* q4 g64 bf16 scales, bf16 rows, q2 g32 f16 scales */
+  for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; ++fi) {
+    const kva_pool_desc d = tp_desc(fmts[fi], 96, 8, 2, 64, 64);
+    const int64_t cap = 512;
+    kva_pool *pool;
+    ASSERT_OK(kva_pool_create(&pool, &d, NULL));
+    expect e;
+    ASSERT_TRUE(expect_init(&e, &d, cap) == 0);
+    int32_t s, gone;
+    ASSERT_OK(kva_seq_create(pool, &gone));
+    ASSERT_OK(kva_seq_free(pool, gone));
+    ASSERT_OK(kva_seq_create(pool, &s));
+    ASSERT_OK(append_random(pool, s, &e, &d, 11, F32, 0));
+    int accepted = 0, csr_accepted = 0;
+    for (int it = 0; it < iters; ++it) {
+      if (e.len > cap - 16) { /* start over with a fresh sequence */
+        ASSERT_OK(kva_seq_free(pool, s));
+        ASSERT_OK(kva_seq_create(pool, &s));
+        e.len = 0;
+        ASSERT_OK(append_random(pool, s, &e, &d, 1 + att_pick(9), F32, 0));
+      }
+      kva_pool_stats st0;
+      ASSERT_OK(kva_pool_stats_get(pool, &st0));
+      const int64_t len0 = kva_seq_len(pool, s);
+      if (att_pick(4)) { /* a mutated append */
+        static const kva_dtype dts[] = {F32, F16, BF16};
+        const int64_t T = 1 + att_pick(6);
+        const kva_dtype dt = dts[att_pick(3)];
+        kva_tensor k = tp_rows(dt, d.kv_heads, T, d.dk, att_pick(2)), v = tp_rows(dt, d.kv_heads, T, d.dv, att_pick(2));
+        kva_tensor km = k, vm = v;
+        int32_t seq = s;
+        const int nm = att_pick(4) ? 1 : 2 + att_pick(2); /* mostly one: some are valid */
+        for (int m = 0; m < nm; ++m) {
+          const int w = att_pick(9);
+          if (w == 8) {
+            const int32_t ids[] = {-1, gone, INT32_MAX, s + 1000};
+            seq = ids[att_pick(4)];
+          } else
+            att_mutate_tensor(w % 2 ? &vm : &km);
+        }
+        const int rc = kva_seq_append(pool, seq, &km, &vm);
+        if (rc < 0) {
+          if (!kva_last_error()[0]) FAIL_("iteration %d: append failed (%d) without a message", it, rc);
+          if (!paged_stats_same(pool, &st0) || kva_seq_len(pool, s) != len0)
+            FAIL_("iteration %d: a failed append (%s) changed the pool", it, kva_last_error());
+        } else {
+          ++accepted;
+          const int64_t Tm = km.ndim == 3 ? km.shape[1] : -1;
+          if (km.ndim != 3 || vm.ndim != 3 || vm.shape[1] != Tm || kva_seq_len(pool, s) != len0 + Tm) {
+            FAIL_("iteration %d: accepted rows of rank %d / %d, %lld tokens, length %lld -> %lld", it, km.ndim,
+                  vm.ndim, (long long)Tm, (long long)len0, (long long)kva_seq_len(pool, s));
+          } else if (tp_kv_store(&e.k, 0, e.len, &km) || tp_kv_store(&e.v, 0, e.len, &vm)) {
+            FAIL_("iteration %d: append accepted rows kva_quantize/kva_convert refuse: %s", it, kva_last_error());
+          } else {
+            e.len += Tm;
+          }
+        }
+        tp_rows_free(&k);
+        tp_rows_free(&v);
+      } else { /* a CSR view with one bad entry */
+        kva_paged_view *pv, *bad = NULL;
+        kva_paged_csr c;
+        ASSERT_OK(kva_paged_view_create(pool, &s, 1, &pv));
+        ASSERT_OK(kva_paged_view_csr(pv, &c));
+        ASSERT_OK(kva_pool_stats_get(pool, &st0));
+        const int32_t nb = c.indptr[1];
+        int32_t indptr[2] = {c.indptr[0], c.indptr[1]}, last[1] = {c.last_len[0]};
+        int32_t fo[1] = {c.first_offset ? c.first_offset[0] : 0}, idx[64];
+        int64_t start[1] = {c.start ? c.start[0] : 0};
+        ASSERT_TRUE(nb <= 64);
+        for (int32_t i = 0; i < nb; ++i) idx[i] = c.indices[i];
+        kva_paged_csr m = {1, indptr, idx, last, c.first_offset ? fo : NULL, c.start ? start : NULL, NULL};
+        mutate_csr(&m, indptr, idx, last, fo, start, d.num_blocks, d.block_size);
+        const int rc = kva_paged_view_from_csr(pool, &m, &bad);
+        if (rc < 0) {
+          if (!kva_last_error()[0]) FAIL_("iteration %d: CSR view failed (%d) without a message", it, rc);
+          if (bad || !paged_stats_same(pool, &st0))
+            FAIL_("iteration %d: a failed CSR view (%s) changed the pool", it, kva_last_error());
+        } else {
+          ++csr_accepted;
+          if (kva_pool_check(pool)) FAIL_("iteration %d: after an accepted CSR view: %s", it, kva_last_error());
+          kva_paged_view_release(bad);
+          if (!paged_stats_same(pool, &st0)) FAIL_("iteration %d: a released CSR view left references", it);
+        }
+        kva_paged_view_release(pv);
+      }
+      if (test_failed_flag) break;
+      if (it % 50 == 49 && (kva_pool_check(pool) || !seq_matches(pool, s, &e, 0, &d, "after mutated calls"))) {
+        FAIL_("iteration %d: pool check or contents", it);
+        break;
+      }
+    }
+    char fs[64];
+    tp_fmt_str(&fmts[fi], fs, sizeof fs);
+    fprintf(stderr, "  %s: %d mutated calls, %d appends and %d CSR views accepted\n", fs, iters, accepted,
+            csr_accepted);
+    if (!test_failed_flag) {
+      ASSERT_OK(kva_pool_check(pool));
+      ASSERT_TRUE(seq_matches(pool, s, &e, 0, &d, "at the end"));
+      if (accepted == 0) FAIL_("%s: no mutated append was accepted", fs);
+    }
+    expect_free(&e);
+    kva_pool_destroy(pool);
+    if (test_failed_flag) return;
+  }
+}
+
 /* Destroying a pool with live views: the views stay readable until released
  * (the pool's memory goes with the last one; ASan sees any leak). */
 TEST(paged_destroy_with_live_views) {
