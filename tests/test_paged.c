@@ -641,9 +641,9 @@ static void mutate_csr(kva_paged_csr *c, int32_t *indptr, int32_t *indices, int3
                        int64_t *start, int64_t nblk, int64_t bs) {
   const int64_t n = indptr[1];
   switch (att_pick(7)) {
-  case 0: {
-    const int64_t vals[] = {0, -1, 2, att_absurd()};
-    c->batch = vals[att_pick(4)];
+  case 0: { /* (a larger batch or index count describes arrays the caller does not have) */
+    const int64_t vals[] = {0, -1, INT64_MIN};
+    c->batch = vals[att_pick(3)];
     break;
   }
   case 1: {
@@ -651,8 +651,8 @@ static void mutate_csr(kva_paged_csr *c, int32_t *indptr, int32_t *indices, int3
     indptr[0] = vals[att_pick(3)];
     break;
   }
-  case 2: {
-    const int32_t vals[] = {0, -1, (int32_t)n - 1, (int32_t)n + 1, INT32_MAX};
+  case 2: { /* n + 1: one more entry of the 64-entry array (a valid block id or -1) */
+    const int32_t vals[] = {0, -1, INT32_MIN, (int32_t)n - 1, (int32_t)n + 1};
     indptr[1] = vals[att_pick(5)];
     break;
   }
@@ -750,10 +750,10 @@ TEST(paged_random_mutations) {
         ASSERT_OK(kva_pool_stats_get(pool, &st0));
         const int32_t nb = c.indptr[1];
         int32_t indptr[2] = {c.indptr[0], c.indptr[1]}, last[1] = {c.last_len[0]};
-        int32_t fo[1] = {c.first_offset ? c.first_offset[0] : 0}, idx[64];
+        int32_t fo[1] = {c.first_offset ? c.first_offset[0] : 0}, idx[65];
         int64_t start[1] = {c.start ? c.start[0] : 0};
         ASSERT_TRUE(nb <= 64);
-        for (int32_t i = 0; i < nb; ++i) idx[i] = c.indices[i];
+        for (int32_t i = 0; i < 65; ++i) idx[i] = i < nb ? c.indices[i] : (i % 2 ? -1 : i);
         kva_paged_csr m = {1, indptr, idx, last, c.first_offset ? fo : NULL, c.start ? start : NULL, NULL};
         mutate_csr(&m, indptr, idx, last, fo, start, d.num_blocks, d.block_size);
         const int rc = kva_paged_view_from_csr(pool, &m, &bad);
