@@ -1,8 +1,8 @@
 /* CUDA backend against the double-precision oracle: an explicit case table
  * (odd N, ragged batches, strided views, every mask, format and head-dim
  * family, fused and general paths), NaN/Inf exact, poisoned outputs and a
- * sentinel after them in device memory, and a CUDA-graph capture replayed
- * over changing cache lengths. Operands are built on the host
+ * sentinel after them in device memory, a CUDA-graph capture replayed
+ * over changing cache lengths, and randomized bad input (cuda_random_mutations). Operands are built on the host
  * (attn_check.h), mirrored to the device with the same strides, and the
  * device output is copied back into the host view for the comparison.
  * Every GPU test reports SKIP when no device is visible (or no CUDA build). */
@@ -953,6 +953,7 @@ TEST(cuda_q4_tcd_path) {
 done:
   kva_context_destroy(ctx);
 }
+
 /* Randomized bad input on the device: test_mutations.c's mutations
  * (mutate_call.c) of the same host descriptors, each mutated call mirrored:
  * its pointers to the device copies of the base call's buffers (or NULL
@@ -1013,7 +1014,8 @@ static int run_cuda_mutations(kva_context *ctx, const att_case *ac, int64_t bs, 
   if (mut_base_make(&m, ac, bs)) return -1;
   mut_call c;
   mut_dev md;
-  int rc_all = mut_call_alloc(&c, &m) || !mut_dev_make(&md, &m) ? -1 : 0;
+  const int made_call = mut_call_alloc(&c, &m) == 0, made_dev = mut_dev_make(&md, &m);
+  int rc_all = made_call && made_dev ? 0 : -1;
   if (rc_all) FAIL_("could not mirror the base call to the device");
   const int B = ac->B;
   const int64_t mb = m.table ? m.tb.t.max_blocks : 1;
