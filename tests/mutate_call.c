@@ -209,7 +209,6 @@ void mut_call_reset(mut_call *c, const mut_base *m) {
   }
 }
 
-
 int mut_base_make(mut_base *m, const att_case *ac, int64_t bs) {
   memset(m, 0, sizeof *m);
   if (att_make(&m->d, ac)) { FAIL_("att_make"); return -1; }
