@@ -230,7 +230,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * bytes in the backend's memory, and no allocation happens in the call.
  * Precision: f32 accumulation, f32 products, except where a kernel uses
  * 16-bit matrix units: on the CPU, bf16 queries with >= 6 query vectors per
- * KV head (AMX: K, V and P rounded to bf16); on CUDA, bf16 queries over
+ * KV head (AMX: float K/V rounded to bf16, quantized K/V as exact codes,
+ * P times the V group scale rounded to bf16); on CUDA, bf16 queries over
  * 4-bit or 8-bit K/V with bf16 scales and biases, and bf16 (f16) queries over
  * bf16 (f16) K/V with >= 3 query vectors per KV head (>= 2 at head dim 64,
  * and over block tables at 128)
