@@ -9,14 +9,17 @@
 # torch_sdpa, pytest. With OUT set (the device tool's folder that comes back,
 # at most 8 files), they are also written there as two files: cuda_all.log
 # (every log, each under a header) and kvattn_cuda.jsonl.
-#   STAGES="build test asan memcheck racecheck kvbench bench torch pytest" (default: all)
+# The host CPU (an AVX-512 + AMX Xeon on the H200 machine) runs the whole C
+# test binary at every SIMD level it has (KVATTN_SIMD caps the level: full
+# at avx512, --quick at avx2 and portable), and a CPU verify/decode bench.
+#   STAGES="build test cpu cpubench asan memcheck racecheck kvbench bench torch pytest" (default: all)
 #   J=16 (make jobs)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 RET=${OUT:-}
 OUT=${LOG:-build/cuda_logs} # where the logs are written (below: $OUT)
 J=${J:-16}
-STAGES=${STAGES:-build test asan memcheck racecheck kvbench bench torch pytest}
+STAGES=${STAGES:-build test cpu cpubench asan memcheck racecheck kvbench bench torch pytest}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
@@ -45,6 +48,21 @@ fi
 if has test; then
   run tests-cuda 300 ./build/kvattn_tests cuda > "$OUT/tests.log" 2>&1
   grep -E "FAIL|passed|skip" "$OUT/tests.log" | tail -15
+fi
+if has cpu; then # every SIMD level of this host's CPU: the full binary at the best, --quick below it
+  for lvl in avx512 avx2 portable; do
+    q=--quick; [ "$lvl" = avx512 ] && q=
+    run cpu-$lvl 420 env KVATTN_SIMD=$lvl ./build/kvattn_tests $q > "$OUT/cpu_$lvl.log" 2>&1
+    grep -E "simd|FAIL|passed" "$OUT/cpu_$lvl.log" | head -8
+  done
+  cat "$OUT"/cpu_*.log > "$OUT/cpu.log"
+fi
+if has cpubench; then # CPU decode and verify at each level (16 threads, cold)
+  for lvl in avx512 avx2; do
+    run cpubench-$lvl 240 ./build/kvattn bench --backend cpu --simd $lvl --quiet --preset gemma3-4b,gqa6-256,llama3-8b \
+      --ctx 32k --rows 1,8 --kv q4,q8,bf16
+  done > "$OUT/cpubench.log" 2>&1
+  grep -E "PASS|FAIL|ERROR|ceiling" "$OUT/cpubench.log" | head -40
 fi
 if has asan; then # make test-c's second run: the tests under ASan + UBSan, quick table
   run asan-build 300 make -j"$J" build/asan/kvattn_tests >> "$OUT/build.log" 2>&1
@@ -116,7 +134,7 @@ fi
 cat "$OUT/summary.log"
 if [ -n "$RET" ] && [ "$RET" != "$OUT" ]; then # two files back, not one per log
   mkdir -p "$RET"
-  for f in summary build tests sanitizer kvbench bench torch_sdpa pytest; do
+  for f in summary build tests cpu cpubench sanitizer kvbench bench torch_sdpa pytest; do
     [ -f "$OUT/$f.log" ] && { echo "===== $f.log"; cat "$OUT/$f.log"; }
   done > "$RET/cuda_all.log"
   [ -f "$OUT/kvattn_cuda.jsonl" ] && cp "$OUT/kvattn_cuda.jsonl" "$RET/"

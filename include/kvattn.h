@@ -273,7 +273,9 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
                             const kva_attn_params *params, kva_tensor *out);
 
 /* ------------------------------------------------------------- info */
-/* SIMD level the CPU kernels use: "avx512", "avx2" or "portable". */
+/* SIMD level the CPU kernels use: "avx512", "avx2" or "portable": the best
+ * the CPU has, capped by the environment variable KVATTN_SIMD (one of those
+ * names, read once per process; a level above the CPU's is ignored). */
 const char *kva_cpu_simd(void);
 /* Override the SIMD level (for tests and A/B runs): "avx512", "avx2",
  * "portable" (the fused kernel on generic vectors; the only level built on

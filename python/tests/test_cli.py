@@ -47,6 +47,19 @@ def test_bench_simd_portable():
     assert rows[0]["kernel"] == "cpu portable fused kernel"
 
 
+def test_env_simd_cap():
+    """KVATTN_SIMD caps the level for the whole process; an unknown name is ignored."""
+    env = dict(os.environ, KVATTN_SIMD="portable")
+    r = subprocess.run([CLI, "info"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "cpu simd: portable" in r.stdout
+    best = run("info").stdout
+    env["KVATTN_SIMD"] = "sse9"
+    r = subprocess.run([CLI, "info"], capture_output=True, text=True, timeout=60, env=env)
+    line = [x for x in best.splitlines() if x.startswith("cpu simd:")]
+    assert line and line[0] in r.stdout
+
+
 @pytest.mark.parametrize("args, needle", [
     (["nope"], "unknown command 'nope'"),
     (["bench", "--bogus"], "unknown option '--bogus'"),

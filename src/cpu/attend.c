@@ -14,6 +14,7 @@
 
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Tuning (never changes results beyond rounding of the merge order). */
@@ -127,13 +128,28 @@ static const kva_cpu_kernels *best_kernels(void) {
 static const kva_cpu_kernels *best_kernels(void) { return &kva_cpu_kernels_portable; }
 #endif
 
+/* The environment's cap KVATTN_SIMD = avx512 | avx2 | portable: a lower
+ * level than the CPU has is taken as if it were the best (a whole process,
+ * e.g. the test binary, runs at that level); a higher or unknown one is
+ * ignored. */
+static const kva_cpu_kernels *env_capped(const kva_cpu_kernels *best) {
+  const char *e = getenv("KVATTN_SIMD");
+  if (!e) return best;
+#if KVA_X86
+  const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
+  for (int i = 0; i < 3 && all[i] != best; ++i)
+    if (!strcmp(e, all[i]->level)) return all[i];
+#endif
+  return best;
+}
+
 /* best_kernels, run once: cpuid traps to the hypervisor in a virtual
  * machine (it took ~10 % of a 60 µs call when run on every call). */
 static const kva_cpu_kernels *detected_kernels(void) {
   static _Atomic(const kva_cpu_kernels *) best;
   const kva_cpu_kernels *k = atomic_load_explicit(&best, memory_order_acquire);
   if (!k) {
-    k = best_kernels();
+    k = env_capped(best_kernels());
     atomic_store_explicit(&best, k, memory_order_release);
   }
   return k;
@@ -155,7 +171,7 @@ int kva_cpu_set_simd(const char *level) {
   int best_rank = best == &kva_cpu_kernels_avx512 ? 2 : best == &kva_cpu_kernels_avx2 ? 1 : 0;
   for (int i = 0; i < 3; ++i)
     if (!strcmp(level, all[i]->level)) {
-      if (i > best_rank) return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it", level);
+      if (i > best_rank) return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it (or KVATTN_SIMD caps it)", level);
       forced = all[i];
       return 0;
     }
