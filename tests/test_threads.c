@@ -312,6 +312,13 @@ TEST(threads_cache_write_and_attention) {
 }
 
 /* ---- fork ---- */
+#if defined(__SANITIZE_THREAD__)
+#define TH_NO_FORK "ThreadSanitizer does not support threads started in the child of a multi-threaded fork"
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TH_NO_FORK "ThreadSanitizer does not support threads started in the child of a multi-threaded fork"
+#endif
+#endif
 
 /* Waits for pid at most `seconds`; kills it on timeout. Returns its exit
  * status, or -1 on timeout / abnormal end. */
@@ -357,6 +364,9 @@ static void *th_busy_main(void *arg) {
 }
 
 TEST(fork_child_uses_parent_context) {
+#ifdef TH_NO_FORK
+  SKIP(TH_NO_FORK);
+#endif
   th_case c;
   kva_context *ctx = NULL;
   kva_context_opts o = {KVA_BACKEND_CPU, TH_POOL_THREADS, 0, NULL};
@@ -386,6 +396,9 @@ TEST(fork_child_uses_parent_context) {
 /* Forks while another parent thread is inside calls on the same context
  * (holding its locks at the moment of the fork); every child must finish. */
 TEST(fork_while_another_thread_calls) {
+#ifdef TH_NO_FORK
+  SKIP(TH_NO_FORK);
+#endif
   th_case c;
   kva_context *ctx = NULL;
   kva_context_opts o = {KVA_BACKEND_CPU, TH_POOL_THREADS, 0, NULL};
