@@ -53,8 +53,12 @@ LIB_OBJS = $(call objs,$(BUILD))
 ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
+# ThreadSanitizer build (make test-tsan, CPU only).
+TSAN_DIR = $(BUILD)/tsan
+TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
+TSAN_OBJS = $(call objs,$(TSAN_DIR))
 
-.PHONY: all lib test test-c test-py test-aarch64 bench bench-paged install clean format FORCE
+.PHONY: all lib test test-c test-py test-tsan test-aarch64 bench bench-paged install clean format FORCE
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -71,6 +75,11 @@ $(ASAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h
 	$(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) -c $< -o $@
 $(foreach l,$(SIMD_LEVELS),$(eval $(ASAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
 
+$(TSAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(CFLAGS) -c $< -o $@
+$(foreach l,$(SIMD_LEVELS),$(eval $(TSAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+
 $(BUILD)/libkvattn.a: $(LIB_OBJS)
 	@rm -f $@
 	ar rcs $@ $^
@@ -82,6 +91,8 @@ $(BUILD)/kvattn_tests: $(patsubst %.c,$(BUILD)/%.o,$(TEST_SRC)) $(BUILD)/libkvat
 	$(CC) -o $@ $^ $(LDLIBS)
 $(ASAN_DIR)/kvattn_tests: $(patsubst %.c,$(ASAN_DIR)/%.o,$(TEST_SRC)) $(ASAN_OBJS)
 	$(CC) $(ASAN_FLAGS) -o $@ $^ $(LDLIBS)
+$(TSAN_DIR)/kvattn_tests: $(patsubst %.c,$(TSAN_DIR)/%.o,$(TEST_SRC)) $(TSAN_OBJS)
+	$(CC) $(TSAN_FLAGS) -o $@ $^ $(LDLIBS)
 $(BUILD)/kvattn.pc: FORCE # regenerated every time: it carries PREFIX
 	@mkdir -p $(BUILD)
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: kvattn\nDescription: fused attention over quantized/paged KV caches\nVersion: %s\nLibs: -L$${libdir} -lkvattn\nLibs.private: %s\nCflags: -I$${includedir}\n' \
@@ -104,6 +115,15 @@ test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	$(BUILD)/kvattn bench --quick
 	$(BUILD)/kvattn bench --quick --layout paged --block 16 --block-order sequential
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
+# The tests that call one context from several threads or run the thread
+# pool over every path (quick tables), under ThreadSanitizer; CPU only. The
+# fork tests are not among them: TSan does not support the child of a
+# multi-threaded fork starting threads (they skip under TSan).
+TSAN_TESTS = threads paged_attention_while_writing attention_cpu_vs_oracle \
+             attention_caller_workspace block_table_vs_paged
+test-tsan:
+	$(MAKE) NVCC= $(TSAN_DIR)/kvattn_tests
+	TSAN_OPTIONS=halt_on_error=1 $(TSAN_DIR)/kvattn_tests --quick $(TSAN_TESTS)
 test-py: $(BUILD)/libkvattn.so $(PY)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
 

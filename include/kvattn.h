@@ -216,11 +216,21 @@ typedef struct kva_context_opts {
 
 typedef struct kva_context kva_context;
 
-/* Creates a context (CPU: a thread pool started once). opts NULL = CPU, all cores. */
+/* Creates a context (CPU: a thread pool started once). opts NULL = CPU, all cores.
+ * Threads: any call may take a context shared between threads; calls that
+ * use its state (kva_attention, kva_cache_write, kva_context_set_stream)
+ * run one at a time per context (a mutex), so use one context per thread
+ * for parallel calls. kva_context_destroy must not race with any call on
+ * the context. fork(): a CPU context made before a fork works in the child
+ * (its first call starts new workers; a fork waits for calls in flight); a
+ * CUDA context does not (the CUDA runtime does not survive a fork). */
 int kva_context_create(kva_context **ctx, const kva_context_opts *opts);
 void kva_context_destroy(kva_context *ctx);
 int kva_context_threads(const kva_context *ctx);
-/* CUDA: stream for later calls (cudaStream_t as void *). */
+/* CUDA: stream for later calls (cudaStream_t as void *), shared by every
+ * thread that calls on ctx. The context's workspace is used in stream
+ * order: before switching streams while earlier calls that used it may
+ * still run, order the streams (an event) or pass caller workspaces. */
 int kva_context_set_stream(kva_context *ctx, void *stream);
 
 /* Attention: q [B, H, L, Dk] (f32/f16/bf16), out [B, H, L, Dv] (f32/f16/bf16).
@@ -279,8 +289,8 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
 const char *kva_cpu_simd(void);
 /* Override the SIMD level (for tests and A/B runs): "avx512", "avx2",
  * "portable" (the fused kernel on generic vectors; the only level built on
- * non-x86 targets); NULL = best available. Process-wide, not thread-safe
- * against concurrent calls. Fails with KVA_EUNSUPPORTED if the CPU lacks the
+ * non-x86 targets); NULL = best available. Process-wide; calls read it
+ * when they start (a change applies to calls that start after it). Fails with KVA_EUNSUPPORTED if the CPU lacks the
  * level or the build does not have it (x86 levels on other architectures),
  * KVA_EINVAL for an unknown name. */
 int kva_cpu_set_simd(const char *level);

@@ -20,7 +20,9 @@ to this package (the tree's `make`), else the system's library path.
 """
 import atexit
 import ctypes
+import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -96,6 +98,7 @@ class Context:
         self._destroy = lib.kva_context_destroy  # kept: usable from __del__ at interpreter exit
         self.backend = backend
         self.lock = threading.Lock()
+        _all_contexts.add(self)
 
     @property
     def handle(self):
@@ -129,6 +132,21 @@ class Context:
 
 _contexts = {}
 _contexts_lock = threading.Lock()
+_all_contexts = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    """A lock that another thread held at fork() stays held in the child,
+    where that thread does not exist: the child starts with fresh locks (the
+    library keeps each context itself consistent across a fork)."""
+    global _contexts_lock
+    _contexts_lock = threading.Lock()
+    for ctx in list(_all_contexts):
+        ctx.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_context(threads=None):

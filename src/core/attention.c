@@ -6,6 +6,7 @@
 #include "paged/paged.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -177,6 +178,38 @@ kva_path kva_select_path(const kva_problem *p) {
 }
 
 /* ---- context ---- */
+/* The live contexts, for the fork handlers: a fork waits until no call holds
+ * a context (prepare takes every context's mutex, then its pool's), so the
+ * child inherits each context unlocked and consistent; the child's first
+ * CPU call starts new pool workers (src/cpu/threadpool.c). Lock order:
+ * live_mu, then a context's mu, then its pool's mutexes. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static kva_context *live; /* list through next/prev */
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) {
+  pthread_mutex_lock(&live_mu);
+  for (kva_context *c = live; c; c = c->next) {
+    pthread_mutex_lock(&c->mu);
+    if (c->pool) kva_threadpool_fork_prepare(c->pool);
+  }
+}
+static void fork_parent(void) {
+  for (kva_context *c = live; c; c = c->next) {
+    if (c->pool) kva_threadpool_fork_parent(c->pool);
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&live_mu);
+}
+static void fork_child(void) {
+  for (kva_context *c = live; c; c = c->next) {
+    if (c->pool) kva_threadpool_fork_child(c->pool);
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&live_mu);
+}
+static void register_atfork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
 int kva_context_create(kva_context **out, const kva_context_opts *opts) {
   kva_clearerr();
   if (!out) return kva_seterr(KVA_EINVAL, "ctx (output pointer) is NULL");
@@ -206,12 +239,25 @@ int kva_context_create(kva_context **out, const kva_context_opts *opts) {
     free(ctx);
     return rc;
   }
+  pthread_mutex_init(&ctx->mu, NULL);
+  pthread_once(&atfork_once, register_atfork);
+  pthread_mutex_lock(&live_mu);
+  ctx->next = live;
+  if (live) live->prev = ctx;
+  live = ctx;
+  pthread_mutex_unlock(&live_mu);
   *out = ctx;
   return 0;
 }
 
 void kva_context_destroy(kva_context *ctx) {
   if (!ctx) return;
+  pthread_mutex_lock(&live_mu);
+  if (ctx->prev) ctx->prev->next = ctx->next;
+  else live = ctx->next;
+  if (ctx->next) ctx->next->prev = ctx->prev;
+  pthread_mutex_unlock(&live_mu);
+  pthread_mutex_destroy(&ctx->mu);
   if (ctx->backend == KVA_BACKEND_CPU) {
     kva_threadpool_destroy(ctx->pool);
     free(ctx->ws);
@@ -228,7 +274,9 @@ int kva_context_set_stream(kva_context *ctx, void *stream) {
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (ctx->backend != KVA_BACKEND_CUDA)
     return kva_seterr(KVA_EINVAL, "ctx: streams apply to the CUDA backend only");
+  pthread_mutex_lock(&ctx->mu);
   ctx->stream = stream;
+  pthread_mutex_unlock(&ctx->mu);
   return 0;
 }
 
@@ -285,26 +333,32 @@ int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
   int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
   size_t need = workspace_size(ctx, &p);
-  if (workspace) {
-    if (workspace_bytes < need)
-      return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", workspace_bytes, need);
-  } else if (need > ctx->ws_bytes) {
+  if (workspace && workspace_bytes < need)
+    return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", workspace_bytes, need);
+  /* Held across the workspace's growth and the backend call: the context's
+   * workspace and the CPU pool serve one call at a time. */
+  pthread_mutex_lock(&ctx->mu);
+  if (!workspace && need > ctx->ws_bytes) {
     void *nws = NULL;
     if (ctx->backend == KVA_BACKEND_CPU) {
       nws = malloc(need);
-      if (!nws) return kva_seterr(KVA_ENOMEM, "context workspace of %zu bytes", need);
-      free(ctx->ws);
-    } else {
-      if ((rc = kva_cuda_workspace_alloc(ctx, need, &nws)) < 0) return rc;
-      if (ctx->ws) kva_cuda_workspace_free(ctx, ctx->ws);
+      if (!nws) rc = kva_seterr(KVA_ENOMEM, "context workspace of %zu bytes", need);
+      else free(ctx->ws);
+    } else if ((rc = kva_cuda_workspace_alloc(ctx, need, &nws)) >= 0 && ctx->ws) {
+      kva_cuda_workspace_free(ctx, ctx->ws);
     }
-    ctx->ws = nws;
-    ctx->ws_bytes = need;
+    if (rc >= 0) {
+      ctx->ws = nws;
+      ctx->ws_bytes = need;
+    }
   }
-  if (!workspace) {
+  if (rc >= 0 && !workspace) {
     workspace = ctx->ws;
     workspace_bytes = ctx->ws_bytes;
   }
-  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
+  if (rc >= 0)
+    rc = ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
                                          : kva_cuda_attention(ctx, &p, workspace, workspace_bytes);
+  pthread_mutex_unlock(&ctx->mu);
+  return rc;
 }

@@ -6,9 +6,18 @@
 
 #include "core/problem.h"
 
+#include <pthread.h>
+
 typedef struct kva_threadpool kva_threadpool;
 
+/* Locking: mu is held across each call that uses the context's state (the
+ * workspace's growth and use, the pool, the stream): kva_attention,
+ * kva_cache_write, kva_context_set_stream; calls on one context are
+ * serialized, calls on different contexts run in parallel. next/prev link
+ * the live contexts for the fork handlers (src/core/attention.c). */
 struct kva_context {
+  pthread_mutex_t mu;
+  kva_context *next, *prev;
   kva_backend backend;
   int threads;
   kva_threadpool *pool; /* CPU: started once at create */

@@ -130,7 +130,10 @@ int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool
   if ((rc = check_pool_apart(k_pool, "k_pool", ins, in_names, 3)) ||
       (rc = check_pool_apart(v_pool, "v_pool", ins, in_names, 3)))
     return rc;
-  if (ctx->backend == KVA_BACKEND_CUDA) return kva_cuda_cache_write(ctx, k_pool, v_pool, k, v, slots, n);
   cw_job j = {{{k_pool, k, Dk}, {v_pool, v, Dv}}, slots, n, KVH, k_pool->data.shape[2]};
-  return cpu_cache_write(ctx, &j);
+  pthread_mutex_lock(&ctx->mu); /* ctx's pool or stream (core/backend.h) */
+  rc = ctx->backend == KVA_BACKEND_CUDA ? kva_cuda_cache_write(ctx, k_pool, v_pool, k, v, slots, n)
+                                        : cpu_cache_write(ctx, &j);
+  pthread_mutex_unlock(&ctx->mu);
+  return rc;
 }

@@ -99,9 +99,13 @@ void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
 #define KVA_X86 0
 #define KVA_CPU_LEVELS "portable"
 #endif
-static const kva_cpu_kernels *forced;
-static int general_only; /* kva_cpu_general_only */
-void kva_cpu_general_only(int on) { general_only = on != 0; }
+/* Process-wide overrides (kva_cpu_set_simd, and the tests' general-only
+ * switch): atomics, read once at the start of each call, so a change made
+ * while other threads call applies from their next call. */
+static _Atomic(const kva_cpu_kernels *) forced;
+static atomic_int general_only; /* kva_cpu_general_only */
+void kva_cpu_general_only(int on) { atomic_store_explicit(&general_only, on != 0, memory_order_relaxed); }
+static int general_only_set(void) { return atomic_load_explicit(&general_only, memory_order_relaxed); }
 
 #if KVA_X86
 #include <cpuid.h>
@@ -155,14 +159,17 @@ static const kva_cpu_kernels *detected_kernels(void) {
   return k;
 }
 
-const kva_cpu_kernels *kva_cpu_kernels_get(void) { return forced ? forced : detected_kernels(); }
+const kva_cpu_kernels *kva_cpu_kernels_get(void) {
+  const kva_cpu_kernels *k = atomic_load_explicit(&forced, memory_order_acquire);
+  return k ? k : detected_kernels();
+}
 
 const char *kva_cpu_simd(void) { return kva_cpu_kernels_get()->level; }
 
 int kva_cpu_set_simd(const char *level) {
   kva_clearerr();
   if (!level) {
-    forced = NULL;
+    atomic_store_explicit(&forced, NULL, memory_order_release);
     return 0;
   }
 #if KVA_X86
@@ -172,12 +179,12 @@ int kva_cpu_set_simd(const char *level) {
   for (int i = 0; i < 3; ++i)
     if (!strcmp(level, all[i]->level)) {
       if (i > best_rank) return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it (or KVATTN_SIMD caps it)", level);
-      forced = all[i];
+      atomic_store_explicit(&forced, all[i], memory_order_release);
       return 0;
     }
 #else
   if (!strcmp(level, "portable")) {
-    forced = &kva_cpu_kernels_portable;
+    atomic_store_explicit(&forced, &kva_cpu_kernels_portable, memory_order_release);
     return 0;
   }
   if (!strcmp(level, "avx512") || !strcmp(level, "avx2"))
@@ -355,7 +362,7 @@ static void merge_task(void *arg, long task, int worker) {
 
 void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size) {
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
-  const char *fast = p->path == KVA_PATH_FUSED && !general_only ? kt->fast_name(p) : NULL;
+  const char *fast = p->path == KVA_PATH_FUSED && !general_only_set() ? kt->fast_name(p) : NULL;
   snprintf(name, size, "cpu %s %s", kt->level, fast ? fast : "general kernel");
 }
 
@@ -384,7 +391,7 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
   }
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
   r.generic = kt->generic;
-  r.fused = p->path == KVA_PATH_FUSED && !general_only ? kt->fast(p) : NULL;
+  r.fused = p->path == KVA_PATH_FUSED && !general_only_set() ? kt->fast(p) : NULL;
   kva_threadpool_run(ctx->pool, run_item, &r, (long)r.pl.items);
   kva_threadpool_run(ctx->pool, merge_task, &r, (long)(p->B * r.pl.ngroups * p->KVH));
   return 0;
