@@ -287,6 +287,7 @@ void kva_context_destroy(kva_context *ctx) {
 int kva_context_threads(const kva_context *ctx) { return ctx ? ctx->threads : 0; }
 
 int kva_context_set_stream(kva_context *ctx, void *stream) {
+  kva_clearerr();
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (ctx->backend != KVA_BACKEND_CUDA)
     return kva_seterr(KVA_EINVAL, "ctx: streams apply to the CUDA backend only");

@@ -12,6 +12,7 @@ static int no_cuda(void) {
 int kva_cuda_device_count(void) { return 0; }
 
 int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  kva_clearerr();
   (void)device;
   (void)name;
   (void)name_len;

@@ -88,6 +88,9 @@ static inline size_t kva_size_add_chk(size_t a, size_t b, bool *ok) {
   if (!*ok || __builtin_add_overflow(a, b, &r)) return *ok = false, 0;
   return r;
 }
+/* The largest workspace a backend asks for (2^48 bytes, past any machine's
+ * memory): a problem that needs more is refused before any allocation. */
+#define KVA_MAX_WORKSPACE ((size_t)1 << 48)
 /* A stride no valid view has (a multiple of 8 near INT64_MAX): what the
  * contiguous constructors store when a shape's byte size overflows, so
  * kva_check_tensor refuses the descriptor by its span. */

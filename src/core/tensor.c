@@ -113,7 +113,7 @@ int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int
                         (long long)t->shape[d]);
   if (!t->data) return kva_seterr(KVA_EINVAL, "%s.data is NULL", name);
   if ((uintptr_t)t->data % (uintptr_t)es) /* elements are loaded as typed values */
-    return kva_seterr(KVA_EINVAL, "%s.data = %p is not aligned to its element size %lld (%s)", name, t->data,
+    return kva_seterr(KVA_EINVAL, "%s: data pointer %p is not aligned to its element size %lld (%s)", name, t->data,
                       (long long)es, kva_dtype_name(t->dtype));
   if (t->stride[t->ndim - 1] != es && !(allow_broadcast && t->stride[t->ndim - 1] == 0))
     return kva_seterr(KVA_ESTRIDE, "%s: innermost stride %lld must equal the element size %lld",

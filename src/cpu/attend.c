@@ -251,10 +251,11 @@ static int make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
   const size_t states = kva_size_mul_chk(kva_size_mul_chk((size_t)pl->items, (size_t)pl->nq, &ok),
                                          (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float), &ok);
   const size_t scratch = kva_size_mul_chk((size_t)threads, kva_size_mul_chk(pl->scratch_floats, sizeof(float), &ok), &ok);
-  /* every byte count below SIZE_MAX / 4: the aligned sums cannot wrap */
-  if (!ok || tables > SIZE_MAX / 4 || states > SIZE_MAX / 4 || scratch > SIZE_MAX / 4)
+  /* each byte count below KVA_MAX_WORKSPACE: the aligned sums cannot wrap */
+  if (!ok || tables > KVA_MAX_WORKSPACE || states > KVA_MAX_WORKSPACE || scratch > KVA_MAX_WORKSPACE ||
+      tables + states + scratch > KVA_MAX_WORKSPACE)
     return kva_seterr(KVA_ESHAPE, "problem too large: its CPU workspace (B = %lld, H = %lld, L = %lld, N = %lld) "
-                      "does not fit in memory", (long long)p->B, (long long)p->H, (long long)p->L, (long long)p->N);
+                      "exceeds 2^48 bytes", (long long)p->B, (long long)p->H, (long long)p->L, (long long)p->N);
   pl->off_partials = align_up(tables);
   pl->off_scratch = pl->off_partials + align_up(states);
   pl->total = pl->off_scratch + scratch + KVA_ALIGN;

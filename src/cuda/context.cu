@@ -84,6 +84,7 @@ extern "C" int kva_cuda_device_count(void) {
 }
 
 extern "C" int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  kva_clearerr();
   int n = kva_cuda_device_count();
   if (device < 0 || device >= n)
     return kva_seterr(KVA_ENODEVICE, "device = %d, but %d CUDA device(s) are visible", device, n);
@@ -475,9 +476,9 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
   n = kva_size_mul_chk(n, (size_t)p->H, &ok);
   n = kva_size_mul_chk(n, (size_t)p->L, &ok);
   n = kva_size_mul_chk(n, (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float), &ok);
-  if (!ok || n > SIZE_MAX / 2)
+  if (!ok || n > KVA_MAX_WORKSPACE)
     return kva_seterr(KVA_ESHAPE, "problem too large: its CUDA workspace (%d splits, B = %lld, H = %lld, L = %lld) "
-                      "does not fit in memory", pl.nsplit, (long long)p->B, (long long)p->H, (long long)p->L);
+                      "exceeds 2^48 bytes", pl.nsplit, (long long)p->B, (long long)p->H, (long long)p->L);
   *bytes = (n + KVC_WS_ALIGN - 1) / KVC_WS_ALIGN * KVC_WS_ALIGN;
   return 0;
 }

@@ -260,6 +260,10 @@ int kva_seq_fork(kva_pool *p, int32_t parent, int32_t *child) {
   int64_t pi = par ? par - p->seqs : -1; /* alloc_slot may move p->seqs */
   kva_seq_state *c = NULL;
   if (!par) rc = KVA_ENOSEQ;
+  for (int64_t i = 0; !rc && i < par->nblocks; ++i) /* a table names each block once */
+    if (p->ref[par->blocks[i]] == INT32_MAX)
+      rc = kva_seterr(KVA_EUNSUPPORTED, "parent's block %d has %d references: too many references", par->blocks[i],
+                      INT32_MAX);
   if (!rc) rc = alloc_slot(p, &c);
   if (!rc) {
     par = &p->seqs[pi];
