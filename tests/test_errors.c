@@ -393,6 +393,10 @@ TEST(errors_absurd_sizes) {
   ASSERT_EQ(kva_kv_dim(&kv), 0);
   bad_call c;
   ASSERT_TRUE(bad_setup(&c, &base_q4) == 0);
+  int32_t seqs[2];
+  kva_pool *pp = NULL;
+  ASSERT_ERR(kva_pool_from_contiguous(&pp, &c.d.view, 16, INT64_MAX - 1, 0, seqs), KVA_EINVAL, "spare_blocks");
+  ASSERT_TRUE(pp == NULL);
   c.view.k.bits = 2;
   c.view.k.data = kv.data;
   EXPECT_BAD(&c, KVA_ESHAPE, "k.data.shape[3] = 576460752303423491 words");
