@@ -417,8 +417,14 @@ void att_mutate_tensor(kva_tensor *t) {
   case 2: /* shape: shrink */
     if (t->shape[d] > 1) t->shape[d] -= 1 + att_pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
     break;
-  case 3: { /* shape: zero, negative, absurd */
-    const int k = att_pick(3);
+  case 3: { /* shape: zero, negative, absurd; or an absurd innermost dim with every other dim shrunk to
+             * 1 (one long row: no overlap refuses it before its size is used, e.g. words * 32 / bits) */
+    const int k = att_pick(4);
+    if (k == 3) {
+      for (int e = 0; e < nd; ++e) t->shape[e] = 1;
+      t->shape[nd - 1] = att_absurd();
+      break;
+    }
     t->shape[d] = k == 0 ? 0 : k == 1 ? -1 - att_pick(100) : att_absurd();
     break;
   }
