@@ -84,8 +84,9 @@ size_t kva_dtype_size(kva_dtype dt);
 const char *kva_dtype_name(kva_dtype dt);
 
 #define KVA_MAX_DIMS 4
-/* A strided view of memory. stride[] in bytes, each a multiple of the element
- * size; stride[ndim-1] == element size; a view spans less than 2^62 bytes. */
+/* A strided view of memory. data aligned to the element size; stride[] in
+ * bytes, each a multiple of the element size; stride[ndim-1] == element
+ * size; a view spans less than 2^62 bytes. */
 typedef struct kva_tensor {
   void *data;
   kva_dtype dtype;
@@ -153,7 +154,8 @@ typedef struct kva_mask {
   int32_t window;
   /* CAUSAL only, optional (data NULL = none): i32 [B, N] per-token segment ids,
    * 0 = text, k > 0 = image k. Adds: visible if seg[p] == seg[j] != 0 (an image
-   * attends to itself both ways, never to another image). */
+   * attends to itself both ways, never to another image). A negative id is
+   * KVA_EINVAL on the CPU; on CUDA the ids are device memory, not checked. */
   kva_tensor segments;
   /* With segments and a window: the image exception also requires j > p - window. */
   int segments_clamp;
@@ -198,7 +200,8 @@ typedef struct kva_attn_params {
   float scale;        /* logit scale; 0 means 1/sqrt(Dk); must be finite */
   float softcap;      /* 0: none; > 0: logit = softcap * tanh(logit / softcap) */
   kva_mask mask;      /* applied after the softcap */
-  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only) */
+  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only); on the
+                         CPU each must be finite (KVA_EINVAL); on CUDA device memory, not checked */
 } kva_attn_params;
 
 /* scale 0 (default), no softcap, no mask, no sinks. */
@@ -249,7 +252,11 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * 4-bit and 8-bit K with up to 8 query vectors per KV head is exact integer
  * work on the codes with the query rounded to 15 bits, beyond that K is
  * rounded to bf16 too).
- * README.md lists the shapes each path takes. */
+ * README.md lists the shapes each path takes. out may not overlap any array
+ * the call reads (q, K, V, scales, biases, mask array, segments, sinks,
+ * lengths, block table). A problem whose workspace would exceed 2^48 bytes
+ * is KVA_ESHAPE. CUDA: B and H at most 65535 (the grid), rep * L below
+ * 2^31 (else KVA_EUNSUPPORTED); B * KVH above 65535 runs the general kernel. */
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace,
                   size_t workspace_bytes);
@@ -435,13 +442,18 @@ typedef struct kva_paged_csr {
 } kva_paged_csr;
 
 /* Snapshot of sequences seqs[0..B) (non-empty, repeats allowed): copies their
- * tables and takes a reference on every block. */
+ * tables and takes a reference on every block. A block holds at most
+ * INT32_MAX references: a view or fork past that is KVA_EUNSUPPORTED ("too
+ * many references") and takes none. */
 int kva_paged_view_create(kva_pool *pool, const int32_t *seqs, int64_t B, kva_paged_view **view);
 /* A view from caller arrays (copied): every index must name an allocated
  * block (held by a sequence, view or reservation), on which it takes a
  * reference. Bad indices, lengths beyond a table: an error and no view. */
 int kva_paged_view_from_csr(kva_pool *pool, const kva_paged_csr *csr, kva_paged_view **view);
-/* Drops the view's references (and the pool if destroyed and this was its last view). NULL: no-op. */
+/* Drops the view's references (and the pool if destroyed and this was its last view). NULL: no-op.
+ * Releasing a view twice is caller error: while its pool lives the handle
+ * stays pool memory and a second release is ignored (unless the handle was
+ * reused by a newer view); after the pool is freed it is undefined. */
 void kva_paged_view_release(kva_paged_view *view);
 /* The kva_kv_view for kva_attention (k, v: the pool's arrays; layout PAGED). */
 kva_kv_view kva_view_paged(const kva_paged_view *view);

@@ -389,10 +389,14 @@ void att_table_free(att_table *tb) {
 }
 
 /* ------------------------------------------------ random mutations */
-/* A distinct absurd value: 2^40 and up, or near INT64_MAX. */
+/* A distinct absurd value: 2^k plus random low bits for k = 40 .. 62 (so
+ * products with element sizes, 32 / bits and other shapes overflow int64
+ * at every magnitude), or near INT64_MAX. */
 int64_t att_absurd(void) {
   const uint64_t r = test_rand_u64();
-  return r & 1 ? ((int64_t)1 << 40) + (int64_t)(r >> 24) : INT64_MAX - (int64_t)(r >> 40);
+  if (r % 4 == 0) return INT64_MAX - (int64_t)(r >> 40);
+  const int k = 40 + (int)(r / 4 % 23);
+  return ((int64_t)1 << k) + (int64_t)(r >> (64 - (k - 16))); /* low bits below 2^(k-16) */
 }
 int att_pick(int n) { return (int)(test_rand_u64() % (uint64_t)n); }
 
@@ -413,8 +417,14 @@ void att_mutate_tensor(kva_tensor *t) {
   case 2: /* shape: shrink */
     if (t->shape[d] > 1) t->shape[d] -= 1 + att_pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
     break;
-  case 3: { /* shape: zero, negative, absurd */
-    const int k = att_pick(3);
+  case 3: { /* shape: zero, negative, absurd; or an absurd innermost dim with every other dim shrunk to
+             * 1 (one long row: no overlap refuses it before its size is used, e.g. words * 32 / bits) */
+    const int k = att_pick(4);
+    if (k == 3) {
+      for (int e = 0; e < nd; ++e) t->shape[e] = 1;
+      t->shape[nd - 1] = att_absurd();
+      break;
+    }
     t->shape[d] = k == 0 ? 0 : k == 1 ? -1 - att_pick(100) : att_absurd();
     break;
   }
@@ -430,9 +440,14 @@ void att_mutate_tensor(kva_tensor *t) {
                             : s + (att_pick(2) && es > 1 ? 1 : -1); /* one byte more only where it misaligns */
     break;
   }
-  case 5: /* stride: a span of 2^62 bytes or more (when shape[d] > 1; else unused) */
-    t->stride[d] = ((int64_t)1 << 62) + (int64_t)(test_rand_u64() >> 24);
+  case 5: { /* stride: absurd (2^40 .. 2^63), a multiple of the element size or not; with shape[d] > 1 the
+             * view spans 2^62 bytes or more (the shape grows to make it so), else the stride is unused */
+    const int64_t es = (int64_t)kva_dtype_size(t->dtype), s = att_absurd();
+    t->stride[d] = att_pick(2) && es > 1 ? s / es * es : s;
+    if (t->shape[d] > 1 && t->shape[d] - 1 < (((int64_t)1 << 62) / t->stride[d]) + 1)
+      t->shape[d] = (((int64_t)1 << 62) / t->stride[d]) + 2;
     break;
+  }
   default: /* pointer */
     t->data = NULL;
     break;

@@ -95,8 +95,9 @@ void att_table_free(att_table *tb);
  * test_cache_write.c). A mutation never makes a view larger than its buffer
  * by accident: shapes only shrink or become absurd (att_absurd: a distinct
  * huge value each time, so two mutations never agree by chance), strides
- * only become invalid (negative, zero, overlapping, misaligned) or span
- * 2^62 bytes and more (refused: KVA_MAX_SPAN); ranks, dtypes, pointers,
+ * only become invalid (negative, zero, overlapping, misaligned) or absurd
+ * (2^40 .. 2^63: a dim of more than one element then spans 2^62 bytes and
+ * more, refused: KVA_MAX_SPAN; on a dim of one element it is unused); ranks, dtypes, pointers,
  * bits and group sizes take valid and invalid values. */
 int64_t att_absurd(void);
 int att_pick(int n); /* 0 .. n-1 */

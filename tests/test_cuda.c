@@ -37,6 +37,7 @@ TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_grid_limits) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1101,6 +1102,37 @@ TEST(cuda_random_mutations) {
     fprintf(stderr, "  case %d (block %d): %d mutated calls, %d accepted, %d of them compared with the oracle\n", i,
             bs, iters, accepted, compared);
     if (compared == 0) { FAIL_("case %d: no mutated call was accepted and compared (%d accepted)", i, accepted); break; }
+  }
+  kva_context_destroy(ctx);
+}
+/* Grid limits (gridDim.y/z <= 65535): B * KVH beyond it (the fast kernels'
+ * gridDim.z) runs the general kernel and matches the oracle; B or H beyond
+ * it (the general and merge kernels' gridDim.z / .y) is KVA_EUNSUPPORTED
+ * naming the dimension, before anything is read or launched (the
+ * descriptors may then point at host memory). Tiny N keeps it cheap. */
+TEST(cuda_grid_limits) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  /* B * KVH = 3 * 32768 > 65535, H = 32768: the general kernel, against the oracle */
+  const att_case wide = {3, 32768, 32768, 1, 3, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const int ok = run_case_want(ctx, &wide, NULL, 0, "general");
+  const att_case big_b = {65536, 1, 1, 1, 1, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const att_case big_h = {1, 65536, 1, 1, 1, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const att_case *bad[2] = {&big_b, &big_h};
+  const char *needle[2] = {"batch B = 65536 exceeds the grid limit 65535", "query heads H = 65536 exceed the grid limit"};
+  for (int i = 0; ok && i < 2; ++i) {
+    att_data d;
+    if (att_make(&d, bad[i])) { FAIL_("could not build operands"); break; }
+    size_t bytes = 0;
+    char kname[128];
+    int rc = kva_attention_workspace_size(ctx, &d.q, &d.view, &d.params, &bytes);
+    int rc2 = kva_attention_kernel(ctx, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname);
+    int rc3 = kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0);
+    if (rc != KVA_EUNSUPPORTED || rc2 != KVA_EUNSUPPORTED || rc3 != KVA_EUNSUPPORTED || !strstr(kva_last_error(), needle[i]))
+      FAIL_("case %d: %d / %d / %d (%s), expected KVA_EUNSUPPORTED naming \"%s\"", i, rc, rc2, rc3, kva_last_error(),
+            needle[i]);
+    att_free(&d);
   }
   kva_context_destroy(ctx);
 }

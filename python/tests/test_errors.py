@@ -309,3 +309,60 @@ def test_c_innermost_stride_of_inputs(ops):
     call.view.k.data.stride[2] = -call.view.k.data.stride[2]
     c_raises(c_attention(call), r"k\.data\.stride\[2\]")
     assert ctypes.sizeof(C.kva_tensor) == 8 + 4 + 4 + 8 * 4 + 8 * 4
+
+
+# --------------------------------- aliasing, alignment, sinks, segment ids
+
+
+def _shared(nbytes):
+    """One buffer that both an output and an input are views of."""
+    return np.zeros(nbytes + 64, np.uint8)
+
+
+def test_out_aliasing_other_inputs(ops):
+    """out may not overlap the sinks, seq_lens or segment ids the call reads
+    (the library checks addresses; the binding passes these arrays in place)."""
+    nout = B * H * L * D * 4
+    buf = _shared(nout + 4 * H)
+    out = buf[:nout].view(np.float32).reshape(B, H, L, D)
+    sinks = buf[nout - 4 * H:nout].view(np.float32)  # the last H floats of out
+    raises(att(ops, sinks=sinks, out=out), r"out overlaps sinks")
+    lens = buf[:8].view(np.int32)
+    lens[:] = N
+    before = buf.copy()
+    raises(att(ops, seq_lens=lens, out=out), r"out overlaps seq_lens")
+    seg = buf[:B * N * 4].view(np.int32).reshape(B, N)
+    raises(att(ops, mask="causal", segments=seg, out=out), r"out overlaps mask\.segments")
+    assert (buf == before).all()
+
+
+def test_misaligned_pointers(ops):
+    """Loads are typed: a float32 array 2 bytes off its alignment, and one
+    whose row stride is not a multiple of 4, are refused (the binding passes
+    them as they are)."""
+    k = ops["k"]
+    buf = np.zeros(k.nbytes + 8, np.uint8)
+    off = buf[2:2 + k.nbytes].view(np.float32).reshape(k.shape)
+    assert off.ctypes.data % 4 == 2
+    raises(att(ops, k=off), r"k\.data: data pointer 0x[0-9a-f]+ is not aligned to its element size 4")
+    out = np.zeros(B * H * L * D * 4 + 8, np.uint8)[1:1 + B * H * L * D * 4].view(np.float32).reshape(B, H, L, D)
+    raises(att(ops, out=out), r"\bout: data pointer")
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_sinks(ops, bad):
+    sinks = np.zeros(H, np.float32)
+    sinks[2] = bad
+    out = np.full((B, H, L, D), 7.0, np.float32)
+    raises(att(ops, sinks=sinks, out=out), r"sinks\[2\] = -?(nan|inf) must be finite")
+    assert (out == 7.0).all()
+
+
+def test_negative_segment_ids(ops):
+    seg = np.zeros((B, N), np.int32)
+    seg[1, 3] = -1
+    out = np.full((B, H, L, D), 7.0, np.float32)
+    raises(att(ops, mask="causal", segments=seg, out=out), r"mask\.segments\[1\]\[3\] = -1")
+    assert (out == 7.0).all()
+    raises(lambda: kvattn.image_mask(np.array([0, 1, -2, 1], np.int32)), r"segments\[2\] = -2")

@@ -67,6 +67,67 @@ static int check_mask(kva_problem *p, kva_backend backend) {
   } else if (m->array.data) {
     return kva_seterr(KVA_EINVAL, "mask.array is set but mask.kind is not KVA_MASK_ARRAY");
   }
+  if (p->out && m->kind == KVA_MASK_ARRAY && kva_tensors_overlap(p->out, &m->array))
+    return kva_seterr(KVA_EINVAL, "out overlaps mask.array");
+  if (p->out && m->segments.data && kva_tensors_overlap(p->out, &m->segments))
+    return kva_seterr(KVA_EINVAL, "out overlaps mask.segments");
+  if (m->segments.data && backend == KVA_BACKEND_CPU) {
+    /* host ids: every one a sequence's rows read is 0 (text) or an image's k > 0 */
+    for (int64_t b = 0; b < p->B; ++b) {
+      const int64_t len = kva_problem_len(p, b);
+      const char *row = (const char *)m->segments.data + b * m->segments.stride[0];
+      for (int64_t t = 0; t < len; ++t) {
+        const int32_t id = *(const int32_t *)(row + t * m->segments.stride[1]);
+        if (id < 0)
+          return kva_seterr(KVA_EINVAL, "mask.segments[%lld][%lld] = %d: segment ids are 0 (text) or > 0 (image k)",
+                            (long long)b, (long long)t, id);
+      }
+    }
+  }
+  return 0;
+}
+
+/* The caller's arrays besides the tensors that a call reads: sinks [H]
+ * (f32), the contiguous layout's seq_lens [B] and a block table's blocks,
+ * seq_lens and first_offset (i32). Each must be aligned for its loads and
+ * lie apart from out; host sinks must be finite. On CUDA the arrays are
+ * device memory: only their addresses are checked (the kernels read the
+ * values). */
+static int check_arrays(const kva_problem *p, kva_backend backend, const kva_attn_params *params) {
+  const kva_kv_view *kv = p->kv;
+  kva_tensor arr[5];
+  const char *names[5];
+  int n = 0;
+  if (params->sinks) {
+    arr[n] = kva_tensor_1d((void *)(uintptr_t)params->sinks, KVA_F32, p->H);
+    names[n++] = "sinks";
+  }
+  if (kv->layout == KVA_LAYOUT_CONTIGUOUS && kv->seq_lens) {
+    arr[n] = kva_tensor_1d((void *)(uintptr_t)kv->seq_lens, KVA_I32, p->B);
+    names[n++] = "seq_lens";
+  }
+  if (kv->layout == KVA_LAYOUT_BLOCK_TABLE) {
+    const kva_block_table *t = kv->table;
+    /* rows 0 .. B-1 of row_stride entries, max_blocks of them in the last */
+    arr[n] = kva_tensor_1d((void *)(uintptr_t)t->blocks, KVA_I32, (t->batch - 1) * kva_block_table_stride(t) + t->max_blocks);
+    names[n++] = "table.blocks";
+    arr[n] = kva_tensor_1d((void *)(uintptr_t)t->seq_lens, KVA_I32, t->batch);
+    names[n++] = "table.seq_lens";
+    if (t->first_offset) {
+      arr[n] = kva_tensor_1d((void *)(uintptr_t)t->first_offset, KVA_I32, t->batch);
+      names[n++] = "table.first_offset";
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if ((uintptr_t)arr[i].data % 4)
+      return kva_seterr(KVA_EINVAL, "%s = %p is not 4-byte aligned (%s elements)", names[i], arr[i].data,
+                        kva_dtype_name(arr[i].dtype));
+    if (p->out && kva_tensors_overlap(p->out, &arr[i])) return kva_seterr(KVA_EINVAL, "out overlaps %s", names[i]);
+  }
+  if (params->sinks && backend == KVA_BACKEND_CPU)
+    for (int64_t h = 0; h < p->H; ++h)
+      if (!isfinite(params->sinks[h]))
+        return kva_seterr(KVA_EINVAL, "sinks[%lld] = %g must be finite", (long long)h, (double)params->sinks[h]);
   return 0;
 }
 
@@ -130,6 +191,7 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
     if (out->shape[d] != want[d])
       return kva_seterr(KVA_ESHAPE, "out.shape[%d] = %lld, expected %lld ([B, H, L, Dv])", d,
                         (long long)out->shape[d], (long long)want[d]);
+  if ((rc = check_arrays(p, backend, params))) return rc;
   if (kv->layout == KVA_LAYOUT_CONTIGUOUS) {
     p->seq_lens = kv->seq_lens;
     if (kv->seq_lens && backend == KVA_BACKEND_CPU)
@@ -271,6 +333,7 @@ void kva_context_destroy(kva_context *ctx) {
 int kva_context_threads(const kva_context *ctx) { return ctx ? ctx->threads : 0; }
 
 int kva_context_set_stream(kva_context *ctx, void *stream) {
+  kva_clearerr();
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (ctx->backend != KVA_BACKEND_CUDA)
     return kva_seterr(KVA_EINVAL, "ctx: streams apply to the CUDA backend only");
@@ -281,8 +344,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream) {
 }
 
 /* ---- attention ---- */
-static size_t workspace_size(const kva_context *ctx, const kva_problem *p) {
-  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_workspace_size(ctx, p) : kva_cuda_workspace_size(ctx, p);
+static int workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
+  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_workspace_size(ctx, p, bytes) : kva_cuda_workspace_size(ctx, p, bytes);
 }
 
 int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
@@ -294,7 +357,9 @@ int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kv
   kva_problem p;
   int rc = kva_problem_init(&p, ctx->backend, q, kv, params, NULL);
   if (rc < 0) return rc;
-  *bytes = workspace_size(ctx, &p);
+  size_t need;
+  if ((rc = workspace_size(ctx, &p, &need)) < 0) return rc;
+  *bytes = need;
   return 0;
 }
 
@@ -332,7 +397,8 @@ int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
   kva_problem p;
   int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
-  size_t need = workspace_size(ctx, &p);
+  size_t need;
+  if ((rc = workspace_size(ctx, &p, &need)) < 0) return rc;
   if (workspace && workspace_bytes < need)
     return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", workspace_bytes, need);
   /* Held across the workspace's growth and the backend call: the context's

@@ -29,7 +29,9 @@ struct kva_context {
 };
 
 /* CPU backend (src/cpu/). */
-size_t kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p);
+/* Workspace bytes of a validated problem; KVA_ESHAPE when the size does
+ * not fit size_t (an absurd problem: no allocation is attempted). */
+int kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes);
 int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
 /* kva_attention_kernel's description of the kernel each backend would run
  * (name: size >= 1 bytes, truncated). */
@@ -39,7 +41,7 @@ int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *nam
 /* CUDA backend (src/cuda/); stubs returning KVA_ENODEVICE when not built. */
 int kva_cuda_context_init(kva_context *ctx);
 void kva_cuda_context_free(kva_context *ctx);
-size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p);
+int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes);
 int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
 /* kva_cache_write on ctx's stream (src/cuda/cache_write.cu): arguments
  * validated by src/core/cache_write.c; slots out of range are skipped. */

@@ -12,6 +12,7 @@ static int no_cuda(void) {
 int kva_cuda_device_count(void) { return 0; }
 
 int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  kva_clearerr();
   (void)device;
   (void)name;
   (void)name_len;
@@ -26,10 +27,11 @@ int kva_cuda_context_init(kva_context *ctx) {
 
 void kva_cuda_context_free(kva_context *ctx) { (void)ctx; }
 
-size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
+int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
   (void)ctx;
   (void)p;
-  return 0;
+  *bytes = 0;
+  return no_cuda();
 }
 
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {

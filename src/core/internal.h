@@ -58,7 +58,52 @@ int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim);
 /* Do [a, a+an) and [b, b+bn) byte ranges of two tensors overlap? */
 bool kva_tensors_overlap(const kva_tensor *a, const kva_tensor *b);
 
-/* Number of u32 words per row of D elements at `bits`. */
-static inline int64_t kva_packed_words(int64_t D, int bits) { return D * bits / 32; }
+/* Checked arithmetic on caller numbers (shapes, strides, counts): every
+ * product or sum of values a caller passes goes through these, so a corrupt
+ * descriptor yields an error instead of signed overflow. Each returns false
+ * (and leaves *r unspecified) when the exact result does not fit. */
+static inline bool kva_mul_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_mul_overflow(a, b, r); }
+static inline bool kva_add_ok(int64_t a, int64_t b, int64_t *r) { return !__builtin_add_overflow(a, b, r); }
+static inline bool kva_size_mul_ok(size_t a, size_t b, size_t *r) { return !__builtin_mul_overflow(a, b, r); }
+static inline bool kva_size_add_ok(size_t a, size_t b, size_t *r) { return !__builtin_add_overflow(a, b, r); }
+/* The same as running expressions: a * b (a + b) when *ok and it fits,
+ * else 0 and *ok = false; a chain of them needs one test at its end. */
+static inline int64_t kva_mul_chk(int64_t a, int64_t b, bool *ok) {
+  int64_t r;
+  if (!*ok || __builtin_mul_overflow(a, b, &r)) return *ok = false, 0;
+  return r;
+}
+static inline int64_t kva_add_chk(int64_t a, int64_t b, bool *ok) {
+  int64_t r;
+  if (!*ok || __builtin_add_overflow(a, b, &r)) return *ok = false, 0;
+  return r;
+}
+static inline size_t kva_size_mul_chk(size_t a, size_t b, bool *ok) {
+  size_t r;
+  if (!*ok || __builtin_mul_overflow(a, b, &r)) return *ok = false, 0;
+  return r;
+}
+static inline size_t kva_size_add_chk(size_t a, size_t b, bool *ok) {
+  size_t r;
+  if (!*ok || __builtin_add_overflow(a, b, &r)) return *ok = false, 0;
+  return r;
+}
+/* The largest workspace a backend asks for (2^48 bytes, past any machine's
+ * memory): a problem that needs more is refused before any allocation. */
+#define KVA_MAX_WORKSPACE ((size_t)1 << 48)
+/* A stride no valid view has (a multiple of 8 near INT64_MAX): what the
+ * contiguous constructors store when a shape's byte size overflows, so
+ * kva_check_tensor refuses the descriptor by its span. */
+#define KVA_STRIDE_OVERFLOW (INT64_MAX - 7)
+
+/* Number of u32 words per row of D elements at `bits` (D * bits / 32 for
+ * D >= 0, without forming D * bits). */
+static inline int64_t kva_packed_words(int64_t D, int bits) { return D / 32 * bits + D % 32 * bits / 32; }
+/* Logical elements held by `words` u32 words at `bits` (2, 4 or 8), or -1
+ * when that count does not fit int64. */
+static inline int64_t kva_unpacked_dim(int64_t words, int bits) {
+  int64_t D;
+  return kva_mul_ok(words, 32 / bits, &D) ? D : -1;
+}
 
 #endif

@@ -165,6 +165,7 @@ void kva_quantize_row(const void *w, kva_dtype wdt, int64_t D, int bits, int gro
 }
 
 int kva_quantize(const kva_tensor *w, kva_kv *out) {
+  kva_clearerr();
   if (!w) return kva_seterr(KVA_EINVAL, "w is NULL");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   int rc = kva_check_tensor(w, "w", KVA_DT_FLOAT, 0, false);
@@ -176,7 +177,7 @@ int kva_quantize(const kva_tensor *w, kva_kv *out) {
   if (D % gs)
     return kva_seterr(KVA_ESHAPE, "w: last dim %lld is not a multiple of out.group_size = %d",
                       (long long)D, gs);
-  if ((D * bits) % 32)
+  if (D % 32 * bits % 32) /* (D * bits) % 32, without forming D * bits */
     return kva_seterr(KVA_ESHAPE, "w: last dim %lld * out.bits = %d is not a multiple of 32",
                       (long long)D, bits);
   rc = check_parts(out, "out", w->shape, nd, "w", false);
@@ -224,6 +225,7 @@ static inline float dequant_one(float s, float b, uint32_t q, kva_dtype T) {
 }
 
 int kva_dequantize(const kva_kv *q, kva_tensor *out) {
+  kva_clearerr();
   if (!q) return kva_seterr(KVA_EINVAL, "q is NULL");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   int rc = check_format(q, "q");
@@ -233,7 +235,10 @@ int kva_dequantize(const kva_kv *q, kva_tensor *out) {
   const int nd = q->data.ndim, bits = q->bits, gs = q->group_size;
   int64_t shape[KVA_MAX_DIMS];
   for (int d = 0; d < nd; ++d) shape[d] = q->data.shape[d];
-  const int64_t D = shape[nd - 1] * 32 / bits;
+  const int64_t D = kva_unpacked_dim(shape[nd - 1], bits);
+  if (D < 0)
+    return kva_seterr(KVA_ESHAPE, "q.data: last dim %lld words would hold more than 2^63 values at q.bits = %d",
+                      (long long)shape[nd - 1], bits);
   shape[nd - 1] = D;
   if (D % gs)
     return kva_seterr(KVA_ESHAPE, "q.data: last dim %lld holds %lld values, not a multiple of "

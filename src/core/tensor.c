@@ -37,7 +37,7 @@ static kva_tensor make_contiguous(void *data, kva_dtype dt, int ndim, const int6
   for (int d = ndim - 1; d >= 0; --d) {
     t.shape[d] = shape[d];
     t.stride[d] = s;
-    s *= shape[d];
+    if (!kva_mul_ok(s, shape[d], &s)) s = KVA_STRIDE_OVERFLOW; /* refused by kva_check_tensor */
   }
   return t;
 }
@@ -112,6 +112,9 @@ int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int
       return kva_seterr(KVA_ESHAPE, "%s.shape[%d] = %lld must be positive", name, d,
                         (long long)t->shape[d]);
   if (!t->data) return kva_seterr(KVA_EINVAL, "%s.data is NULL", name);
+  if ((uintptr_t)t->data % (uintptr_t)es) /* elements are loaded as typed values */
+    return kva_seterr(KVA_EINVAL, "%s: data pointer %p is not aligned to its element size %lld (%s)", name, t->data,
+                      (long long)es, kva_dtype_name(t->dtype));
   if (t->stride[t->ndim - 1] != es && !(allow_broadcast && t->stride[t->ndim - 1] == 0))
     return kva_seterr(KVA_ESTRIDE, "%s: innermost stride %lld must equal the element size %lld",
                       name, (long long)t->stride[t->ndim - 1], (long long)es);
@@ -174,7 +177,8 @@ int64_t kva_kv_dim(const kva_kv *kv) {
   int64_t last = kv->data.shape[kv->data.ndim - 1];
   if (kv->bits == 0) return last;
   if (kv->bits != 2 && kv->bits != 4 && kv->bits != 8) return 0;
-  return last * 32 / kv->bits;
+  const int64_t D = kva_unpacked_dim(last, kv->bits);
+  return D > 0 ? D : 0;
 }
 
 int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim) {
@@ -195,7 +199,10 @@ int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim) {
   snprintf(nm, sizeof nm, "%s.data", name);
   int rc = kva_check_tensor(&kv->data, nm, KVA_DT(KVA_U32), 4, false);
   if (rc) return rc;
-  int64_t D = kv->data.shape[3] * 32 / kv->bits;
+  const int64_t D = kva_unpacked_dim(kv->data.shape[3], kv->bits);
+  if (D < 0)
+    return kva_seterr(KVA_ESHAPE, "%s.data.shape[3] = %lld words: the head dim (words * 32 / bits = %d) does not fit int64",
+                      name, (long long)kv->data.shape[3], kv->bits);
   if (D % kv->group_size)
     return kva_seterr(KVA_ESHAPE, "%s: head dim %lld is not a multiple of group_size %d", name,
                       (long long)D, kv->group_size);
@@ -233,7 +240,8 @@ kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scal
   memset(&kv, 0, sizeof kv);
   kv.bits = bits;
   kv.group_size = group_size;
-  int64_t words = (bits > 0) ? D * bits / 32 : D;
+  /* (a format other than bits 2/4/8, group 32/64/128 is refused by kva_check_kv) */
+  int64_t words = bits == 2 || bits == 4 || bits == 8 ? kva_packed_words(D, bits) : D;
   int64_t groups = (group_size > 0) ? D / group_size : 0;
   kv.data = kva_tensor_4d(packed, KVA_U32, B, KVH, N, words);
   kv.scales = kva_tensor_4d(scales, scale_dt, B, KVH, N, groups);
@@ -253,6 +261,7 @@ kva_kv_view kva_view_contiguous(const kva_kv *k, const kva_kv *v, const int32_t 
 
 /* Iterate over all elements of a tensor of rank <= 4 in row-major order. */
 int kva_convert(const kva_tensor *src, kva_tensor *dst) {
+  kva_clearerr();
   int rc = kva_check_tensor(src, "src", KVA_DT_FLOAT, 0, false);
   if (rc) return rc;
   rc = kva_check_tensor(dst, "dst", KVA_DT_FLOAT, src->ndim, false);

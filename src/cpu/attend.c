@@ -215,19 +215,22 @@ typedef struct cpu_plan {
   size_t off_tables, off_partials, off_scratch, total;
 } cpu_plan;
 
-size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq) {
+size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq, bool *ok) {
+  /* (every product checked: nq and the head dims come from the caller's shapes) */
+  const int64_t Dk = p->Dk, Dv = p->Dv;
   /* general kernel: queries, K/V tiles, scores */
-  size_t gen = (size_t)(nq * p->Dk + KVA_TILE * (p->Dk + p->Dv) + nq * KVA_TILE);
+  int64_t gen = kva_add_chk(kva_add_chk(kva_mul_chk(nq, Dk, ok), KVA_TILE * (Dk + Dv), ok),
+                            kva_mul_chk(nq, KVA_TILE, ok), ok);
   /* fast kernels: permuted rows are at most 4x D (2-bit, D = 64) plus <= 512
    * lanes of per-chunk sums, 3 floats per vector (m, l, post); see
    * src/cpu/simd/fast.c */
-  size_t fast = (size_t)(nq * (4 * p->Dk + 512) + nq * (4 * p->Dv + 512) + 3 * nq + nq * KVA_TILE +
-                         KVA_TILE * (4 * p->Dv + 2 * 512));
+  int64_t fast = kva_mul_chk(nq, (4 * Dk + 512) + (4 * Dv + 512) + 3 + KVA_TILE, ok);
+  fast = kva_add_chk(fast, KVA_TILE * (4 * Dv + 2 * 512), ok);
   /* AMX verify kernel: bf16 Qᵀ/K/V tiles and the O block (src/cpu/simd/amx.c) */
-  size_t amx = (size_t)((nq + 16) * (2 * p->Dk + 4 * p->Dv) + 64 * (p->Dk + p->Dv) + 2048);
+  int64_t amx = kva_add_chk(kva_mul_chk(kva_add_chk(nq, 16, ok), 2 * Dk + 4 * Dv, ok), 64 * (Dk + Dv) + 2048, ok);
   if (amx > fast) fast = amx;
-  size_t f = (gen > fast ? gen : fast) + 64;
-  return (f + KVA_ALIGN / 4 - 1) / (KVA_ALIGN / 4) * (KVA_ALIGN / 4);
+  int64_t f = kva_add_chk(gen > fast ? gen : fast, 64 + KVA_ALIGN / 4 - 1, ok);
+  return *ok ? (size_t)(f / (KVA_ALIGN / 4) * (KVA_ALIGN / 4)) : 0;
 }
 
 /* Visible token range [lo, len) of sequence b: with a causal sliding window
@@ -242,16 +245,20 @@ static int64_t visible_lo(const kva_problem *p, int64_t len) {
 
 static size_t align_up(size_t x) { return (x + KVA_ALIGN - 1) / KVA_ALIGN * KVA_ALIGN; }
 
-static void make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
+/* The plan of a validated problem; KVA_ESHAPE when its sizes do not fit
+ * (an absurd problem: B, H, L, N from the caller's descriptors). */
+static int make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
+  bool ok = true;
   pl->rows = p->L <= KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS;
   pl->ngroups = (p->L + pl->rows - 1) / pl->rows;
-  pl->nq = p->rep * pl->rows;
+  pl->nq = kva_mul_chk(p->rep, pl->rows, &ok);
   int64_t work = 0; /* token-items */
   for (int64_t b = 0; b < p->B; ++b) {
     int64_t len = kva_problem_len(p, b);
-    work += (len - visible_lo(p, len)) * p->KVH * pl->ngroups;
+    work = kva_add_chk(work, kva_mul_chk(kva_mul_chk(len - visible_lo(p, len), p->KVH, &ok), pl->ngroups, &ok), &ok);
   }
-  int64_t chunk = (work + (int64_t)threads * KVA_ITEMS_PER_THREAD - 1) / ((int64_t)threads * KVA_ITEMS_PER_THREAD);
+  const int64_t per = (int64_t)threads * KVA_ITEMS_PER_THREAD;
+  int64_t chunk = work / per + (work % per != 0);
   if (chunk < KVA_MIN_CHUNK) chunk = KVA_MIN_CHUNK;
   if (chunk > KVA_MAX_CHUNK) chunk = KVA_MAX_CHUNK;
   chunk = (chunk + KVA_TILE - 1) / KVA_TILE * KVA_TILE;
@@ -259,20 +266,31 @@ static void make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
   pl->items = 0;
   for (int64_t b = 0; b < p->B; ++b) {
     int64_t len = kva_problem_len(p, b), span = len - visible_lo(p, len);
-    pl->items += (span + chunk - 1) / chunk * p->KVH * pl->ngroups;
+    pl->items = kva_add_chk(pl->items, kva_mul_chk((span + chunk - 1) / chunk * p->KVH, pl->ngroups, &ok), &ok);
   }
-  pl->scratch_floats = kva_cpu_scratch_floats(p, pl->nq);
+  pl->scratch_floats = ok ? kva_cpu_scratch_floats(p, pl->nq, &ok) : 0;
   pl->off_tables = 0;
-  pl->off_partials = align_up((size_t)(p->B + 1) * sizeof(int64_t));
-  pl->off_scratch = pl->off_partials + align_up((size_t)pl->items * (size_t)pl->nq *
-                                                (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float));
-  pl->total = pl->off_scratch + (size_t)threads * pl->scratch_floats * sizeof(float) + KVA_ALIGN;
+  const size_t tables = kva_size_mul_chk((size_t)p->B + 1, sizeof(int64_t), &ok);
+  const size_t states = kva_size_mul_chk(kva_size_mul_chk((size_t)pl->items, (size_t)pl->nq, &ok),
+                                         (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float), &ok);
+  const size_t scratch = kva_size_mul_chk((size_t)threads, kva_size_mul_chk(pl->scratch_floats, sizeof(float), &ok), &ok);
+  /* each byte count below KVA_MAX_WORKSPACE: the aligned sums cannot wrap */
+  if (!ok || tables > KVA_MAX_WORKSPACE || states > KVA_MAX_WORKSPACE || scratch > KVA_MAX_WORKSPACE ||
+      tables + states + scratch > KVA_MAX_WORKSPACE)
+    return kva_seterr(KVA_ESHAPE, "problem too large: its CPU workspace (B = %lld, H = %lld, L = %lld, N = %lld) "
+                      "exceeds 2^48 bytes", (long long)p->B, (long long)p->H, (long long)p->L, (long long)p->N);
+  pl->off_partials = align_up(tables);
+  pl->off_scratch = pl->off_partials + align_up(states);
+  pl->total = pl->off_scratch + scratch + KVA_ALIGN;
+  return 0;
 }
 
-size_t kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p) {
+int kva_cpu_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
   cpu_plan pl;
-  make_plan(p, ctx->threads, &pl);
-  return pl.total;
+  int rc = make_plan(p, ctx->threads, &pl);
+  if (rc < 0) return rc;
+  *bytes = pl.total;
+  return 0;
 }
 
 typedef struct cpu_run {
@@ -370,7 +388,8 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
   cpu_run r;
   memset(&r, 0, sizeof r);
   r.p = p;
-  make_plan(p, ctx->threads, &r.pl);
+  int rc = make_plan(p, ctx->threads, &r.pl);
+  if (rc < 0) return rc;
   if (ws_bytes < r.pl.total) return kva_seterr(KVA_EWORKSPACE, "workspace %zu < %zu bytes", ws_bytes, r.pl.total);
   char *base = (char *)(((uintptr_t)ws + KVA_ALIGN - 1) / KVA_ALIGN * KVA_ALIGN);
   if (base + r.pl.total - KVA_ALIGN > (char *)ws + ws_bytes)

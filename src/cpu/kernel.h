@@ -35,7 +35,7 @@ typedef struct kva_cpu_kernels {
 } kva_cpu_kernels;
 
 /* Floats of per-worker scratch for nq query vectors. */
-size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq);
+size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq, bool *ok); /* ok cleared when it overflows */
 
 const kva_cpu_kernels *kva_cpu_kernels_get(void);
 /* Tests only (not in the public header): every call runs the general kernel

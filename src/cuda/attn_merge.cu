@@ -21,7 +21,7 @@
 #include "cuda/launch.cuh"
 
 #define MERGE_THREADS 128
-#define MERGE_DIMS 64                           /* output dims per block */
+#define MERGE_DIMS KVC_MERGE_DIMS               /* output dims per block (launch.cuh) */
 #define MERGE_COLS (MERGE_DIMS / 4)             /* threads per split row: 4 dims each */
 #define MERGE_ROWS (MERGE_THREADS / MERGE_COLS) /* split rows folded in parallel */
 static constexpr int merge_chunk = 8;           /* splits per thread loaded together */

@@ -52,6 +52,9 @@
 #define KVC_TC_FLOAT_MIN_Q_D64 2     /* ... and from 2 at head dim 64, where the fused kernel reads at 61 % of
                                         copy (8/4/64 B=16 32k: 211 -> 151 us; paged/16 341 -> 212) */
 
+#define KVC_GRID_YZ_MAX 65535LL /* gridDim.y and gridDim.z of a launch */
+#define KVC_INT_MAX 0x7fffffffLL  /* gridDim.x, and the int fields of kvc_args */
+
 #define KVC_NQW 4 /* QW in {1, 2, 4, 8} */
 struct kvc_state {
   int sm_count;
@@ -81,6 +84,7 @@ extern "C" int kva_cuda_device_count(void) {
 }
 
 extern "C" int kva_cuda_device_info(int device, char *name, size_t name_len, size_t *total_bytes) {
+  kva_clearerr();
   int n = kva_cuda_device_count();
   if (device < 0 || device >= n)
     return kva_seterr(KVA_ENODEVICE, "device = %d, but %d CUDA device(s) are visible", device, n);
@@ -325,6 +329,28 @@ static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, 
   pl->nsplit = (int)((p->N + best_chunk - 1) / best_chunk);
 }
 
+/* The launch limits every kernel of a problem stays within (the general
+ * kernel's grid is (L, H, B), the merge's (L * ceil(Dv / KVC_MERGE_DIMS), H,
+ * B), the others' (query tiles, splits, B * KVH); kvc_args holds B, H, KVH,
+ * rep, L and the pools' block size as int): KVA_EUNSUPPORTED naming the
+ * dimension past its limit. B * KVH above the grid limit takes the general
+ * kernel (kvc_select) rather than an error. */
+static int kvc_check_limits(const kva_problem *p) {
+  if (p->B > KVC_GRID_YZ_MAX)
+    return kva_seterr(KVA_EUNSUPPORTED, "CUDA backend: batch B = %lld exceeds the grid limit %lld (gridDim.z)",
+                      (long long)p->B, KVC_GRID_YZ_MAX);
+  if (p->H > KVC_GRID_YZ_MAX)
+    return kva_seterr(KVA_EUNSUPPORTED, "CUDA backend: query heads H = %lld exceed the grid limit %lld (gridDim.y)",
+                      (long long)p->H, KVC_GRID_YZ_MAX);
+  const long long merge_x = (long long)p->L * ((p->Dv + KVC_MERGE_DIMS - 1) / KVC_MERGE_DIMS);
+  if (merge_x > KVC_INT_MAX || (long long)p->rep * p->L > KVC_INT_MAX)
+    return kva_seterr(KVA_EUNSUPPORTED, "CUDA backend: query rows L = %lld: L * ceil(Dv / %d) and (H / KVH) * L = %lld "
+                      "must stay below 2^31", (long long)p->L, KVC_MERGE_DIMS, (long long)p->rep * p->L);
+  if (p->kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->kv->k.data.shape[2] > KVC_INT_MAX)
+    return kva_seterr(KVA_EUNSUPPORTED, "CUDA backend: block size %lld exceeds 2^31 - 1", (long long)p->kv->k.data.shape[2]);
+  return 0;
+}
+
 /* The one selector: the per-warp q4 decode kernel, a tensor-core kernel (q4,
  * q8, bf16, f16) or the fused kernel when one covers the problem, else the
  * general kernel (plan.fmt = -1). */
@@ -334,6 +360,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   pl.fmt = -1;
   const kva_kv_view *kv = p->kv;
   if (p->path != KVA_PATH_FUSED || kv->layout == KVA_LAYOUT_PAGED) return pl;
+  if (p->B * p->KVH > KVC_GRID_YZ_MAX) return pl; /* their gridDim.z: the general kernel's grid is (L, H, B) */
   const int fk = kvc_fmt_of(&kv->k), fv = kvc_fmt_of(&kv->v);
   if (fk < 0 || fk != fv) return pl;
   const int dmax = (int)(p->Dk > p->Dv ? p->Dk : p->Dv);
@@ -439,14 +466,27 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   return pl;
 }
 
-static size_t kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl) {
+/* Workspace bytes of a plan: the partial states [nsplit][B][H][L][Dv + 2]
+ * (KVA_ESHAPE when that does not fit size_t). */
+static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes) {
+  *bytes = 0;
   if (pl.fmt < 0 || pl.nsplit <= 1) return 0;
-  size_t n = (size_t)pl.nsplit * p->B * p->H * p->L * KVA_STATE_FLOATS(p->Dv) * sizeof(float);
-  return (n + KVC_WS_ALIGN - 1) / KVC_WS_ALIGN * KVC_WS_ALIGN;
+  bool ok = true;
+  size_t n = kva_size_mul_chk((size_t)pl.nsplit, (size_t)p->B, &ok);
+  n = kva_size_mul_chk(n, (size_t)p->H, &ok);
+  n = kva_size_mul_chk(n, (size_t)p->L, &ok);
+  n = kva_size_mul_chk(n, (size_t)KVA_STATE_FLOATS(p->Dv) * sizeof(float), &ok);
+  if (!ok || n > KVA_MAX_WORKSPACE)
+    return kva_seterr(KVA_ESHAPE, "problem too large: its CUDA workspace (%d splits, B = %lld, H = %lld, L = %lld) "
+                      "exceeds 2^48 bytes", pl.nsplit, (long long)p->B, (long long)p->H, (long long)p->L);
+  *bytes = (n + KVC_WS_ALIGN - 1) / KVC_WS_ALIGN * KVC_WS_ALIGN;
+  return 0;
 }
 
 extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
   static const char *const fmts[KVC_NFMT] = {"f32", "f16", "bf16", "q2", "q4", "q8"};
+  const int rc = kvc_check_limits(p);
+  if (rc < 0) return rc;
   const kvc_plan pl = kvc_select(ctx, p);
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel");
@@ -466,8 +506,11 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   return 0;
 }
 
-extern "C" size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
-  return kvc_ws_bytes(p, kvc_select(ctx, p));
+extern "C" int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
+  *bytes = 0;
+  const int rc = kvc_check_limits(p);
+  if (rc < 0) return rc;
+  return kvc_ws_bytes(p, kvc_select(ctx, p), bytes);
 }
 
 /* ---- kva_problem -> kvc_args ---- */
@@ -538,7 +581,8 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
       ops[i]->fo = bt->first_offset;
       ops[i]->tbl_rs = bt->row_stride ? bt->row_stride : bt->max_blocks;
       ops[i]->bsz = (int)p->kv->k.data.shape[2];
-      ops[i]->nblk = (int)p->kv->k.data.shape[0];
+      /* block ids are int32: a larger pool's blocks past INT32_MAX are never named */
+      ops[i]->nblk = (int)(p->kv->k.data.shape[0] > KVC_INT_MAX ? KVC_INT_MAX : p->kv->k.data.shape[0]);
       ops[i]->bsh = (ops[i]->bsz & (ops[i]->bsz - 1)) == 0 ? kvc_log2(ops[i]->bsz) : -1;
     }
     a->seq_lens = bt->seq_lens;
@@ -554,8 +598,11 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   if (p->kv->layout == KVA_LAYOUT_PAGED)
     return kva_seterr(KVA_EUNSUPPORTED, "kv: a kva_paged_view lives in host memory; on the CUDA backend use "
                                         "a BLOCK_TABLE view of device pools (kva_view_block_table)");
+  int rc = kvc_check_limits(p);
+  if (rc < 0) return rc;
   const kvc_plan pl = kvc_select(ctx, p);
-  const size_t need = kvc_ws_bytes(p, pl);
+  size_t need;
+  if ((rc = kvc_ws_bytes(p, pl, &need)) < 0) return rc;
   if (ws_bytes < need || (need && !ws))
     return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", ws_bytes, need);
   int dev = -1;
@@ -566,7 +613,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   kvc_args_of(p, pl, ws, &a);
   cudaStream_t stream = (cudaStream_t)ctx->stream;
   if (pl.fmt < 0) return kvc_launch_generic(a, stream);
-  int rc = pl.tc == 3   ? kvc_launch_wg(a, pl, stream)
+  rc = pl.tc == 3   ? kvc_launch_wg(a, pl, stream)
            : pl.tc == 2 ? kvc_launch_tcd(a, pl, stream)
            : pl.tc      ? kvc_launch_tc(a, pl, stream)
                         : kvc_launch_fused(a, pl, stream);

@@ -59,6 +59,7 @@ enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT 
 
 int kvc_launch_generic(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
+#define KVC_MERGE_DIMS 64 /* output dims per merge block: its grid is (L * ceil(Dv / KVC_MERGE_DIMS), H, B) */
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 /* Dynamic shared memory of the tensor-core kernel for K/V format f, head

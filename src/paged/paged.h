@@ -50,11 +50,15 @@ struct kva_pool {
   int64_t live_seqs;
   struct kva_paged_view *views; /* doubly linked list of live views */
   int64_t live_views;
+  /* Released view handles, oldest first (linked by next), reused by later
+   * views and freed with the pool (kva_paged_view_release). */
+  struct kva_paged_view *spare_views, *spare_tail;
   int destroyed;         /* kva_pool_destroy called; freed with its last view */
 };
 
 struct kva_paged_view {
-  uint32_t magic;
+  uint32_t magic;         /* KVA_PAGED_VIEW_MAGIC while live, 0 once released */
+  void *arrays;           /* the one allocation behind the arrays below (NULL once released) */
   kva_pool *pool;
   struct kva_paged_view *prev, *next; /* the pool's list of live views */
   kva_kv k, v;            /* the pool's descriptors */
@@ -108,6 +112,10 @@ static inline void kva_pool_unlock(kva_pool *p) { pthread_mutex_unlock(&p->mu); 
 static inline int64_t kva_blocks_for(int64_t rows, int64_t block_size) {
   return (rows + block_size - 1) / block_size;
 }
+/* Takes a reference on each of n block entries (allocated blocks; repeats
+ * count each time), or none and KVA_EUNSUPPORTED ("too many references")
+ * when a count would pass INT32_MAX. */
+int kva_pool_ref_all(kva_pool *p, const int32_t *blocks, int64_t n);
 /* Pops a free block (caller checked nfree > 0); refs are set by the caller. */
 static inline int32_t kva_pool_pop(kva_pool *p) { return p->free_stack[--p->nfree]; }
 /* Drops one reference; a block whose count reaches 0 goes back on the free list. */

@@ -151,6 +151,10 @@ int kva_pool_create(kva_pool **out, const kva_pool_desc *desc, void *memory) {
 }
 
 void kva_pool_free_all(kva_pool *p) {
+  for (struct kva_paged_view *v = p->spare_views, *next; v; v = next) {
+    next = v->next;
+    free(v);
+  }
   if (p->seqs)
     for (int64_t s = 0; s < p->nslots; ++s) free(p->seqs[s].blocks);
   free(p->seqs);

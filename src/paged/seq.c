@@ -260,6 +260,10 @@ int kva_seq_fork(kva_pool *p, int32_t parent, int32_t *child) {
   int64_t pi = par ? par - p->seqs : -1; /* alloc_slot may move p->seqs */
   kva_seq_state *c = NULL;
   if (!par) rc = KVA_ENOSEQ;
+  for (int64_t i = 0; !rc && i < par->nblocks; ++i) /* a table names each block once */
+    if (p->ref[par->blocks[i]] == INT32_MAX)
+      rc = kva_seterr(KVA_EUNSUPPORTED, "parent's block %d has %d references: too many references", par->blocks[i],
+                      INT32_MAX);
   if (!rc) rc = alloc_slot(p, &c);
   if (!rc) {
     par = &p->seqs[pi];
@@ -377,14 +381,20 @@ int kva_pool_from_contiguous(kva_pool **out, const kva_kv_view *c, int64_t block
   if (block_size < KVA_BLOCK_SIZE_MIN || block_size > KVA_BLOCK_SIZE_MAX)
     return kva_seterr(KVA_EINVAL, "block_size = %lld must be in [%d, %d]", (long long)block_size,
                       KVA_BLOCK_SIZE_MIN, KVA_BLOCK_SIZE_MAX);
+  if ((uintptr_t)c->seq_lens % sizeof(int32_t))
+    return kva_seterr(KVA_EINVAL, "contig.seq_lens = %p is not 4-byte aligned (i32 elements)", (const void *)c->seq_lens);
   int64_t blocks = spare_blocks;
+  bool ok = true;
   for (int64_t b = 0; b < B; ++b) {
     int64_t len = c->seq_lens ? c->seq_lens[b] : N;
     if (len < 1 || len > N)
       return kva_seterr(KVA_ESHAPE, "contig.seq_lens[%lld] = %lld must be in [1, N = %lld]", (long long)b,
                         (long long)len, (long long)N);
-    blocks += kva_blocks_for(len, block_size);
+    blocks = kva_add_chk(blocks, kva_blocks_for(len, block_size), &ok);
   }
+  if (!ok)
+    return kva_seterr(KVA_EINVAL, "spare_blocks = %lld: with the sequences' blocks the pool would have more than "
+                      "2^63 blocks", (long long)spare_blocks);
   kva_pool_desc d = {.num_blocks = blocks, .block_size = block_size, .kv_heads = KVH, .dk = Dk, .dv = Dv,
                      .dtype = kdt, .bits = c->k.bits, .group_size = c->k.bits ? c->k.group_size : 0};
   kva_pool *p;

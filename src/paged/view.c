@@ -11,20 +11,47 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One allocation for the view and its arrays. */
-static kva_paged_view *view_alloc(const kva_pool *p, int64_t B, int64_t nnz) {
+/* View handles: a released handle is not freed but kept by its pool
+ * (oldest first) for a later view, and freed with the pool. So a handle
+ * released twice, or used after its release, still points at pool-owned
+ * memory whose magic is 0, and is refused (ignored by release) instead of
+ * reading freed memory, as long as the pool lives and the handle was not
+ * reused. That remains caller error: a reused handle names the newer view,
+ * and after the pool is freed the use is undefined. */
+static kva_paged_view *handle_take(kva_pool *p) {
+  kva_paged_view *v = p->spare_views;
+  if (!v) return (kva_paged_view *)calloc(1, sizeof *v);
+  p->spare_views = v->next;
+  if (!p->spare_views) p->spare_tail = NULL;
+  memset(v, 0, sizeof *v);
+  return v;
+}
+static void handle_give(kva_pool *p, kva_paged_view *v) {
+  v->next = v->prev = NULL;
+  if (p->spare_tail) p->spare_tail->next = v;
+  else p->spare_views = v;
+  p->spare_tail = v;
+}
+
+/* A handle and one allocation for its arrays (lock held). */
+static kva_paged_view *view_alloc(kva_pool *p, int64_t B, int64_t nnz) {
   size_t n32 = (size_t)(B + 1) + (size_t)nnz + 3 * (size_t)B;
-  size_t bytes = sizeof(kva_paged_view) + (size_t)B * sizeof(int64_t) + n32 * sizeof(int32_t);
-  kva_paged_view *v = (kva_paged_view *)calloc(1, bytes);
-  if (!v) return NULL;
-  v->start = (int64_t *)(v + 1);
+  size_t bytes = (size_t)B * sizeof(int64_t) + n32 * sizeof(int32_t);
+  void *arrays = calloc(1, bytes);
+  kva_paged_view *v = arrays ? handle_take(p) : NULL;
+  if (!v) {
+    free(arrays);
+    return NULL;
+  }
+  v->arrays = arrays;
+  v->start = (int64_t *)arrays;
   v->indptr = (int32_t *)(v->start + B);
   v->indices = v->indptr + B + 1;
   v->last_len = v->indices + nnz;
   v->first_offset = v->last_len + B;
   v->lens = v->first_offset + B;
   v->B = B;
-  v->pool = (kva_pool *)p;
+  v->pool = p;
   v->k = p->k;
   v->v = p->v;
   v->block_size = p->desc.block_size;
@@ -34,9 +61,29 @@ static kva_paged_view *view_alloc(const kva_pool *p, int64_t B, int64_t nnz) {
   return v;
 }
 
-/* Takes the references and links the view into the pool (lock held). */
-static void view_publish(kva_pool *p, kva_paged_view *v) {
-  for (int32_t i = 0; i < v->indptr[v->B]; ++i) p->ref[v->indices[i]]++;
+/* Takes a reference on each of n block entries (repeats count each time),
+ * or none: KVA_EUNSUPPORTED when a count would pass INT32_MAX (lock held). */
+int kva_pool_ref_all(kva_pool *p, const int32_t *blocks, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (p->ref[blocks[i]] == INT32_MAX) {
+      const int32_t full = blocks[i];
+      while (i-- > 0) p->ref[blocks[i]]--; /* each was >= 1 before: none returns to the free list */
+      return kva_seterr(KVA_EUNSUPPORTED, "block %d has %d references: too many references", full, INT32_MAX);
+    }
+    p->ref[blocks[i]]++;
+  }
+  return 0;
+}
+
+/* Takes the references and links the view into the pool (lock held); on
+ * error (too many references) nothing is taken and the view is freed. */
+static int view_publish(kva_pool *p, kva_paged_view *v) {
+  int rc = kva_pool_ref_all(p, v->indices, v->indptr[v->B]);
+  if (rc < 0) {
+    free(v->arrays);
+    handle_give(p, v);
+    return rc;
+  }
   v->max_len = 0;
   for (int64_t b = 0; b < v->B; ++b)
     if (v->lens[b] > v->max_len) v->max_len = v->lens[b];
@@ -45,6 +92,7 @@ static void view_publish(kva_pool *p, kva_paged_view *v) {
   p->views = v;
   p->live_views++;
   v->magic = KVA_PAGED_VIEW_MAGIC;
+  return 0;
 }
 
 int kva_paged_view_create(kva_pool *p, const int32_t *seqs, int64_t B, kva_paged_view **out) {
@@ -82,8 +130,7 @@ int kva_paged_view_create(kva_pool *p, const int32_t *seqs, int64_t B, kva_paged
       v->start[b] = q->start;
     }
     v->indptr[B] = pos;
-    view_publish(p, v);
-    *out = v;
+    if (!(rc = view_publish(p, v))) *out = v;
   }
   kva_pool_unlock(p);
   return rc;
@@ -149,26 +196,35 @@ int kva_paged_view_from_csr(kva_pool *p, const kva_paged_csr *c, kva_paged_view 
       v->start[b] = c->start ? c->start[b] : 0;
       v->lens[b] = (int32_t)((c->indptr[b + 1] - c->indptr[b] - 1) * bs + v->last_len[b] - v->first_offset[b]);
     }
-    view_publish(p, v);
-    *out = v;
+    if (!(rc = view_publish(p, v))) *out = v;
   }
   kva_pool_unlock(p);
   return rc;
 }
 
 void kva_paged_view_release(kva_paged_view *v) {
-  if (!v || v->magic != KVA_PAGED_VIEW_MAGIC) return;
-  kva_pool *p = v->pool;
+  kva_clearerr();
+  if (!v) return;
+  kva_pool *p = v->pool; /* a released handle keeps its pool (see handle_take) */
   kva_pool_lock(p);
+  if (v->magic != KVA_PAGED_VIEW_MAGIC) { /* released already: caller error, nothing to do */
+    kva_pool_unlock(p);
+    return;
+  }
   for (int32_t i = 0; i < v->indptr[v->B]; ++i) kva_pool_unref(p, v->indices[i]);
   if (v->prev) v->prev->next = v->next;
   else p->views = v->next;
   if (v->next) v->next->prev = v->prev;
   p->live_views--;
   v->magic = 0;
+  free(v->arrays);
+  v->arrays = NULL;
+  v->indptr = v->indices = v->last_len = v->first_offset = v->lens = NULL;
+  v->start = NULL;
+  v->B = 0;
+  handle_give(p, v);
   int last = p->destroyed && p->live_views == 0;
   kva_pool_unlock(p);
-  free(v);
   if (last) kva_pool_free_all(p);
 }
 
