@@ -256,6 +256,11 @@ int att_sentinel_ok(const att_data *d) {
       fprintf(stderr, "    guard byte %d %s out overwritten\n", i, s[i] != SENTINEL_BYTE ? "after" : "before");
       return 0;
     }
+  return 1;
+}
+
+int att_out_untouched_ok(const att_data *d) {
+  if (!att_sentinel_ok(d)) return 0;
   /* out's padding (strided views): as att_poison left it. The elements are
    * set back to the poison byte in a copy, which must then equal the image. */
   unsigned char *now = (unsigned char *)malloc(d->out_bytes);
@@ -653,9 +658,15 @@ void att_mutate_kv(kva_kv *kv) {
 static const char *const att_pass_names[ATT_PASSES] = {"portable", "avx2", "avx512", "general"};
 static int att_general; /* pass 3 active */
 int att_set_pass(int pass) {
+  static const char *said[ATT_PASSES]; /* the test that last said it skips the pass */
   att_general = pass == 3;
   kva_cpu_general_only(att_general);
-  return kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
+  const int rc = kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
+  if (rc && said[pass] != test_current_name) {
+    said[pass] = test_current_name;
+    printf("  skip %s: this CPU lacks it (%s)\n", att_pass_names[pass], kva_last_error());
+  }
+  return rc;
 }
 const char *att_pass_name(int pass) { return att_pass_names[pass]; }
 const char *att_pass_now(void) { return att_general ? "general" : kva_cpu_simd(); }

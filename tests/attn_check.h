@@ -61,10 +61,13 @@ void att_free(att_data *d);
 /* Poisons out's elements (NaN pattern), sets its padding (strided views)
  * to make_view's 0x7f pattern and re-arms the guards before and after. */
 void att_poison(att_data *d);
-/* Nothing written outside out's elements since att_poison: the guards
- * before and after the buffer and the padding between its rows intact
- * (prints what was hit). */
+/* The guards before and after out's buffer intact since att_poison (prints
+ * what was hit). */
 int att_sentinel_ok(const att_data *d);
+/* Nothing written outside out's elements since att_poison: the guards and
+ * the padding between its rows (strided views) intact. (Not for calls whose
+ * out descriptor differs from d->out: the mutation tests.) */
+int att_out_untouched_ok(const att_data *d);
 /* NaN in every K/V row no query row sees: past each sequence's length and,
  * with a window, before row 0's window (a paged engine's freed or never
  * written blocks): the row itself for float formats, its scale and bias
@@ -141,8 +144,9 @@ void att_mutate_kv(kva_kv *kv); /* its data, scales or biases tensor, bits or gr
  * avx2, avx512 (those this CPU has), pass 3 the general kernel alone at the
  * best level (kva_cpu_general_only: the fallback path's kernel, which
  * otherwise runs only for array masks and long L). att_set_pass returns
- * nonzero when the pass does not apply on this CPU; att_end_passes restores
- * the defaults. */
+ * nonzero when the pass does not apply on this CPU, and then prints a skip
+ * line naming the level (once per test); att_end_passes restores the
+ * defaults. */
 #define ATT_PASSES 4
 int att_set_pass(int pass);
 const char *att_pass_name(int pass);
