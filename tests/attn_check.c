@@ -409,7 +409,8 @@ static double elem(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t
 
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2) {
-  double maxref = 0, num = 0, den = 0, worst = 0;
+  double maxref = 0, num = 0, den = 0, worst = 0, worst_ratio = 0;
+  long long bad = 0;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t a = 0; a < out->shape[0]; ++a)
       for (int64_t b = 0; b < out->shape[1]; ++b)
@@ -432,15 +433,20 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
             den += r * r;
             if (err > worst) worst = err;
             if (err > allowed) {
-              fprintf(stderr, "    mismatch at [%lld,%lld,%lld,%lld]: out %.8g ref %.8g err %.3g > allowed %.3g\n",
-                      (long long)a, (long long)b, (long long)c, (long long)e, o, r, err, allowed);
-              if (max_err) *max_err = err;
-              return 0;
+              if (bad++ == 0)
+                fprintf(stderr, "    mismatch at [%lld,%lld,%lld,%lld]: out %.8g ref %.8g err %.3g > allowed %.3g\n",
+                        (long long)a, (long long)b, (long long)c, (long long)e, o, r, err, allowed);
+              /* the worst element by err / allowed (allowed 0: err itself) */
+              const double ratio = allowed > 0 ? err / allowed : INFINITY;
+              if (ratio > worst_ratio) worst_ratio = ratio;
             }
           }
   if (max_err) *max_err = worst;
   if (rel_l2) *rel_l2 = den > 0 ? sqrt(num / den) : sqrt(num);
-  return 1;
+  if (bad)
+    fprintf(stderr, "    %lld elements out of tolerance; max err %.3g (max|ref| %.3g), worst err/allowed %.3g\n",
+            bad, worst, maxref, worst_ratio);
+  return bad == 0;
 }
 
 static void nan_row(const kva_tensor *t, int b, int hk, int64_t tok) {
