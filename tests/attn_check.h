@@ -81,7 +81,7 @@ void att_plant_last_v(att_data *d, float x);
 /* Compares out with ref (same shape): NaN/Inf exact, then
  * |out - ref| <= atol_rel * max|ref| + rtol * |ref| everywhere.
  * Prints the first mismatch, then the count, the max error and the worst
- * err / allowed ratio. Returns 1 when within tolerance.
+ * err / allowed ratio. Returns 1 when within tolerance. */
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2);
 /* Absolute allowance, relative to max|ref|, for the arithmetic of the kernel
