@@ -34,6 +34,13 @@ TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
+/* run_table_case_q with random queries, then with probes. */
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
+  for (int pr = 0; pr < ATT_PROBES; ++pr)
+    if (!run_table_case_q(ctx, c, bs, seed, want, pr)) return 0;
+  return 1;
+}
+
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
@@ -130,7 +137,10 @@ static int tc_groups(const att_case *c, int64_t table_bs) {
   return (groups >= 2 && groups <= 8) || (groups == 1 && !c->strided && table_bs % 8 == 0);
 }
 
-/* The arithmetic allowance of a case on the CUDA backend: bf16 products
+/* The mutation test's allowance (cuda_random_mutations: the mutated calls
+ * may take another kernel than the base call, so the shape rule below);
+ * the oracle tests take the allowance of the kernel that runs
+ * (att_kernel_atol on the device descriptors). Bf16 products
  * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the
  * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, Dk = Dv
  * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
@@ -159,7 +169,6 @@ static double cuda_case_atol_layout(const att_case *c, int64_t table_bs) {
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
-static double cuda_case_atol(const att_case *c) { return cuda_case_atol_layout(c, 0); }
 #define DEV_SENTINEL_BYTES 256
 #define DEV_SENTINEL_BYTE 0xA5
 #define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
@@ -295,15 +304,16 @@ static int runs_kernel(kva_context *ctx, const dev_data *dd, const char *name, c
 /* Runs one case on the device against the oracle; `tweak` edits host operands first. */
 /* want: NULL, or a text the case's kernel name (kva_attention_kernel) must
  * contain: the case runs the kernel it is meant to test. */
-static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
-                         const char *want) {
-  char name[256];
-  att_case_str(c, name, sizeof name);
+static int run_case_q(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
+                      const char *want, int probe) {
+  char cs[256], name[300];
+  att_case_str(c, cs, sizeof cs);
+  snprintf(name, sizeof name, "%s q=%s", cs, att_query_names[probe]);
   att_data hd;
   dev_data dd;
   memset(&dd, 0, sizeof dd);
   int ok = 0;
-  if (att_make(&hd, c)) {
+  if (att_make_q(&hd, c, probe)) {
     FAIL_("%s: could not build operands", name);
     goto done;
   }
@@ -319,6 +329,7 @@ static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_
   }
   if (!dev_poison(&dd, 0)) goto done;
   if (!runs_kernel(ctx, &dd, name, want)) goto done;
+  const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
   int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0);
   if (rc) {
     FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
@@ -326,8 +337,9 @@ static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
   double max_err = 0, l2 = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
-    FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g)", name, tweak ? " (tweaked)" : "", max_err);
+  if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, &l2)) {
+    FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
+          tweak ? " (tweaked)" : "", max_err, atol);
     goto done;
   }
   ok = 1;
@@ -335,6 +347,14 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+
+/* run_case_q with random queries, then with probes (att_make_q). */
+static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
+                         const char *want) {
+  for (int pr = 0; pr < ATT_PROBES; ++pr)
+    if (!run_case_q(ctx, c, tweak, variant, want, pr)) return 0;
+  return 1;
 }
 
 static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant) {
@@ -657,7 +677,8 @@ static void graph_replay(int tcd, int wg, int ctx_ws) {
         !cuda_ok(cudaStreamSynchronize(s), "replay") || !dev_fetch(&dd, &hd, "replay"))
       goto done;
     double max_err = 0;
-    if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), att_rtol(c.odt), &max_err, NULL)) {
+    if (!att_compare(&hd.out, &ref, att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out), att_rtol(c.odt),
+                     &max_err, NULL)) {
       FAIL_("replay with lengths {%d, %d} differs from the oracle (max err %.3g)", lens_sets[si][0],
             lens_sets[si][1], max_err);
       goto done;
@@ -708,7 +729,7 @@ TEST(cuda_caller_workspace) {
   if (!dev_poison(&dd, 0) || kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref) ||
       kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes) || !dev_fetch(&dd, &hd, "ws"))
     FAIL_("exact workspace: %s", kva_last_error());
-  else if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), 0, NULL, NULL))
+  else if (!att_compare(&hd.out, &ref, att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out), 0, NULL, NULL))
     FAIL_("exact workspace: out differs from the oracle");
 done:
   if (ws) cudaFree(ws);
@@ -726,9 +747,11 @@ done:
  * 64, 8), the fused kernel (bf16, q8, q4 with f32 queries) and the general
  * kernel (bool mask, L > 16). want: a part of the name of the kernel the case
  * must run (kva_attention_kernel), or NULL. */
-static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
-  char name[256];
-  att_case_str(c, name, sizeof name);
+static int run_table_case_q(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want,
+                            int probe) {
+  char cs[256], name[300];
+  att_case_str(c, cs, sizeof cs);
+  snprintf(name, sizeof name, "%s q=%s", cs, att_query_names[probe]);
   att_data hd;
   dev_data dd;
   memset(&dd, 0, sizeof dd);
@@ -736,7 +759,7 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   kva_paged_view *pv = NULL;
   int32_t *blocks = NULL, *lens = NULL, *fo = NULL;
   int ok = 0;
-  if (att_make(&hd, c)) {
+  if (att_make_q(&hd, c, probe)) {
     FAIL_("%s: could not build operands", name);
     goto done;
   }
@@ -787,15 +810,17 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   dd.view = kva_view_block_table(&dk, &dv, &dbt);
   if (!dev_poison(&dd, 0)) goto done;
   if (!runs_kernel(ctx, &dd, name, want)) goto done;
+  const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
   if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
     FAIL_("%s block %lld: kva_attention(CUDA, BLOCK_TABLE): %s", name, (long long)bs, kva_last_error());
     goto done;
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
   double max_err = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol_layout(c, bs), att_rtol(c->odt), &max_err, NULL)) {
-    FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g)", name,
-          (long long)bs, max_err);
+  if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, NULL)) {
+    FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g, allowed %.3g of "
+          "max|ref|)",
+          name, (long long)bs, max_err, atol);
     goto done;
   }
   ok = 1;
@@ -808,6 +833,13 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+
+/* run_table_case_q with random queries, then with probes. */
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
+  for (int pr = 0; pr < ATT_PROBES; ++pr)
+    if (!run_table_case_q(ctx, c, bs, seed, want, pr)) return 0;
+  return 1;
 }
 
 TEST(cuda_block_table) {
