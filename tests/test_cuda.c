@@ -34,13 +34,6 @@ TEST(cuda_q4_tc_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
-/* run_table_case_q with random queries, then with probes. */
-static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
-  for (int pr = 0; pr < ATT_PROBES; ++pr)
-    if (!run_table_case_q(ctx, c, bs, seed, want, pr)) return 0;
-  return 1;
-}
-
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
