@@ -54,7 +54,7 @@ ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 ASAN_OBJS = $(call objs,$(ASAN_DIR))
 
-.PHONY: all lib test test-c test-py test-aarch64 bench bench-paged install clean format FORCE
+.PHONY: all lib test test-c test-py test-seeds test-aarch64 bench bench-paged install clean format FORCE
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -106,6 +106,19 @@ test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
 test-py: $(BUILD)/libkvattn.so $(PY)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
+
+# The CPU oracle tests (--quick tables, random and probe queries) over
+# SEEDS fresh seeds (each run draws its own and prints it); a failing run's
+# seed and reproduction command are printed. `make test-seeds SEEDS=20`.
+SEEDS ?= 100
+SEED_TESTS = attention_cpu_vs_oracle attention_nan_inf attention_unseen_nan attention_masked_key_nan \
+  attention_row_without_keys attention_sinks block_table_vs_paged block_table_caller_pools paged_attention_vs_oracle \
+  paged_attention_after_state_ops cache_write_then_attend_block_table
+test-seeds: $(BUILD)/kvattn_tests
+	@pass=0; for i in $$(seq $(SEEDS)); do \
+	  if $(BUILD)/kvattn_tests --quick $(SEED_TESTS) > $(BUILD)/test-seeds.log 2>&1; then pass=$$((pass + 1)); \
+	  else grep -E "FAIL|reproduce" $(BUILD)/test-seeds.log; fi; \
+	done; echo "test-seeds: $$pass of $(SEEDS) fresh seeds passed"; test $$pass -eq $(SEEDS)
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench
