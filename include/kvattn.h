@@ -198,7 +198,8 @@ typedef struct kva_attn_params {
   float scale;        /* logit scale; 0 means 1/sqrt(Dk); must be finite */
   float softcap;      /* 0: none; > 0: logit = softcap * tanh(logit / softcap) */
   kva_mask mask;      /* applied after the softcap */
-  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only) */
+  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only; -inf: no
+                         effect; +inf or NaN: NaN outputs for the head's rows that see a key) */
 } kva_attn_params;
 
 /* scale 0 (default), no softcap, no mask, no sinks. */

@@ -294,21 +294,147 @@ TEST(attention_masked_key_nan) {
   run_planted(mc, sizeof mc / sizeof mc[0], plant_last_v, 2);
 }
 
-/* A row that sees no key outputs zeros (array mask all false for one row). */
+/* Rows that see no key output zeros (exactly, with or without a sink), and
+ * every other row matches the oracle: array masks all false for a few
+ * (head, row) pairs (bool, and additive -inf), at every pass and both
+ * thread counts; strided outputs, so the padding between rows and the
+ * guards around out are checked too (att_out_untouched_ok). */
 TEST(attention_row_without_keys_is_zero) {
-  const att_case c = {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0};
-  att_data d;
-  ASSERT_TRUE(att_make(&d, &c) == 0);
-  uint8_t *m = (uint8_t *)d.params.mask.array.data;
-  memset(m + 1 * c.N, 0, (size_t)c.N); /* head 0, row 1 sees nothing */
+  static const att_case ec[] = {
+      {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 1},
+      {2, 4, 2, 5, 90, 128, 128, F32, BF16, 4, 4, 64, BF16, MASK_ADD, 0, 0, 0, 1, 1},
+      {1, 8, 2, 2, 40, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
+  kva_context *ctx[2];
+  for (int t = 0; t < 2; ++t) {
+    kva_context_opts o = {KVA_BACKEND_CPU, t + 1, 0, NULL};
+    ASSERT_OK(kva_context_create(&ctx[t], &o));
+  }
+  for (size_t ci = 0; ci < sizeof ec / sizeof ec[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &ec[ci];
+    att_data d;
+    ASSERT_TRUE(att_make(&d, c) == 0);
+    /* empty rows: (b, h, i) with (b + h + i) % 3 == 0; the array may
+     * broadcast over heads (strided cases), then every head of that row */
+    kva_tensor *m = &d.params.mask.array;
+    const int64_t mh = m->shape[1];
+    const size_t es = kva_dtype_size(m->dtype);
+    int64_t nempty = 0;
+    for (int64_t b = 0; b < c->B; ++b)
+      for (int64_t h = 0; h < mh; ++h)
+        for (int64_t i = 0; i < c->L; ++i) {
+          if ((b + h + i) % 3) continue;
+          char *row = (char *)m->data + b * m->stride[0] + h * m->stride[1] + i * m->stride[2];
+          for (int64_t j = 0; j < c->N; ++j) {
+            if (m->dtype == KVA_BOOL) row[j * m->stride[3]] = 0;
+            else {
+              const float x = -INFINITY;
+              memcpy(row + j * m->stride[3], &x, es);
+            }
+          }
+          ++nempty;
+        }
+    ASSERT_TRUE(nempty > 0);
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
+      if (att_set_pass(li)) continue;
+      for (int t = 0; t < 2 && !test_failed_flag; ++t) {
+        att_poison(&d);
+        const double atol = att_kernel_atol(ctx[t], &d.q, &d.view, &d.params, &d.out);
+        if (kva_attention(ctx[t], &d.q, &d.view, &d.params, &d.out, NULL, 0)) {
+          FAIL_("case %zu [%s]: %s", ci, att_pass_now(), kva_last_error());
+          break;
+        }
+        if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out or between its rows written", ci, att_pass_now());
+        if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+          FAIL_("case %zu [%s, %d threads]: differs from the oracle", ci, att_pass_now(), t + 1);
+        for (int64_t b = 0; b < c->B; ++b)
+          for (int64_t h = 0; h < c->H; ++h)
+            for (int64_t i = 0; i < c->L; ++i) {
+              if ((b + (mh == 1 ? 0 : h) + i) % 3) continue;
+              for (int64_t e = 0; e < c->Dv; ++e) {
+                const float x =
+                    test_load((const char *)d.out.data + b * d.out.stride[0] + h * d.out.stride[1] +
+                                  i * d.out.stride[2] + e * d.out.stride[3],
+                              c->odt);
+                if (x != 0.0f) {
+                  FAIL_("case %zu [%s]: row (%lld, %lld, %lld) sees no key but out[%lld] = %g", ci, att_pass_now(),
+                        (long long)b, (long long)h, (long long)i, (long long)e, (double)x);
+                  goto next;
+                }
+              }
+            }
+      next:;
+      }
+    }
+    att_end_passes();
+    att_free(&d);
+  }
+  for (int t = 0; t < 2; ++t) kva_context_destroy(ctx[t]);
+}
+
+/* Non-finite sinks. A -inf sink adds nothing: its heads' outputs equal, bit
+ * for bit, those of the same call without sinks. A +inf or NaN sink makes
+ * the outputs of its head's rows NaN (exp(sink - max) is inf/inf or NaN), as
+ * in the oracle; the other heads are unaffected. Fused and general kernels
+ * at every pass. */
+TEST(attention_sinks_nonfinite) {
+  static const att_case sc[] = {
+      {2, 8, 2, 3, 300, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {1, 6, 2, 2, 200, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 30, 0, 1, 0, 1},
+      {1, 4, 2, 5, 120, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
   kva_context *ctx;
   ASSERT_OK(kva_context_create(&ctx, NULL));
-  att_poison(&d);
-  ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
-  const float *o = (const float *)d.out.data;
-  for (int e = 0; e < c.Dv; ++e) ASSERT_TRUE(o[1 * c.Dv + e] == 0.0f);
+  for (size_t ci = 0; ci < sizeof sc / sizeof sc[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &sc[ci];
+    att_data d;
+    ASSERT_TRUE(att_make(&d, c) == 0);
+    /* head h: sink -inf (h % 4 == 0), +inf (1), NaN (2), finite (3) */
+    for (int h = 0; h < c->H; ++h)
+      d.sinks[h] = h % 4 == 0 ? -INFINITY : h % 4 == 1 ? INFINITY : h % 4 == 2 ? NAN : d.sinks[h];
+    kva_tensor ref = att_alloc_like(&d, &d.out), nosink = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    kva_attn_params p0 = d.params;
+    p0.sinks = NULL;
+    for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
+      if (att_set_pass(li)) continue;
+      ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &p0, &nosink, NULL, 0));
+      att_poison(&d);
+      const double atol = att_kernel_atol(ctx, &d.q, &d.view, &d.params, &d.out);
+      ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
+      if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out written", ci, att_pass_now());
+      if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+        FAIL_("case %zu [%s]: differs from the oracle", ci, att_pass_now());
+      int64_t nan_rows = 0;
+      for (int64_t b = 0; b < c->B; ++b)
+        for (int64_t h = 0; h < c->H; ++h)
+          for (int64_t i = 0; i < c->L; ++i)
+            for (int64_t e = 0; e < c->Dv; ++e) {
+              const int64_t off = b * d.out.stride[0] + h * d.out.stride[1] + i * d.out.stride[2] + e * d.out.stride[3];
+              const int64_t noff = ((b * c->H + h) * c->L + i) * c->Dv + e;
+              const float x = test_load((const char *)d.out.data + off, c->odt);
+              const float y = test_load((const char *)nosink.data + noff * (int64_t)kva_dtype_size(c->odt), c->odt);
+              if (h % 4 == 0 && memcmp(&x, &y, sizeof x) != 0) {
+                FAIL_("case %zu [%s]: -inf sink changed out[%lld,%lld,%lld,%lld]: %g, without sinks %g", ci,
+                      att_pass_now(), (long long)b, (long long)h, (long long)i, (long long)e, (double)x, (double)y);
+                goto next;
+              }
+              if ((h % 4 == 1 || h % 4 == 2) && !isnan(y) && !isnan(x)) {
+                FAIL_("case %zu [%s]: %s sink, out[%lld,%lld,%lld,%lld] = %g is not NaN", ci, att_pass_now(),
+                      h % 4 == 1 ? "+inf" : "NaN", (long long)b, (long long)h, (long long)i, (long long)e, (double)x);
+                goto next;
+              }
+              nan_rows += isnan(x) && e == 0;
+            }
+      if (nan_rows == 0) FAIL_("case %zu [%s]: no NaN row for the +inf / NaN sinks", ci, att_pass_now());
+    next:;
+    }
+    att_end_passes();
+    att_free(&d);
+  }
   kva_context_destroy(ctx);
-  att_free(&d);
 }
 
 /* A caller workspace: exact size works, one byte less is refused. */
