@@ -37,6 +37,8 @@ TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_rows_without_keys) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_sinks_nonfinite) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1128,5 +1130,113 @@ TEST(cuda_random_mutations) {
     if (compared == 0) { FAIL_("case %d: no mutated call was accepted and compared (%d accepted)", i, accepted); break; }
   }
   kva_context_destroy(ctx);
+}
+/* Rows that see no key on the device: lengths in device memory below L
+ * (clamped into [0, N]: row i sits at p = len - L + i, and rows with p < 0
+ * see nothing) output zeros, sinks or not; the other rows match the oracle
+ * over the sequence's first len tokens with the last len query rows (a
+ * call with L = len, whose rows sit at the same positions). Tensor-core
+ * (bf16 q, q4 and bf16 K/V), fused (f32) and general (L > 16) kernels. */
+TEST(cuda_rows_without_keys) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case rc[] = {
+      {3, 8, 2, 4, 300, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {3, 12, 2, 4, 300, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 40, 0, 0, 1, 0},
+      {3, 4, 2, 3, 200, 64, 64, F32, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
+      {3, 4, 2, 20, 100, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 1, 0},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &rc[ci];
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    att_data hd;
+    dev_data dd;
+    memset(&dd, 0, sizeof dd);
+    if (att_make(&hd, c) || !dev_make(&dd, &hd)) {
+      FAIL_("%s: operands", name);
+      dev_free(&dd);
+      att_free(&hd);
+      break;
+    }
+    /* lengths: 0 (no row sees a key), L - 1 (row 0 sees none), the case's own */
+    hd.lens[0] = 0;
+    hd.lens[1] = c->L - 1;
+    kva_tensor ref = att_alloc_like(&hd, &hd.out);
+    memset(ref.data, 0, (size_t)(c->B * c->H * c->L * c->Dv) * kva_dtype_size(c->odt));
+    int ok = 1;
+    for (int b = 0; b < c->B && ok; ++b) {
+      const int64_t len = hd.lens[b];
+      if (len == 0) continue;
+      /* the oracle over sequence b's first len tokens, rows L - len .. L - 1 */
+      kva_tensor q = hd.q, out = ref;
+      q.shape[0] = out.shape[0] = 1;
+      q.shape[2] = out.shape[2] = len;
+      q.data = (char *)hd.q.data + b * hd.q.stride[0] + (c->L - len) * hd.q.stride[2];
+      out.data = (char *)ref.data + b * ref.stride[0] + (c->L - len) * ref.stride[2];
+      kva_kv k = hd.k, v = hd.v;
+      kva_tensor *ts[6] = {&k.data, &k.scales, &k.biases, &v.data, &v.scales, &v.biases};
+      for (int i = 0; i < 6; ++i) {
+        if (!ts[i]->data) continue;
+        ts[i]->data = (char *)ts[i]->data + b * ts[i]->stride[0];
+        ts[i]->shape[0] = 1;
+        ts[i]->shape[2] = len;
+      }
+      const kva_kv_view view = kva_view_contiguous(&k, &v, NULL);
+      if (kva_reference_attention(&q, &view, &hd.params, &out)) {
+        FAIL_("%s: oracle for sequence %d: %s", name, b, kva_last_error());
+        ok = 0;
+      }
+    }
+    if (ok && (!cuda_ok(cudaMemcpy(dd.lens, hd.lens, sizeof(int32_t) * (size_t)c->B, cudaMemcpyHostToDevice), "lens") ||
+               !dev_poison(&dd, 0)))
+      ok = 0;
+    if (ok) {
+      const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
+      if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
+        FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
+      } else if (dev_fetch(&dd, &hd, name)) {
+        double err = 0;
+        /* the empty rows: exactly zero (the reference holds zeros there) */
+        if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &err, NULL))
+          FAIL_("%s: lengths {0, %d, %d}: differs from the oracle (max err %.3g)", name, c->L - 1, hd.lens[2], err);
+        for (int b = 0; b < 2 && !test_failed_flag; ++b)
+          for (int64_t h = 0; h < c->H; ++h)
+            for (int64_t i = 0; i < c->L - hd.lens[b]; ++i)
+              for (int64_t e = 0; e < c->Dv; ++e)
+                if (test_load((const char *)hd.out.data + b * hd.out.stride[0] + h * hd.out.stride[1] +
+                                  i * hd.out.stride[2] + e * hd.out.stride[3],
+                              c->odt) != 0.0f) {
+                  FAIL_("%s: sequence %d (length %d), head %lld, row %lld sees no key but is not zero", name, b,
+                        hd.lens[b], (long long)h, (long long)i);
+                  goto next;
+                }
+      next:;
+      }
+    }
+    dev_free(&dd);
+    att_free(&hd);
+  }
+  kva_context_destroy(ctx);
+}
+
+/* Sinks of -inf (no effect), +inf and NaN (NaN rows), per head, against the
+ * oracle (NaN positions exact): tensor-core, per-warp, fused, general. */
+static void plant_sinks(att_data *d, int variant) {
+  (void)variant;
+  for (int h = 0; h < d->c.H; ++h)
+    d->sinks[h] = h % 4 == 0 ? -INFINITY : h % 4 == 1 ? INFINITY : h % 4 == 2 ? NAN : d->sinks[h];
+}
+TEST(cuda_sinks_nonfinite) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case sc[] = {
+      {2, 8, 2, 2, 900, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 24, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 24, 4, 2, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 8, 4, 3, 600, 128, 128, F32, F32, 8, 8, 64, F16, MASK_WINDOW, 70, 0, 1, 1, 0},
+      {1, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
+  run_case_table(sc, sizeof sc / sizeof sc[0], plant_sinks, 1, NULL);
 }
 #endif
