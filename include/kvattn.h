@@ -282,7 +282,10 @@ int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_vie
                          const kva_attn_params *params, const kva_tensor *out, char *name, size_t size);
 
 /* The oracle: naive double-precision attention over the same descriptors
- * (host memory only). Shares no code with the fast paths. */
+ * (host memory only). Shares only argument validation with kva_attention
+ * (it refuses what kva_attention refuses); element loads, row addresses of
+ * every layout (paged views through kva_paged_view_csr's arrays), lengths,
+ * dequantization, masks and the output rounding are its own. */
 int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
                             const kva_attn_params *params, kva_tensor *out);
 

@@ -437,6 +437,43 @@ TEST(attention_sinks_nonfinite) {
   kva_context_destroy(ctx);
 }
 
+/* The oracle's own output rounding (src/ref/reference.c) is the library's
+ * f32 -> f16 / bf16 rounding: its f16 and bf16 outputs are, bit for bit, its
+ * f32 output converted by kva_f32_to_f16 / kva_f32_to_bf16 (rows of
+ * magnitudes from 2^-30 to 2^10 by output column, f16 subnormals included). */
+TEST(reference_output_rounding) {
+  const att_case c = {1, 4, 2, 3, 60, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  float *v = (float *)d.v.data.data;
+  for (int64_t i = 0; i < (int64_t)c.KVH * c.N * c.Dv; ++i) v[i] = ldexpf(v[i], (int)(i % c.Dv % 41) - 30);
+  kva_tensor r32 = att_alloc_like(&d, &d.out);
+  ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &r32));
+  const float *x = (const float *)r32.data;
+  const int64_t n = (int64_t)c.H * c.L * c.Dv;
+  for (int k = 0; k < 2; ++k) {
+    const kva_dtype dt = k ? KVA_BF16 : KVA_F16;
+    kva_tensor r16 = kva_tensor_4d(NULL, dt, 1, c.H, c.L, c.Dv);
+    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)n);
+    ASSERT_TRUE(y != NULL);
+    r16.data = y;
+    int64_t bad = 0, sub = 0;
+    if (kva_reference_attention(&d.q, &d.view, &d.params, &r16) == 0)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t want = k ? kva_f32_to_bf16(x[i]) : kva_f32_to_f16(x[i]);
+        bad += y[i] != want;
+        sub += !k && (want & 0x7c00) == 0 && (want & 0x3ff) != 0;
+      }
+    else
+      bad = n;
+    free(y);
+    if (bad) FAIL_("%s: %lld of %lld oracle outputs differ from the rounded f32 output", k ? "bf16" : "f16",
+                   (long long)bad, (long long)n);
+    if (!k && sub == 0) FAIL_("no f16 subnormal among the outputs (the case does not test them)");
+  }
+  att_free(&d);
+}
+
 /* A caller workspace: exact size works, one byte less is refused. */
 TEST(attention_caller_workspace) {
   const att_case c = {2, 8, 4, 2, 900, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0};
