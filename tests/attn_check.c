@@ -259,6 +259,18 @@ int att_sentinel_ok(const att_data *d) {
   return 1;
 }
 
+int att_out_padding_is(const att_data *d, unsigned char pad) {
+  unsigned char *now = (unsigned char *)malloc(d->out_bytes);
+  if (!now) return 0;
+  memcpy(now, d->out_buf, d->out_bytes);
+  fill_out_elems(d, now, pad);
+  size_t i = 0;
+  while (i < d->out_bytes && now[i] == pad) ++i;
+  free(now);
+  if (i < d->out_bytes) fprintf(stderr, "    out's padding overwritten at byte %zu of its buffer\n", i);
+  return i == d->out_bytes;
+}
+
 int att_out_untouched_ok(const att_data *d) {
   if (!att_sentinel_ok(d)) return 0;
   /* out's padding (strided views): as att_poison left it. The elements are

@@ -68,6 +68,9 @@ int att_sentinel_ok(const att_data *d);
  * the padding between its rows (strided views) intact. (Not for calls whose
  * out descriptor differs from d->out: the mutation tests.) */
 int att_out_untouched_ok(const att_data *d);
+/* Every byte of out's buffer outside its elements equals pad (a device
+ * output poisoned whole with pad, fetched into out_buf). */
+int att_out_padding_is(const att_data *d, unsigned char pad);
 /* NaN in every K/V row no query row sees: past each sequence's length and,
  * with a window, before row 0's window (a paged engine's freed or never
  * written blocks): the row itself for float formats, its scale and bias

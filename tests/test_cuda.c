@@ -179,7 +179,7 @@ typedef struct dev_data {
   kva_kv_view view;
   void *bufs[MAX_DEV_BUFS];
   int nbufs;
-  char *out_base;     /* device copy of the host out buffer, then the sentinel */
+  char *out_base;     /* device copy of the host out buffer: guards before and after it */
   size_t out_bytes;
 } dev_data;
 
@@ -243,8 +243,10 @@ static int dev_make(dev_data *dd, const att_data *hd) {
       !mirror_tensor(dd, &hd->params.mask.array, &dd->params.mask.array))
     return 0;
   dd->out_bytes = hd->out_bytes;
-  dd->out_base = (char *)dev_keep(dd, hd->out_bytes + DEV_SENTINEL_BYTES);
+  /* guards of DEV_SENTINEL_BYTES before and after the output buffer */
+  dd->out_base = (char *)dev_keep(dd, DEV_SENTINEL_BYTES + hd->out_bytes + DEV_SENTINEL_BYTES);
   if (!dd->out_base) return 0;
+  dd->out_base += DEV_SENTINEL_BYTES;
   dd->out = hd->out;
   dd->out.data = dd->out_base + ((const char *)hd->out.data - (const char *)hd->out_buf);
   dd->view = kva_view_contiguous(&dd->k, &dd->v, dd->lens);
@@ -255,16 +257,24 @@ static int dev_make(dev_data *dd, const att_data *hd) {
 static int dev_poison(dev_data *dd, cudaStream_t s) {
   return cuda_ok(cudaMemsetAsync(dd->out_base, DEV_POISON_BYTE, dd->out_bytes, s), "poison out") &&
          cuda_ok(cudaMemsetAsync(dd->out_base + dd->out_bytes, DEV_SENTINEL_BYTE, DEV_SENTINEL_BYTES, s),
-                 "arm sentinel");
+                 "arm sentinel") &&
+         cuda_ok(cudaMemsetAsync(dd->out_base - DEV_SENTINEL_BYTES, DEV_SENTINEL_BYTE, DEV_SENTINEL_BYTES, s),
+                 "arm the guard before out");
 }
 
 /* Copies the device output into the host view's buffer; checks the sentinel. */
 static int dev_fetch(dev_data *dd, att_data *hd, const char *name) {
-  unsigned char tail[DEV_SENTINEL_BYTES];
+  unsigned char tail[DEV_SENTINEL_BYTES], head[DEV_SENTINEL_BYTES];
   if (!cuda_ok(cudaDeviceSynchronize(), "kernel execution") ||
       !cuda_ok(cudaMemcpy(hd->out_buf, dd->out_base, dd->out_bytes, cudaMemcpyDeviceToHost), "fetch out") ||
-      !cuda_ok(cudaMemcpy(tail, dd->out_base + dd->out_bytes, sizeof tail, cudaMemcpyDeviceToHost), "fetch tail"))
+      !cuda_ok(cudaMemcpy(tail, dd->out_base + dd->out_bytes, sizeof tail, cudaMemcpyDeviceToHost), "fetch tail") ||
+      !cuda_ok(cudaMemcpy(head, dd->out_base - DEV_SENTINEL_BYTES, sizeof head, cudaMemcpyDeviceToHost), "fetch head"))
     return 0;
+  for (int i = 0; i < DEV_SENTINEL_BYTES; ++i)
+    if (head[i] != DEV_SENTINEL_BYTE) {
+      FAIL_("%s: guard byte %d before out overwritten", name, i);
+      return 0;
+    }
   for (int i = 0; i < DEV_SENTINEL_BYTES; ++i)
     if (tail[i] != DEV_SENTINEL_BYTE) {
       FAIL_("%s: sentinel byte %d after out overwritten", name, i);
@@ -331,6 +341,10 @@ static int run_case_q(kva_context *ctx, const att_case *c, void (*tweak)(att_dat
     goto done;
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
+  if (!att_out_padding_is(&hd, DEV_POISON_BYTE)) {
+    FAIL_("%s: CUDA wrote between the rows of out", name);
+    goto done;
+  }
   double max_err = 0, l2 = 0;
   if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, &l2)) {
     FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
@@ -811,6 +825,10 @@ static int run_table_case_q(kva_context *ctx, const att_case *c, int64_t bs, uin
     goto done;
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
+  if (!att_out_padding_is(&hd, DEV_POISON_BYTE)) {
+    FAIL_("%s block %lld: CUDA wrote between the rows of out", name, (long long)bs);
+    goto done;
+  }
   double max_err = 0;
   if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, NULL)) {
     FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g, allowed %.3g of "
