@@ -58,7 +58,7 @@ TSAN_DIR = $(BUILD)/tsan
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_OBJS = $(call objs,$(TSAN_DIR))
 
-.PHONY: all lib test test-c test-py test-tsan test-aarch64 bench bench-paged install clean format FORCE
+.PHONY: all lib test test-c test-py test-tsan test-seeds test-aarch64 bench bench-paged install clean format FORCE
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -126,6 +126,19 @@ test-tsan:
 	TSAN_OPTIONS=halt_on_error=1 $(TSAN_DIR)/kvattn_tests --quick $(TSAN_TESTS)
 test-py: $(BUILD)/libkvattn.so $(PY)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
+
+# The CPU oracle tests (--quick tables, random and probe queries) over
+# SEEDS fresh seeds (each run draws its own and prints it); a failing run's
+# seed and reproduction command are printed. `make test-seeds SEEDS=20`.
+SEEDS ?= 100
+SEED_TESTS = attention_cpu_vs_oracle attention_nan_inf attention_unseen_nan attention_masked_key_nan \
+  attention_row_without_keys attention_sinks block_table_vs_paged block_table_caller_pools paged_attention_vs_oracle \
+  paged_attention_after_state_ops cache_write_then_attend_block_table
+test-seeds: $(BUILD)/kvattn_tests
+	@pass=0; for i in $$(seq $(SEEDS)); do \
+	  if $(BUILD)/kvattn_tests --quick $(SEED_TESTS) > $(BUILD)/test-seeds.log 2>&1; then pass=$$((pass + 1)); \
+	  else grep -E "FAIL|reproduce" $(BUILD)/test-seeds.log; fi; \
+	done; echo "test-seeds: $$pass of $(SEEDS) fresh seeds passed"; test $$pass -eq $(SEEDS)
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench

@@ -200,8 +200,9 @@ typedef struct kva_attn_params {
   float scale;        /* logit scale; 0 means 1/sqrt(Dk); must be finite */
   float softcap;      /* 0: none; > 0: logit = softcap * tanh(logit / softcap) */
   kva_mask mask;      /* applied after the softcap */
-  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only); on the
-                         CPU each must be finite (KVA_EINVAL); on CUDA device memory, not checked */
+  const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only). CPU:
+                         each finite or -inf (no effect), else KVA_EINVAL; CUDA: device memory,
+                         not checked (+inf or NaN: NaN outputs for the head's rows that see a key) */
 } kva_attn_params;
 
 /* scale 0 (default), no softcap, no mask, no sinks. */
@@ -242,16 +243,23 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * (grown on first need); otherwise at least kva_attention_workspace_size()
  * bytes in the backend's memory, and no allocation happens in the call.
  * Precision: f32 accumulation, f32 products, except where a kernel uses
- * 16-bit matrix units: on the CPU, bf16 queries with >= 6 query vectors per
- * KV head (AMX: float K/V rounded to bf16, quantized K/V as exact codes,
- * P times the V group scale rounded to bf16); on CUDA, bf16 queries over
- * 4-bit or 8-bit K/V with bf16 scales and biases, and bf16 (f16) queries over
- * bf16 (f16) K/V with >= 3 query vectors per KV head (>= 2 at head dim 64,
- * and over block tables at 128)
- * (tensor cores: V and P rounded to bf16, or to f16 for f16 rows; q.k over
- * 4-bit and 8-bit K with up to 8 query vectors per KV head is exact integer
- * work on the codes with the query rounded to 15 bits, beyond that K is
- * rounded to bf16 too).
+ * 16-bit matrix units or integer query products; kva_attention_kernel's
+ * trailing bracket names each kernel's roundings. CPU: bf16 queries with
+ * >= 6 query vectors per KV head on AMX ("[K,V,P bf16]" for float rows:
+ * K and V rounded to bf16 where their rows are not bf16, P always;
+ * "[P bf16]" for quantized rows: the codes exact, q.k exact up to f32
+ * accumulation, P times the V group scale rounded to bf16); on AVX-512
+ * VNNI, 16-bit queries over quantized K ("[q int21]": q rounded to 21-bit
+ * integers, exact integer q.k). CUDA: bf16 queries over 4-bit or 8-bit K/V
+ * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
+ * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
+ * tables at 128), run on tensor cores: 16-bit rows round P only ("[P bf16]",
+ * "[P f16]"); 4-bit and 8-bit K with up to 8 query vectors per KV head take
+ * exact integer q.k on the codes with the query rounded to 15 bits, with V
+ * dequantized to bf16 ("[q int15, V,P bf16]", 4-bit narrow kernel) or P
+ * times the V scale in bf16, the codes exact ("[q int15, P bf16]": 8-bit,
+ * and the per-warp 4-bit kernel); beyond that K and V are dequantized to
+ * bf16 ("[K,V,P bf16]"). The other kernels are "[exact f32]".
  * README.md lists the shapes each path takes. out may not overlap any array
  * the call reads (q, K, V, scales, biases, mask array, segments, sinks,
  * lengths, block table). A problem whose workspace would exceed 2^48 bytes
@@ -273,19 +281,30 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
                        const kva_attn_params *params, const kva_tensor *out);
 /* The same, and a one-line description of the kernel kva_attention would run
  * (the same selector) in name: at most size - 1 characters, NUL-terminated
- * (truncated when longer). E.g. "cpu avx512 fused kernel", "cpu avx512 AMX
- * kernel (bf16 tiles)", "cpu portable general kernel", "cuda q4 tensor-core
- * kernel: decode instance, 8 query vectors per block, group compiled in, 128
- * splits", "cuda q4 tensor-core kernel: per-warp decode, 2 query vectors,
- * group compiled in, 64 splits", "cuda bf16 fused kernel: 2 query vectors per block, 16 elements
- * per lane, 6 splits", "cuda general kernel". For reading, not parsing:
- * the wording may change between versions. name NULL or size 0: KVA_EINVAL;
- * on error name is not written. Returns a kva_path or a negative status. */
+ * (truncated when longer). E.g. "cpu avx512 fused kernel [exact f32]", "cpu
+ * avx512 AMX kernel (bf16 tiles) [K,V,P bf16]", "cpu portable general kernel
+ * [exact f32]", "cuda q4 tensor-core kernel: decode instance, 8 query vectors
+ * per block, group compiled in, 128 splits [q int15, V,P bf16]", "cuda bf16
+ * fused kernel: 2 query vectors per block, 16 elements per lane, 6 splits
+ * [exact f32]", "cuda general kernel [exact f32]". The words before the
+ * bracket are for reading and may change between versions; the trailing
+ * bracket states the kernel's roundings (see kva_attention, Precision) and
+ * is stable: "[exact f32]" (f32 products everywhere), or a comma-separated
+ * list of "OPERANDS TYPE" items: operands K, V, P (the softmax weights
+ * before P.V) rounded to TYPE bf16 or f16, or q rounded to a signed integer
+ * of N bits with one scale per query vector and group ("q int15", "q
+ * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]".
+ * Operands not named are not rounded below f32. name NULL or size 0:
+ * KVA_EINVAL; on error name is not written. Returns a kva_path or a negative
+ * status. */
 int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                          const kva_attn_params *params, const kva_tensor *out, char *name, size_t size);
 
 /* The oracle: naive double-precision attention over the same descriptors
- * (host memory only). Shares no code with the fast paths. */
+ * (host memory only). Shares only argument validation with kva_attention
+ * (it refuses what kva_attention refuses); element loads, row addresses of
+ * every layout (paged views through kva_paged_view_csr's arrays), lengths,
+ * dequantization, masks and the output rounding are its own. */
 int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
                             const kva_attn_params *params, kva_tensor *out);
 

@@ -7,6 +7,8 @@ const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp"
 
 #define SENTINEL_BYTES 64
 #define SENTINEL_BYTE 0xA5
+#define PAD_BYTE 0x7f    /* make_view's padding: ~3.4e38 in f32, NaN-free, loud */
+#define POISON_BYTE 0xff /* NaN in every float dtype */
 
 void att_case_str(const att_case *c, char *buf, size_t n) {
   char kf[32], vf[32];
@@ -20,11 +22,14 @@ void att_case_str(const att_case *c, char *buf, size_t n) {
            c->ragged, c->strided);
 }
 
+const char *const att_query_names[ATT_PROBES] = {"random", "probe"};
+
+/* bytes with SENTINEL_BYTES of room before and after (the output's guards). */
 static void *keep(att_data *d, size_t bytes) {
-  void *p = malloc(bytes + SENTINEL_BYTES);
+  char *p = (char *)malloc(SENTINEL_BYTES + bytes + SENTINEL_BYTES);
   if (!p) return NULL;
   d->bufs[d->nbufs++] = p;
-  return p;
+  return p + SENTINEL_BYTES;
 }
 
 /* A [n0, n1, n2, n3] view; strided: a window into a padded [n0, n1+1, n2+3, n3+pad] buffer. */
@@ -37,7 +42,7 @@ static kva_tensor make_view(att_data *d, kva_dtype dt, int64_t n0, int64_t n1, i
   kva_tensor t = kva_tensor_4d(mem, dt, n0, n1, n2, n3);
   if (!mem) return t;
   /* Fill padding and all with a loud pattern; the view's elements are written by the caller. */
-  memset(mem, 0x7f, bytes);
+  memset(mem, PAD_BYTE, bytes);
   t.stride[3] = es;
   t.stride[2] = (n3 + p3) * es;
   t.stride[1] = (n2 + p2) * t.stride[2];
@@ -90,16 +95,69 @@ static int make_kv(att_data *d, kva_kv *kv, int bits, int D) {
   return rc ? -1 : 0;
 }
 
-int att_make(att_data *d, const att_case *c) {
+/* Address of element [a, b, c, e] of t. */
+static char *ptr4(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t e) {
+  return (char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + e * t->stride[3];
+}
+
+/* Element e of K/V row (b, hk, t) as the oracle sees it: the float value,
+ * or s * code + b in f32 for quantized rows. */
+static float kv_elem(const kva_kv *kv, int64_t b, int64_t hk, int64_t t, int64_t e) {
+  if (!kv->bits) return test_load(ptr4(&kv->data, b, hk, t, e), kv->data.dtype);
+  const int per = 32 / kv->bits;
+  uint32_t w;
+  memcpy(&w, ptr4(&kv->data, b, hk, t, e / per), 4);
+  const uint32_t code = (w >> ((e % per) * kv->bits)) & ((1u << kv->bits) - 1);
+  const float sc = test_load(ptr4(&kv->scales, b, hk, t, e / kv->group_size), kv->scales.dtype);
+  const float bi = test_load(ptr4(&kv->biases, b, hk, t, e / kv->group_size), kv->biases.dtype);
+  return sc * (float)code + bi;
+}
+
+/* The probe queries of att_make (attn_check.h). */
+static void write_probes(att_data *d) {
+  const att_case *c = &d->c;
+  const int rep = c->H / c->KVH;
+  const double scale = d->params.scale > 0 ? d->params.scale : 1.0 / sqrt((double)c->Dk);
+  float kj[KVA_MAX_HEAD_DIM];
+  for (int b = 0; b < c->B; ++b) {
+    const int64_t len = d->lens ? d->lens[b] : c->N;
+    for (int h = 0; h < c->H; ++h)
+      for (int i = 0; i < c->L; ++i) {
+        const int64_t p = len - c->L + i;
+        const int64_t lo = c->mask == MASK_NONE ? 0 : c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+        const int64_t hi = c->mask == MASK_NONE ? len - 1 : p; /* the causal window [lo, hi] */
+        const int kind = (int)(test_rand_u64() % 3);
+        int64_t j = p;
+        if (kind == 1) j = lo + (int64_t)(test_rand_u64() % (uint64_t)(hi - lo + 1));
+        else if (kind == 2 && p + 1 < len) j = p + 1;
+        double norm2 = 0;
+        for (int e = 0; e < c->Dk; ++e) {
+          kj[e] = kv_elem(&d->k, b, h / rep, j, e);
+          norm2 += (double)kj[e] * kj[e];
+        }
+        const double ln9n = log(9.0 * (double)(hi - lo + 1)), disc = 1.0 - 2.0 * ln9n / c->Dk;
+        const double T = disc > 0 ? c->Dk * (1.0 - sqrt(disc)) : (double)c->Dk;
+        const double a = norm2 > 0 ? T / (scale * norm2) : 1.0;
+        for (int e = 0; e < c->Dk; ++e) test_store(ptr4(&d->q, b, h, i, e), c->qdt, (float)(a * kj[e]));
+      }
+  }
+}
+
+int att_make(att_data *d, const att_case *c) { return att_make_q(d, c, 0); }
+
+int att_make_q(att_data *d, const att_case *c, int probe) {
   memset(d, 0, sizeof *d);
   d->c = *c;
+  d->probe = probe;
   d->q = make_view(d, c->qdt, c->B, c->H, c->L, c->Dk, c->strided, NULL);
   if (!d->q.data) return -1;
   fill_float(&d->q, 1.5f);
   if (make_kv(d, &d->k, c->kbits, c->Dk) || make_kv(d, &d->v, c->vbits, c->Dv)) return -1;
   d->out = make_view(d, c->odt, c->B, c->H, c->L, c->Dv, c->strided, &d->out_bytes);
   if (!d->out.data) return -1;
-  d->out_buf = d->bufs[d->nbufs - 1];
+  d->out_buf = (char *)d->bufs[d->nbufs - 1] + SENTINEL_BYTES;
+  d->out_image = (unsigned char *)keep(d, d->out_bytes);
+  if (!d->out_image) return -1;
   d->params = kva_attn_defaults();
   if (c->ragged) {
     d->lens = (int32_t *)keep(d, sizeof(int32_t) * (size_t)c->B);
@@ -159,6 +217,7 @@ int att_make(att_data *d, const att_case *c) {
     d->params.sinks = d->sinks;
   }
   d->view = kva_view_contiguous(&d->k, &d->v, d->lens);
+  if (probe) write_probes(d);
   return 0;
 }
 
@@ -167,19 +226,66 @@ void att_free(att_data *d) {
   d->nbufs = 0;
 }
 
-/* The sentinel: the SENTINEL_BYTES after the out buffer. */
+/* The guards: the SENTINEL_BYTES before and after the out buffer. */
 static unsigned char *out_sentinel(const att_data *d) { return (unsigned char *)d->out_buf + d->out_bytes; }
+static unsigned char *out_front(const att_data *d) { return (unsigned char *)d->out_buf - SENTINEL_BYTES; }
+
+/* Sets every byte of out's elements to x (in buf, an image of out_buf). */
+static void fill_out_elems(const att_data *d, unsigned char *buf, unsigned char x) {
+  const kva_tensor *t = &d->out;
+  const size_t es = kva_dtype_size(t->dtype);
+  const ptrdiff_t base = (const char *)t->data - (const char *)d->out_buf;
+  for (int64_t a = 0; a < t->shape[0]; ++a)
+    for (int64_t b = 0; b < t->shape[1]; ++b)
+      for (int64_t c = 0; c < t->shape[2]; ++c)
+        memset(buf + base + a * t->stride[0] + b * t->stride[1] + c * t->stride[2], x, (size_t)t->shape[3] * es);
+}
 
 void att_poison(att_data *d) {
-  memset(d->out_buf, 0xff, d->out_bytes); /* NaN in every float dtype */
-  unsigned char *s = out_sentinel(d);
-  if (s) memset(s, SENTINEL_BYTE, SENTINEL_BYTES);
+  memset(d->out_buf, PAD_BYTE, d->out_bytes); /* the padding between and around rows: make_view's pattern */
+  fill_out_elems(d, (unsigned char *)d->out_buf, POISON_BYTE);
+  memcpy(d->out_image, d->out_buf, d->out_bytes);
+  memset(out_sentinel(d), SENTINEL_BYTE, SENTINEL_BYTES);
+  memset(out_front(d), SENTINEL_BYTE, SENTINEL_BYTES);
 }
 
 int att_sentinel_ok(const att_data *d) {
-  const unsigned char *s = out_sentinel(d);
+  const unsigned char *s = out_sentinel(d), *f = out_front(d);
   for (int i = 0; i < SENTINEL_BYTES; ++i)
-    if (s[i] != SENTINEL_BYTE) return 0;
+    if (s[i] != SENTINEL_BYTE || f[i] != SENTINEL_BYTE) {
+      fprintf(stderr, "    guard byte %d %s out overwritten\n", i, s[i] != SENTINEL_BYTE ? "after" : "before");
+      return 0;
+    }
+  return 1;
+}
+
+int att_out_padding_is(const att_data *d, unsigned char pad) {
+  unsigned char *now = (unsigned char *)malloc(d->out_bytes);
+  if (!now) return 0;
+  memcpy(now, d->out_buf, d->out_bytes);
+  fill_out_elems(d, now, pad);
+  size_t i = 0;
+  while (i < d->out_bytes && now[i] == pad) ++i;
+  free(now);
+  if (i < d->out_bytes) fprintf(stderr, "    out's padding overwritten at byte %zu of its buffer\n", i);
+  return i == d->out_bytes;
+}
+
+int att_out_untouched_ok(const att_data *d) {
+  if (!att_sentinel_ok(d)) return 0;
+  /* out's padding (strided views): as att_poison left it. The elements are
+   * set back to the poison byte in a copy, which must then equal the image. */
+  unsigned char *now = (unsigned char *)malloc(d->out_bytes);
+  if (!now) return 0;
+  memcpy(now, d->out_buf, d->out_bytes);
+  fill_out_elems(d, now, POISON_BYTE);
+  size_t bad = 0;
+  while (bad < d->out_bytes && now[bad] == d->out_image[bad]) ++bad;
+  free(now);
+  if (bad < d->out_bytes) {
+    fprintf(stderr, "    out's padding overwritten at byte %zu of its buffer\n", bad);
+    return 0;
+  }
   return 1;
 }
 
@@ -190,8 +296,110 @@ kva_tensor att_alloc_like(att_data *d, const kva_tensor *t) {
   return kva_tensor_4d(mem, t->dtype, t->shape[0], t->shape[1], t->shape[2], t->shape[3]);
 }
 
+double att_name_atol(const char *name) {
+  const char *open = strrchr(name, '[');
+  const size_t n = strlen(name);
+  if (!open || n < 2 || name[n - 1] != ']') return -1.0;
+  if (!strcmp(open, "[exact f32]")) return ATT_ATOL_F32;
+  double atol = 0.0;
+  for (const char *item = open + 1; item < name + n - 1;) {
+    const char *end = strchr(item, ',');
+    if (!end) end = name + n - 1;
+    /* "OPERANDS TYPE": the type is the item's last word */
+    const char *sp = item;
+    for (const char *x = item; x < end; ++x)
+      if (*x == ' ') sp = x + 1;
+    char type[16];
+    const size_t tl = (size_t)(end - sp);
+    if (sp == item || tl == 0 || tl >= sizeof type) return -1.0;
+    memcpy(type, sp, tl);
+    type[tl] = '\0';
+    double a;
+    if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
+    else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
+      a = atoi(type + 3) >= ATT_QINT_EXACT_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
+    else return -1.0;
+    if (a > atol) atol = a;
+    item = end + 1;
+    while (*item == ' ') ++item;
+  }
+  return atol > 0 ? atol : -1.0;
+}
+
+double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                       const kva_tensor *out) {
+  char name[256];
+  if (kva_attention_kernel(ctx, q, kv, params, out, name, sizeof name) < 0) {
+    fprintf(stderr, "    att_kernel_atol: kva_attention_kernel: %s\n", kva_last_error());
+    return -1.0;
+  }
+  const double atol = att_name_atol(name);
+  if (atol < 0) fprintf(stderr, "    att_kernel_atol: no rounding bracket in the kernel name \"%s\"\n", name);
+  return atol;
+}
+
+/* Bytes of a contiguous [n0, n1, n2, n3] tensor of dt. */
+static size_t dense_bytes(kva_dtype dt, int64_t n0, int64_t n1, int64_t n2, int64_t n3) {
+  return (size_t)(n0 * n1 * n2 * n3) * kva_dtype_size(dt);
+}
+
 double att_case_atol(const att_case *c) {
-  return c->qdt == KVA_BF16 && (int64_t)(c->H / c->KVH) * c->L >= 6 ? ATT_ATOL_BF16 : ATT_ATOL_F32;
+  /* Descriptors of the case's shapes over zeroed memory that is never read
+   * (calloc: untouched pages), on the default CPU context; only the kernel
+   * name is asked for. */
+  static kva_context *ctx;
+  if (!ctx && kva_context_create(&ctx, NULL)) return -1.0;
+  void *mem[12] = {0};
+  int nm = 0;
+  kva_kv k, v;
+  memset(&k, 0, sizeof k);
+  memset(&v, 0, sizeof v);
+  kva_kv *kvs[2] = {&k, &v};
+  const int bits[2] = {c->kbits, c->vbits}, dims[2] = {c->Dk, c->Dv};
+  for (int i = 0; i < 2; ++i) {
+    kva_kv *x = kvs[i];
+    if (!bits[i]) {
+      mem[nm] = calloc(1, dense_bytes(c->kvdt, c->B, c->KVH, c->N, dims[i]));
+      *x = kva_kv_float(mem[nm++], c->kvdt, c->B, c->KVH, c->N, dims[i]);
+    } else {
+      mem[nm] = calloc(1, dense_bytes(KVA_U32, c->B, c->KVH, c->N, (int64_t)dims[i] * bits[i] / 32));
+      mem[nm + 1] = calloc(1, dense_bytes(c->kvdt, c->B, c->KVH, c->N, dims[i] / c->group));
+      mem[nm + 2] = calloc(1, dense_bytes(c->kvdt, c->B, c->KVH, c->N, dims[i] / c->group));
+      *x = kva_kv_quantized(mem[nm], mem[nm + 1], mem[nm + 2], c->kvdt, bits[i], c->group, c->B, c->KVH, c->N,
+                            dims[i]);
+      nm += 3;
+    }
+  }
+  mem[nm] = calloc(1, dense_bytes(c->qdt, c->B, c->H, c->L, c->Dk));
+  kva_tensor q = kva_tensor_4d(mem[nm++], c->qdt, c->B, c->H, c->L, c->Dk);
+  mem[nm] = calloc(1, dense_bytes(c->odt, c->B, c->H, c->L, c->Dv));
+  kva_tensor out = kva_tensor_4d(mem[nm++], c->odt, c->B, c->H, c->L, c->Dv);
+  kva_attn_params p = kva_attn_defaults();
+  kva_mask *m = &p.mask;
+  if (c->mask != MASK_NONE) m->kind = KVA_MASK_CAUSAL;
+  if (c->mask == MASK_WINDOW || c->mask == MASK_SEG || c->mask == MASK_SEG_CLAMP) m->window = c->window;
+  if (c->mask == MASK_SEG || c->mask == MASK_SEG_CLAMP) {
+    mem[nm] = calloc(1, dense_bytes(KVA_I32, 1, 1, c->B, c->N));
+    m->segments = kva_tensor_2d(mem[nm++], KVA_I32, c->B, c->N);
+    m->segments_clamp = c->mask == MASK_SEG_CLAMP;
+  }
+  if (c->mask == MASK_BOOL || c->mask == MASK_ADD) {
+    const kva_dtype dt = c->mask == MASK_BOOL ? KVA_BOOL : KVA_F32;
+    m->kind = KVA_MASK_ARRAY;
+    mem[nm] = calloc(1, dense_bytes(dt, c->B, c->H, c->L, c->N));
+    m->array = kva_tensor_4d(mem[nm++], dt, c->B, c->H, c->L, c->N);
+  }
+  if (c->softcap > 0) p.softcap = c->softcap;
+  if (c->sinks) {
+    mem[nm] = calloc((size_t)c->H, sizeof(float));
+    p.sinks = (const float *)mem[nm++];
+  }
+  int missing = 0;
+  for (int i = 0; i < nm; ++i) missing |= !mem[i];
+  const kva_kv_view view = kva_view_contiguous(&k, &v, NULL);
+  const double atol = missing ? -1.0 : att_kernel_atol(ctx, &q, &view, &p, &out);
+  for (int i = 0; i < nm; ++i) free(mem[i]);
+  return atol;
 }
 
 double att_rtol(kva_dtype out) {
@@ -213,7 +421,8 @@ static double elem(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t
 
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2) {
-  double maxref = 0, num = 0, den = 0, worst = 0;
+  double maxref = 0, num = 0, den = 0, worst = 0, worst_ratio = 0;
+  long long bad = 0;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t a = 0; a < out->shape[0]; ++a)
       for (int64_t b = 0; b < out->shape[1]; ++b)
@@ -236,15 +445,20 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
             den += r * r;
             if (err > worst) worst = err;
             if (err > allowed) {
-              fprintf(stderr, "    mismatch at [%lld,%lld,%lld,%lld]: out %.8g ref %.8g err %.3g > allowed %.3g\n",
-                      (long long)a, (long long)b, (long long)c, (long long)e, o, r, err, allowed);
-              if (max_err) *max_err = err;
-              return 0;
+              if (bad++ == 0)
+                fprintf(stderr, "    mismatch at [%lld,%lld,%lld,%lld]: out %.8g ref %.8g err %.3g > allowed %.3g\n",
+                        (long long)a, (long long)b, (long long)c, (long long)e, o, r, err, allowed);
+              /* the worst element by err / allowed (allowed 0: err itself) */
+              const double ratio = allowed > 0 ? err / allowed : INFINITY;
+              if (ratio > worst_ratio) worst_ratio = ratio;
             }
           }
   if (max_err) *max_err = worst;
   if (rel_l2) *rel_l2 = den > 0 ? sqrt(num / den) : sqrt(num);
-  return 1;
+  if (bad)
+    fprintf(stderr, "    %lld elements out of tolerance; max err %.3g (max|ref| %.3g), worst err/allowed %.3g\n",
+            bad, worst, maxref, worst_ratio);
+  return bad == 0;
 }
 
 static void nan_row(const kva_tensor *t, int b, int hk, int64_t tok) {
@@ -477,9 +691,15 @@ void att_mutate_kv(kva_kv *kv) {
 static const char *const att_pass_names[ATT_PASSES] = {"portable", "avx2", "avx512", "general"};
 static int att_general; /* pass 3 active */
 int att_set_pass(int pass) {
+  static const char *said[ATT_PASSES]; /* the test that last said it skips the pass */
   att_general = pass == 3;
   kva_cpu_general_only(att_general);
-  return kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
+  const int rc = kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
+  if (rc && said[pass] != test_current_name) {
+    said[pass] = test_current_name;
+    printf("  skip %s: this CPU lacks it (%s)\n", att_pass_names[pass], kva_last_error());
+  }
+  return rc;
 }
 const char *att_pass_name(int pass) { return att_pass_names[pass]; }
 const char *att_pass_now(void) { return att_general ? "general" : kva_cpu_simd(); }

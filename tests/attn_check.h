@@ -21,10 +21,15 @@ typedef struct att_case {
   float softcap;
   int sinks, ragged, strided;
 } att_case;
+/* The query variants every oracle table runs each case with (att_make_q):
+ * 0 random queries, 1 peaked probes. */
+#define ATT_PROBES 2
+extern const char *const att_query_names[ATT_PROBES]; /* "random", "probe" */
 
 /* One case's operands (host memory). */
 typedef struct att_data {
   att_case c;
+  int probe; /* the queries are peaked probes (att_make_q) */
   kva_tensor q, out;
   kva_kv k, v;
   int32_t *lens;
@@ -34,18 +39,38 @@ typedef struct att_data {
   kva_kv_view view;
   void *bufs[16];
   int nbufs;
-  void *out_buf;    /* the buffer out views into */
-  size_t out_bytes; /* its bytes before the sentinel */
+  void *out_buf;    /* the buffer out views into (guards of 64 bytes before and after it) */
+  size_t out_bytes; /* its bytes, between the guards */
+  unsigned char *out_image; /* out_buf as att_poison left it */
 } att_data;
 
 void att_case_str(const att_case *c, char *buf, size_t n);
 /* Builds fresh random operands; returns 0 or -1 (allocation failure). */
 int att_make(att_data *d, const att_case *c);
+/* The same with query variant probe (ATT_PROBES): 0 as att_make, 1 every query vector is a probe aligned with one key of its
+ * row, q = a * k_j (the dequantized K row), so that key takes ~90 % of the
+ * row's softmax weight (the softmax of random queries is diffuse and would
+ * hide a kernel that sees one key too many or too few): per vector, at
+ * random, j = the row's own key p (the last it sees), a random key of its
+ * causal window, or p + 1 (the first key the causal mask hides; the own key
+ * for the last row). a = T / (scale |k_j|^2), T the logit for which the
+ * other n - 1 visible keys' logits, ~N(0, T^2 / Dk) for random keys, leave
+ * 0.9 to key j: T - T^2 / (2 Dk) = ln(9 n). */
+int att_make_q(att_data *d, const att_case *c, int probe);
 void att_free(att_data *d);
-/* Poisons out (NaN pattern) and re-arms the sentinel. */
+/* Poisons out's elements (NaN pattern), sets its padding (strided views)
+ * to make_view's 0x7f pattern and re-arms the guards before and after. */
 void att_poison(att_data *d);
-/* Sentinel after the output intact? */
+/* The guards before and after out's buffer intact since att_poison (prints
+ * what was hit). */
 int att_sentinel_ok(const att_data *d);
+/* Nothing written outside out's elements since att_poison: the guards and
+ * the padding between its rows (strided views) intact. (Not for calls whose
+ * out descriptor differs from d->out: the mutation tests.) */
+int att_out_untouched_ok(const att_data *d);
+/* Every byte of out's buffer outside its elements equals pad (a device
+ * output poisoned whole with pad, fetched into out_buf). */
+int att_out_padding_is(const att_data *d, unsigned char pad);
 /* NaN in every K/V row no query row sees: past each sequence's length and,
  * with a window, before row 0's window (a paged engine's freed or never
  * written blocks): the row itself for float formats, its scale and bias
@@ -58,14 +83,31 @@ void att_plant_unseen(att_data *d);
 void att_plant_last_v(att_data *d, float x);
 /* Compares out with ref (same shape): NaN/Inf exact, then
  * |out - ref| <= atol_rel * max|ref| + rtol * |ref| everywhere.
- * Prints the first mismatch. Returns 1 when within tolerance. */
+ * Prints the first mismatch, then the count, the max error and the worst
+ * err / allowed ratio. Returns 1 when within tolerance. */
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2);
-/* Absolute allowance, relative to max|ref|, for a case's arithmetic: f32
- * products (3e-5), or bf16 products (2^-7) where the library may take its
- * bf16 path: bf16 queries with >= 6 vectors per KV head (AMX on the CPU). */
+/* Absolute allowance, relative to max|ref|, for the arithmetic of the kernel
+ * that runs, read from the trailing bracket of its name
+ * (kva_attention_kernel, kvattn.h): "[exact f32]" and "q intN" with N >=
+ * ATT_QINT_EXACT_BITS (q rounded below 2^-20 of its largest element): f32
+ * products over up to a few thousand keys against the double oracle (3e-5);
+ * any operand rounded to bf16 or f16, and q rounded to fewer bits (always
+ * paired with a 16-bit P): bf16 products (2^-7; f16 is not given a tighter
+ * allowance). The largest over the bracket's items. */
 #define ATT_ATOL_F32 3e-5
 #define ATT_ATOL_BF16 (1.0 / 128)
+#define ATT_QINT_EXACT_BITS 21
+/* The allowance of a kernel name; -1 (fails every comparison) when the name
+ * has no bracket or one this table does not know. */
+double att_name_atol(const char *name);
+/* The allowance of the kernel kva_attention(ctx, q, kv, params, out) runs
+ * (ask after att_set_pass: the pass picks the kernel); -1 on error (printed). */
+double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                       const kva_tensor *out);
+/* The same for a case's base call over a contiguous cache on the default CPU
+ * context and the current SIMD level (for callers without the call at hand:
+ * the mutation tests). */
 double att_case_atol(const att_case *c);
 /* Output-dtype rounding allowance: relative half-ulp-ish bound per element. */
 double att_rtol(kva_dtype out);
@@ -107,8 +149,9 @@ void att_mutate_kv(kva_kv *kv); /* its data, scales or biases tensor, bits or gr
  * avx2, avx512 (those this CPU has), pass 3 the general kernel alone at the
  * best level (kva_cpu_general_only: the fallback path's kernel, which
  * otherwise runs only for array masks and long L). att_set_pass returns
- * nonzero when the pass does not apply on this CPU; att_end_passes restores
- * the defaults. */
+ * nonzero when the pass does not apply on this CPU, and then prints a skip
+ * line naming the level (once per test); att_end_passes restores the
+ * defaults. */
 #define ATT_PASSES 4
 int att_set_pass(int pass);
 const char *att_pass_name(int pass);

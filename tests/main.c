@@ -1,11 +1,17 @@
-/* Runs every registered test: kvattn_tests [--quick] [--seed S] [filter...] */
+/* Runs every registered test: kvattn_tests [--quick] [--seed S] [filter...]
+ * Each run draws a fresh seed (time, pid, /dev/urandom) and prints it;
+ * --seed S or the environment variable KVATTN_TEST_SEED replays one. */
 #include "test.h"
+
+#include <time.h>
+#include <unistd.h>
 
 #define MAX_TESTS 512
 static struct { const char *name; test_fn fn; bool slow; } tests[MAX_TESTS];
 static int ntests;
 int test_failed_flag, test_skipped_flag;
 bool test_quick;
+const char *test_current_name = "";
 static uint64_t rng_state;
 
 void test_register(const char *name, test_fn fn, bool slow) {
@@ -57,8 +63,24 @@ static uint64_t hash_str(const char *s) {
   return h;
 }
 
+/* A fresh seed: /dev/urandom, mixed with the time and the pid. */
+static uint64_t fresh_seed(void) {
+  uint64_t r = 0;
+  FILE *f = fopen("/dev/urandom", "rb");
+  if (f) {
+    if (fread(&r, sizeof r, 1, f) != 1) r = 0;
+    fclose(f);
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  r ^= (uint64_t)ts.tv_sec * 1000000007ull ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 40);
+  return r >> 11; /* 53 bits: printable and exact as a double for scripts */
+}
+
 int main(int argc, char **argv) {
-  uint64_t seed = 0x6b7661747465ull;
+  uint64_t seed = fresh_seed();
+  const char *env = getenv("KVATTN_TEST_SEED");
+  if (env && *env) seed = strtoull(env, NULL, 0);
   const char *filters[64];
   int nf = 0;
   for (int i = 1; i < argc; ++i) {
@@ -79,14 +101,22 @@ int main(int argc, char **argv) {
     if (test_quick && tests[t].slow) { skipped++; continue; }
     test_failed_flag = test_skipped_flag = 0;
     rng_state = seed ^ hash_str(tests[t].name);
+    test_current_name = tests[t].name;
     printf("[ RUN  ] %s\n", tests[t].name);
     fflush(stdout);
     tests[t].fn();
-    if (test_failed_flag) { failed++; printf("[ FAIL ] %s\n", tests[t].name); }
+    if (test_failed_flag) {
+      failed++;
+      printf("[ FAIL ] %s (seed %llu; reproduce: %s --seed %llu%s %s)\n", tests[t].name, (unsigned long long)seed,
+             argv[0], (unsigned long long)seed, test_quick ? " --quick" : "", tests[t].name);
+    }
     else if (test_skipped_flag) { skipped++; printf("[ SKIP ] %s\n", tests[t].name); }
     else { passed++; printf("[  OK  ] %s\n", tests[t].name); }
     fflush(stdout);
   }
-  printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  printf("%d passed, %d failed, %d skipped (seed %llu)\n", passed, failed, skipped, (unsigned long long)seed);
+  if (failed)
+    printf("reproduce: %s --seed %llu%s (or KVATTN_TEST_SEED=%llu)\n", argv[0], (unsigned long long)seed,
+           test_quick ? " --quick" : "", (unsigned long long)seed);
   return failed ? 1 : 0;
 }

@@ -19,6 +19,7 @@ void test_register(const char *name, test_fn fn, bool slow);
 /* Per-test state (main.c). */
 extern int test_failed_flag, test_skipped_flag;
 extern bool test_quick; /* --quick: smaller case tables (used under sanitizers) */
+extern const char *test_current_name; /* the running test's name */
 
 #define TEST_(name, slow)                                                        \
   static void test_##name(void);                                                 \

@@ -74,14 +74,14 @@ static const att_case cases[] = {
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
-/* f32 arithmetic over up to a few thousand keys vs the double oracle
- * (att_case_atol relaxes it to bf16 products where the bf16 path may run). */
+/* The allowance of the kernel that runs (att_kernel_atol: the rounding
+ * bracket of kva_attention_kernel's name; f32 products: 3e-5 of max|ref|). */
 #define ATOL_REL ATT_ATOL_F32
 
-
-static int run_case(const att_case *c, kva_context *ctx, const char *level, att_data *d, const kva_tensor *ref) {
-  char name[256];
-  att_case_str(c, name, sizeof name);
+static int run_case(const char *name, kva_context *ctx, const char *level, att_data *d, const kva_tensor *ref) {
+  char kname[160];
+  kva_attention_kernel(ctx, &d->q, &d->view, &d->params, &d->out, kname, sizeof kname);
+  const double atol = att_kernel_atol(ctx, &d->q, &d->view, &d->params, &d->out);
   att_poison(d);
   int rc = kva_attention(ctx, &d->q, &d->view, &d->params, &d->out, NULL, 0);
   if (rc) {
@@ -89,13 +89,13 @@ static int run_case(const att_case *c, kva_context *ctx, const char *level, att_
     return 0;
   }
   double max_err = 0, l2 = 0;
-  if (!att_sentinel_ok(d)) {
-    FAIL_("%s [%s]: sentinel after out overwritten", name, level);
+  if (!att_out_untouched_ok(d)) {
+    FAIL_("%s [%s]: memory around out or between its rows overwritten", name, level);
     return 0;
   }
-  if (!att_compare(&d->out, ref, att_case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
-    FAIL_("%s [%s, %d threads]: out differs from the oracle (max err %.3g)", name, level,
-          kva_context_threads(ctx), max_err);
+  if (!att_compare(&d->out, ref, atol, att_rtol(d->c.odt), &max_err, &l2)) {
+    FAIL_("%s [%s, %d threads, %s]: out differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
+          level, kva_context_threads(ctx), kname, max_err, atol);
     return 0;
   }
   return 1;
@@ -107,42 +107,46 @@ TEST(attention_cpu_vs_oracle) {
   ASSERT_OK(kva_context_create(&ctx1, &o));
   o.threads = 2;
   ASSERT_OK(kva_context_create(&ctx2, &o));
-  for (int ci = 0; ci < NCASES; ++ci) {
+  int ok = 1;
+  for (int ci = 0; ci < NCASES && ok; ++ci) {
     const att_case *c = &cases[ci];
     if (test_quick && c->N > 1000) continue;
-    att_data d;
-    char name[256];
-    att_case_str(c, name, sizeof name);
-    if (att_make(&d, c)) {
-      FAIL_("%s: could not build operands", name);
+    for (int pr = 0; pr < ATT_PROBES && ok; ++pr) {
+      att_data d;
+      char cs[256], name[300];
+      att_case_str(c, cs, sizeof cs);
+      snprintf(name, sizeof name, "%s q=%s", cs, att_query_names[pr]);
+      if (att_make_q(&d, c, pr)) {
+        FAIL_("%s: could not build operands", name);
+        att_free(&d);
+        ok = 0;
+        break;
+      }
+      kva_tensor ref = att_alloc_like(&d, &d.out);
+      if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
+        FAIL_("%s: oracle: %s", name, kva_last_error());
+        att_free(&d);
+        ok = 0;
+        break;
+      }
+      char kname[160];
+      int path = kva_attention_kernel(ctx1, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname);
+      if (pr == 0) printf("  case %2d %-8s %-36s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", kname, cs);
+      for (int li = 0; li < ATT_PASSES && ok; ++li) {
+        if (att_set_pass(li)) continue; /* this CPU lacks the level (said once per test) */
+        ok = run_case(name, ctx1, att_pass_name(li), &d, &ref) && run_case(name, ctx2, att_pass_name(li), &d, &ref);
+      }
+      att_end_passes();
       att_free(&d);
-      break;
     }
-    kva_tensor ref = att_alloc_like(&d, &d.out);
-    if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
-      FAIL_("%s: oracle: %s", name, kva_last_error());
-      att_free(&d);
-      break;
-    }
-    char kname[96];
-    int path = kva_attention_kernel(ctx1, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname);
-    printf("  case %2d %-8s %-32s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", kname, name);
-    int ok = 1;
-    for (int li = 0; li < ATT_PASSES && ok; ++li) {
-      if (att_set_pass(li)) continue; /* this CPU lacks the level */
-      ok = run_case(c, ctx1, att_pass_name(li), &d, &ref) && run_case(c, ctx2, att_pass_name(li), &d, &ref);
-    }
-    att_end_passes();
-    att_free(&d);
-    if (!ok) break;
   }
   kva_context_destroy(ctx1);
   kva_context_destroy(ctx2);
 }
 
 /* d (operands with planted values) through kva_attention against the oracle
- * (NaN/Inf exact; the case's allowance, att_case_atol: f32 unless bf16
- * queries may take the AMX kernel; the output type's rounding, att_rtol)
+ * (NaN/Inf exact; the allowance of the kernel that runs, att_kernel_atol;
+ * the output type's rounding, att_rtol)
  * with a poisoned output and its sentinel;
  * frees d. Returns 1 when they match (0 also when a call fails: reported). */
 static int planted_matches_oracle(kva_context *ctx, att_data *d) {
@@ -154,7 +158,8 @@ static int planted_matches_oracle(kva_context *ctx, att_data *d) {
     fprintf(stderr, "    kva_attention: %s\n", kva_last_error());
     ok = 0;
   }
-  ok = ok && att_compare(&d->out, &ref, att_case_atol(&d->c), att_rtol(d->c.odt), NULL, NULL) && att_sentinel_ok(d);
+  ok = ok && att_compare(&d->out, &ref, att_kernel_atol(ctx, &d->q, &d->view, &d->params, &d->out), att_rtol(d->c.odt), NULL, NULL) &&
+       att_out_untouched_ok(d);
   att_free(d);
   return ok;
 }
@@ -295,20 +300,185 @@ TEST(attention_masked_key_nan) {
   run_planted(mc, sizeof mc / sizeof mc[0], plant_last_v, 2);
 }
 
-/* A row that sees no key outputs zeros (array mask all false for one row). */
+/* Rows that see no key output zeros (exactly, with or without a sink), and
+ * every other row matches the oracle: array masks all false for a few
+ * (head, row) pairs (bool, and additive -inf), at every pass and both
+ * thread counts; strided outputs, so the padding between rows and the
+ * guards around out are checked too (att_out_untouched_ok). */
 TEST(attention_row_without_keys_is_zero) {
-  const att_case c = {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0};
-  att_data d;
-  ASSERT_TRUE(att_make(&d, &c) == 0);
-  uint8_t *m = (uint8_t *)d.params.mask.array.data;
-  memset(m + 1 * c.N, 0, (size_t)c.N); /* head 0, row 1 sees nothing */
+  static const att_case ec[] = {
+      {1, 2, 1, 3, 50, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 1},
+      {2, 4, 2, 5, 90, 128, 128, F32, BF16, 4, 4, 64, BF16, MASK_ADD, 0, 0, 0, 1, 1},
+      {1, 8, 2, 2, 40, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
+  kva_context *ctx[2];
+  for (int t = 0; t < 2; ++t) {
+    kva_context_opts o = {KVA_BACKEND_CPU, t + 1, 0, NULL};
+    ASSERT_OK(kva_context_create(&ctx[t], &o));
+  }
+  for (size_t ci = 0; ci < sizeof ec / sizeof ec[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &ec[ci];
+    att_data d;
+    ASSERT_TRUE(att_make(&d, c) == 0);
+    /* empty rows: (b, h, i) with (b + h + i) % 3 == 0; the array may
+     * broadcast over heads (strided cases), then every head of that row */
+    kva_tensor *m = &d.params.mask.array;
+    const int64_t mh = m->shape[1];
+    const size_t es = kva_dtype_size(m->dtype);
+    int64_t nempty = 0;
+    for (int64_t b = 0; b < c->B; ++b)
+      for (int64_t h = 0; h < mh; ++h)
+        for (int64_t i = 0; i < c->L; ++i) {
+          if ((b + h + i) % 3) continue;
+          char *row = (char *)m->data + b * m->stride[0] + h * m->stride[1] + i * m->stride[2];
+          for (int64_t j = 0; j < c->N; ++j) {
+            if (m->dtype == KVA_BOOL) row[j * m->stride[3]] = 0;
+            else {
+              const float x = -INFINITY;
+              memcpy(row + j * m->stride[3], &x, es);
+            }
+          }
+          ++nempty;
+        }
+    ASSERT_TRUE(nempty > 0);
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
+      if (att_set_pass(li)) continue;
+      for (int t = 0; t < 2 && !test_failed_flag; ++t) {
+        att_poison(&d);
+        const double atol = att_kernel_atol(ctx[t], &d.q, &d.view, &d.params, &d.out);
+        if (kva_attention(ctx[t], &d.q, &d.view, &d.params, &d.out, NULL, 0)) {
+          FAIL_("case %zu [%s]: %s", ci, att_pass_now(), kva_last_error());
+          break;
+        }
+        if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out or between its rows written", ci, att_pass_now());
+        if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+          FAIL_("case %zu [%s, %d threads]: differs from the oracle", ci, att_pass_now(), t + 1);
+        for (int64_t b = 0; b < c->B; ++b)
+          for (int64_t h = 0; h < c->H; ++h)
+            for (int64_t i = 0; i < c->L; ++i) {
+              if ((b + (mh == 1 ? 0 : h) + i) % 3) continue;
+              for (int64_t e = 0; e < c->Dv; ++e) {
+                const float x =
+                    test_load((const char *)d.out.data + b * d.out.stride[0] + h * d.out.stride[1] +
+                                  i * d.out.stride[2] + e * d.out.stride[3],
+                              c->odt);
+                if (x != 0.0f) {
+                  FAIL_("case %zu [%s]: row (%lld, %lld, %lld) sees no key but out[%lld] = %g", ci, att_pass_now(),
+                        (long long)b, (long long)h, (long long)i, (long long)e, (double)x);
+                  goto next;
+                }
+              }
+            }
+      next:;
+      }
+    }
+    att_end_passes();
+    att_free(&d);
+  }
+  for (int t = 0; t < 2; ++t) kva_context_destroy(ctx[t]);
+}
+
+/* Non-finite sinks. A -inf sink adds nothing: its heads' outputs equal, bit
+ * for bit, those of the same call without sinks, and the call matches the
+ * oracle. A +inf or NaN sink is refused on the CPU (KVA_EINVAL naming the
+ * head, out untouched). Fused and general kernels at every pass. */
+TEST(attention_sinks_nonfinite) {
+  static const att_case sc[] = {
+      {2, 8, 2, 3, 300, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {1, 6, 2, 2, 200, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 30, 0, 1, 0, 1},
+      {1, 4, 2, 5, 120, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
   kva_context *ctx;
   ASSERT_OK(kva_context_create(&ctx, NULL));
-  att_poison(&d);
-  ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
-  const float *o = (const float *)d.out.data;
-  for (int e = 0; e < c.Dv; ++e) ASSERT_TRUE(o[1 * c.Dv + e] == 0.0f);
+  for (size_t ci = 0; ci < sizeof sc / sizeof sc[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &sc[ci];
+    att_data d;
+    ASSERT_TRUE(att_make(&d, c) == 0);
+    /* head h: sink -inf (h even), finite (h odd) */
+    for (int h = 0; h < c->H; h += 2) d.sinks[h] = -INFINITY;
+    kva_tensor ref = att_alloc_like(&d, &d.out), nosink = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    kva_attn_params p0 = d.params;
+    p0.sinks = NULL;
+    for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
+      if (att_set_pass(li)) continue;
+      ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &p0, &nosink, NULL, 0));
+      att_poison(&d);
+      const double atol = att_kernel_atol(ctx, &d.q, &d.view, &d.params, &d.out);
+      ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
+      if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out written", ci, att_pass_now());
+      if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+        FAIL_("case %zu [%s]: differs from the oracle", ci, att_pass_now());
+      for (int64_t b = 0; b < c->B; ++b)
+        for (int64_t h = 0; h < c->H; h += 2)
+          for (int64_t i = 0; i < c->L; ++i)
+            for (int64_t e = 0; e < c->Dv; ++e) {
+              const int64_t off = b * d.out.stride[0] + h * d.out.stride[1] + i * d.out.stride[2] + e * d.out.stride[3];
+              const int64_t noff = ((b * c->H + h) * c->L + i) * c->Dv + e;
+              const float x = test_load((const char *)d.out.data + off, c->odt);
+              const float y = test_load((const char *)nosink.data + noff * (int64_t)kva_dtype_size(c->odt), c->odt);
+              if (memcmp(&x, &y, sizeof x) != 0) {
+                FAIL_("case %zu [%s]: -inf sink changed out[%lld,%lld,%lld,%lld]: %g, without sinks %g", ci,
+                      att_pass_now(), (long long)b, (long long)h, (long long)i, (long long)e, (double)x, (double)y);
+                goto next;
+              }
+            }
+      /* +inf and NaN: refused, out untouched */
+      for (int k = 0; k < 2 && !test_failed_flag; ++k) {
+        const float saved = d.sinks[1];
+        d.sinks[1] = k ? NAN : INFINITY;
+        att_poison(&d);
+        const int rc = kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0);
+        if (rc != KVA_EINVAL || !strstr(kva_last_error(), "sinks[1]"))
+          FAIL_("case %zu [%s]: %s sink gave %d (%s), expected KVA_EINVAL naming sinks[1]", ci, att_pass_now(),
+                k ? "NaN" : "+inf", rc, kva_last_error());
+        if (!att_sentinel_ok(&d) || memcmp(d.out_buf, d.out_image, d.out_bytes) != 0) FAIL_("case %zu: out written on error", ci);
+        d.sinks[1] = saved;
+      }
+    next:;
+    }
+    att_end_passes();
+    att_free(&d);
+  }
   kva_context_destroy(ctx);
+}
+
+/* The oracle's own output rounding (src/ref/reference.c) is the library's
+ * f32 -> f16 / bf16 rounding: its f16 and bf16 outputs are, bit for bit, its
+ * f32 output converted by kva_f32_to_f16 / kva_f32_to_bf16 (rows of
+ * magnitudes from 2^-30 to 2^10 by output column, f16 subnormals included). */
+TEST(reference_output_rounding) {
+  const att_case c = {1, 4, 2, 3, 60, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  float *v = (float *)d.v.data.data;
+  for (int64_t i = 0; i < (int64_t)c.KVH * c.N * c.Dv; ++i) v[i] = ldexpf(v[i], (int)(i % c.Dv % 41) - 30);
+  kva_tensor r32 = att_alloc_like(&d, &d.out);
+  ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &r32));
+  const float *x = (const float *)r32.data;
+  const int64_t n = (int64_t)c.H * c.L * c.Dv;
+  for (int k = 0; k < 2; ++k) {
+    const kva_dtype dt = k ? KVA_BF16 : KVA_F16;
+    kva_tensor r16 = kva_tensor_4d(NULL, dt, 1, c.H, c.L, c.Dv);
+    uint16_t *y = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)n);
+    ASSERT_TRUE(y != NULL);
+    r16.data = y;
+    int64_t bad = 0, sub = 0;
+    if (kva_reference_attention(&d.q, &d.view, &d.params, &r16) == 0)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t want = k ? kva_f32_to_bf16(x[i]) : kva_f32_to_f16(x[i]);
+        bad += y[i] != want;
+        sub += !k && (want & 0x7c00) == 0 && (want & 0x3ff) != 0;
+      }
+    else
+      bad = n;
+    free(y);
+    if (bad) FAIL_("%s: %lld of %lld oracle outputs differ from the rounded f32 output", k ? "bf16" : "f16",
+                   (long long)bad, (long long)n);
+    if (!k && sub == 0) FAIL_("no f16 subnormal among the outputs (the case does not test them)");
+  }
   att_free(&d);
 }
 

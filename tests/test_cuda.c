@@ -38,6 +38,8 @@ TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_grid_limits) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_rows_without_keys) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_sinks_nonfinite) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -131,7 +133,10 @@ static int tc_groups(const att_case *c, int64_t table_bs) {
   return (groups >= 2 && groups <= 8) || (groups == 1 && !c->strided && table_bs % 8 == 0);
 }
 
-/* The arithmetic allowance of a case on the CUDA backend: bf16 products
+/* The mutation test's allowance (cuda_random_mutations: the mutated calls
+ * may take another kernel than the base call, so the shape rule below);
+ * the oracle tests take the allowance of the kernel that runs
+ * (att_kernel_atol on the device descriptors). Bf16 products
  * (ATT_ATOL_BF16 = 2^-7 of max|ref|) where the selector takes the
  * tensor-core kernel (src/cuda/context.cu, kvc_tc_dim_index: bf16 q, Dk = Dv
  * in {64, 128, 256}, fused path: no array mask, L <= 16; and 4-bit K and V
@@ -160,7 +165,6 @@ static double cuda_case_atol_layout(const att_case *c, int64_t table_bs) {
     return ATT_ATOL_BF16;
   return ATOL_REL;
 }
-static double cuda_case_atol(const att_case *c) { return cuda_case_atol_layout(c, 0); }
 #define DEV_SENTINEL_BYTES 256
 #define DEV_SENTINEL_BYTE 0xA5
 #define DEV_POISON_BYTE 0xff /* NaN in every float dtype */
@@ -176,7 +180,7 @@ typedef struct dev_data {
   kva_kv_view view;
   void *bufs[MAX_DEV_BUFS];
   int nbufs;
-  char *out_base;     /* device copy of the host out buffer, then the sentinel */
+  char *out_base;     /* device copy of the host out buffer: guards before and after it */
   size_t out_bytes;
 } dev_data;
 
@@ -240,8 +244,10 @@ static int dev_make(dev_data *dd, const att_data *hd) {
       !mirror_tensor(dd, &hd->params.mask.array, &dd->params.mask.array))
     return 0;
   dd->out_bytes = hd->out_bytes;
-  dd->out_base = (char *)dev_keep(dd, hd->out_bytes + DEV_SENTINEL_BYTES);
+  /* guards of DEV_SENTINEL_BYTES before and after the output buffer */
+  dd->out_base = (char *)dev_keep(dd, DEV_SENTINEL_BYTES + hd->out_bytes + DEV_SENTINEL_BYTES);
   if (!dd->out_base) return 0;
+  dd->out_base += DEV_SENTINEL_BYTES;
   dd->out = hd->out;
   dd->out.data = dd->out_base + ((const char *)hd->out.data - (const char *)hd->out_buf);
   dd->view = kva_view_contiguous(&dd->k, &dd->v, dd->lens);
@@ -252,16 +258,24 @@ static int dev_make(dev_data *dd, const att_data *hd) {
 static int dev_poison(dev_data *dd, cudaStream_t s) {
   return cuda_ok(cudaMemsetAsync(dd->out_base, DEV_POISON_BYTE, dd->out_bytes, s), "poison out") &&
          cuda_ok(cudaMemsetAsync(dd->out_base + dd->out_bytes, DEV_SENTINEL_BYTE, DEV_SENTINEL_BYTES, s),
-                 "arm sentinel");
+                 "arm sentinel") &&
+         cuda_ok(cudaMemsetAsync(dd->out_base - DEV_SENTINEL_BYTES, DEV_SENTINEL_BYTE, DEV_SENTINEL_BYTES, s),
+                 "arm the guard before out");
 }
 
 /* Copies the device output into the host view's buffer; checks the sentinel. */
 static int dev_fetch(dev_data *dd, att_data *hd, const char *name) {
-  unsigned char tail[DEV_SENTINEL_BYTES];
+  unsigned char tail[DEV_SENTINEL_BYTES], head[DEV_SENTINEL_BYTES];
   if (!cuda_ok(cudaDeviceSynchronize(), "kernel execution") ||
       !cuda_ok(cudaMemcpy(hd->out_buf, dd->out_base, dd->out_bytes, cudaMemcpyDeviceToHost), "fetch out") ||
-      !cuda_ok(cudaMemcpy(tail, dd->out_base + dd->out_bytes, sizeof tail, cudaMemcpyDeviceToHost), "fetch tail"))
+      !cuda_ok(cudaMemcpy(tail, dd->out_base + dd->out_bytes, sizeof tail, cudaMemcpyDeviceToHost), "fetch tail") ||
+      !cuda_ok(cudaMemcpy(head, dd->out_base - DEV_SENTINEL_BYTES, sizeof head, cudaMemcpyDeviceToHost), "fetch head"))
     return 0;
+  for (int i = 0; i < DEV_SENTINEL_BYTES; ++i)
+    if (head[i] != DEV_SENTINEL_BYTE) {
+      FAIL_("%s: guard byte %d before out overwritten", name, i);
+      return 0;
+    }
   for (int i = 0; i < DEV_SENTINEL_BYTES; ++i)
     if (tail[i] != DEV_SENTINEL_BYTE) {
       FAIL_("%s: sentinel byte %d after out overwritten", name, i);
@@ -296,15 +310,16 @@ static int runs_kernel(kva_context *ctx, const dev_data *dd, const char *name, c
 /* Runs one case on the device against the oracle; `tweak` edits host operands first. */
 /* want: NULL, or a text the case's kernel name (kva_attention_kernel) must
  * contain: the case runs the kernel it is meant to test. */
-static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
-                         const char *want) {
-  char name[256];
-  att_case_str(c, name, sizeof name);
+static int run_case_q(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
+                      const char *want, int probe) {
+  char cs[256], name[300];
+  att_case_str(c, cs, sizeof cs);
+  snprintf(name, sizeof name, "%s q=%s", cs, att_query_names[probe]);
   att_data hd;
   dev_data dd;
   memset(&dd, 0, sizeof dd);
   int ok = 0;
-  if (att_make(&hd, c)) {
+  if (att_make_q(&hd, c, probe)) {
     FAIL_("%s: could not build operands", name);
     goto done;
   }
@@ -320,15 +335,21 @@ static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_
   }
   if (!dev_poison(&dd, 0)) goto done;
   if (!runs_kernel(ctx, &dd, name, want)) goto done;
+  const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
   int rc = kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0);
   if (rc) {
     FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
     goto done;
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
+  if (!att_out_padding_is(&hd, DEV_POISON_BYTE)) {
+    FAIL_("%s: CUDA wrote between the rows of out", name);
+    goto done;
+  }
   double max_err = 0, l2 = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), &max_err, &l2)) {
-    FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g)", name, tweak ? " (tweaked)" : "", max_err);
+  if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, &l2)) {
+    FAIL_("%s%s: CUDA out differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
+          tweak ? " (tweaked)" : "", max_err, atol);
     goto done;
   }
   ok = 1;
@@ -336,6 +357,14 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+
+/* run_case_q with random queries, then with probes (att_make_q). */
+static int run_case_want(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant,
+                         const char *want) {
+  for (int pr = 0; pr < ATT_PROBES; ++pr)
+    if (!run_case_q(ctx, c, tweak, variant, want, pr)) return 0;
+  return 1;
 }
 
 static int run_case(kva_context *ctx, const att_case *c, void (*tweak)(att_data *, int), int variant) {
@@ -658,7 +687,8 @@ static void graph_replay(int tcd, int wg, int ctx_ws) {
         !cuda_ok(cudaStreamSynchronize(s), "replay") || !dev_fetch(&dd, &hd, "replay"))
       goto done;
     double max_err = 0;
-    if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), att_rtol(c.odt), &max_err, NULL)) {
+    if (!att_compare(&hd.out, &ref, att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out), att_rtol(c.odt),
+                     &max_err, NULL)) {
       FAIL_("replay with lengths {%d, %d} differs from the oracle (max err %.3g)", lens_sets[si][0],
             lens_sets[si][1], max_err);
       goto done;
@@ -709,7 +739,7 @@ TEST(cuda_caller_workspace) {
   if (!dev_poison(&dd, 0) || kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref) ||
       kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, ws, bytes) || !dev_fetch(&dd, &hd, "ws"))
     FAIL_("exact workspace: %s", kva_last_error());
-  else if (!att_compare(&hd.out, &ref, cuda_case_atol(&c), 0, NULL, NULL))
+  else if (!att_compare(&hd.out, &ref, att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out), 0, NULL, NULL))
     FAIL_("exact workspace: out differs from the oracle");
 done:
   if (ws) cudaFree(ws);
@@ -727,9 +757,11 @@ done:
  * 64, 8), the fused kernel (bf16, q8, q4 with f32 queries) and the general
  * kernel (bool mask, L > 16). want: a part of the name of the kernel the case
  * must run (kva_attention_kernel), or NULL. */
-static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
-  char name[256];
-  att_case_str(c, name, sizeof name);
+static int run_table_case_q(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want,
+                            int probe) {
+  char cs[256], name[300];
+  att_case_str(c, cs, sizeof cs);
+  snprintf(name, sizeof name, "%s q=%s", cs, att_query_names[probe]);
   att_data hd;
   dev_data dd;
   memset(&dd, 0, sizeof dd);
@@ -737,7 +769,7 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   kva_paged_view *pv = NULL;
   int32_t *blocks = NULL, *lens = NULL, *fo = NULL;
   int ok = 0;
-  if (att_make(&hd, c)) {
+  if (att_make_q(&hd, c, probe)) {
     FAIL_("%s: could not build operands", name);
     goto done;
   }
@@ -788,15 +820,21 @@ static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint6
   dd.view = kva_view_block_table(&dk, &dv, &dbt);
   if (!dev_poison(&dd, 0)) goto done;
   if (!runs_kernel(ctx, &dd, name, want)) goto done;
+  const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
   if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
     FAIL_("%s block %lld: kva_attention(CUDA, BLOCK_TABLE): %s", name, (long long)bs, kva_last_error());
     goto done;
   }
   if (!dev_fetch(&dd, &hd, name)) goto done;
+  if (!att_out_padding_is(&hd, DEV_POISON_BYTE)) {
+    FAIL_("%s block %lld: CUDA wrote between the rows of out", name, (long long)bs);
+    goto done;
+  }
   double max_err = 0;
-  if (!att_compare(&hd.out, &ref, cuda_case_atol_layout(c, bs), att_rtol(c->odt), &max_err, NULL)) {
-    FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g)", name,
-          (long long)bs, max_err);
+  if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, NULL)) {
+    FAIL_("%s block %lld: CUDA over the block table differs from the oracle (max err %.3g, allowed %.3g of "
+          "max|ref|)",
+          name, (long long)bs, max_err, atol);
     goto done;
   }
   ok = 1;
@@ -809,6 +847,13 @@ done:
   dev_free(&dd);
   att_free(&hd);
   return ok;
+}
+
+/* run_table_case_q with random queries, then with probes. */
+static int run_table_case(kva_context *ctx, const att_case *c, int64_t bs, uint64_t seed, const char *want) {
+  for (int pr = 0; pr < ATT_PROBES; ++pr)
+    if (!run_table_case_q(ctx, c, bs, seed, want, pr)) return 0;
+  return 1;
 }
 
 TEST(cuda_block_table) {
@@ -1135,5 +1180,113 @@ TEST(cuda_grid_limits) {
     att_free(&d);
   }
   kva_context_destroy(ctx);
+}
+/* Rows that see no key on the device: lengths in device memory below L
+ * (clamped into [0, N]: row i sits at p = len - L + i, and rows with p < 0
+ * see nothing) output zeros, sinks or not; the other rows match the oracle
+ * over the sequence's first len tokens with the last len query rows (a
+ * call with L = len, whose rows sit at the same positions). Tensor-core
+ * (bf16 q, q4 and bf16 K/V), fused (f32) and general (L > 16) kernels. */
+TEST(cuda_rows_without_keys) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case rc[] = {
+      {3, 8, 2, 4, 300, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {3, 12, 2, 4, 300, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 40, 0, 0, 1, 0},
+      {3, 4, 2, 3, 200, 64, 64, F32, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 1, 1, 1},
+      {3, 4, 2, 20, 100, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 1, 0},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
+    const att_case *c = &rc[ci];
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    att_data hd;
+    dev_data dd;
+    memset(&dd, 0, sizeof dd);
+    if (att_make(&hd, c) || !dev_make(&dd, &hd)) {
+      FAIL_("%s: operands", name);
+      dev_free(&dd);
+      att_free(&hd);
+      break;
+    }
+    /* lengths: 0 (no row sees a key), L - 1 (row 0 sees none), the case's own */
+    hd.lens[0] = 0;
+    hd.lens[1] = c->L - 1;
+    kva_tensor ref = att_alloc_like(&hd, &hd.out);
+    memset(ref.data, 0, (size_t)(c->B * c->H * c->L * c->Dv) * kva_dtype_size(c->odt));
+    int ok = 1;
+    for (int b = 0; b < c->B && ok; ++b) {
+      const int64_t len = hd.lens[b];
+      if (len == 0) continue;
+      /* the oracle over sequence b's first len tokens, rows L - len .. L - 1 */
+      kva_tensor q = hd.q, out = ref;
+      q.shape[0] = out.shape[0] = 1;
+      q.shape[2] = out.shape[2] = len;
+      q.data = (char *)hd.q.data + b * hd.q.stride[0] + (c->L - len) * hd.q.stride[2];
+      out.data = (char *)ref.data + b * ref.stride[0] + (c->L - len) * ref.stride[2];
+      kva_kv k = hd.k, v = hd.v;
+      kva_tensor *ts[6] = {&k.data, &k.scales, &k.biases, &v.data, &v.scales, &v.biases};
+      for (int i = 0; i < 6; ++i) {
+        if (!ts[i]->data) continue;
+        ts[i]->data = (char *)ts[i]->data + b * ts[i]->stride[0];
+        ts[i]->shape[0] = 1;
+        ts[i]->shape[2] = len;
+      }
+      const kva_kv_view view = kva_view_contiguous(&k, &v, NULL);
+      if (kva_reference_attention(&q, &view, &hd.params, &out)) {
+        FAIL_("%s: oracle for sequence %d: %s", name, b, kva_last_error());
+        ok = 0;
+      }
+    }
+    if (ok && (!cuda_ok(cudaMemcpy(dd.lens, hd.lens, sizeof(int32_t) * (size_t)c->B, cudaMemcpyHostToDevice), "lens") ||
+               !dev_poison(&dd, 0)))
+      ok = 0;
+    if (ok) {
+      const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
+      if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
+        FAIL_("%s: kva_attention(CUDA): %s", name, kva_last_error());
+      } else if (dev_fetch(&dd, &hd, name)) {
+        double err = 0;
+        /* the empty rows: exactly zero (the reference holds zeros there) */
+        if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &err, NULL))
+          FAIL_("%s: lengths {0, %d, %d}: differs from the oracle (max err %.3g)", name, c->L - 1, hd.lens[2], err);
+        for (int b = 0; b < 2 && !test_failed_flag; ++b)
+          for (int64_t h = 0; h < c->H; ++h)
+            for (int64_t i = 0; i < c->L - hd.lens[b]; ++i)
+              for (int64_t e = 0; e < c->Dv; ++e)
+                if (test_load((const char *)hd.out.data + b * hd.out.stride[0] + h * hd.out.stride[1] +
+                                  i * hd.out.stride[2] + e * hd.out.stride[3],
+                              c->odt) != 0.0f) {
+                  FAIL_("%s: sequence %d (length %d), head %lld, row %lld sees no key but is not zero", name, b,
+                        hd.lens[b], (long long)h, (long long)i);
+                  goto next;
+                }
+      next:;
+      }
+    }
+    dev_free(&dd);
+    att_free(&hd);
+  }
+  kva_context_destroy(ctx);
+}
+
+/* Sinks of -inf (no effect), +inf and NaN (NaN rows), per head, against the
+ * oracle (NaN positions exact): tensor-core, per-warp, fused, general. */
+static void plant_sinks(att_data *d, int variant) {
+  (void)variant;
+  for (int h = 0; h < d->c.H; ++h)
+    d->sinks[h] = h % 4 == 0 ? -INFINITY : h % 4 == 1 ? INFINITY : h % 4 == 2 ? NAN : d->sinks[h];
+}
+TEST(cuda_sinks_nonfinite) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case sc[] = {
+      {2, 8, 2, 2, 900, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 24, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 24, 4, 2, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 8, 4, 3, 600, 128, 128, F32, F32, 8, 8, 64, F16, MASK_WINDOW, 70, 0, 1, 1, 0},
+      {1, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0},
+  };
+  run_case_table(sc, sizeof sc / sizeof sc[0], plant_sinks, 1, NULL);
 }
 #endif

@@ -183,7 +183,7 @@ TEST(errors_workspace_queries) {
   ASSERT_TRUE(strlen(small) == sizeof small - 1 && strncmp(small, kname, sizeof small - 1) == 0); /* truncated */
   ASSERT_OK(kva_cpu_set_simd("portable")); /* the fused kernel on generic vectors (fast8.c) */
   ASSERT_EQ(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, sizeof kname), KVA_PATH_FUSED);
-  ASSERT_TRUE(strcmp(kname, "cpu portable fused kernel") == 0);
+  ASSERT_TRUE(strcmp(kname, "cpu portable fused kernel [exact f32]") == 0);
   kva_cpu_set_simd(NULL);
   ASSERT_TRUE(strcmp(kva_strerror(KVA_ESHAPE), "shape mismatch") == 0);
   ASSERT_TRUE(strcmp(kva_strerror(12345), "unknown error") == 0);

@@ -20,7 +20,6 @@
 #define M_KVH 2
 #define M_D 64         /* Dk = Dv (a head dim the attention paths support) */
 #define M_H 4
-#define M_ATOL_REL 3e-5
 
 typedef struct mseq {
   int32_t id;
@@ -332,7 +331,7 @@ static int op_attend(model *m) {
     if (u != 0xffffffffu) { FAIL_("attention wrote past out"); ok = 0; }
   }
   double err = 0;
-  if (ok && !att_compare(&out, &ref, M_ATOL_REL, 0, &err, NULL)) {
+  if (ok && !att_compare(&out, &ref, att_kernel_atol(m->ctx, &q, &pview, &p, &out), 0, &err, NULL)) {
     FAIL_("attention over a view (B %lld, L %lld, mask %d) differs from the oracle: max err %.3g", (long long)B,
           (long long)L, mk, err);
     ok = 0;

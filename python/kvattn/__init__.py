@@ -494,8 +494,10 @@ def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
                      context=None):
     """Validates like attention() and describes the kernel that would run, e.g.
-    "cpu avx512 fused kernel" or "cpu avx512 AMX kernel (bf16 tiles)" (for
-    reading, not parsing: the wording may change)."""
+    "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
+    tiles) [K,V,P bf16]": words for reading (they may change), then the
+    kernel's roundings in a stable trailing bracket (kvattn.h,
+    kva_attention_kernel)."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
     ctx = context if context is not None else default_context(threads)

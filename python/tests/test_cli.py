@@ -44,7 +44,7 @@ def test_bench_simd_portable():
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1 and rows[0]["status"] == "PASS"
-    assert rows[0]["kernel"] == "cpu portable fused kernel"
+    assert rows[0]["kernel"] == "cpu portable fused kernel [exact f32]"
 
 
 def test_env_simd_cap():

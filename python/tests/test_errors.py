@@ -350,12 +350,13 @@ def test_misaligned_pointers(ops):
     assert (out == 0).all()
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_sinks(ops, bad):
+    """NaN and +inf sinks are refused (-inf is a sink that adds nothing)."""
     sinks = np.zeros(H, np.float32)
     sinks[2] = bad
     out = np.full((B, H, L, D), 7.0, np.float32)
-    raises(att(ops, sinks=sinks, out=out), r"sinks\[2\] = -?(nan|inf) must be finite")
+    raises(att(ops, sinks=sinks, out=out), r"sinks\[2\] = (nan|inf) must be finite or -inf")
     assert (out == 7.0).all()
 
 

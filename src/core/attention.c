@@ -126,8 +126,9 @@ static int check_arrays(const kva_problem *p, kva_backend backend, const kva_att
   }
   if (params->sinks && backend == KVA_BACKEND_CPU)
     for (int64_t h = 0; h < p->H; ++h)
-      if (!isfinite(params->sinks[h]))
-        return kva_seterr(KVA_EINVAL, "sinks[%lld] = %g must be finite", (long long)h, (double)params->sinks[h]);
+      if (isnan(params->sinks[h]) || params->sinks[h] == INFINITY)
+        return kva_seterr(KVA_EINVAL, "sinks[%lld] = %g must be finite or -inf (no sink)", (long long)h,
+                          (double)params->sinks[h]);
   return 0;
 }
 

@@ -381,7 +381,7 @@ static void merge_task(void *arg, long task, int worker) {
 void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size) {
   const kva_cpu_kernels *kt = kva_cpu_kernels_get();
   const char *fast = p->path == KVA_PATH_FUSED && !general_only_set() ? kt->fast_name(p) : NULL;
-  snprintf(name, size, "cpu %s %s", kt->level, fast ? fast : "general kernel");
+  snprintf(name, size, "cpu %s %s", kt->level, fast ? fast : "general kernel [exact f32]");
 }
 
 int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {

@@ -483,26 +483,47 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
   return 0;
 }
 
+/* The roundings of the kernel pl runs, as kva_attention_kernel's trailing
+ * bracket (kvattn.h): the fused and general kernels multiply in f32; the
+ * tensor-core kernels round P to the rows' 16-bit type, and
+ * - 16-bit float rows: nothing else (q, K, V are the mma operands as given);
+ * - q4 / q8 decode instances (narrow, up to 8 query vectors) and the
+ *   per-warp q4 kernel: q to 15 bits (two s8 parts, exact integer q.k on the
+ *   codes); q4 narrow: V dequantized to bf16; q8 narrow and per-warp q4: P
+ *   times the V scale in bf16, the codes exact;
+ * - the 32- and 48-vector instances and the warpgroup kernel: K and V
+ *   dequantized to bf16. */
+static const char *kvc_roundings(const kvc_plan &pl) {
+  if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
+  if (pl.tc == 2) return "[q int15, P bf16]";
+  if (pl.tc == 3) return "[K,V,P bf16]";
+  if (pl.fmt == KVC_BF16) return "[P bf16]";
+  if (pl.fmt == KVC_F16) return "[P f16]";
+  if (pl.QW == 8) return pl.fmt == KVC_Q4 ? "[q int15, V,P bf16]" : "[q int15, P bf16]";
+  return "[K,V,P bf16]";
+}
+
 extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
   static const char *const fmts[KVC_NFMT] = {"f32", "f16", "bf16", "q2", "q4", "q8"};
   const int rc = kvc_check_limits(p);
   if (rc < 0) return rc;
   const kvc_plan pl = kvc_select(ctx, p);
+  const char *r = kvc_roundings(pl);
   if (pl.fmt < 0)
-    snprintf(name, size, "cuda general kernel");
+    snprintf(name, size, "cuda general kernel %s", r);
   else if (pl.tc == 3)
-    snprintf(name, size, "cuda q4 tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s", pl.QW,
-             pl.nsplit, pl.nsplit == 1 ? "" : "s");
+    snprintf(name, size, "cuda q4 tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s %s",
+             pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc == 2)
-    snprintf(name, size, "cuda q4 tensor-core kernel: per-warp decode, %d query vectors, group compiled in, %d split%s",
-             (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s");
+    snprintf(name, size, "cuda q4 tensor-core kernel: per-warp decode, %d query vectors, group compiled in, %d split%s %s",
+             (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc)
-    snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s", fmts[pl.fmt],
+    snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s %s", fmts[pl.fmt],
              pl.QW == 8 * KVC_TC_NTM_WIDE ? "wide (8 warps)" : pl.QW == 8 ? "decode instance" : "narrow",
-             pl.QW, pl.group ? ", group compiled in" : "", pl.nsplit, pl.nsplit == 1 ? "" : "s");
+             pl.QW, pl.group ? ", group compiled in" : "", pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else
-    snprintf(name, size, "cuda %s fused kernel: %d query vectors per block, %d elements per lane, %d split%s",
-             fmts[pl.fmt], pl.QW, pl.E, pl.nsplit, pl.nsplit == 1 ? "" : "s");
+    snprintf(name, size, "cuda %s fused kernel: %d query vectors per block, %d elements per lane, %d split%s %s",
+             fmts[pl.fmt], pl.QW, pl.E, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   return 0;
 }
 

@@ -1,10 +1,13 @@
 /* The oracle: naive attention in double precision over the public
  * descriptors. One query row at a time: scores for every key, masks, softcap,
  * softmax with the sink in the denominator, weighted sum of V. It shares no
- * code with the fast paths (own element loads, own dequantization, own mask
- * rule); it does reuse the argument validation of kva_attention. */
+ * code with the fast paths past argument validation: kva_problem_init checks
+ * the call exactly as kva_attention does (and refuses what it refuses), and
+ * nothing else of the problem it builds is used. Element loads, row
+ * addresses (contiguous, block-table and paged views: the last through the
+ * public CSR arrays, kva_paged_view_csr), lengths, dequantization, the mask
+ * rule and the output rounding are this file's own. */
 #include "core/attention.h"
-#include "cpu/source.h"
 
 #include <math.h>
 #include <string.h>
@@ -29,56 +32,114 @@ static double ref_load(const char *p, kva_dtype dt) {
   }
 }
 
+/* f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN of its sign. */
+static uint16_t ref_bf16_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (isnan(f)) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+/* f32 -> f16, round to nearest even (subnormals, overflow to inf). */
+static uint16_t ref_f16_of(float f) {
+  const uint16_t sign = signbit(f) ? 0x8000 : 0;
+  const double a = fabs((double)f);
+  if (isnan(f)) return (uint16_t)(sign | 0x7e00);
+  if (a >= 65520.0) return (uint16_t)(sign | 0x7c00); /* past the midpoint of 65504 and 2^16 */
+  if (a < 0x1p-14) return (uint16_t)(sign | (uint16_t)nearbyint(a * 0x1p24)); /* subnormal (or 2^-14) */
+  int ex;
+  frexp(a, &ex); /* a = fr 2^ex, fr in [0.5, 1): a = (1 + m/1024) 2^(ex-1) */
+  int e = ex - 1;
+  double m = nearbyint((ldexp(a, -e) - 1.0) * 1024.0);
+  if (m == 1024.0) {
+    m = 0;
+    ++e;
+  }
+  return (uint16_t)(sign | (uint16_t)((e + 15) << 10) | (uint16_t)m);
+}
+
+/* Address of element [a, b, c, d] of a 4-d descriptor. */
+static const char *ref_at(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  return (const char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + d * t->stride[3];
+}
+
+/* The dims of a K/V operand's rows: float, or D = words * 32 / bits. */
+static int64_t ref_dim(const kva_kv *kv) { return kv->bits ? kv->data.shape[3] * 32 / kv->bits : kv->data.shape[3]; }
+
 /* Element d of one K/V row. row: data row, sc/bi: scales/biases rows. */
 static double ref_kv_elem(const kva_kv *kv, const char *row, const char *sc, const char *bi, int64_t d) {
-  if (kv->bits == 0) return ref_load(row + d * (int64_t)kva_dtype_size(kv->data.dtype), kv->data.dtype);
+  if (kv->bits == 0) return ref_load(row + d * kv->data.stride[3], kv->data.dtype);
   int per = 32 / kv->bits;
   uint32_t w;
-  memcpy(&w, row + (d / per) * 4, 4);
+  memcpy(&w, row + (d / per) * kv->data.stride[3], 4);
   uint32_t code = (w >> ((d % per) * kv->bits)) & ((1u << kv->bits) - 1u);
-  int64_t g = d / kv->group_size, es = (int64_t)kva_dtype_size(kv->scales.dtype);
-  return ref_load(sc + g * es, kv->scales.dtype) * (double)code + ref_load(bi + g * es, kv->biases.dtype);
+  int64_t g = d / kv->group_size;
+  return ref_load(sc + g * kv->scales.stride[3], kv->scales.dtype) * (double)code +
+         ref_load(bi + g * kv->biases.stride[3], kv->biases.dtype);
 }
 
 typedef struct { const char *row, *sc, *bi; } ref_row;
 
-static ref_row ref_contig_row(const kva_kv *kv, int64_t b, int64_t hk, int64_t t) {
-  ref_row r = {kva_at4(&kv->data, b, hk, t, 0), NULL, NULL};
+/* Row (n0, hk, n2) of one K/V operand: n0 the sequence (contiguous) or the
+ * block, n2 the token or the row inside the block. */
+static ref_row ref_operand_row(const kva_kv *kv, int64_t n0, int64_t hk, int64_t n2) {
+  ref_row r = {ref_at(&kv->data, n0, hk, n2, 0), NULL, NULL};
   if (kv->bits) {
-    r.sc = kva_at4(&kv->scales, b, hk, t, 0);
-    r.bi = kva_at4(&kv->biases, b, hk, t, 0);
+    r.sc = ref_at(&kv->scales, n0, hk, n2, 0);
+    r.bi = ref_at(&kv->biases, n0, hk, n2, 0);
   }
   return r;
 }
 
-static ref_row ref_row_at(const kva_kv_view *view, int which, int64_t b, int64_t hk, int64_t t) {
-  if (view->layout == KVA_LAYOUT_PAGED || view->layout == KVA_LAYOUT_BLOCK_TABLE) {
-    /* Row addresses only: the layout's own lookup, no attention math. */
-    kva_source src;
-    kva_span sp;
-    if (view->layout == KVA_LAYOUT_PAGED) kva_source_paged(&src, view);
-    else kva_source_block_table(&src, view);
-    src.span_at(&src, b, hk, t, t + 1, &sp);
-    ref_row r = which ? (ref_row){sp.v, sp.vs, sp.vb} : (ref_row){sp.k, sp.ks, sp.kb};
-    return r;
+/* Where the tokens of a view live, read from the public descriptors. */
+typedef struct {
+  const kva_kv_view *view;
+  kva_paged_csr csr; /* PAGED */
+  int64_t bs;        /* PAGED, BLOCK_TABLE: rows per block (the pools' dim 2) */
+} ref_layout;
+
+static int64_t ref_len(const ref_layout *lo, int64_t b) {
+  const kva_kv_view *v = lo->view;
+  switch (v->layout) {
+  case KVA_LAYOUT_PAGED: return lo->csr.lens[b];
+  case KVA_LAYOUT_BLOCK_TABLE: return v->table->seq_lens[b];
+  default: return v->seq_lens ? v->seq_lens[b] : v->k.data.shape[2];
   }
-  return ref_contig_row(which ? &view->v : &view->k, b, hk, t);
 }
 
-/* The written mask rule, evaluated independently of the fast paths. */
-static int ref_visible(const kva_problem *p, int64_t b, int64_t i, int64_t j, int64_t len, int64_t h,
+/* Row of token t of sequence b, K (which = 0) or V (1). Paged and block
+ * tables: row r = first_offset + t of the sequence's blocks read as one
+ * array lives in block r / bs (CSR indices or table entry), row r % bs. */
+static ref_row ref_row_at(const ref_layout *lo, int which, int64_t b, int64_t hk, int64_t t) {
+  const kva_kv_view *v = lo->view;
+  const kva_kv *kv = which ? &v->v : &v->k;
+  if (v->layout == KVA_LAYOUT_PAGED) {
+    const int64_t r = (lo->csr.first_offset ? lo->csr.first_offset[b] : 0) + t;
+    return ref_operand_row(kv, lo->csr.indices[lo->csr.indptr[b] + r / lo->bs], hk, r % lo->bs);
+  }
+  if (v->layout == KVA_LAYOUT_BLOCK_TABLE) {
+    const kva_block_table *tb = v->table;
+    const int64_t r = (tb->first_offset ? tb->first_offset[b] : 0) + t;
+    const int64_t rs = tb->row_stride ? tb->row_stride : tb->max_blocks;
+    return ref_operand_row(kv, tb->blocks[b * rs + r / lo->bs], hk, r % lo->bs);
+  }
+  return ref_operand_row(kv, b, hk, t);
+}
+
+/* The written mask rule (DESIGN.md), evaluated independently of the fast
+ * paths: array masks broadcast over their size-1 dims (B, H, L). */
+static int ref_visible(const kva_mask *m, int64_t L, int64_t b, int64_t i, int64_t j, int64_t len, int64_t h,
                        double *add) {
   *add = 0.0;
-  const kva_mask *m = &p->mask;
   if (m->kind == KVA_MASK_NONE) return 1;
   if (m->kind == KVA_MASK_ARRAY) {
-    const char *e = (const char *)m->array.data + b * p->mask_stride[0] + h * p->mask_stride[1] +
-                    i * p->mask_stride[2] + j * p->mask_stride[3];
-    if (m->array.dtype == KVA_BOOL) return *(const uint8_t *)e != 0;
-    *add = ref_load(e, m->array.dtype);
+    const kva_tensor *a = &m->array;
+    const char *e = ref_at(a, a->shape[0] == 1 ? 0 : b, a->shape[1] == 1 ? 0 : h, a->shape[2] == 1 ? 0 : i, j);
+    if (a->dtype == KVA_BOOL) return *(const uint8_t *)e != 0;
+    *add = ref_load(e, a->dtype);
     return 1;
   }
-  int64_t pos = len - p->L + i;
+  int64_t pos = len - L + i;
   int causal = j <= pos, inwin = m->window == 0 || j > pos - m->window;
   if (causal && inwin) return 1;
   if (m->segments.data) {
@@ -95,34 +156,44 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
                             kva_tensor *out) {
   kva_clearerr();
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
-  kva_problem p;
+  kva_problem p; /* validation only: the call is checked as kva_attention checks it */
   int rc = kva_problem_init(&p, KVA_BACKEND_CPU, q, kv, params, out);
   if (rc < 0) return rc;
+  ref_layout lo;
+  memset(&lo, 0, sizeof lo);
+  lo.view = kv;
+  if (kv->layout == KVA_LAYOUT_PAGED && (rc = kva_paged_view_csr(kv->paged, &lo.csr)) < 0) return rc;
+  lo.bs = kv->k.data.shape[2];
   const kva_kv *K = &kv->k, *V = &kv->v;
-  double *s = (double *)malloc((size_t)p.N * sizeof *s);
-  double *o = (double *)malloc((size_t)p.Dv * sizeof *o);
-  unsigned char *vis = (unsigned char *)malloc((size_t)p.N);
+  const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], KVH = K->data.shape[1];
+  const int64_t Dk = ref_dim(K), Dv = ref_dim(V), rep = H / KVH;
+  const double scale = params->scale != 0.0f ? (double)params->scale : (double)(float)(1.0 / sqrt((double)Dk));
+  int64_t maxlen = 1;
+  for (int64_t b = 0; b < B; ++b)
+    if (ref_len(&lo, b) > maxlen) maxlen = ref_len(&lo, b);
+  double *s = (double *)malloc((size_t)maxlen * sizeof *s);
+  double *o = (double *)malloc((size_t)Dv * sizeof *o);
+  unsigned char *vis = (unsigned char *)malloc((size_t)maxlen);
   if (!s || !o || !vis) {
     free(s); free(o); free(vis);
-    return kva_seterr(KVA_ENOMEM, "oracle scratch for N = %lld", (long long)p.N);
+    return kva_seterr(KVA_ENOMEM, "oracle scratch for %lld keys", (long long)maxlen);
   }
-  for (int64_t b = 0; b < p.B; ++b) {
-    int64_t len = kva_problem_len(&p, b);
-    for (int64_t h = 0; h < p.H; ++h) {
-      int64_t hk = h / p.rep;
-      for (int64_t i = 0; i < p.L; ++i) {
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t len = ref_len(&lo, b);
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t hk = h / rep;
+      for (int64_t i = 0; i < L; ++i) {
         double mx = -INFINITY;
         int any = 0;
         for (int64_t j = 0; j < len; ++j) {
           double add;
-          vis[j] = (unsigned char)ref_visible(&p, b, i, j, len, h, &add);
+          vis[j] = (unsigned char)ref_visible(&params->mask, L, b, i, j, len, h, &add);
           if (!vis[j]) continue;
-          ref_row kr = ref_row_at(kv, 0, b, hk, j);
+          ref_row kr = ref_row_at(&lo, 0, b, hk, j);
           double dot = 0.0;
-          for (int64_t d = 0; d < p.Dk; ++d)
-            dot += ref_load(kva_at4(q, b, h, i, d), q->dtype) * ref_kv_elem(K, kr.row, kr.sc, kr.bi, d);
-          double x = (double)p.scale * dot;
-          if (p.softcap > 0) x = (double)p.softcap * tanh(x / (double)p.softcap);
+          for (int64_t d = 0; d < Dk; ++d) dot += ref_load(ref_at(q, b, h, i, d), q->dtype) * ref_kv_elem(K, kr.row, kr.sc, kr.bi, d);
+          double x = scale * dot;
+          if (params->softcap > 0) x = (double)params->softcap * tanh(x / (double)params->softcap);
           x += add;
           if (x == -INFINITY) { vis[j] = 0; continue; }
           s[j] = x;
@@ -130,25 +201,28 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
           if (isnan(x)) mx = NAN;            /* NaN logits make the row NaN */
           else if (x > mx) mx = x;
         }
-        double sink = p.sinks ? (double)p.sinks[h] : -INFINITY;
-        for (int64_t d = 0; d < p.Dv; ++d) o[d] = 0.0;
+        double sink = params->sinks ? (double)params->sinks[h] : -INFINITY;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = 0.0;
         if (any) {
           if (sink > mx) mx = sink;
-          double den = p.sinks ? exp(sink - mx) : 0.0;
+          double den = params->sinks ? exp(sink - mx) : 0.0;
           for (int64_t j = 0; j < len; ++j) {
             if (!vis[j]) continue;
             double e = exp(s[j] - mx);
             den += e;
-            ref_row vr = ref_row_at(kv, 1, b, hk, j);
-            for (int64_t d = 0; d < p.Dv; ++d) o[d] += e * ref_kv_elem(V, vr.row, vr.sc, vr.bi, d);
+            ref_row vr = ref_row_at(&lo, 1, b, hk, j);
+            for (int64_t d = 0; d < Dv; ++d) o[d] += e * ref_kv_elem(V, vr.row, vr.sc, vr.bi, d);
           }
-          for (int64_t d = 0; d < p.Dv; ++d) o[d] /= den;
+          for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
         }
-        for (int64_t d = 0; d < p.Dv; ++d) {
-          char *dst = kva_at4(out, b, h, i, d);
+        for (int64_t d = 0; d < Dv; ++d) {
+          char *dst = (char *)ref_at(out, b, h, i, d);
+          const float f = (float)o[d]; /* one rounding to f32, then one to the output type */
+          uint16_t u;
           switch (out->dtype) {
-          case KVA_F32: *(float *)dst = (float)o[d]; break;
-          default: kva_store_f(dst, out->dtype, (float)o[d]); break; /* one rounding via f32 */
+          case KVA_F32: memcpy(dst, &f, 4); break;
+          case KVA_F16: u = ref_f16_of(f); memcpy(dst, &u, 2); break;
+          default: u = ref_bf16_of(f); memcpy(dst, &u, 2); break;
           }
         }
       }

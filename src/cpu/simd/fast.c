@@ -644,9 +644,27 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   return amx ? amx : attend_fast;
 }
 
+/* The name with its roundings in brackets (kvattn.h, kva_attention_kernel):
+ * the AMX kernel rounds float K and V rows to bf16 where they are not bf16
+ * already (quantized rows: exact codes) and P always (times the V group
+ * scale for quantized V); the vector kernel multiplies in f32, with quantized
+ * K and 16-bit queries on integer dot products (q rounded to 21 bits,
+ * chunk_dots_vnni). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
-  return !f ? NULL : f == attend_fast ? "fused kernel" : "AMX kernel (bf16 tiles)";
+  if (!f) return NULL;
+  if (f == attend_fast) {
+#ifdef __AVX512VNNI__
+    if (p->kv->k.bits && p->q->dtype != KVA_F32) return "fused kernel [q int21]";
+#endif
+    return "fused kernel [exact f32]";
+  }
+  /* exact on the tiles: bf16 rows and quantized codes (their scales applied in f32) */
+  const int kx = p->kv->k.bits || p->kv->k.data.dtype == KVA_BF16, vx = p->kv->v.bits || p->kv->v.data.dtype == KVA_BF16;
+  return kx && vx ? "AMX kernel (bf16 tiles) [P bf16]"
+         : kx     ? "AMX kernel (bf16 tiles) [V,P bf16]"
+         : vx     ? "AMX kernel (bf16 tiles) [K,P bf16]"
+                  : "AMX kernel (bf16 tiles) [K,V,P bf16]";
 }
 
 #endif

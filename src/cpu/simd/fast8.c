@@ -763,5 +763,5 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   return attend_fast8;
 }
 
-const char *KFN(fast_name)(const kva_problem *p) { return KFN(select_fast)(p) ? "fused kernel" : NULL; }
+const char *KFN(fast_name)(const kva_problem *p) { return KFN(select_fast)(p) ? "fused kernel [exact f32]" : NULL; }
 #endif
