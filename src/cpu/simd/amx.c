@@ -293,8 +293,11 @@ static void attend_amx(const kva_item *it) {
       if (r < n) {
         krow_any(&kf, trow[r].k, kb + r * Dk);
         if (kf.bits) {
-          _mm512_storeu_ps(ksf + r * MAXG, load_groups(trow[r].ks, kf.dt, kf.ngroups));
-          _mm512_storeu_ps(kbf + r * MAXG, load_groups(trow[r].kb, kf.dt, kf.ngroups));
+          const __m512 bv = load_groups(trow[r].kb, kf.dt, kf.ngroups), sv = load_groups(trow[r].ks, kf.dt, kf.ngroups);
+          /* ±inf scale or bias: NaN logit, as dequantizing the row gives */
+          const __mmask16 inf = _mm512_fpclass_ps_mask(sv, 0x18) | _mm512_fpclass_ps_mask(bv, 0x18);
+          _mm512_storeu_ps(ksf + r * MAXG, _mm512_mask_mov_ps(sv, inf, _mm512_set1_ps(NAN)));
+          _mm512_storeu_ps(kbf + r * MAXG, bv);
         }
       } else {
         memset(kb + r * Dk, 0, sizeof(uint16_t) * (size_t)Dk);

@@ -126,6 +126,15 @@ ALWAYS void chunk_dots_vnni(const fmt_plan *fp, __m512i x, int c, const float *q
 }
 #endif
 
+/* A K row's group scales, NaN where the scale or the bias is ±inf: that
+ * key's logit is then NaN, as dequantizing the row gives (inf times a zero
+ * code, or inf - inf across the dot product), where the affine algebra
+ * alone could give ±inf and drop or pick the key. */
+ALWAYS __m512 k_scales_nan(__m512 sv, __m512 bv) {
+  const __mmask16 inf = _mm512_fpclass_ps_mask(sv, 0x18) | _mm512_fpclass_ps_mask(bv, 0x18);
+  return _mm512_mask_mov_ps(sv, inf, _mm512_set1_ps(NAN));
+}
+
 /* Scores of a block of J vectors against n rows of quantized K: per chunk
  * the lane partial dots (chunk_dots_vnni when vnni, else chunk_dots_float),
  * then sc += s_lane * dot + b_lane * qs_lane; row t's J lane-partial score
@@ -138,8 +147,8 @@ ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const 
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    const __m512 Sv = load_groups(rows[t].ks, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
+    const __m512 Sv = k_scales_nan(load_groups(rows[t].ks, fp->sdt, fp->ngroups), Bv);
     __m512 sc[KQB];
     for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
     for (int c = 0; c < fp->nch; ++c) {

@@ -177,6 +177,15 @@ static void tile_groups(const fmt8 *fp, const kva_rows *rows, int64_t n, int as,
   }
 }
 #undef TILE_GROUPS_LOOP
+/* K rows: a group scale becomes NaN where it or its bias is ±inf, so that
+ * key's logit is NaN, as dequantizing the row gives (inf times a zero code,
+ * or inf - inf across the dot product), where the affine algebra alone
+ * could give ±inf and drop or pick the key. */
+static void k_groups_nan(float *gs, const float *gb, int64_t n, int ng) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int g = 0; g < ng; ++g)
+      if (isinf(gs[t * GLD + g]) || isinf(gb[t * GLD + g])) gs[t * GLD + g] = NAN;
+}
 /* The group values of chunk c's 8 word lanes (a row of a tile group table). */
 ALWAYS v8f chunk_lanes(const fmt8 *fp, const float *g, int c) {
   if (fp->one_group) return v8f_bcast(g + fp->g0[c]);
@@ -734,7 +743,10 @@ static void attend_fast8(const kva_item *it) {
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
-    if (kf.bits) tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
+    if (kf.bits) {
+      tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
+      k_groups_nan(kgs, kgb, n, kf.ngroups);
+    }
     kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     simd_mask_tile(it, seg, S, nq, tf, n);
