@@ -437,10 +437,10 @@ static void back_params(fz *s, attn_call *c) {
   kva_attn_params *p = &c->p;
   if (p->sinks == (const float *)&s->in) p->sinks = c->sinks; /* a NULL pointer given a buffer: the intended one */
   if (p->sinks) {                                             /* [H] of q */
-    const int64_t H = c->q.ndim == 4 && c->q.shape[1] > 0 ? c->q.shape[1] : 1;
-    if (H > ARR_MAX) s->skip = 1;
-    float *b = (float *)fz_alloc(s, (size_t)(H > ARR_MAX ? 1 : H) * sizeof(float));
-    for (int64_t h = 0; h < H && h < ARR_MAX; ++h)
+    int64_t H = c->q.ndim == 4 && c->q.shape[1] > 0 ? c->q.shape[1] : 1;
+    if (H > ARR_MAX) s->skip = 1, H = 1;
+    float *b = (float *)fz_alloc(s, (size_t)H * sizeof(float));
+    for (int64_t h = 0; h < H; ++h)
       b[h] = c->sinks[h % 16];
     p->sinks = b;
   }
