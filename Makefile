@@ -66,6 +66,8 @@ $(ASAN_DIR)/src/cpu/%.o: CFLAGS += -fno-sanitize-coverage=trace-cmp
 endif
 
 .PHONY: all lib test test-c test-py test-asan test-aarch64 fuzz fuzz-regress bench bench-paged install clean format FORCE
+# A failed recipe removes its half-written target, so the next run redoes it.
+.DELETE_ON_ERROR:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -99,13 +101,19 @@ $(BUILD)/kvattn.pc: FORCE # regenerated every time: it carries PREFIX
 	  '$(PREFIX)' "$$(sed -n 's/^#define KVA_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)/\2/p' include/kvattn.h | paste -sd.)" '$(LDLIBS)' > $@
 
 # ---- tests: C tests (optimized, then under ASan+UBSan), then Python tests
+# The virtual environment is ready once its stamp exists, written last: a
+# failed step (no network, pip error) leaves no stamp, and the next run
+# starts it over instead of testing with half an environment.
 VENV = .venv
 PY   = $(VENV)/bin/python
-$(PY):
+VENV_OK = $(VENV)/.kvattn-ready
+$(VENV_OK):
+	rm -rf $(VENV)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q numpy ml_dtypes pytest
 	$(PY) -m pip install -q 'mlx[cpu]' || echo "mlx unavailable: MLX cross-check tests will be skipped"
+	touch $@
 
 test:
 	$(MAKE) test-c
@@ -115,7 +123,7 @@ test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	$(BUILD)/kvattn bench --quick
 	$(BUILD)/kvattn bench --quick --layout paged --block 16 --block-order sequential
 	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests --quick
-test-py: $(BUILD)/libkvattn.so $(PY)
+test-py: $(BUILD)/libkvattn.so $(VENV_OK)
 	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
 
 # The full C test binary (not --quick) under ASan+UBSan: run it at least
