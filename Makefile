@@ -58,7 +58,21 @@ TSAN_DIR = $(BUILD)/tsan
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_OBJS = $(call objs,$(TSAN_DIR))
 
-.PHONY: all lib test test-c test-py test-tsan test-seeds test-aarch64 bench bench-paged install clean format FORCE
+# The fuzz build (make fuzz, below): coverage everywhere, but no comparison
+# tracing in the CPU kernels and their driver (half the run time, in loops
+# whose comparisons are not the input's); clang's -O1 cannot vectorize some
+# `omp simd` loops, which is a warning, not an error, there. (Set before the
+# rules: the per-level rules expand these when they are defined.)
+ifneq ($(FUZZ_BUILD),)
+ASAN_FLAGS += -fsanitize=fuzzer-no-link
+CFLAGS += -Wno-pass-failed
+$(foreach l,$(SIMD_LEVELS),$(eval SIMD_FLAGS_$(l) += -fno-sanitize-coverage=trace-cmp))
+$(ASAN_DIR)/src/cpu/%.o: CFLAGS += -fno-sanitize-coverage=trace-cmp
+endif
+
+.PHONY: all lib test test-c test-py test-tsan test-seeds test-asan test-aarch64 fuzz fuzz-regress bench bench-paged install clean format FORCE
+# A failed recipe removes its half-written target, so the next run redoes it.
+.DELETE_ON_ERROR:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
 FORCE:
 
@@ -99,13 +113,19 @@ $(BUILD)/kvattn.pc: FORCE # regenerated every time: it carries PREFIX
 	  '$(PREFIX)' "$$(sed -n 's/^#define KVA_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\)/\2/p' include/kvattn.h | paste -sd.)" '$(LDLIBS)' > $@
 
 # ---- tests: C tests (optimized, then under ASan+UBSan), then Python tests
+# The virtual environment is ready once its stamp exists, written last: a
+# failed step (no network, pip error) leaves no stamp, and the next run
+# starts it over instead of testing with half an environment.
 VENV = .venv
 PY   = $(VENV)/bin/python
-$(PY):
+VENV_OK = $(VENV)/.kvattn-ready
+$(VENV_OK):
+	rm -rf $(VENV)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q numpy ml_dtypes pytest
 	$(PY) -m pip install -q 'mlx[cpu]' || echo "mlx unavailable: MLX cross-check tests will be skipped"
+	touch $@
 
 test:
 	$(MAKE) test-c
@@ -124,8 +144,6 @@ TSAN_TESTS = threads paged_attention_while_writing attention_cpu_vs_oracle \
 test-tsan:
 	$(MAKE) NVCC= $(TSAN_DIR)/kvattn_tests
 	TSAN_OPTIONS=halt_on_error=1 $(TSAN_DIR)/kvattn_tests --quick $(TSAN_TESTS)
-test-py: $(BUILD)/libkvattn.so $(PY)
-	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
 
 # The CPU oracle tests (--quick tables, random and probe queries) over
 # SEEDS fresh seeds (each run draws its own and prints it); a failing run's
@@ -139,6 +157,37 @@ test-seeds: $(BUILD)/kvattn_tests
 	  if $(BUILD)/kvattn_tests --quick $(SEED_TESTS) > $(BUILD)/test-seeds.log 2>&1; then pass=$$((pass + 1)); \
 	  else grep -E "FAIL|reproduce" $(BUILD)/test-seeds.log; fi; \
 	done; echo "test-seeds: $$pass of $(SEEDS) fresh seeds passed"; test $$pass -eq $(SEEDS)
+test-py: $(BUILD)/libkvattn.so $(VENV_OK)
+	PYTHONPATH=python KVATTN_LIB=$(BUILD)/libkvattn.so $(PY) -m pytest -q python/tests
+
+# The full C test binary (not --quick) under ASan+UBSan: run it at least
+# once per change to the kernels (minutes; CI runs the --quick pass).
+test-asan: $(ASAN_DIR)/kvattn_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(ASAN_DIR)/kvattn_tests
+
+# libFuzzer harness over the public API on a CPU context
+# (tests/fuzz/fuzz_attention.c): the library and the harness built with
+# clang under ASan+UBSan and coverage, CUDA left out, in $(FUZZ_DIR).
+# `make fuzz` runs it for FUZZ_S seconds on the corpus in
+# $(FUZZ_DIR)/corpus (seeded from tests/fuzz/regress, not committed) and
+# prints the execution count; a crash input is written to $(FUZZ_DIR)/.
+# `make fuzz-regress` replays the committed inputs of tests/fuzz/regress
+# (crashes found and fixed) once each.
+FUZZ_CC  ?= clang
+FUZZ_S   ?= 60
+FUZZ_DIR  = $(BUILD)/fuzz
+FUZZ_BIN  = $(FUZZ_DIR)/asan/fuzz_attention
+$(ASAN_DIR)/fuzz_attention: $(ASAN_DIR)/tests/fuzz/fuzz_attention.o $(ASAN_OBJS)
+	$(CC) $(ASAN_FLAGS) -fsanitize=fuzzer -o $@ $^ $(LDLIBS)
+$(FUZZ_BIN): FORCE
+	$(MAKE) NVCC= CC=$(FUZZ_CC) BUILD=$(FUZZ_DIR) FUZZ_BUILD=1 $@
+
+fuzz: $(FUZZ_BIN)
+	@mkdir -p $(FUZZ_DIR)/corpus
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(FUZZ_BIN) -max_total_time=$(FUZZ_S) \
+	  -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus tests/fuzz/regress
+fuzz-regress: $(FUZZ_BIN)
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(FUZZ_BIN) -runs=1 tests/fuzz/regress/*
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench
