@@ -32,6 +32,12 @@ size_t kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p) {
   return 0;
 }
 
+int kva_cuda_merge_states(kva_context *ctx, const kva_merge_problem *m) {
+  (void)ctx;
+  (void)m;
+  return no_cuda();
+}
+
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
   (void)ctx;
   (void)p;

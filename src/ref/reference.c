@@ -93,11 +93,17 @@ static int ref_visible(const kva_problem *p, int64_t b, int64_t i, int64_t j, in
 
 int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                             kva_tensor *out) {
+  return kva_reference_attention_lse(q, kv, params, out, NULL, 0);
+}
+
+int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                                kva_tensor *out, kva_tensor *lse, unsigned flags) {
   kva_clearerr();
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p;
   int rc = kva_problem_init(&p, KVA_BACKEND_CPU, q, kv, params, out);
   if (rc < 0) return rc;
+  if ((rc = kva_problem_set_lse(&p, lse, flags)) < 0) return rc;
   const kva_kv *K = &kv->k, *V = &kv->v;
   double *s = (double *)malloc((size_t)p.N * sizeof *s);
   double *o = (double *)malloc((size_t)p.Dv * sizeof *o);
@@ -132,6 +138,7 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
         }
         double sink = p.sinks ? (double)p.sinks[h] : -INFINITY;
         for (int64_t d = 0; d < p.Dv; ++d) o[d] = 0.0;
+        double row_lse = -INFINITY; /* log of the softmax denominator (sink included) */
         if (any) {
           if (sink > mx) mx = sink;
           double den = p.sinks ? exp(sink - mx) : 0.0;
@@ -143,6 +150,11 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
             for (int64_t d = 0; d < p.Dv; ++d) o[d] += e * ref_kv_elem(V, vr.row, vr.sc, vr.bi, d);
           }
           for (int64_t d = 0; d < p.Dv; ++d) o[d] /= den;
+          row_lse = mx + log(den);
+        }
+        if (lse) {
+          char *dst = (char *)lse->data + b * lse->stride[0] + h * lse->stride[1] + i * lse->stride[2];
+          *(float *)dst = (float)(p.lse_base2 ? row_lse / 0.69314718055994530942 : row_lse);
         }
         for (int64_t d = 0; d < p.Dv; ++d) {
           char *dst = kva_at4(out, b, h, i, d);
