@@ -271,6 +271,43 @@ int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
 int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                                  const kva_attn_params *params, size_t *bytes);
 
+/* Flags of kva_attention_lse and kva_merge_states. */
+#define KVA_LSE_BASE2 1u /* lse in base 2: lse2 = lse / ln 2 (default: natural log) */
+/* kva_attention that also writes each row's log-sum-exp: lse [B, H, L] f32
+ * (any strides, innermost contiguous; no overlap with q, K/V or out),
+ * lse = log sum_j exp(s_j) over the row's visible keys, s_j the final logits
+ * (after scale, softcap and additive masks), plus the sink term exp(sink_h)
+ * when sinks are passed (so the sink belongs to this call's lse); a row that
+ * sees no key has out 0 and lse = -inf (its sink contributes nothing). Same
+ * kernels, workspace (kva_attention_workspace_size) and errors as
+ * kva_attention; lse NULL is kva_attention; flags: 0 or KVA_LSE_BASE2, else
+ * KVA_EINVAL. Nothing is written on error. */
+int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                      const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
+                      void *workspace, size_t workspace_bytes);
+
+/* The most parts one kva_merge_states call takes (merge is associative:
+ * merge more in steps). */
+#define KVA_MERGE_MAX_PARTS 32
+/* Merges R partial results of attention over disjoint key sets (e.g. the
+ * lse outputs of kva_attention_lse over pieces of a cache):
+ *   lse = log sum_r exp(lse_r),  out = sum_r exp(lse_r - lse) * o_r,
+ * the softmax-state merge of the parts {m = lse_r, l = 1, o = o_r} folded in
+ * order r = 0..R-1; a part at lse_r = -inf is skipped (its o_r never read
+ * into the sum); all parts -inf: out 0 and lse -inf; NaN propagates.
+ * parts_o[r]: [B, H, L, Dv] f32/f16/bf16 (same shape for every r, dtypes may
+ * differ), parts_lse[r]: [B, H, L] f32; out: [B, H, L, Dv] f32/f16/bf16;
+ * lse_out: [B, H, L] f32 or NULL. Any strides, innermost contiguous; memory of
+ * ctx's backend (CUDA: device memory, ctx's stream, asynchronous, graph-
+ * capturable, no allocation). Aliasing: out may be exactly one of the
+ * parts_o[r] (same data pointer, dtype and strides: in place), lse_out may be
+ * exactly one of the parts_lse[r]; any other overlap between out, lse_out and
+ * the parts is KVA_EINVAL. flags: KVA_LSE_BASE2 = every lse (in and out) is in
+ * base 2. 1 <= R <= KVA_MERGE_MAX_PARTS. Errors name the argument; nothing is
+ * written on error. */
+int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
+                     kva_tensor *out, kva_tensor *lse_out, unsigned flags);
+
 typedef enum kva_path {
   KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */
   KVA_PATH_FALLBACK = 2, /* correct general path (explicit masks, long L) */
@@ -307,6 +344,10 @@ int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_vie
  * dequantization, masks and the output rounding are its own. */
 int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
                             const kva_attn_params *params, kva_tensor *out);
+/* The oracle with lse (as kva_attention_lse: lse [B, H, L] f32 or NULL,
+ * flags 0 or KVA_LSE_BASE2), computed in double from the same logits. */
+int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                                kva_tensor *out, kva_tensor *lse, unsigned flags);
 
 /* ------------------------------------------------------------- info */
 /* SIMD level the CPU kernels use: "avx512", "avx2" or "portable": the best

@@ -8,6 +8,7 @@
  * Every GPU test reports SKIP when no device is visible (or no CUDA build). */
 #include "attn_check.h"
 #include "mutate_call.h"
+#include "lse_check.h"
 
 #define F32 KVA_F32
 #define F16 KVA_F16
@@ -40,6 +41,8 @@ TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_grid_limits) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rows_without_keys) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_sinks_nonfinite) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_lse) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_lse_merge) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1288,5 +1291,198 @@ TEST(cuda_sinks_nonfinite) {
       {1, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 0, 0},
   };
   run_case_table(sc, sizeof sc / sizeof sc[0], plant_sinks, 1, NULL);
+/* ---- lse and merge ---- */
+/* lse allowance on CUDA: f32 rounding (LSE_RTOL) where the logits are f32
+ * products; where a tensor-core kernel rounds the query (15 bits, quantized
+ * K) or K (bf16, quantized K beyond 8 vectors) the logits themselves move by
+ * about 2^-15 .. 2^-8 of sum |q k|: the bf16 allowance. Kernels that round
+ * only P (bf16 / f16 K and V with queries of their type) keep LSE_RTOL: l is
+ * summed from f32 p. */
+static double cuda_lse_rtol(const att_case *c) {
+  if (cuda_case_atol(c) == ATOL_REL) return LSE_RTOL;
+  if (c->kbits == 0 && c->kvdt == c->qdt) return LSE_RTOL;
+  return ATT_ATOL_BF16;
+}
+
+/* One case through kva_attention_lse on the device (lse in a padded device
+ * buffer with a sentinel) against the oracle's out and lse. */
+static int run_lse_case(kva_context *ctx, const att_case *c, unsigned flags) {
+  char name[256];
+  att_case_str(c, name, sizeof name);
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  lse_buf rl, kl;
+  memset(&rl, 0, sizeof rl);
+  memset(&kl, 0, sizeof kl);
+  int ok = 0;
+  if (att_make(&hd, c) || lse_buf_make(&rl, c->B, c->H, c->L, 0) || lse_buf_make(&kl, c->B, c->H, c->L, 1)) {
+    FAIL_("%s: could not build operands", name);
+    goto done;
+  }
+  kva_tensor ref = att_alloc_like(&hd, &hd.out);
+  if (kva_reference_attention_lse(&hd.q, &hd.view, &hd.params, &ref, &rl.t, flags)) {
+    FAIL_("%s: oracle: %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_make(&dd, &hd)) {
+    FAIL_("%s: could not mirror operands to the device", name);
+    goto done;
+  }
+  const size_t lb = (kl.n + 4) * sizeof(float); /* poison and sentinel as on the host */
+  void *dl = dev_keep(&dd, lb);
+  if (!dl || !cuda_ok(cudaMemcpy(dl, kl.mem, lb, cudaMemcpyHostToDevice), "lse to device")) goto done;
+  kva_tensor dlse = kl.t;
+  dlse.data = dl;
+  if (!dev_poison(&dd, 0)) goto done;
+  char kname[160];
+  kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname);
+  printf("  %-90s %s\n", kname, name);
+  fflush(stdout);
+  if (kva_attention_lse(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &dlse, flags, NULL, 0)) {
+    FAIL_("%s: kva_attention_lse(CUDA): %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_fetch(&dd, &hd, name) ||
+      !cuda_ok(cudaMemcpy(kl.mem, dl, lb, cudaMemcpyDeviceToHost), "lse from device"))
+    goto done;
+  if (!att_compare(&hd.out, &ref, cuda_case_atol(c), att_rtol(c->odt), NULL, NULL)) {
+    FAIL_("%s: CUDA out differs from the oracle", name);
+    goto done;
+  }
+  if (!lse_compare(&kl.t, &rl.t, cuda_lse_rtol(c), kname) || !lse_sentinel_ok(&kl)) {
+    FAIL_("%s: CUDA lse differs from the oracle", name);
+    goto done;
+  }
+  ok = 1;
+done:
+  lse_buf_free(&rl);
+  lse_buf_free(&kl);
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+
+/* Kernel families the lse must reach: the table above (fused, general,
+ * tensor-core, split merge and one-split direct writes), the warpgroup
+ * verify (q4, 48 vectors per KV head), the per-warp decode (a context with
+ * KVA_CUDA_TCD_MIN_WORK=0), a row-without-keys array mask, sinks, base 2. */
+static const att_case lse_extra[] = {
+    {1, 24, 4, 8, 1000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 24, 4, 8, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+    {2, 8, 4, 1, 5000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+    {2, 8, 4, 4, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 50, 0, 1, 1, 0},
+    {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 1, 0},
+    {1, 4, 2, 24, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 5.0f, 1, 0, 0},
+};
+
+TEST(cuda_lse) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *ctx, *tcd;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1); /* read at context creation */
+  int made = make_cuda_ctx(&tcd, NULL);
+  unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (!made) { kva_context_destroy(ctx); return; }
+  int ok = 1;
+  for (int ci = 0; ci < NCASES && ok; ++ci) {
+    if (test_quick && cases[ci].N > 1000) continue;
+    ok = run_lse_case(ctx, &cases[ci], ci & 1 ? KVA_LSE_BASE2 : 0);
+  }
+  for (size_t ci = 0; ci < sizeof lse_extra / sizeof lse_extra[0] && ok; ++ci)
+    ok = run_lse_case(ctx, &lse_extra[ci], ci & 1 ? 0 : KVA_LSE_BASE2) && run_lse_case(tcd, &lse_extra[ci], 0);
+  kva_context_destroy(tcd);
+  kva_context_destroy(ctx);
+}
+
+/* kva_merge_states on the device against the CPU's (the same left fold:
+ * equal up to expf / logf rounding): random parts with some rows -inf in some
+ * parts and one row -inf in all, mixed part dtypes, padded lse strides, in
+ * place over part 0, and a graph capture of the merge replayed. */
+TEST(cuda_lse_merge) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *ctx, *cpu;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  ASSERT_OK(kva_context_create(&cpu, NULL));
+  enum { R = 5, B = 2, H = 6, L = 3, D = 128 };
+  const kva_dtype odt[R] = {KVA_F32, KVA_BF16, KVA_F16, KVA_F32, KVA_F32};
+  kva_tensor ho[R], hl[R], dov[R], dlv[R];
+  lse_buf lb[R];
+  void *dmem[2 * R + 2];
+  int nd = 0;
+  for (int r = 0; r < R; ++r) {
+    const size_t n = (size_t)B * H * L * D, es = kva_dtype_size(odt[r]);
+    void *m = malloc(n * es);
+    ho[r] = kva_tensor_4d(m, odt[r], B, H, L, D);
+    for (size_t k = 0; k < n; ++k) test_store((char *)m + k * es, odt[r], test_randn());
+    ASSERT_TRUE(lse_buf_make(&lb[r], B, H, L, r & 1) == 0);
+    hl[r] = lb[r].t;
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < L; ++i) {
+          float z = 3.0f * test_randn();
+          if ((b + h + i + r) % 4 == 0 || (b == 1 && h == 2 && i == 1)) z = -INFINITY; /* empty parts, one row all */
+          lse_set(&hl[r], b, h, i, z);
+        }
+    dov[r] = ho[r];
+    dlv[r] = hl[r];
+    ASSERT_TRUE(cudaMalloc(&dmem[nd], n * es) == cudaSuccess);
+    dov[r].data = dmem[nd++];
+    ASSERT_TRUE(cudaMemcpy(dov[r].data, ho[r].data, n * es, cudaMemcpyHostToDevice) == cudaSuccess);
+    ASSERT_TRUE(cudaMalloc(&dmem[nd], lb[r].n * 4) == cudaSuccess);
+    dlv[r].data = dmem[nd++];
+    ASSERT_TRUE(cudaMemcpy(dlv[r].data, lb[r].mem, lb[r].n * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  const size_t on = (size_t)B * H * L * D;
+  float *href = (float *)malloc(on * 4), *hout = (float *)malloc(on * 4);
+  kva_tensor ref = kva_tensor_4d(href, KVA_F32, B, H, L, D), got = kva_tensor_4d(hout, KVA_F32, B, H, L, D);
+  lse_buf rl, gl;
+  ASSERT_TRUE(lse_buf_make(&rl, B, H, L, 0) == 0 && lse_buf_make(&gl, B, H, L, 1) == 0);
+  ASSERT_OK(kva_merge_states(cpu, R, ho, hl, &ref, &rl.t, 0));
+  kva_tensor dout = got, dlo = gl.t;
+  ASSERT_TRUE(cudaMalloc(&dmem[nd], on * 4) == cudaSuccess);
+  dout.data = dmem[nd++];
+  ASSERT_TRUE(cudaMalloc(&dmem[nd], (gl.n + 4) * 4) == cudaSuccess);
+  dlo.data = dmem[nd++];
+  ASSERT_TRUE(cudaMemcpy(dlo.data, gl.mem, (gl.n + 4) * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+  /* captured into a graph and replayed */
+  cudaStream_t s;
+  ASSERT_TRUE(cudaStreamCreate(&s) == cudaSuccess);
+  ASSERT_OK(kva_context_set_stream(ctx, s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  ASSERT_TRUE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  int rc = kva_merge_states(ctx, R, dov, dlv, &dout, &dlo, 0);
+  ASSERT_TRUE(cudaStreamEndCapture(s, &g) == cudaSuccess);
+  ASSERT_OK(rc);
+  ASSERT_TRUE(cudaGraphInstantiate(&ge, g, 0) == cudaSuccess);
+  ASSERT_TRUE(cudaGraphLaunch(ge, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess);
+  ASSERT_TRUE(cudaMemcpy(hout, dout.data, on * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  ASSERT_TRUE(cudaMemcpy(gl.mem, dlo.data, (gl.n + 4) * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  ASSERT_TRUE(att_compare(&got, &ref, 1e-6, 0, NULL, NULL));
+  ASSERT_TRUE(lse_compare(&gl.t, &rl.t, 1e-6, "cuda merge") && lse_sentinel_ok(&gl));
+  ASSERT_TRUE(lse_get(&gl.t, 1, 2, 1) == -INFINITY && hout[((1 * H + 2) * L + 1) * D] == 0.0f);
+  /* in place over part 0 (f32) with lse_out = parts_lse[0] */
+  ASSERT_OK(kva_merge_states(ctx, R, dov, dlv, &dov[0], &dlv[0], 0));
+  ASSERT_TRUE(cudaStreamSynchronize(s) == cudaSuccess);
+  ASSERT_TRUE(cudaMemcpy(hout, dov[0].data, on * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  ASSERT_TRUE(cudaMemcpy(lb[0].mem, dlv[0].data, lb[0].n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  ASSERT_TRUE(att_compare(&got, &ref, 1e-6, 0, NULL, NULL));
+  ASSERT_TRUE(lse_compare(&lb[0].t, &rl.t, 1e-6, "cuda merge in place"));
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  kva_context_set_stream(ctx, NULL);
+  cudaStreamDestroy(s);
+  for (int k = 0; k < nd; ++k) cudaFree(dmem[k]);
+  for (int r = 0; r < R; ++r) {
+    free(ho[r].data);
+    lse_buf_free(&lb[r]);
+  }
+  lse_buf_free(&rl);
+  lse_buf_free(&gl);
+  free(href);
+  free(hout);
+  kva_context_destroy(cpu);
+  kva_context_destroy(ctx);
 }
 #endif

@@ -437,7 +437,8 @@ class _Call:
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-              group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None):
+              group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
+              return_lse=False, lse_base2=False):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
@@ -455,18 +456,63 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     sinks: [H] per-head sink logits (join the softmax denominator only).
     A row that sees no key outputs zeros. Returns out [B, H, L, Dv] in q's
     dtype (or writes `out`). threads / context pick the CPU context.
+    return_lse: returns (out, lse), lse [B, H, L] float32 = log of each row's
+      softmax denominator (sink included; -inf for a row that sees no key),
+      base 2 with lse_base2 (kva_attention_lse; CPU arrays).
     CUDA arrays (PyTorch CUDA tensors, __cuda_array_interface__ objects) run
     on the CUDA backend, on their device and stream: see kvattn.cuda.
     """
     if _cuda.is_cuda_array(q):
+        if return_lse:
+            raise C.error(C.EUNSUPPORTED, "return_lse: not wired for CUDA arrays in the Python binding yet "
+                          "(the C API kva_attention_lse supports CUDA)")
         return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
                                clamp=clamp, seq_lens=seq_lens, out=out, context=context)
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
     ctx = context if context is not None else default_context(threads)
+    if return_lse:
+        lse = np.empty(call.out_array.shape[:3], np.float32)
+        lt = C.tensor(lse, "lse", output=True)
+        with ctx.lock:
+            C.check(lib.kva_attention_lse(ctx.handle, *call.refs(), ctypes.byref(lt),
+                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
+        return call.out_array, lse
     with ctx.lock:
         C.check(lib.kva_attention(ctx.handle, *call.refs(), None, 0))
     return call.out_array
+
+
+def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, context=None):
+    """Merges partial attention results over disjoint key sets:
+    parts = [(o_r, lse_r), ...], o_r [B, H, L, Dv] float32/float16/bfloat16,
+    lse_r [B, H, L] float32 (e.g. attention(..., return_lse=True) over pieces
+    of a cache). lse = log sum_r exp(lse_r), out = sum_r exp(lse_r - lse) o_r
+    (-inf parts skipped; all -inf: zeros and -inf). Returns (out, lse); out in
+    `dtype` (default o_0's dtype) or written to `out` (may be one of the o_r).
+    base2: every lse in base 2. kva_merge_states on the CPU context."""
+    parts = list(parts)
+    if not parts:
+        raise C.error(C.EINVAL, "merge_states: parts is empty (R = 0)")
+    os_, ls_ = [], []
+    for r, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise C.error(C.EINVAL, "parts[%d] must be an (o, lse) pair" % r)
+        os_.append(C.prepare_input(np.asarray(part[0]), "parts_o[%d]" % r))
+        ls_.append(C.prepare_input(np.asarray(part[1]), "parts_lse[%d]" % r))
+    R = len(parts)
+    to = (C.kva_tensor * R)(*[C.tensor(a, "parts_o[%d]" % r) for r, a in enumerate(os_)])
+    tl = (C.kva_tensor * R)(*[C.tensor(a, "parts_lse[%d]" % r) for r, a in enumerate(ls_)])
+    if out is None:
+        out = np.empty(os_[0].shape, dtype if dtype is not None else os_[0].dtype)
+    lse = np.empty(os_[0].shape[:3] if os_[0].ndim == 4 else ls_[0].shape, np.float32)
+    tout = C.tensor(out, "out", output=True)
+    tlse = C.tensor(lse, "lse_out", output=True)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_merge_states(ctx.handle, R, to, tl, ctypes.byref(tout), ctypes.byref(tlse),
+                                     C.LSE_BASE2 if base2 else 0))
+    return out, lse
 
 
 def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,

@@ -184,6 +184,14 @@ _proto("kva_attention_kernel", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_v
        _P(kva_tensor), ctypes.c_char_p, ctypes.c_size_t)
 _proto("kva_reference_attention", ctypes.c_int, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
        _P(kva_tensor))
+_proto("kva_attention_lse", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor), _P(kva_tensor), ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t)
+_proto("kva_reference_attention_lse", ctypes.c_int, _P(kva_tensor), _P(kva_kv_view), _P(kva_attn_params),
+       _P(kva_tensor), _P(kva_tensor), ctypes.c_uint)
+_proto("kva_merge_states", ctypes.c_int, _c_ctx, ctypes.c_int64, _P(kva_tensor), _P(kva_tensor), _P(kva_tensor),
+       _P(kva_tensor), ctypes.c_uint)
+LSE_BASE2 = 1
+MERGE_MAX_PARTS = 32
 _proto("kva_cpu_simd", ctypes.c_char_p)
 _proto("kva_cpu_set_simd", ctypes.c_int, ctypes.c_char_p)
 _proto("kva_cuda_device_count", ctypes.c_int)

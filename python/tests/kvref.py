@@ -130,9 +130,11 @@ def causal_visible(n_keys, positions, window=None, seg=None, clamp=False):
 
 
 def ref_attention(q, k, v, scale=None, mask=None, window=None, segments=None, clamp=False, softcap=None,
-                  sinks=None, seq_lens=None, group_size=64, bits=4):
+                  sinks=None, seq_lens=None, group_size=64, bits=4, return_lse=False):
     """Naive float64 attention. q [B, H, L, Dk]; k/v float arrays or quantized
-    tuples; mask None / "causal" / array broadcastable to [B, H, L, N]."""
+    tuples; mask None / "causal" / array broadcastable to [B, H, L, N].
+    return_lse: (out, lse), lse [B, H, L] = log of the softmax denominator
+    (sink included), -inf for a row that sees no key."""
     q = as_f64(q)
     k = as_f64(k, group_size, bits)
     v = as_f64(v, group_size, bits)
@@ -147,6 +149,7 @@ def ref_attention(q, k, v, scale=None, mask=None, window=None, segments=None, cl
     if segments is not None:
         segments = np.asarray(segments).reshape(B, N)
     out = np.zeros((B, H, L, v.shape[3]))
+    lse = np.full((B, H, L), -np.inf)
     for b in range(B):
         n = N if seq_lens is None else int(seq_lens[b])
         pos = n - L + np.arange(L)
@@ -176,7 +179,8 @@ def ref_attention(q, k, v, scale=None, mask=None, window=None, segments=None, cl
                 e = np.exp(row - m)
                 den = e.sum() + (0.0 if sink is None else math.exp(sink - m))
                 out[b, h, i] = (e @ v[b, hk, :n]) / den
-    return out
+                lse[b, h, i] = m + math.log(den)
+    return (out, lse) if return_lse else out
 
 
 def assert_close(out, ref, what="", atol=COMPUTE_ATOL):

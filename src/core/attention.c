@@ -235,6 +235,31 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   return 0;
 }
 
+int kva_problem_set_lse(kva_problem *p, const kva_tensor *lse, unsigned flags) {
+  if (flags & ~KVA_LSE_BASE2) return kva_seterr(KVA_EINVAL, "flags = 0x%x (allowed: KVA_LSE_BASE2)", flags);
+  p->lse = NULL;
+  p->lse_base2 = (flags & KVA_LSE_BASE2) != 0;
+  if (!lse) return 0;
+  int rc = kva_check_tensor(lse, "lse", KVA_DT(KVA_F32), 3, false);
+  if (rc) return rc;
+  const int64_t want[3] = {p->B, p->H, p->L};
+  for (int d = 0; d < 3; ++d)
+    if (lse->shape[d] != want[d])
+      return kva_seterr(KVA_ESHAPE, "lse.shape[%d] = %lld, expected %lld ([B, H, L])", d, (long long)lse->shape[d],
+                        (long long)want[d]);
+  const kva_kv_view *kv = p->kv;
+  const kva_tensor *ins[] = {p->q, &kv->k.data, &kv->k.scales, &kv->k.biases, &kv->v.data, &kv->v.scales,
+                             &kv->v.biases, p->out};
+  static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases", "out"};
+  for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
+    if ((i == 2 || i == 3) && !kv->k.bits) continue;
+    if ((i == 5 || i == 6) && !kv->v.bits) continue;
+    if (ins[i] && kva_tensors_overlap(lse, ins[i])) return kva_seterr(KVA_EINVAL, "lse overlaps %s", in_names[i]);
+  }
+  p->lse = lse;
+  return 0;
+}
+
 kva_path kva_select_path(const kva_problem *p) {
   if (p->mask.kind == KVA_MASK_ARRAY || p->L > KVA_MAX_FUSED_ROWS) return KVA_PATH_FALLBACK;
   return KVA_PATH_FUSED;
@@ -395,9 +420,16 @@ int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_vie
 
 int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                   const kva_attn_params *params, kva_tensor *out, void *workspace, size_t workspace_bytes) {
+  return kva_attention_lse(ctx, q, kv, params, out, NULL, 0, workspace, workspace_bytes);
+}
+
+int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                      const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
+                      void *workspace, size_t workspace_bytes) {
   kva_problem p;
   int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
+  if ((rc = kva_problem_set_lse(&p, lse, flags)) < 0) return rc;
   size_t need;
   if ((rc = workspace_size(ctx, &p, &need)) < 0) return rc;
   if (workspace && workspace_bytes < need)

@@ -12,6 +12,11 @@
 int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, const kva_kv_view *kv,
                      const kva_attn_params *params, const kva_tensor *out);
 
+/* Validates lse ([B, H, L] f32, innermost contiguous, no overlap with the
+ * inputs or out) and flags (0 or KVA_LSE_BASE2) of a call whose problem p is
+ * already validated, and records them in p. lse NULL: no lse. */
+int kva_problem_set_lse(kva_problem *p, const kva_tensor *lse, unsigned flags);
+
 /* The selector: fused direct path or the general fallback. */
 kva_path kva_select_path(const kva_problem *p);
 

@@ -38,6 +38,17 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
 void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size);
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size);
 
+/* A validated kva_merge_states call (src/core/merge.c). */
+typedef struct kva_merge_problem {
+  int64_t R, B, H, L, Dv;
+  const kva_tensor *o, *lse; /* [R] parts: o [B, H, L, Dv], lse [B, H, L] f32 */
+  const kva_tensor *out;     /* [B, H, L, Dv] */
+  const kva_tensor *lse_out; /* [B, H, L] f32 or NULL */
+  int base2;                 /* every lse in base 2 */
+} kva_merge_problem;
+int kva_cpu_merge_states(kva_context *ctx, const kva_merge_problem *m);
+int kva_cuda_merge_states(kva_context *ctx, const kva_merge_problem *m);
+
 /* CUDA backend (src/cuda/); stubs returning KVA_ENODEVICE when not built. */
 int kva_cuda_context_init(kva_context *ctx);
 void kva_cuda_context_free(kva_context *ctx);

@@ -34,6 +34,12 @@ int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t
   return no_cuda();
 }
 
+int kva_cuda_merge_states(kva_context *ctx, const kva_merge_problem *m) {
+  (void)ctx;
+  (void)m;
+  return no_cuda();
+}
+
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
   (void)ctx;
   (void)p;

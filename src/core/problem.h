@@ -21,6 +21,8 @@ typedef struct kva_problem {
   int64_t mask_stride[4];    /* ARRAY: element strides in bytes, 0 where broadcast */
   const float *sinks;        /* [H] or NULL */
   const kva_tensor *q, *out;
+  const kva_tensor *lse;      /* [B, H, L] f32 or NULL: each row's log-sum-exp */
+  int lse_base2;             /* lse in base 2 (KVA_LSE_BASE2) */
   const kva_kv_view *kv;
   const int32_t *seq_lens;   /* [B] or NULL (all N); contiguous layout only (block table: kv->table) */
   kva_path path;

@@ -18,6 +18,12 @@
 #endif
 
 #define KVA_STATE_FLOATS(D) ((D) + 2)
+#define KVA_LOG2E_F 1.4426950408889634f /* log2(e): lse2 = lse * KVA_LOG2E_F */
+#define KVA_LN2_F 0.6931471805599453f   /* ln(2): lse = lse2 * KVA_LN2_F */
+
+/* Log-sum-exp of a final state (natural log): m + log l; -inf when empty
+ * (m = -inf, l = 0), NaN when m or l is NaN. */
+KVA_HD float kva_softmax_lse(const float *s) { return s[0] == -INFINITY ? -INFINITY : s[0] + logf(s[1]); }
 
 /* Scale factors that bring states with maxima m1, m2 to their common max.
  * exp(-inf - x) is 0, so an empty side contributes nothing. */

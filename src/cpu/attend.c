@@ -375,6 +375,13 @@ static void merge_task(void *arg, long task, int worker) {
     if (p->sinks) kva_softmax_add_sink(acc, p->sinks[h], (int)p->Dv);
     for (int64_t d = 0; d < p->Dv; ++d)
       kva_store_f(kva_at4(p->out, b, h, i, d), p->out->dtype, kva_softmax_out(acc, (int)d));
+    /* The kernels' m is a natural-log max (exp(s - m)): lse = m + log l
+     * (-inf for a row without keys: m = -inf, l = 0). */
+    if (p->lse) {
+      float lse = kva_softmax_lse(acc);
+      *(float *)((char *)p->lse->data + b * p->lse->stride[0] + h * p->lse->stride[1] + i * p->lse->stride[2]) =
+          p->lse_base2 ? lse * KVA_LOG2E_F : lse;
+    }
   }
 }
 

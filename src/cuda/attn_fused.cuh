@@ -241,6 +241,8 @@ struct kvc_emit_row {
   char *out; /* output row (one split), else nullptr */
   float *st; /* split state [m, l, o[Dv]] (several splits) */
   float f1, Ls;
+  float M2;  /* one split: the log2-domain max after the sink joined (for lse) */
+  int b, h, i;
 };
 __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int split, int b, int hk, int qv, float M,
                                                         float Ls) {
@@ -250,10 +252,14 @@ __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int s
   r.st = nullptr;
   r.f1 = 1.0f;
   r.Ls = Ls;
+  r.M2 = M;
+  r.b = b;
+  r.h = h;
+  r.i = i;
   if (a.nsplit == 1) {
     if (a.sinks && M != -INFINITY) {
-      float mn, f2;
-      kvc_factors2(M, a.sinks[h] * KVC_LOG2E, mn, r.f1, f2);
+      float f2;
+      kvc_factors2(M, a.sinks[h] * KVC_LOG2E, r.M2, r.f1, f2);
       r.Ls = Ls * r.f1 + f2;
     }
     r.out = kvc_out_at(a, b, h, i, 0);
@@ -266,6 +272,7 @@ __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int s
 __device__ __forceinline__ void kvc_emit_elem(const kvc_args &a, const kvc_emit_row &r, int d, float M, float O) {
   if (r.out) {
     kvc_store(r.out + d * a.os[3], a.out_dtype, kvc_finish(O * r.f1, r.Ls));
+    if (d == 0 && a.lse) kvc_store_lse2(a, r.b, r.h, r.i, r.M2, r.Ls);
   } else {
     if (d == 0) {
       r.st[0] = M * KVC_LN2; /* natural log units, as core/softmax_state.h */

@@ -92,6 +92,7 @@ __global__ void __launch_bounds__(GEN_THREADS) kvc_generic_kernel(const kvc_args
   if (a.sinks && m != -INFINITY) { /* the sink joins the denominator only */
     float z = a.sinks[h], mn, f1, f2;
     kva_softmax_factors(m, z, &mn, &f1, &f2);
+    m = mn;
     l = l * f1 + f2;
 #pragma unroll
     for (int k = 0; k < GEN_DV_PER_THREAD; ++k) o[k] *= f1;
@@ -101,6 +102,7 @@ __global__ void __launch_bounds__(GEN_THREADS) kvc_generic_kernel(const kvc_args
     const int d = tid + k * GEN_THREADS;
     if (d < a.Dv) kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(o[k], l));
   }
+  if (a.lse && tid == 0) kvc_store_lse_ln(a, b, h, i, m, l); /* natural-log m, sink joined */
 }
 
 int kvc_launch_generic(const kvc_args &a, cudaStream_t stream) {

@@ -97,11 +97,13 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
   if (a.sinks && M != -INFINITY) {
     float mn, f1, f2;
     kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
+    M = mn;
     Ls = Ls * f1 + f2;
     Od *= f1;
   }
   if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
   kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(Od, Ls));
+  if (a.lse && d == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
 }
 
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {

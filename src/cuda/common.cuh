@@ -62,6 +62,9 @@ struct kvc_args {
   char *out;
   int out_dtype;
   long long os[4];
+  float *lse;                  /* [B, H, L] f32 log-sum-exp per row, or NULL */
+  long long lse_s[3];          /* its byte strides */
+  int lse_base2;               /* write lse / ln 2 (KVA_LSE_BASE2) */
   kvc_operand k, v;
   const int32_t *seq_lens;     /* [B] or NULL */
   /* fused plan */
@@ -191,6 +194,18 @@ __device__ __forceinline__ float kvc_query_sigma(float amax) {
 }
 __device__ __forceinline__ char *kvc_out_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.out + b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3];
+}
+/* The lse of row (b, h, i) from a final max and sum in log2 units (M2,
+ * sink joined, and its sum L2 = sum exp2(s log2e - M2)): lse2 = M2 + log2 L2,
+ * stored as lse2 ln 2 (natural log) or lse2 (base 2); -inf for an empty row.
+ * The natural-log form takes m in natural units: kvc_store_lse_ln. */
+__device__ __forceinline__ void kvc_store_lse2(const kvc_args &a, int b, int h, int i, float M2, float L2) {
+  const float lse2 = M2 == -INFINITY ? -INFINITY : M2 + log2f(L2);
+  *(float *)((char *)a.lse + b * a.lse_s[0] + h * a.lse_s[1] + i * a.lse_s[2]) = a.lse_base2 ? lse2 : lse2 * KVC_LN2;
+}
+__device__ __forceinline__ void kvc_store_lse_ln(const kvc_args &a, int b, int h, int i, float m, float l) {
+  const float lse = m == -INFINITY ? -INFINITY : m + logf(l);
+  *(float *)((char *)a.lse + b * a.lse_s[0] + h * a.lse_s[1] + i * a.lse_s[2]) = a.lse_base2 ? lse * KVC_LOG2E : lse;
 }
 /* Partial state of split s for query row (b, h, i): [m, l, o[Dv]] floats. */
 __device__ __forceinline__ float *kvc_state_at(const kvc_args &a, int s, int b, int h, int i) {

@@ -590,6 +590,11 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
   a->out = (char *)p->out->data;
   a->out_dtype = p->out->dtype;
   kvc_copy_strides(a->os, p->out, 4);
+  if (p->lse) {
+    a->lse = (float *)p->lse->data;
+    kvc_copy_strides(a->lse_s, p->lse, 3);
+    a->lse_base2 = p->lse_base2;
+  }
   const int E = pl.fmt >= 0 && !pl.tc ? pl.E : 8;
   a->k = kvc_operand_of(&p->kv->k, E);
   a->v = kvc_operand_of(&p->kv->v, E);

@@ -154,6 +154,11 @@ static int ref_visible(const kva_mask *m, int64_t L, int64_t b, int64_t i, int64
 
 int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                             kva_tensor *out) {
+  return kva_reference_attention_lse(q, kv, params, out, NULL, 0);
+}
+
+int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                                kva_tensor *out, kva_tensor *lse, unsigned flags) {
   kva_clearerr();
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p; /* validation only: the call is checked as kva_attention checks it */
@@ -164,6 +169,7 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
   lo.view = kv;
   if (kv->layout == KVA_LAYOUT_PAGED && (rc = kva_paged_view_csr(kv->paged, &lo.csr)) < 0) return rc;
   lo.bs = kv->k.data.shape[2];
+  if ((rc = kva_problem_set_lse(&p, lse, flags)) < 0) return rc;
   const kva_kv *K = &kv->k, *V = &kv->v;
   const int64_t B = q->shape[0], H = q->shape[1], L = q->shape[2], KVH = K->data.shape[1];
   const int64_t Dk = ref_dim(K), Dv = ref_dim(V), rep = H / KVH;
@@ -203,6 +209,7 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
         }
         double sink = params->sinks ? (double)params->sinks[h] : -INFINITY;
         for (int64_t d = 0; d < Dv; ++d) o[d] = 0.0;
+        double row_lse = -INFINITY; /* log of the softmax denominator (sink included) */
         if (any) {
           if (sink > mx) mx = sink;
           double den = params->sinks ? exp(sink - mx) : 0.0;
@@ -214,6 +221,11 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
             for (int64_t d = 0; d < Dv; ++d) o[d] += e * ref_kv_elem(V, vr.row, vr.sc, vr.bi, d);
           }
           for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
+          row_lse = mx + log(den);
+        }
+        if (lse) {
+          char *dst = (char *)lse->data + b * lse->stride[0] + h * lse->stride[1] + i * lse->stride[2];
+          *(float *)dst = (float)(p.lse_base2 ? row_lse / 0.69314718055994530942 : row_lse);
         }
         for (int64_t d = 0; d < Dv; ++d) {
           char *dst = (char *)ref_at(out, b, h, i, d);
