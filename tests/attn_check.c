@@ -302,16 +302,16 @@ double att_name_atol(const char *name) {
   if (!open || n < 2 || name[n - 1] != ']') return -1.0;
   if (!strcmp(open, "[exact f32]")) return ATT_ATOL_F32;
   double atol = 0.0;
+  /* items "OPERANDS TYPE" separated by ", "; OPERANDS joined by ',' ("K,V,P bf16") */
   for (const char *item = open + 1; item < name + n - 1;) {
-    const char *end = strchr(item, ',');
-    if (!end) end = name + n - 1;
-    /* "OPERANDS TYPE": the type is the item's last word */
-    const char *sp = item;
+    const char *end = strstr(item, ", ");
+    if (!end || end > name + n - 1) end = name + n - 1;
+    const char *sp = NULL;
     for (const char *x = item; x < end; ++x)
       if (*x == ' ') sp = x + 1;
     char type[16];
-    const size_t tl = (size_t)(end - sp);
-    if (sp == item || tl == 0 || tl >= sizeof type) return -1.0;
+    const size_t tl = sp ? (size_t)(end - sp) : 0;
+    if (!sp || sp == item + 1 || tl == 0 || tl >= sizeof type) return -1.0;
     memcpy(type, sp, tl);
     type[tl] = '\0';
     double a;
@@ -320,8 +320,7 @@ double att_name_atol(const char *name) {
       a = atoi(type + 3) >= ATT_QINT_EXACT_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
     else return -1.0;
     if (a > atol) atol = a;
-    item = end + 1;
-    while (*item == ' ') ++item;
+    item = end < name + n - 1 ? end + 2 : end;
   }
   return atol > 0 ? atol : -1.0;
 }
