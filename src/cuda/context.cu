@@ -248,9 +248,8 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
  * warp's D / 4 dims of V inside one group (kvc_pv_step_q8: an even number of
  * 16-dim m-tiles per warp). At head dim 64 up to 8 query vectors run the
  * wide kernel (K and V dequantized to bf16 once per stage; its mma columns
- * mostly padding): H200, B=16 N=32768, 32/8/64 1181 -> 1001 us, 14/2/64 457
- * -> 262 against the fused kernel; at D 256 with group 32 the fused kernel
- * stays (728 against 876 us on the wide one). */
+ * mostly padding), faster there than the fused kernel; at D 256 with group
+ * 32 the fused kernel stays. */
 static bool kvc_q8_narrow(const kva_problem *p) {
   return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
 }
