@@ -2,8 +2,7 @@
  * avx2 level (AVX2 + FMA + F16C: AMD Zen 2/3, Intel client cores) and at
  * the portable level (generic vectors: SSE2 pairs on x86-64, NEON pairs on
  * aarch64 such as Grace or Graviton); the AVX-512 level has its own
- * (fast.c). Without it the general kernel ran 20-50x slower on quantized
- * caches.
+ * (fast.c).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
