@@ -314,9 +314,7 @@ typedef struct vshare {
 } vshare;
 /* Pass p's share when the V phase makes np passes: rows of 4 or more cache
  * lines go out spread over all passes, smaller rows all in the first pass
- * (cold 2-thread decode 8/4/256 32k on the AVX2 host, calls alternated:
- * bf16 (8 lines) spread 9.0 -> 6.5-6.8 ms; q4 (2 lines) spread 4.69 -> 4.93
- * ms, over the first 2 passes 5.24). */
+ * (faster for each, cold, on the AVX2 host). */
 static inline vshare vshare_of(const kva_prefetch *pf, int p, int np) {
   const int spread = pf && pf->bytes[KVA_ARR_V] >= 4 * 64 ? np : 1;
   const vshare v = {p < spread ? pf : NULL, p, spread};
