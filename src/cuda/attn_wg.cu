@@ -65,7 +65,7 @@
  *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
  *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
- *         conversion (BENCHMARKS.md). */
+ *         conversion. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 
