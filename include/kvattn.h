@@ -131,7 +131,7 @@ kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scal
 
 /* ------------------------------------------------------ quantization */
 /* MLX affine quantization along the last axis, bit for bit with MLX's CPU
- * algorithm (DESIGN.md). w: f32/f16/bf16, rank 1..4, last dim D.
+ * algorithm (docs/mlx-format.md). w: f32/f16/bf16, rank 1..4, last dim D.
  * out->data: u32 [.., D*bits/32]; out->scales/biases: [.., D/group_size] in
  * f32/f16/bf16; out->bits and out->group_size select the format. */
 int kva_quantize(const kva_tensor *w, kva_kv *out);

@@ -1,6 +1,6 @@
 /* MLX affine quantize/dequantize, bit for bit against an independent
- * re-implementation of the documented algorithm (DESIGN.md, "Exact
- * semantics"; checked against mlx/backend/cpu/quantized.cpp), and the f16/bf16
+ * re-implementation of the documented algorithm (docs/mlx-format.md,
+ * "Quantize"; checked against mlx/backend/cpu/quantized.cpp), and the f16/bf16
  * conversions against a reference built from double-precision rounding.
  * Every output lives in a strided view inside a larger buffer filled with
  * random bytes: every byte that is not an element of the view is a sentinel. */
@@ -139,7 +139,7 @@ static uint32_t code_at(const kva_tensor *data, int64_t row, int64_t d, int bits
 }
 
 /* -------------------------------------- the reference quantizer (the text) */
-/* DESIGN.md's quantize for one group, written from the text and MLX's CPU
+/* docs/mlx-format.md's quantize for one group, written from the text and MLX's CPU
  * code: wmin/wmax over the group (NaN elements take no part, as with MLX's
  * std::min/std::max from +-inf); scale = max((wmax-wmin)/(2^bits-1), 1e-7) (a
  * NaN range stays NaN); if |wmin| > |wmax| edge = wmin, else negate scale and

@@ -1,6 +1,6 @@
-"""Test helpers written from DESIGN.md alone, independent of the library (and
+"""Test helpers written from docs/ alone, independent of the library (and
 of its C oracle): a float64 numpy attention, MLX's affine quantize and
-dequantize as written in DESIGN.md (f32 arithmetic emulated with numpy
+dequantize as written in docs/mlx-format.md (f32 arithmetic emulated with numpy
 float32), and tolerance checks."""
 import math
 
@@ -52,7 +52,7 @@ def randn(rng, shape, dtype=F32, scale=1.0):
 
 
 def np_quantize(w, group_size, bits):
-    """MLX's CPU affine quantize (DESIGN.md), every step in float32:
+    """MLX's CPU affine quantize (docs/mlx-format.md), every step in float32:
     returns (packed u32 [..., D*bits/32], scales, biases [..., D/g] in w's dtype)."""
     w = np.asarray(w)
     lead, d = w.shape[:-1], w.shape[-1]
@@ -115,7 +115,7 @@ def as_f64(x, group_size=None, bits=None):
 
 
 def causal_visible(n_keys, positions, window=None, seg=None, clamp=False):
-    """Bool [len(positions), n_keys] of DESIGN.md's causal family."""
+    """Bool [len(positions), n_keys] of docs/semantics.md's causal family."""
     t = np.arange(n_keys)[None, :]
     p = np.asarray(positions)[:, None]
     in_window = np.ones_like(t > p) if window is None else (t > p - window)

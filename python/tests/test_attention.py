@@ -1,5 +1,5 @@
 """kvattn.attention against the float64 numpy reference of kvref.py (written
-from DESIGN.md, independent of the library's oracle): float and quantized
+from docs/, independent of the library's oracle): float and quantized
 caches, GQA, L = 1 and L > 1, every mask mode, softcap, sinks, per-sequence
 lengths, strided views, 16-bit inputs, the out= argument with sentinels."""
 import numpy as np

@@ -1,5 +1,5 @@
 """kvattn.quantize / dequantize: shapes and dtypes as mlx.core.quantize,
-bit for bit with DESIGN.md's algorithm emulated in numpy float32, the
+bit for bit with docs/mlx-format.md's algorithm emulated in numpy float32, the
 round-trip error bound, strided and high-rank inputs."""
 import numpy as np
 import pytest

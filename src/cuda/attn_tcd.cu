@@ -7,17 +7,13 @@
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
  * below, this kernel's per-block fixed cost loses); splits are merged by the
- * same merge launch (attn_merge.cu). H200, against the narrow kernel
- * (BENCHMARKS.md): 32/8/64 B = 16 32k 247.4 -> 157.6 us, paged/16 303.7 ->
- * 227.3; 8/4/256 128k 67.1 -> 62.4 us, B = 16 32k 208.8 -> 178.0,
- * 32/8/128 B = 16 32k 298.5 -> 210.5, paged/16 368.6 -> 296.9 (and to
- * 259 with the pair copies below); 8/4/256 paged/16 B = 16 261 -> 205.
+ * same merge launch (attn_merge.cu).
  *
  * Why a second decode kernel: the narrow kernel's warps share each 64-token
  * stage (S by tokens, P.V by head dims), so every stage costs three block
  * barriers, a stage maximum through shared memory and P through shared
- * memory, ~600 of its ~1100 instructions per warp and stage (Nsight Compute,
- * BENCHMARKS.md). Here each warp owns whole 16-token tiles (tokens, all head
+ * memory, ~600 of its ~1100 instructions per warp and stage (Nsight Compute).
+ * Here each warp owns whole 16-token tiles (tokens, all head
  * dims, its own softmax state): no barrier in the loop, P stays in
  * registers (the S accumulator layout is the P.V B-fragment layout), and
  * the warps' states are merged once at the end of the block.
@@ -90,7 +86,7 @@
 #define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
 #ifndef KVC_TCD_COAL_MIN_D
 /* block-table tiles inside one block: coalesced copies from this head dim
- * (at 128 measured slower: 32/8/128 paged/16 B=16 255.5 -> 272.6 us) */
+ * (slower at 128) */
 #define KVC_TCD_COAL_MIN_D 256
 #endif
 
@@ -135,11 +131,8 @@ template <int D> struct kvc_tcd_geom {
  *   (lane h = l % 2 the pieces 2 j + h: a warp instruction covers 32 whole
  *   32-byte sectors), even lanes its K scale and bias rows, odd lanes the V
  *   ones; each lane locates its own token only (no shuffles).
- * H200 (BENCHMARKS.md, eighth session), B=16 32k: the earlier table loader
- * (coalesced, each row located by shuffles) took 8/4/256 paged/16 261 us and
- * 32/8/128 paged/16 300; pair 216 and 259, coalesced block tiles 205 and
- * 271. Over contiguous rows the pair pattern lost (8/4/256 128k 63 -> 72 us:
- * four times the sectors per instruction). The block ids (kvc_tcd_id) are
+ * Over contiguous rows the pair pattern is slower (four times the sectors
+ * per instruction). The block ids (kvc_tcd_id) are
  * those of token t0 + l / 2, loaded a tile ahead; lane 0's is the tile's
  * first token's. */
 struct kvc_tcd_loader {
@@ -690,10 +683,7 @@ int kvc_tcd_smem(int D) {
 
 /* Groups per S m-tile for q <= 8 query vectors per KV head at head dim D:
  * all G while q G <= 8 (one S m-tile, one B for P.V), else G / 2 while
- * q G <= 16, else 1 (G m-tiles, one B per group). H200 (BENCHMARKS.md,
- * ninth session), 128k B=1: 3-4 vectors at D = 256 with GPT 2 63.4 us
- * (GPT 1 65.5; V dequantized per element, the earlier path, 64.1), 6
- * vectors with GPT 1 68.1 (the narrow kernel 70.8). */
+ * q G <= 16, else 1 (G m-tiles, one B per group). */
 int kvc_tcd_gpt(int D, int q) {
   const int G = D / KVC_TC_GROUP;
   return q * G <= 8 ? G : q * G <= 16 ? G / 2 : 1;

@@ -13,9 +13,9 @@
  * stage needs the row maxima and P through shared memory, three barriers,
  * and each warp's mma.sync fragments built per warp: at 48 query vectors the
  * wide kernel issued ~1,260 instructions per warp and stage at 0.39 per
- * cycle (q4 24/4/256 L = 8 at 128k tokens: 239 us, 3.5x its decode).
+ * cycle.
  * Here each warpgroup multiplies whole tiles from shared memory and each
- * query row's softmax stays inside one warp (H200: 175 us).
+ * query row's softmax stays inside one warp.
  *
  *   memory: raw stages of 64 token rows (packed codes and scale / bias rows,
  *         ~20 KB at D = 256) land by cp.async in a ring of KVC_WG_RAW slots
@@ -24,8 +24,7 @@
  *         tiles (double buffered). Each K/V byte is read from DRAM once per
  *         block of up to 64 query vectors. Shared memory ~224 KB at D = 256
  *         (one block per SM), ~119 KB at 128, ~65 KB at 64 (two blocks per
- *         SM: the registers capped at 128 there; one block measured 37 %
- *         slower, 212.7 against 154.8 us for 32/8/64 L = 8 B = 4 32k).
+ *         SM: the registers capped at 128 there).
  *   bf16 tiles: [D / 64 column chunks][64 rows][128 B], the 16-byte unit u
  *         of row r stored at u ^ (r % 8): the 128-byte swizzle of wgmma
  *         descriptors (tile bases 1024-byte aligned). K and V tiles have
@@ -63,13 +62,10 @@
  *         bf16 allowance, as the wide kernel.
  *   launch: grid (ceil(rep L / 64), nsplit, B KVH) x 256 threads; an
  *         instance per head dim and layout (contiguous or BLOCK_TABLE: one
- *         loader path in the loop; H200, 24/4/256 L = 8 128k: 175.6 -> 171.2
- *         us, paged/16 217.9 -> 209.6, with whole stages skipping the
+ *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
- *   Measured (H200, BENCHMARKS.md): per stage and SM ~7,700 warp
- *         instructions at ~1.3 per cycle, 45 % of them the conversion; a
- *         producer warpgroup converting for two consumer warpgroups
- *         measured slower (203 against 181 us: the producer bounds it). */
+ *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
+ *         conversion. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 

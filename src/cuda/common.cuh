@@ -242,7 +242,7 @@ __device__ __forceinline__ long long kvc_seq_len(const kvc_args &a, int b) {
   return n < 0 ? 0 : (n > hi ? hi : n);
 }
 
-/* The causal-family rule (DESIGN.md): row at position p sees key t iff
+/* The causal-family rule (docs/semantics.md): row at position p sees key t iff
  * t <= p and (no window or t > p - w), or seg[t] == seg[p] != 0 (and, with
  * clamp, t > p - w). segp = seg[p] (0 when there are no segments). */
 __device__ __forceinline__ bool kvc_causal_visible(const kvc_args &a, int b, long long t, long long p,

@@ -13,11 +13,9 @@
 
 /* Fused grid sizing (tuning only; never changes results beyond rounding). */
 #define KVC_MAX_WAVES 4             /* waves of resident blocks considered */
-#define KVC_WAVE_TOKENS 96          /* a wave's fixed cost in tokens per block (H200, bf16 fused decode 8/4/256
-                                       64k B=4: one wave 271.8 us, three 281.9 us: ~90 tokens) */
+#define KVC_WAVE_TOKENS 96          /* a wave's fixed cost in tokens per block (H200, bf16 fused decode: ~90) */
 #define KVC_MIN_SPLIT_TOKENS 64     /* fewest tokens per split (fused kernel): short caches spread over more
-                                       SMs (H200, bf16 decode 8/4/256 B=1: 2k 28.5 -> 18.4 us, 4k 29.0 -> 21.2,
-                                       8k 32.1 -> 29.3 (27.9 at 128); q2 4k 44.0 -> 24.9; 16k+ unchanged) */
+                                       SMs */
 #define KVC_TC_MIN_SPLIT_TOKENS 128 /* q4 tensor-core kernel: two stages, so short caches use more SMs */
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
@@ -26,31 +24,22 @@
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
 #define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
-#define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: at 16 and 32
-                                     the 32-vector instance is 15-19 % faster, at 48 the wide one 23 %) */
+#define KVC_TC_Q4_WIDE_MIN_Q 33   /* q4: the wide kernel from 33 query vectors per KV head (H200: below, the
+                                     32-vector instance is faster) */
 #define KVC_TCD_MIN_WORK (1LL << 18) /* ... and from B * KVH * N >= this many token-heads (the default; the
                                         environment variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0:
-                                        never): below, its per-block fixed cost loses (H200, 8/4/256: 8k B=1 20.5
-                                        us against 17.0, 32k B=1 29.2 against 28.4, 64k B=1 and 16k B=4 equal, 128k
-                                        62.4 against 67.1) */
+                                        never): below, its per-block fixed cost loses (H200, 8/4/256) */
 #define KVC_WG_MIN_Q 17              /* q4 at head dims 64 / 128 / 256 on the warpgroup verify kernel from this many
                                         query vectors per KV head (sm_90 only; the environment variable
-                                        KVA_CUDA_WG_MIN_Q sets it per context, < 0: never). H200, L = 8 against
-                                        the narrow / wide kernels: 48 vectors (24/4/256) 128k 239 -> 171 us,
-                                        2k 29.5 -> 26.9; 32 (32/8/128 B=4 32k) 254 -> 242; 16 (8/4/256) 128k
-                                        156 -> 167 (slower), 2k 25.2 -> 18.6 */
+                                        KVA_CUDA_WG_MIN_Q sets it per context, < 0: never); at 16 vectors the
+                                        narrow kernel is faster on long caches (H200, L = 8) */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
-                                        head (P in bf16 / f16: the bf16 allowance). H200, B=16 N=32768:
-                                        32/8/128 1590 -> 539 us, 24/8/128 1482 -> 538, 40/8/128 2786 ->
-                                        540, 12/4/256 1536 -> 641, paged/16 32/8/128 2377 -> 917; at 2
-                                        vectors the fused kernel reads at the copy bandwidth (8/4/256:
-                                        508 us against 648 on tensor cores; 16/8/128: 511 against 538) */
+                                        head (P in bf16 / f16: the bf16 allowance); at 2 vectors the fused
+                                        kernel reads at the copy bandwidth (H200) */
 #define KVC_TC_FLOAT_MIN_Q_TABLE 2   /* ... and from 2 over BLOCK_TABLE views at head dims <= 128, where the
-                                        fused kernel's 2-vector instance reads late (16/8/128 paged/16 B=16
-                                        32k: 724 -> 554 us; at 1 vector the fused kernel reads at the copy
-                                        bandwidth, 540 us; at D = 256 it stays: 735 against 1075 us) */
+                                        fused kernel's 2-vector instance reads late (at D = 256 it stays) */
 #define KVC_TC_FLOAT_MIN_Q_D64 2     /* ... and from 2 at head dim 64, where the fused kernel reads at 61 % of
-                                        copy (8/4/64 B=16 32k: 211 -> 151 us; paged/16 341 -> 212) */
+                                        copy */
 
 #define KVC_GRID_YZ_MAX 65535LL /* gridDim.y and gridDim.z of a launch */
 #define KVC_INT_MAX 0x7fffffffLL  /* gridDim.x, and the int fields of kvc_args */
@@ -248,9 +237,8 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
  * warp's D / 4 dims of V inside one group (kvc_pv_step_q8: an even number of
  * 16-dim m-tiles per warp). At head dim 64 up to 8 query vectors run the
  * wide kernel (K and V dequantized to bf16 once per stage; its mma columns
- * mostly padding): H200, B=16 N=32768, 32/8/64 1181 -> 1001 us, 14/2/64 457
- * -> 262 against the fused kernel; at D 256 with group 32 the fused kernel
- * stays (728 against 876 us on the wide one). */
+ * mostly padding), faster there than the fused kernel; at D 256 with group
+ * 32 the fused kernel stays. */
 static bool kvc_q8_narrow(const kva_problem *p) {
   return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
 }

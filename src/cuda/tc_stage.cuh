@@ -72,10 +72,9 @@ __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int
  * covers whole rows, as many lines as contiguous rows), each row located
  * through the stage's block ids, which kvc_tc_issue_ids copied into shared
  * memory STAGES - 1 stages earlier (no load latency, no register held
- * across the stage; H200, B=16 32k: q4 8/4/256 paged/16 279 -> 259 us,
- * bf16 32/8/128 916 -> 557 us, q8 639 -> 495 us; q4 32/8/128 349 -> 367).
+ * across the stage).
  * BLOCK_TABLE rows, !IDS (the wide kernel, whose loads run on 4 of its 8
- * warps: the per-row lookups measured 3-12 % slower there): thread pair
+ * warps: the per-row lookups are slower there): thread pair
  * (2 tok, 2 tok + 1) copies row tok, half of it each, from the block id
  * that kvc_tc_table_id loaded one stage earlier. Scale rows: thread 2 tok
  * copies the K scale/bias rows of row tok, 2 tok + 1 the V ones (rb bytes

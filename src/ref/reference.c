@@ -126,7 +126,7 @@ static ref_row ref_row_at(const ref_layout *lo, int which, int64_t b, int64_t hk
   return ref_operand_row(kv, b, hk, t);
 }
 
-/* The written mask rule (DESIGN.md), evaluated independently of the fast
+/* The written mask rule (docs/semantics.md), evaluated independently of the fast
  * paths: array masks broadcast over their size-1 dims (B, H, L). */
 static int ref_visible(const kva_mask *m, int64_t L, int64_t b, int64_t i, int64_t j, int64_t len, int64_t h,
                        double *add) {

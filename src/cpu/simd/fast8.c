@@ -2,8 +2,7 @@
  * avx2 level (AVX2 + FMA + F16C: AMD Zen 2/3, Intel client cores) and at
  * the portable level (generic vectors: SSE2 pairs on x86-64, NEON pairs on
  * aarch64 such as Grace or Graviton); the AVX-512 level has its own
- * (fast.c). Without it the general kernel ran 20-50x slower on quantized
- * caches.
+ * (fast.c).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
@@ -324,9 +323,7 @@ typedef struct vshare {
 } vshare;
 /* Pass p's share when the V phase makes np passes: rows of 4 or more cache
  * lines go out spread over all passes, smaller rows all in the first pass
- * (cold 2-thread decode 8/4/256 32k on the AVX2 host, calls alternated:
- * bf16 (8 lines) spread 9.0 -> 6.5-6.8 ms; q4 (2 lines) spread 4.69 -> 4.93
- * ms, over the first 2 passes 5.24). */
+ * (faster for each, cold, on the AVX2 host). */
 static inline vshare vshare_of(const kva_prefetch *pf, int p, int np) {
   const int spread = pf && pf->bytes[KVA_ARR_V] >= 4 * 64 ? np : 1;
   const vshare v = {p < spread ? pf : NULL, p, spread};

@@ -75,7 +75,7 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r, int a0, int a1) {
  * on a pool in table order. Block starts come from the table,
  * not from a scan of the tile's rows (a 32-row scan cost ~2 % on the
  * in-order pool). Two or four tiles ahead, or K's or V's arrays alone,
- * measured slower (BENCHMARKS.md, "Paged and ragged batches"). */
+ * measured slower. */
 ALWAYS void prefetch_block_starts(const kva_seqmap *m, const kva_prefetch *pf, int64_t t) {
   const int64_t r = m->first + t;
   int64_t slot = m->shift >= 0 ? r >> m->shift : r / m->bs;

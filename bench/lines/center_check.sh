@@ -1,1 +1,0 @@
-for v in a_c0 b_c1 c_c2; do echo "== check $v"; while IFS= read -r line; do ./build/variants/$v/kvattn bench --backend cuda --quiet --reps 3 --seed 11 $line 2>&1 | grep -E "q4g"; done < bench/lines/center.txt; done
