@@ -348,6 +348,29 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv,
  * flags 0 or KVA_LSE_BASE2), computed in double from the same logits. */
 int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                                 kva_tensor *out, kva_tensor *lse, unsigned flags);
+/* Roundings the oracle applies on request: those a fast kernel documents in
+ * its kva_attention_kernel() bracket (DESIGN "Precision"), so that the kernel
+ * can be checked tightly against the oracle with the same roundings.
+ * q_int_bits: 0 = none; 2..24 = each query vector rounded to signed
+ *   integers of that many bits with one scale per group of K's group_size
+ *   dims (float K: the whole row), in f32 arithmetic on the query as loaded:
+ *   amax = max |q| over the group, sigma = amax / (2^(bits-1) - 1),
+ *   inv = 1 / sigma (0 when sigma is 0), c = rint(q * inv) clamped to
+ *   +-(2^(bits-1) - 1), q' = c * sigma; a group holding a NaN or Inf is left
+ *   unrounded. ("q int8": the 4-bit per-warp CUDA kernel.)
+ * k_dtype, v_dtype: KVA_F32 = none; KVA_BF16 / KVA_F16 = each K (V)
+ *   element, dequantized exactly, rounded once to that type (nearest even).
+ * P rounding depends on a kernel's running maximum and is not modelled: the
+ * tests allow for it. */
+typedef struct kva_ref_rounding {
+  int q_int_bits;
+  kva_dtype k_dtype;
+  kva_dtype v_dtype;
+} kva_ref_rounding;
+/* kva_reference_attention_lse with the roundings r (NULL: none, the exact
+ * oracle); a field out of range is KVA_EINVAL. */
+int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                                    kva_tensor *out, kva_tensor *lse, unsigned flags, const kva_ref_rounding *r);
 
 /* ------------------------------------------------------------- info */
 /* SIMD level the CPU kernels use: "avx512", "avx2" or "portable": the best

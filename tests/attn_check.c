@@ -325,6 +325,48 @@ double att_name_atol(const char *name) {
   return atol > 0 ? atol : -1.0;
 }
 
+int att_name_rounding(const char *name, kva_ref_rounding *r) {
+  r->q_int_bits = 0;
+  r->k_dtype = r->v_dtype = KVA_F32;
+  const char *open = strrchr(name, '[');
+  const size_t n = strlen(name);
+  if (!open || n < 2 || name[n - 1] != ']') return -1;
+  for (const char *item = open + 1; item < name + n - 1;) {
+    const char *end = strstr(item, ", ");
+    if (!end || end > name + n - 1) end = name + n - 1;
+    const char *sp = NULL;
+    for (const char *x = item; x < end; ++x)
+      if (*x == ' ') sp = x + 1;
+    if (sp) {
+      const kva_dtype t = !strncmp(sp, "bf16", 4) ? KVA_BF16 : !strncmp(sp, "f16", 3) ? KVA_F16 : KVA_F32;
+      for (const char *x = item; x < sp - 1; ++x) { /* operands "K,V,P" */
+        if (*x == 'K' && t != KVA_F32) r->k_dtype = t;
+        if (*x == 'V' && t != KVA_F32) r->v_dtype = t;
+      }
+      if (item[0] == 'q' && item[1] == ' ' && !strncmp(sp, "int", 3) && atoi(sp + 3) <= ATT_QINT_ORACLE_BITS)
+        r->q_int_bits = atoi(sp + 3);
+    }
+    item = end < name + n - 1 ? end + 2 : end;
+  }
+  return 0;
+}
+
+int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_view *kkv, const kva_attn_params *kp,
+                         const kva_tensor *kout, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *p,
+                         kva_tensor *ref) {
+  char name[256];
+  int rc = kva_attention_kernel(ctx, kq, kkv, kp, kout, name, sizeof name);
+  if (rc < 0) {
+    fprintf(stderr, "    att_kernel_reference: kva_attention_kernel: %s\n", kva_last_error());
+    return rc;
+  }
+  kva_ref_rounding r;
+  att_name_rounding(name, &r);
+  rc = kva_reference_attention_rounded(q, kv, p, ref, NULL, 0, &r);
+  if (rc < 0) fprintf(stderr, "    att_kernel_reference: oracle: %s\n", kva_last_error());
+  return rc;
+}
+
 double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                        const kva_tensor *out) {
   char name[256];

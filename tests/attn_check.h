@@ -105,6 +105,21 @@ double att_name_atol(const char *name);
  * (ask after att_set_pass: the pass picks the kernel); -1 on error (printed). */
 double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                        const kva_tensor *out);
+/* The roundings of a kernel name's bracket that the oracle models
+ * (kva_ref_rounding): "K ..."/"V ..." items of bf16 or f16 round K / V, "q
+ * intN" with N <= ATT_QINT_ORACLE_BITS rounds the query per (vector, group);
+ * q rounded to more bits (the two-part 15-bit queries: one scale per vector,
+ * and the 21-bit ones) and P are left to the allowance. Returns 0, or -1 for
+ * a name without a bracket. */
+#define ATT_QINT_ORACLE_BITS 8
+int att_name_rounding(const char *name, kva_ref_rounding *r);
+/* The oracle for the kernel that kva_attention(ctx, kq, kkv, kp, kout) runs
+ * (the descriptors the kernel gets: device ones on CUDA), computed on the
+ * host descriptors q, kv, p with that kernel's modelled roundings
+ * (att_name_rounding) into ref. 0, or the failing call's status (printed). */
+int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_view *kkv, const kva_attn_params *kp,
+                         const kva_tensor *kout, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *p,
+                         kva_tensor *ref);
 /* The same for a case's base call over a contiguous cache on the default CPU
  * context and the current SIMD level (for callers without the call at hand:
  * the mutation tests). */

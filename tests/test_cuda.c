@@ -328,12 +328,12 @@ static int run_case_q(kva_context *ctx, const att_case *c, void (*tweak)(att_dat
   }
   if (tweak) tweak(&hd, variant);
   kva_tensor ref = att_alloc_like(&hd, &hd.out);
-  if (kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref)) {
-    FAIL_("%s: oracle: %s", name, kva_last_error());
-    goto done;
-  }
   if (!dev_make(&dd, &hd)) {
     FAIL_("%s: could not mirror operands to the device", name);
+    goto done;
+  }
+  if (att_kernel_reference(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &hd.q, &hd.view, &hd.params, &ref)) {
+    FAIL_("%s: oracle: %s", name, kva_last_error());
     goto done;
   }
   if (!dev_poison(&dd, 0)) goto done;
@@ -801,10 +801,6 @@ static int run_table_case_q(kva_context *ctx, const att_case *c, int64_t bs, uin
   const kva_block_table hbt = {c->B, maxb, 0, blocks, lens, fo};
   const kva_kv_view hview = kva_view_block_table(&hk, &hv, &hbt);
   kva_tensor ref = att_alloc_like(&hd, &hd.out);
-  if (kva_reference_attention(&hd.q, &hview, &hd.params, &ref)) {
-    FAIL_("%s: oracle over the table: %s", name, kva_last_error());
-    goto done;
-  }
   if (!dev_make(&dd, &hd)) {
     FAIL_("%s: could not mirror operands to the device", name);
     goto done;
@@ -821,6 +817,10 @@ static int run_table_case_q(kva_context *ctx, const att_case *c, int64_t bs, uin
   const kva_block_table dbt = {c->B, maxb, 0, (const int32_t *)dblocks, (const int32_t *)dlens,
                                (const int32_t *)dfo};
   dd.view = kva_view_block_table(&dk, &dv, &dbt);
+  if (att_kernel_reference(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &hd.q, &hview, &hd.params, &ref)) {
+    FAIL_("%s: oracle over the table: %s", name, kva_last_error());
+    goto done;
+  }
   if (!dev_poison(&dd, 0)) goto done;
   if (!runs_kernel(ctx, &dd, name, want)) goto done;
   const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);

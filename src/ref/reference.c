@@ -6,7 +6,9 @@
  * nothing else of the problem it builds is used. Element loads, row
  * addresses (contiguous, block-table and paged views: the last through the
  * public CSR arrays, kva_paged_view_csr), lengths, dequantization, the mask
- * rule and the output rounding are this file's own. */
+ * rule and the output rounding are this file's own. On request it applies
+ * a kernel's documented roundings (kva_ref_rounding: the query to integers
+ * per group, K or V elements to bf16 / f16), each from the exact value. */
 #include "core/attention.h"
 
 #include <math.h>
@@ -56,6 +58,19 @@ static uint16_t ref_f16_of(float f) {
     ++e;
   }
   return (uint16_t)(sign | (uint16_t)((e + 15) << 10) | (uint16_t)m);
+}
+
+/* x rounded to the nearest bf16 / f16 value (ties to even; subnormals kept,
+ * overflow to +-inf); any other dt: x unchanged. One rounding from the exact
+ * value (no double rounding through f32). */
+static double ref_round_to(double x, kva_dtype dt) {
+  if ((dt != KVA_BF16 && dt != KVA_F16) || !isfinite(x) || x == 0.0) return x;
+  const int mant = dt == KVA_BF16 ? 7 : 10, emin = dt == KVA_BF16 ? -126 : -14;
+  const double maxv = dt == KVA_BF16 ? 0x1.fep127 : 65504.0;
+  const int e = ilogb(x);
+  const double quantum = ldexp(1.0, (e < emin ? emin : e) - mant);
+  const double r = nearbyint(x / quantum) * quantum; /* x / quantum: exact (a power of 2) */
+  return fabs(r) > maxv ? copysign(INFINITY, x) : r;
 }
 
 /* Address of element [a, b, c, d] of a 4-d descriptor. */
@@ -159,7 +174,46 @@ int kva_reference_attention(const kva_tensor *q, const kva_kv_view *kv, const kv
 
 int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                                 kva_tensor *out, kva_tensor *lse, unsigned flags) {
+  return kva_reference_attention_rounded(q, kv, params, out, lse, flags, NULL);
+}
+
+/* Query row (b, h, i) into qr[0 .. Dk - 1], rounded as r->q_int_bits says
+ * (kvattn.h, kva_ref_rounding): per group of gs dims, in f32 arithmetic. */
+static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, int64_t Dk, int64_t gs, int bits,
+                          double *qr) {
+  for (int64_t d = 0; d < Dk; ++d) qr[d] = ref_load(ref_at(q, b, h, i, d), q->dtype);
+  if (bits <= 0) return;
+  const float lv = (float)((1 << (bits - 1)) - 1);
+  for (int64_t g0 = 0; g0 < Dk; g0 += gs) {
+    const int64_t g1 = g0 + gs < Dk ? g0 + gs : Dk;
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t d = g0; d < g1; ++d) {
+      const float a = fabsf((float)qr[d]); /* q's dtype is exact in f32 */
+      if (!isfinite(a)) finite = 0;
+      else if (a > amax) amax = a;
+    }
+    if (!finite) continue; /* a non-finite group stays as it is */
+    const float sig = amax / lv, inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+    for (int64_t d = g0; d < g1; ++d) {
+      const float y = (float)qr[d] * inv;
+      float c = rintf(y);
+      c = c > lv ? lv : c < -lv ? -lv : c;
+      qr[d] = (double)c * (double)sig;
+    }
+  }
+}
+
+int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
+                                    kva_tensor *out, kva_tensor *lse, unsigned flags, const kva_ref_rounding *r) {
   kva_clearerr();
+  const kva_ref_rounding none = {0, KVA_F32, KVA_F32};
+  if (!r) r = &none;
+  if (r->q_int_bits != 0 && (r->q_int_bits < 2 || r->q_int_bits > 24))
+    return kva_seterr(KVA_EINVAL, "rounding->q_int_bits = %d: 0 (none) or 2..24", r->q_int_bits);
+  if ((r->k_dtype != KVA_F32 && r->k_dtype != KVA_BF16 && r->k_dtype != KVA_F16) ||
+      (r->v_dtype != KVA_F32 && r->v_dtype != KVA_BF16 && r->v_dtype != KVA_F16))
+    return kva_seterr(KVA_EINVAL, "rounding->k_dtype / v_dtype: KVA_F32 (none), KVA_BF16 or KVA_F16");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p; /* validation only: the call is checked as kva_attention checks it */
   int rc = kva_problem_init(&p, KVA_BACKEND_CPU, q, kv, params, out);
@@ -177,11 +231,13 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
   int64_t maxlen = 1;
   for (int64_t b = 0; b < B; ++b)
     if (ref_len(&lo, b) > maxlen) maxlen = ref_len(&lo, b);
+  const int64_t qgs = K->bits ? K->group_size : Dk; /* query rounding groups: K's quantization groups */
   double *s = (double *)malloc((size_t)maxlen * sizeof *s);
   double *o = (double *)malloc((size_t)Dv * sizeof *o);
+  double *qr = (double *)malloc((size_t)Dk * sizeof *qr);
   unsigned char *vis = (unsigned char *)malloc((size_t)maxlen);
-  if (!s || !o || !vis) {
-    free(s); free(o); free(vis);
+  if (!s || !o || !qr || !vis) {
+    free(s); free(o); free(qr); free(vis);
     return kva_seterr(KVA_ENOMEM, "oracle scratch for %lld keys", (long long)maxlen);
   }
   for (int64_t b = 0; b < B; ++b) {
@@ -189,6 +245,7 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
     for (int64_t h = 0; h < H; ++h) {
       int64_t hk = h / rep;
       for (int64_t i = 0; i < L; ++i) {
+        ref_query_row(q, b, h, i, Dk, qgs, r->q_int_bits, qr);
         double mx = -INFINITY;
         int any = 0;
         for (int64_t j = 0; j < len; ++j) {
@@ -197,7 +254,8 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
           if (!vis[j]) continue;
           ref_row kr = ref_row_at(&lo, 0, b, hk, j);
           double dot = 0.0;
-          for (int64_t d = 0; d < Dk; ++d) dot += ref_load(ref_at(q, b, h, i, d), q->dtype) * ref_kv_elem(K, kr.row, kr.sc, kr.bi, d);
+          for (int64_t d = 0; d < Dk; ++d)
+            dot += qr[d] * ref_round_to(ref_kv_elem(K, kr.row, kr.sc, kr.bi, d), r->k_dtype);
           double x = scale * dot;
           if (params->softcap > 0) x = (double)params->softcap * tanh(x / (double)params->softcap);
           x += add;
@@ -218,7 +276,7 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
             double e = exp(s[j] - mx);
             den += e;
             ref_row vr = ref_row_at(&lo, 1, b, hk, j);
-            for (int64_t d = 0; d < Dv; ++d) o[d] += e * ref_kv_elem(V, vr.row, vr.sc, vr.bi, d);
+            for (int64_t d = 0; d < Dv; ++d) o[d] += e * ref_round_to(ref_kv_elem(V, vr.row, vr.sc, vr.bi, d), r->v_dtype);
           }
           for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
           row_lse = mx + log(den);
@@ -240,6 +298,6 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
       }
     }
   }
-  free(s); free(o); free(vis);
+  free(s); free(o); free(qr); free(vis);
   return 0;
 }
