@@ -255,11 +255,15 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
  * tables at 128), run on tensor cores: 16-bit rows round P only ("[P bf16]",
  * "[P f16]"); 4-bit and 8-bit K with up to 8 query vectors per KV head take
- * exact integer q.k on the codes with the query rounded to 15 bits, with V
- * dequantized to bf16 ("[q int15, V,P bf16]", 4-bit narrow kernel) or P
- * times the V scale in bf16, the codes exact ("[q int15, P bf16]": 8-bit,
- * and the per-warp 4-bit kernel); beyond that K and V are dequantized to
- * bf16 ("[K,V,P bf16]"). The other kernels are "[exact f32]".
+ * exact integer q.k on the codes with the query rounded to 15 bits (two s8
+ * parts, one scale per vector), with V dequantized to bf16 ("[q int15,
+ * V,P bf16]", 4-bit narrow kernel) or P times the V scale in bf16, the
+ * codes exact ("[q int15, P bf16]": 8-bit, and the per-warp 4-bit kernel);
+ * the per-warp 4-bit kernel at 9 to 16 query vectors per KV head rounds
+ * the query to 8 bits with one scale per vector and K group, exact integer
+ * q.k on the codes ("[q int8, P bf16]", the rounding kva_ref_rounding
+ * describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
+ * The other kernels are "[exact f32]".
  * README.md lists the shapes each path takes. out may not overlap any array
  * the call reads (q, K, V, scales, biases, mask array, segments, sinks,
  * lengths, block table). A problem whose workspace would exceed 2^48 bytes

@@ -626,7 +626,7 @@ TEST(cuda_tc_unseen_nan) {
   run_case_table(wc, sizeof wc / sizeof wc[0], plant_unseen, 1, "warpgroup");
   unsetenv("KVA_CUDA_WG_MIN_Q");
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
-  run_case_table(dc, sizeof dc / sizeof dc[0], plant_unseen, 1, "per-warp decode");
+  run_case_table(dc, sizeof dc / sizeof dc[0], plant_unseen, 1, "per-warp,");
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
 }
 
@@ -923,8 +923,9 @@ done:
 TEST(cuda_q4_tcd_path) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   /* groups per S m-tile: 4 (1-2 vectors), 2 (3-4) and 1 (6, 8) at D = 256,
-   * 2 (1-4 vectors) and 1 (6, 8) at D = 128; window, softcap, sinks,
-   * segments, ragged, strided, a split shorter than a tile */
+   * 2 (1-4 vectors) and 1 (6, 8) at D = 128; 9 to 32 vectors (blocks of 16,
+   * one s8 query part); window, softcap, sinks, segments, ragged, strided,
+   * a split shorter than a tile */
   static const att_case tc[] = {
       {1, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {2, 16, 4, 1, 1333, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
@@ -951,6 +952,21 @@ TEST(cuda_q4_tcd_path) {
       {1, 8, 8, 1, 517, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
       {1, 8, 4, 1, 1, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {3, 16, 4, 2, 2999, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      /* 9 to 16 query vectors (one s8 part, rows g + 8: "q int8"), D = 256,
+       * 128, 64: verify L = 8, 4, 3, wide GQA; window, softcap, sinks,
+       * segments, ragged, strided, no mask, a short cache */
+      {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 12, 4, 3, 1333, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
+      {1, 40, 4, 1, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 1},
+      {1, 32, 8, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {1, 16, 2, 2, 600, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 1, 0, 0},
+      {2, 20, 2, 1, 1001, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
+      {1, 16, 1, 1, 517, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 0, 0},
+      {1, 8, 4, 8, 9, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      /* 17 to 32 vectors: blocks of 16 (blockIdx.x), the last one partial */
+      {1, 32, 8, 8, 700, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 4, 600, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 200, 30.0f, 1, 1, 1},
+      {2, 20, 1, 1, 901, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
   };
   /* NaN / Inf (plant_q4) at each kind of m-tile and P.V */
   static const att_case nc[] = {
@@ -959,6 +975,9 @@ TEST(cuda_q4_tcd_path) {
       {1, 32, 8, 1, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 32, 8, 2, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 1, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 4, 8, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 32, 8, 4, 500, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 4, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
   /* BLOCK_TABLE rows: block sizes 24 (the division), 64, 16 and 8; at
    * D = 256 tiles across blocks (first offsets 1 and 2..: the lane-pair
@@ -980,6 +999,13 @@ TEST(cuda_q4_tcd_path) {
       {{2, 16, 4, 2, 900, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 250, 0, 1, 1, 0}, 8},
       {{2, 14, 2, 1, 1000, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 24},
       {{1, 8, 4, 1, 1300, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 700, 0, 0, 0, 0}, 64},
+      /* 16 query vectors per KV head */
+      {{2, 8, 4, 8, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
+      {{1, 8, 4, 8, 1300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64},
+      {{1, 32, 8, 4, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64},
+      {{2, 16, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 250, 0, 1, 1, 0}, 24},
+      {{2, 32, 4, 2, 1000, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{2, 32, 8, 8, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
   kva_context *ctx;
@@ -987,18 +1013,18 @@ TEST(cuda_q4_tcd_path) {
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
   if (!made) return;
   for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci)
-    if (!run_case_want(ctx, &tc[ci], NULL, 0, "per-warp decode")) {
+    if (!run_case_want(ctx, &tc[ci], NULL, 0, "per-warp,")) {
       FAIL_("case %zu", ci);
       goto done;
     }
   for (size_t ci = 0; ci < sizeof nc / sizeof nc[0]; ++ci)
     for (int variant = 0; variant < 3; ++variant)
-      if (!run_case_want(ctx, &nc[ci], plant_q4, variant, "per-warp decode")) {
+      if (!run_case_want(ctx, &nc[ci], plant_q4, variant, "per-warp,")) {
         FAIL_("NaN/Inf case %zu, variant %d", ci, variant);
         goto done;
       }
   for (size_t ci = 0; ci < sizeof tt / sizeof tt[0]; ++ci)
-    if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp decode")) break;
+    if (!run_table_case(ctx, &tt[ci].c, tt[ci].bs, 31 + ci, "per-warp,")) break;
 done:
   kva_context_destroy(ctx);
 }

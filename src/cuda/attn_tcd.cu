@@ -1,8 +1,10 @@
-/* Per-warp q4 decode kernel ("tcd"): bf16 queries, 4-bit MLX-affine K and V
- * with bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D
- * in {64, 128, 256} (at 64 one group per row: kvc_tcd_so), up to 8 query
- * vectors per KV head (rep * L: decode and
- * short verify), causal-family masks, softcap, sinks;
+/* Per-warp q4 kernel ("tcd"): bf16 queries, 4-bit MLX-affine K and V with
+ * bf16 scales and biases in groups of 64 (MLX's default), Dk = Dv = D in
+ * {64, 128, 256} (at 64 one group per row: kvc_tcd_so), rep * L query
+ * vectors per KV head: up to 8 in one block (decode: two s8 query parts),
+ * or blocks of 16 (verify, wide GQA: one s8 part, "HI" below; each block
+ * reads the KV head's tiles, the blocks of one head run side by side and
+ * share them in L2), causal-family masks, softcap, sinks;
  * contiguous or BLOCK_TABLE rows (paged views). The selector (context.cu)
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
@@ -26,11 +28,15 @@
  *         Who copies what: kvc_tcd_loader (coalesced pieces over contiguous
  *         rows and one-block tiles, lane pairs per token over tables).
  *   math, S = Q K^T with query slots as mma M and tokens as N
- *         (mma.m16n8k32, s8 x u8 -> s32, exact): a query vector v is split
- *         into two s8 parts, q ~= sigma_v (128 qh + ql); slot r < 8 of an
- *         m-tile is (vector r / GPT, group r % GPT of the m-tile's GPT
- *         groups), its qh part in row r and its ql part in row r + 8, the
- *         query bytes zero outside the slot's group. K codes come straight
+ *         (mma.m16n8k32, s8 x u8 -> s32, exact): up to 8 vectors, a query
+ *         vector v is split into two s8 parts, q ~= sigma_v (128 qh + ql);
+ *         slot r < 8 of an m-tile is (vector r / GPT, group r % GPT of the
+ *         m-tile's GPT groups), its qh part in row r and its ql part in row
+ *         r + 8, the query bytes zero outside the slot's group. HI (9 to 16
+ *         vectors, GPT = 1): one part per (vector, group), q ~= sigma_vc c
+ *         (sigma_vc = max|q| of the group / 127), vector r in row r, so
+ *         each lane holds two slot rows (g, g + 8) through the softmax and
+ *         P.V takes two n-tiles; the S mma count is that of decode. K codes come straight
  *         from the words: k-step (group c, half h) takes word 8 c + 2 t + h
  *         of a token (lane t of a quad): w & 0x0F0F0F0F and (w >> 4) &
  *         0x0F0F0F0F. Per token and slot: x = 128 dot_h + dot_l, then
@@ -84,6 +90,7 @@
 #define KVC_TCD_MINB 2     /* blocks per SM the registers are capped for */
 #endif
 #define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
+#define KVC_TCD_QV 16      /* query vectors per KV head, at most */
 #ifndef KVC_TCD_COAL_MIN_D
 /* block-table tiles inside one block: coalesced copies from this head dim
  * (slower at 128) */
@@ -92,7 +99,7 @@
 
 /* Shared-memory layout (bytes) for head dim D: per warp a ring of tiles
  * {K codes, V codes, K scales, K biases, V scales, V biases}; then the
- * block's queries (bf16 [8][D]), sigma [8] and group sums [G][8]. Row
+ * block's queries (bf16 [16][D]), sigma and group sums [G][16]. Row
  * strides padded so that fragment reads are free of bank conflicts (K: a
  * quad of lanes reads 32 bytes of each of 8 rows; V: 8 lanes read 16 bytes
  * of rows 2t and 2t + 8). The ring is reused for the warps' final states. */
@@ -110,11 +117,11 @@ template <int D> struct kvc_tcd_geom {
   static constexpr int STAGE = (VB + SR + 127) / 128 * 128;
   static constexpr int WARP_BYTES = KVC_TCD_NS * STAGE;
   static constexpr int QST = KVC_TCD_WARPS * WARP_BYTES; /* queries */
-  static constexpr int QSIG = QST + 8 * D * 2, QSUM = QSIG + 8 * 4;
-  static constexpr int TOTAL = QSUM + G * 8 * 4;
-  /* the final states: [warp][8] (m, l), then [warp][8][D] O */
-  static constexpr int OST = KVC_TCD_WARPS * 8 * 8;
-  static_assert(OST + KVC_TCD_WARPS * 8 * D * 4 <= QST, "final states fit the ring");
+  static constexpr int QSIG = QST + KVC_TCD_QV * D * 2, QSUM = QSIG + G * KVC_TCD_QV * 4;
+  static constexpr int TOTAL = QSUM + G * KVC_TCD_QV * 4;
+  /* the final states: [warp][QV] (m, l), then [warp][QV][D] O */
+  static constexpr int OST = KVC_TCD_WARPS * KVC_TCD_QV * 8;
+  static_assert(OST + KVC_TCD_WARPS * KVC_TCD_QV * D * 4 <= QST, "final states fit the ring");
 };
 
 /* A lane's share of the tile copies, in one of two patterns (both fill the
@@ -347,22 +354,28 @@ __device__ __forceinline__ void kvc_tcd_row(const unsigned char *row, int gi, fl
   }
 }
 
-/* GPT: groups per S m-tile (8 slots = vectors x GPT; kvc_tcd_gpt), V
- * scales folded into P in every case (see the header). TBL:
- * BLOCK_TABLE rows (an instance each: one copy of the loop per kernel; the
- * two copies in one kernel measured 4-17 % slower at D = 256, H200). */
-template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body(const kvc_args &a) {
+/* GPT: groups per S m-tile (kvc_tcd_gpt), V scales folded into P in every
+ * case (see the header). HI: the mma rows g + 8 hold query vectors 8 .. 15
+ * (one s8 query part, "q int8": up to 16 vectors, GPT = 1) instead of the
+ * low parts of vectors 0 .. 7 ("q int15"). TBL: BLOCK_TABLE rows (an
+ * instance each: one copy of the loop per kernel; the two copies in one
+ * kernel measured 4-17 % slower at D = 256, H200). */
+template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc_tcd_body(const kvc_args &a) {
   using Gm = kvc_tcd_geom<D>;
   constexpr int G = Gm::G, MTK = G / GPT, KSTEPS = D / 32, MTV = D / 16, WV = D / 64;
+  constexpr int R = HI ? 2 : 1; /* S rows per lane holding query slots: g (and g + 8) */
+  static_assert(!HI || GPT == 1, "16 query vectors: one group per S m-tile");
   constexpr bool SPREAD = MTK > 1; /* V words of a lane one per group (see kvc_tcd_word) */
-  constexpr int NS = KVC_TCD_NS, W = KVC_TCD_WARPS;
+  constexpr int NS = KVC_TCD_NS, W = KVC_TCD_WARPS, QV = KVC_TCD_QV;
   extern __shared__ __align__(128) unsigned char kvc_tcd_buf[];
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.y, b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b);
-  const int Q = a.rep * a.L; /* <= 8 / GPT (the selector) */
+  /* this block's query vectors v0 .. v0 + Q - 1 of the KV head's rep L (HI:
+   * chunks of 16, blockIdx.x; else all, at most 8 / GPT: the selector) */
+  const int v0 = blockIdx.x * QV, Qall = a.rep * a.L, Q = HI && Qall - v0 > QV ? QV : Qall - v0;
 
   long long t_lo, t_hi;
   kvc_split_range(a, split, len, &t_lo, &t_hi);
@@ -390,39 +403,71 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;
 
-  /* Queries: staged as bf16 (16 threads per vector, D / 16 dims each), sigma
-   * = max|q| / (127 * 128) and the per-group sums (times scl2) by shuffles. */
+  /* Queries: staged as bf16 (TPQ threads per vector, D / TPQ dims each);
+   * sigma per vector and group, qsig[c QV + v]: HI, max|q| of the group /
+   * 127 (one s8 part); else max|q| of the vector / (127 * 128) (two parts),
+   * the same for every group; the per-group sums (times scl2) by shuffles. */
   unsigned short *qst = (unsigned short *)(kvc_tcd_buf + Gm::QST);
   float *qsig = (float *)(kvc_tcd_buf + Gm::QSIG), *qsum = (float *)(kvc_tcd_buf + Gm::QSUM);
   {
-    constexpr int TPQ = KVC_TCD_THREADS / 8, DPT = D / TPQ;
+    constexpr int NQ = HI ? 16 : 8, TPQ = KVC_TCD_THREADS / NQ, DPT = D / TPQ, TPG = KVC_TC_GROUP / DPT;
     const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT;
     float amax, sum;
-    kvc_stage_query<DPT, TPQ>(a, b, hk, j, Q, pd, KVC_TC_GROUP / DPT, qst + j * D, &amax, &sum);
-    if (pd % KVC_TC_GROUP == 0) qsum[(pd / KVC_TC_GROUP) * 8 + j] = sum * scl2;
-    if (pd == 0) qsig[j] = kvc_query_sigma(amax);
+    kvc_stage_query<DPT, HI ? TPG : TPQ>(a, b, hk, v0 + j, Qall, pd, TPG, qst + j * D, &amax, &sum);
+    const float sg = HI ? kvc_query_sigma8(amax) : kvc_query_sigma(amax);
+    if constexpr (HI) { /* the bias term takes the rounded query's sum, sigma sum(c) (exact: |sum c| < 2^24),
+                         * so that S is q'.k of the rounded q' (a NaN / Inf sum stays as it is) */
+      const float inv = 1.0f / sg;
+      int cs = 0;
+#pragma unroll
+      for (int d = 0; d < DPT; ++d) {
+        const float c = rintf(kvc_bf16_bits(qst[j * D + pd + d]) * inv);
+        cs += (c == c) ? (int)fminf(fmaxf(c, -127.0f), 127.0f) : 0;
+      }
+#pragma unroll
+      for (int off = 1; off < TPG; off <<= 1) cs += __shfl_xor_sync(KVC_FULL_MASK, cs, off);
+      if (isfinite(sum)) sum = sg * (float)cs;
+    }
+    if (pd % KVC_TC_GROUP == 0) {
+      qsum[(pd / KVC_TC_GROUP) * QV + j] = sum * scl2;
+      qsig[(pd / KVC_TC_GROUP) * QV + j] = sg;
+    }
   }
   __syncthreads();
 
-  /* This lane's slot g: vector vq = g / GPT, group gi = g % GPT of each
-   * m-tile. Query A fragments of k-step kj = 2 c + h (group c, word 8 c + 2 t4
-   * + h): a0/a2 the qh bytes of the word's even / odd dims, a1/a3 the ql
-   * bytes; zero unless c % GPT == gi. */
-  const int vq = g / GPT, gi = g % GPT;
-  const bool vok = vq < Q;
+  /* This lane's slots g (and g + 8 with HI): vector vq[r], group gi of each
+   * m-tile. Query A fragments of k-step kj = 2 c + h (group c, word 8 c + 2
+   * t4 + h): a0/a2 the bytes of the word's even / odd dims for row g, a1/a3
+   * for row g + 8 (HI: vector vq[1]; else the low part of vector vq[0]);
+   * zero unless c % GPT == gi. */
+  const int gi = g % GPT;
+  int vq[R];
+  bool vok[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    vq[r] = (g + 8 * r) / GPT;
+    vok[r] = vq[r] < Q;
+  }
   uint32_t qa[KSTEPS][4];
-  {
-    const float inv = vok ? 1.0f / qsig[vq] : 0.0f;
 #pragma unroll
-    for (int kj = 0; kj < KSTEPS; ++kj) {
-      qa[kj][0] = qa[kj][1] = qa[kj][2] = qa[kj][3] = 0u;
-      if (vok && (kj / 2) % GPT == gi) {
-        const unsigned short *qp = qst + vq * D + 8 * (8 * (kj / 2) + 2 * t4 + (kj & 1));
+  for (int kj = 0; kj < KSTEPS; ++kj) {
+    qa[kj][0] = qa[kj][1] = qa[kj][2] = qa[kj][3] = 0u;
+    if ((kj / 2) % GPT != gi) continue;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < R; ++r) {
+      if (!vok[r]) continue;
+      const float inv = 1.0f / qsig[(kj / 2) * QV + vq[r]];
+      const unsigned short *qp = qst + vq[r] * D + 8 * (8 * (kj / 2) + 2 * t4 + (kj & 1));
 #pragma unroll
-          for (int odd = 0; odd < 2; ++odd) {
-            const float y = kvc_bf16_bits(qp[2 * i + odd]) * inv;
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) {
+          const float y = kvc_bf16_bits(qp[2 * i + odd]) * inv;
+          if constexpr (HI) {
+            const float c = rintf(y);
+            const int ic = (c == c) ? (int)fminf(fmaxf(c, -127.0f), 127.0f) : 0;
+            qa[kj][2 * odd + r] |= (uint32_t)(ic & 0xff) << (8 * i);
+          } else {
             const float qh = rintf(y * (1.0f / 128.0f));
             const float ql = rintf(y - 128.0f * qh);
             const int ih = (qh == qh) ? (int)fminf(fmaxf(qh, -127.0f), 127.0f) : 0;
@@ -430,21 +475,35 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
             qa[kj][2 * odd] |= (uint32_t)(ih & 0xff) << (8 * i);
             qa[kj][2 * odd + 1] |= (uint32_t)(il & 0xff) << (8 * i);
           }
-      }
+        }
     }
   }
-  const float sig = vok ? qsig[vq] * scl2 : 0.0f;
-  float qs[MTK];
+  float sig[R][MTK], qs[R][MTK]; /* sigma scl2 and the group sums of slot (r, m-tile) */
+  long long pos[R];
+  int32_t segp[R];
 #pragma unroll
-  for (int mt = 0; mt < MTK; ++mt) qs[mt] = vok ? qsum[(mt * GPT + gi) * 8 + vq] : 0.0f;
-  const long long pos = len - a.L + (vok ? vq % a.L : 0);
-  const int32_t segp = vok ? kvc_seg_of_row(a, b, pos) : 0;
-  float o[MTV][4];
+  for (int r = 0; r < R; ++r) {
 #pragma unroll
-  for (int j = 0; j < MTV; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m = -INFINITY, l = 0.0f, cs[MTK]; /* cs[mt]: sum(P (bias + 8 scale)) of column g of S m-tile mt */
+    for (int mt = 0; mt < MTK; ++mt) {
+      sig[r][mt] = vok[r] ? qsig[(mt * GPT + gi) * QV + vq[r]] * scl2 : 0.0f;
+      qs[r][mt] = vok[r] ? qsum[(mt * GPT + gi) * QV + vq[r]] : 0.0f;
+    }
+    pos[r] = len - a.L + (vok[r] ? (v0 + vq[r]) % a.L : 0);
+    segp[r] = vok[r] ? kvc_seg_of_row(a, b, pos[r]) : 0;
+  }
+  float o[MTV][R][4];
 #pragma unroll
-  for (int mt = 0; mt < MTK; ++mt) cs[mt] = 0.0f;
+  for (int j = 0; j < MTV; ++j)
+#pragma unroll
+    for (int r = 0; r < R; ++r) o[j][r][0] = o[j][r][1] = o[j][r][2] = o[j][r][3] = 0.0f;
+  /* cs[r][mt]: sum(P (bias + 8 scale)) of slot (r, S m-tile mt) */
+  float m[R], l[R], cs[R][MTK];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY, l[r] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MTK; ++mt) cs[r][mt] = 0.0f;
+  }
 
   for (int n = 0; n < nmine; ++n) {
     kvc_cp_wait<NS - 2>(); /* this lane's copies of tile n landed */
@@ -486,75 +545,96 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc2[0][nt][e];
     }
-    /* sc[e]: tokens 2 t4 + (e & 1) + 8 (e >> 1) (the B layout of P.V) */
-    float sc[4];
+    /* sc[r][e]: slot row r, tokens 2 t4 + (e & 1) + 8 (e >> 1) (the B layout of P.V) */
+    float sc[R][4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int nt = e >> 1, x = e & 1, tok = 8 * nt + 2 * t4 + x;
-      float ks[MTK], kz[MTK], ss = 0.0f, sz = 0.0f;
+      float ks[MTK], kz[MTK];
       kvc_tcd_row<G, GPT>(st + Gm::KS + (tok + so) * Gm::SB, gi, ks);
       kvc_tcd_row<G, GPT>(st + Gm::KB + (tok + so) * Gm::SB, gi, kz);
 #pragma unroll
-      for (int mt = 0; mt < MTK; ++mt) {
-        ss = fmaf(ks[mt], (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
-        sz = fmaf(kz[mt], qs[mt], sz);
-      }
-      sc[e] = fmaf(ss, sig, sz);
+      for (int r = 0; r < R; ++r) {
+        float ss = 0.0f, sz = 0.0f;
 #pragma unroll
-      for (int off = 4; off < 4 * GPT; off <<= 1) sc[e] += __shfl_xor_sync(KVC_FULL_MASK, sc[e], off);
+        for (int mt = 0; mt < MTK; ++mt) {
+          if constexpr (HI) /* per-group sigma: x_c sigma_c scale_c */
+            ss = fmaf(ks[mt] * sig[r][mt], (float)acc[mt][nt][2 * r + x], ss);
+          else
+            ss = fmaf(ks[mt], (float)(128 * acc[mt][nt][x] + acc[mt][nt][2 + x]), ss);
+          sz = fmaf(kz[mt], qs[r][mt], sz);
+        }
+        sc[r][e] = HI ? ss + sz : fmaf(ss, sig[r][0], sz);
+#pragma unroll
+        for (int off = 4; off < 4 * GPT; off <<= 1) sc[r][e] += __shfl_xor_sync(KVC_FULL_MASK, sc[r][e], off);
+      }
     }
 
-    /* ---- softmax (log2 units) ---- */
+    /* ---- softmax (log2 units), per slot row ---- */
     const bool full = kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len);
-    bool vis[4];
-    float tmax = -INFINITY;
+    bool vis[R][4];
+    float tmax[R];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (capped) sc[e] = cap2 * tanhf(sc[e] * cap2_inv);
-      bool v = vok;
-      if (!full) {
-        const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
-        v = v && t < t_hi;
-        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos, segp);
+    for (int r = 0; r < R; ++r) {
+      tmax[r] = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (capped) sc[r][e] = cap2 * tanhf(sc[r][e] * cap2_inv);
+        bool v = vok[r];
+        if (!full) {
+          const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
+          v = v && t < t_hi;
+          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[r], segp[r]);
+        }
+        const float xl = v ? sc[r][e] : -INFINITY;
+        vis[r][e] = v && xl != -INFINITY;
+        sc[r][e] = xl;
+        tmax[r] = kvc_max(tmax[r], xl);
       }
-      const float xl = v ? sc[e] : -INFINITY;
-      vis[e] = v && xl != -INFINITY;
-      sc[e] = xl;
-      tmax = kvc_max(tmax, xl);
+      tmax[r] = kvc_max(tmax[r], __shfl_xor_sync(KVC_FULL_MASK, tmax[r], 1));
+      tmax[r] = kvc_max(tmax[r], __shfl_xor_sync(KVC_FULL_MASK, tmax[r], 2));
     }
-    tmax = kvc_max(tmax, __shfl_xor_sync(KVC_FULL_MASK, tmax, 1));
-    tmax = kvc_max(tmax, __shfl_xor_sync(KVC_FULL_MASK, tmax, 2));
-    if (__any_sync(KVC_FULL_MASK, !(tmax <= m + KVC_TCD_SLACK))) { /* a max moved (or is NaN): rescale */
-      const float mn = kvc_max(m, tmax);
-      const float corr = mn == m ? 1.0f : kvc_exp2(m - mn); /* 0 when m = -inf */
-      m = mn;
-      l *= corr;
+    bool moved = false;
 #pragma unroll
-      for (int mt = 0; mt < MTK; ++mt) cs[mt] *= corr;
-      /* O columns 2 t4, 2 t4 + 1 belong to the slots (lanes 4 col) of those columns */
-      const float c0 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4), c1 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4 + 4);
+    for (int r = 0; r < R; ++r) moved = moved || !(tmax[r] <= m[r] + KVC_TCD_SLACK);
+    if (__any_sync(KVC_FULL_MASK, moved)) { /* a max moved (or is NaN): rescale */
 #pragma unroll
-      for (int j = 0; j < MTV; ++j) {
-        o[j][0] *= c0;
-        o[j][1] *= c1;
-        o[j][2] *= c0;
-        o[j][3] *= c1;
+      for (int r = 0; r < R; ++r) {
+        const float mn = kvc_max(m[r], tmax[r]);
+        const float corr = mn == m[r] ? 1.0f : kvc_exp2(m[r] - mn); /* 0 when m = -inf */
+        m[r] = mn;
+        l[r] *= corr;
+#pragma unroll
+        for (int mt = 0; mt < MTK; ++mt) cs[r][mt] *= corr;
+        /* O columns 2 t4, 2 t4 + 1 of n-tile r belong to the slots (lanes 4 col) of those columns */
+        const float c0 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4), c1 = __shfl_sync(KVC_FULL_MASK, corr, 8 * t4 + 4);
+#pragma unroll
+        for (int j = 0; j < MTV; ++j) {
+          o[j][r][0] *= c0;
+          o[j][r][1] *= c1;
+          o[j][r][2] *= c0;
+          o[j][r][3] *= c1;
+        }
       }
     }
-    float p[4];
+    float p[R][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) p[e] = vis[e] ? kvc_exp2(sc[e] - m) : 0.0f;
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[r][e] = vis[r][e] ? kvc_exp2(sc[r][e] - m[r]) : 0.0f;
+        l[r] += p[r][e];
+      }
 
-    /* ---- P times the V scale as the B fragment of column g (tokens 2 t4, + 1 | + 8, + 9), one per
-     * S m-tile: B[mt] feeds the V m-tiles of the groups of S m-tile mt ---- */
-    uint32_t pb0[MTK], pb1[MTK];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) l += p[e];
+    /* ---- P times the V scale as the B fragment of column g (tokens 2 t4, + 1 | + 8, + 9) of
+     * n-tile r, one per S m-tile: B[r][mt] feeds the V m-tiles of the groups of S m-tile mt ---- */
+    uint32_t pb0[R][MTK], pb1[R][MTK];
     {
-      /* r = bf16(P scale) feeds the mma with A = c - 8; the 8 scale + bias
-       * part is summed here in f32 from the unrounded P: the rounding of r
-       * then only scales c - 8 (about the value's size, as for a rounded V) */
-      float r[MTK][4];
+      /* bf16(P scale) feeds the mma with A = c - 8; the 8 scale + bias
+       * part is summed here in f32 from the unrounded P: the rounding of
+       * P scale then only scales c - 8 (about the value's size, as for a
+       * rounded V) */
+      float rr[R][MTK][4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = 8 * (e >> 1) + 2 * t4 + (e & 1);
@@ -562,20 +642,24 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
         kvc_tcd_row<G, GPT>(st + Gm::VS + (tok + so) * Gm::SB, gi, sv);
         kvc_tcd_row<G, GPT>(st + Gm::VB + (tok + so) * Gm::SB, gi, z);
 #pragma unroll
-        for (int mt = 0; mt < MTK; ++mt) {
-          r[mt][e] = vis[e] ? p[e] * sv[mt] : 0.0f;
-          if (vis[e]) cs[mt] = fmaf(p[e], fmaf(8.0f, sv[mt], z[mt]), cs[mt]);
-        }
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int mt = 0; mt < MTK; ++mt) {
+            rr[r][mt][e] = vis[r][e] ? p[r][e] * sv[mt] : 0.0f;
+            if (vis[r][e]) cs[r][mt] = fmaf(p[r][e], fmaf(8.0f, sv[mt], z[mt]), cs[r][mt]);
+          }
       }
 #pragma unroll
-      for (int mt = 0; mt < MTK; ++mt) {
-        pb0[mt] = kvc_bf16x2_of(r[mt][0], r[mt][1]);
-        pb1[mt] = kvc_bf16x2_of(r[mt][2], r[mt][3]);
-      }
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int mt = 0; mt < MTK; ++mt) {
+          pb0[r][mt] = kvc_bf16x2_of(rr[r][mt][0], rr[r][mt][1]);
+          pb1[r][mt] = kvc_bf16x2_of(rr[r][mt][2], rr[r][mt][3]);
+        }
     }
 
     /* ---- O^T += V^T P^T: m-tile j = 4 wj + (j % 4): element 2 (j % 4) of word w(g, wj) (row g), + 1
-     * (row g + 8) ---- */
+     * (row g + 8); n-tile r: the slots of S row r ---- */
     uint32_t wa[WV], wb[WV], wc[WV], wd[WV]; /* words w(g, 0 ..) of tokens 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 */
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
@@ -612,7 +696,8 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
           /* c - 8, exact: centered, so the f32 sums in the mma stay near the result */
 #pragma unroll
           for (int i = 0; i < 4; ++i) af[i] = kvc_fma_bf16x2(af[i], KVC_BF16X2_ONE, KVC_BF16X2_M136);
-          kvc_mma_bf16(o[j], af, pb0[mb], pb1[mb]);
+#pragma unroll
+          for (int r = 0; r < R; ++r) kvc_mma_bf16(o[j][r], af, pb0[r][mb], pb1[r][mb]);
         }
       }
     }
@@ -624,81 +709,97 @@ template <int D, int GPT, bool TBL> __device__ __forceinline__ void kvc_tcd_body
 #endif
 
   /* ---- the warps' states -> shared memory -> one state per vector ---- */
-  l += __shfl_xor_sync(KVC_FULL_MASK, l, 1);
-  l += __shfl_xor_sync(KVC_FULL_MASK, l, 2);
-  float csc[MTK][2]; /* cs of columns 2 t4, 2 t4 + 1 */
+  float csc[R][MTK][2]; /* cs of columns 2 t4, 2 t4 + 1 of n-tile r */
 #pragma unroll
-  for (int mt = 0; mt < MTK; ++mt) {
-    cs[mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[mt], 1);
-    cs[mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[mt], 2);
-    csc[mt][0] = __shfl_sync(KVC_FULL_MASK, cs[mt], 8 * t4);
-    csc[mt][1] = __shfl_sync(KVC_FULL_MASK, cs[mt], 8 * t4 + 4);
+  for (int r = 0; r < R; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
+#pragma unroll
+    for (int mt = 0; mt < MTK; ++mt) {
+      cs[r][mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[r][mt], 1);
+      cs[r][mt] += __shfl_xor_sync(KVC_FULL_MASK, cs[r][mt], 2);
+      csc[r][mt][0] = __shfl_sync(KVC_FULL_MASK, cs[r][mt], 8 * t4);
+      csc[r][mt][1] = __shfl_sync(KVC_FULL_MASK, cs[r][mt], 8 * t4 + 4);
+    }
   }
   __syncthreads(); /* every warp is done with its ring */
   float *ml = (float *)kvc_tcd_buf, *ost = (float *)(kvc_tcd_buf + Gm::OST);
-  if (t4 == 0 && gi == 0 && vok) {
-    ml[(warp * 8 + vq) * 2] = m;
-    ml[(warp * 8 + vq) * 2 + 1] = l;
-  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (t4 == 0 && gi == 0 && vok[r]) {
+      ml[(warp * QV + vq[r]) * 2] = m[r];
+      ml[(warp * QV + vq[r]) * 2 + 1] = l[r];
+    }
 #pragma unroll
   for (int j = 0; j < MTV; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int col = 2 * t4 + (e & 1), d = 8 * kvc_tcd_word<D, SPREAD>(g, j / 4) + 2 * (j % 4) + (e >> 1);
-      const int v = col / GPT, gd = d / KVC_TC_GROUP; /* column col: vector v, group mt GPT + col % GPT */
-      if (col % GPT == gd % GPT && v < Q) ost[(warp * 8 + v) * D + d] = o[j][e] + csc[gd / GPT][e & 1];
-    }
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 2 * t4 + (e & 1), d = 8 * kvc_tcd_word<D, SPREAD>(g, j / 4) + 2 * (j % 4) + (e >> 1);
+        const int slot = 8 * r + col, v = slot / GPT, gd = d / KVC_TC_GROUP; /* slot: vector v, group mt GPT + slot % GPT */
+        if (slot % GPT == gd % GPT && v < Q) ost[(warp * QV + v) * D + d] = o[j][r][e] + csc[r][gd / GPT][e & 1];
+      }
   __syncthreads();
   for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
     const int v = idx / D, d = idx % D;
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < W; ++w) M = kvc_max(M, ml[(w * 8 + v) * 2]);
+    for (int w = 0; w < W; ++w) M = kvc_max(M, ml[(w * QV + v) * 2]);
     float Ls = 0.0f, O = 0.0f;
     if (M != -INFINITY)
 #pragma unroll
       for (int w = 0; w < W; ++w) {
-        const float f = kvc_exp2(ml[(w * 8 + v) * 2] - M); /* 0 for a warp without keys */
-        Ls = fmaf(ml[(w * 8 + v) * 2 + 1], f, Ls);
-        O = fmaf(ost[(w * 8 + v) * D + d], f, O);
+        const float f = kvc_exp2(ml[(w * QV + v) * 2] - M); /* 0 for a warp without keys */
+        Ls = fmaf(ml[(w * QV + v) * 2 + 1], f, Ls);
+        O = fmaf(ost[(w * QV + v) * D + d], f, O);
       }
-    kvc_emit(a, split, b, hk, v, d, M, Ls, O);
+    kvc_emit(a, split, b, hk, v0 + v, d, M, Ls, O);
   }
 }
 
-template <int D, int GPT, bool TBL>
+template <int D, int GPT, bool HI, bool TBL>
 __global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(const kvc_args a) {
-  kvc_tcd_body<D, GPT, TBL>(a);
+  kvc_tcd_body<D, GPT, HI, TBL>(a);
 }
 
 /* ---- host side ---- */
-/* (D, groups per S m-tile, BLOCK_TABLE rows) */
-#define KVC_TCD_INSTANCES(X)                                                                       \
-  X(256, 4, false) X(256, 2, false) X(256, 1, false) X(256, 4, true) X(256, 2, true) X(256, 1, true) \
-  X(128, 2, false) X(128, 1, false) X(128, 2, true) X(128, 1, true) X(64, 1, false) X(64, 1, true)
+/* (D, groups per S m-tile, 16 query vectors, BLOCK_TABLE rows) */
+#define KVC_TCD_INSTANCES(X)                                                                                \
+  X(256, 4, false, false) X(256, 2, false, false) X(256, 1, false, false) X(256, 1, true, false)              \
+  X(256, 4, false, true) X(256, 2, false, true) X(256, 1, false, true) X(256, 1, true, true)                  \
+  X(128, 2, false, false) X(128, 1, false, false) X(128, 1, true, false) X(128, 2, false, true)               \
+  X(128, 1, false, true) X(128, 1, true, true) X(64, 1, false, false) X(64, 1, true, false)                   \
+  X(64, 1, false, true) X(64, 1, true, true)
 
 int kvc_tcd_smem(int D) {
   return D == 256 ? kvc_tcd_geom<256>::TOTAL : D == 128 ? kvc_tcd_geom<128>::TOTAL : kvc_tcd_geom<64>::TOTAL;
 }
 
-/* Groups per S m-tile for q <= 8 query vectors per KV head at head dim D:
- * all G while q G <= 8 (one S m-tile, one B for P.V), else G / 2 while
- * q G <= 16, else 1 (G m-tiles, one B per group). */
+/* Groups per S m-tile for q <= 16 query vectors per KV head at head dim D:
+ * up to 8 vectors (two query parts, the slots in rows g), all G while q G
+ * <= 8 (one S m-tile, one B for P.V), else G / 2 while q G <= 16, else 1
+ * (G m-tiles, one B per group); 9 to 16 vectors (one part, rows g and g + 8:
+ * kvc_tcd_hi): 1. */
 int kvc_tcd_gpt(int D, int q) {
   const int G = D / KVC_TC_GROUP;
-  return q * G <= 8 ? G : q * G <= 16 ? G / 2 : 1;
+  return q > 8 ? 1 : q * G <= 8 ? G : q * G <= 16 ? G / 2 : 1;
+}
+int kvc_tcd_hi(int q) { return q > 8; }
+
+template <int D, int GPT, bool HI, bool TBL> static cudaError_t kvc_tcd_prepare(void) {
+  return cudaFuncSetAttribute(kvc_tcd_kernel<D, GPT, HI, TBL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              kvc_tcd_smem(D));
 }
 
-template <int D, int GPT, bool TBL> static cudaError_t kvc_tcd_prepare(void) {
-  return cudaFuncSetAttribute(kvc_tcd_kernel<D, GPT, TBL>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvc_tcd_smem(D));
-}
-
-int kvc_tcd_occupancy(int D, int gpt, int tbl) {
+int kvc_tcd_occupancy(int D, int gpt, int hi, int tbl) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
-#define KVC_OCC(D_, P_, T_)                                                                        \
-  if (D == D_ && gpt == P_ && (tbl != 0) == T_ && (e = kvc_tcd_prepare<D_, P_, T_>()) == cudaSuccess) \
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tcd_kernel<D_, P_, T_>, KVC_TCD_THREADS, kvc_tcd_smem(D));
+#define KVC_OCC(D_, P_, H_, T_)                                                                    \
+  if (D == D_ && gpt == P_ && (hi != 0) == H_ && (tbl != 0) == T_ &&                               \
+      (e = kvc_tcd_prepare<D_, P_, H_, T_>()) == cudaSuccess)                                      \
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_tcd_kernel<D_, P_, H_, T_>, KVC_TCD_THREADS, \
+                                                      kvc_tcd_smem(D));
   KVC_TCD_INSTANCES(KVC_OCC)
 #undef KVC_OCC
   if (e != cudaSuccess) {
@@ -709,19 +810,19 @@ int kvc_tcd_occupancy(int D, int gpt, int tbl) {
 }
 
 int kvc_launch_tcd(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
-  dim3 grid(1, plan.nsplit, a.B * a.KVH);
-  const int gpt = kvc_tcd_gpt(a.Dk, a.rep * a.L);
-  const bool tbl = a.k.tbl != nullptr;
+  dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
+  const int q = a.rep * a.L, gpt = kvc_tcd_gpt(a.Dk, q);
+  const bool hi = kvc_tcd_hi(q), tbl = a.k.tbl != nullptr;
   cudaError_t e = cudaErrorInvalidValue;
-#define KVC_CASE(D_, P_, T_)                                                                       \
-  if (a.Dk == D_ && gpt == P_ && tbl == T_) {                                                      \
-    kvc_tcd_kernel<D_, P_, T_><<<grid, KVC_TCD_THREADS, kvc_tcd_smem(D_), stream>>>(a);            \
+#define KVC_CASE(D_, P_, H_, T_)                                                                   \
+  if (a.Dk == D_ && gpt == P_ && hi == H_ && tbl == T_) {                                          \
+    kvc_tcd_kernel<D_, P_, H_, T_><<<grid, KVC_TCD_THREADS, kvc_tcd_smem(D_), stream>>>(a);        \
     e = cudaGetLastError();                                                                        \
   }
   KVC_TCD_INSTANCES(KVC_CASE)
 #undef KVC_CASE
   if (e != cudaSuccess)
-    return kva_seterr(KVA_ECUDA, "q4 per-warp decode kernel (D = %d, %d query vectors): %s", a.Dk, a.rep * a.L,
+    return kva_seterr(KVA_ECUDA, "q4 per-warp kernel (D = %d, %d query vectors): %s", a.Dk, q,
                       cudaGetErrorString(e));
   return 0;
 }

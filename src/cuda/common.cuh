@@ -192,6 +192,12 @@ __device__ __forceinline__ void kvc_stage_query(const kvc_args &a, int b, int hk
 __device__ __forceinline__ float kvc_query_sigma(float amax) {
   return amax > 0.0f && amax <= 3.0e38f ? amax / 16256.0f : 1.0f;
 }
+/* sigma of one query group for one s8 part: q / sigma fits 127 (the
+ * oracle's q int8 rounding, kva_ref_rounding); 1 for a zero or non-finite
+ * max. */
+__device__ __forceinline__ float kvc_query_sigma8(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? amax / 127.0f : 1.0f;
+}
 __device__ __forceinline__ char *kvc_out_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.out + b * a.os[0] + h * a.os[1] + i * a.os[2] + d * a.os[3];
 }

@@ -29,6 +29,9 @@
 #define KVC_TCD_MIN_WORK (1LL << 18) /* ... and from B * KVH * N >= this many token-heads (the default; the
                                         environment variable KVA_CUDA_TCD_MIN_WORK sets it per context, < 0:
                                         never): below, its per-block fixed cost loses (H200, 8/4/256) */
+#define KVC_TCD_MAX_Q 32             /* q4 on the per-warp kernel up to this many query vectors per KV head (in
+                                        blocks of 16 beyond 8; the environment variable KVA_CUDA_TCD_MAX_Q sets it
+                                        per context) */
 #define KVC_WG_MIN_Q 17              /* q4 at head dims 64 / 128 / 256 on the warpgroup verify kernel from this many
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never); at 16 vectors the
@@ -52,8 +55,10 @@ struct kvc_state {
   int tc_occupancy[4][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
                                           [8, 32, 48 vectors, 8 and 32 with the compiled group size] */
   int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
-  int tcd_occupancy[3][3][2];           /* resident per-warp decode blocks per SM by [head dim 128, 256, 64][log2 gpt][table] */
+  int tcd_occupancy[3][4][2];           /* resident per-warp q4 blocks per SM by [head dim 128, 256, 64][log2 gpt, 3: 16
+                                           vectors][table] */
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
+  int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_occupancy[3], wg_smem[3];      /* its resident blocks per SM by [head dim 128, 256, 64], for that shared memory */
 };
@@ -107,6 +112,9 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   }
   const char *ev = getenv("KVA_CUDA_TCD_MIN_WORK"); /* tuning and tests: see KVC_TCD_MIN_WORK */
   st->tcd_min_work = ev && *ev ? strtoll(ev, NULL, 0) : KVC_TCD_MIN_WORK;
+  ev = getenv("KVA_CUDA_TCD_MAX_Q"); /* tuning and tests: see KVC_TCD_MAX_Q (below 8: 8) */
+  st->tcd_max_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TCD_MAX_Q;
+  if (st->tcd_max_q < 8) st->tcd_max_q = 8;
   ev = getenv("KVA_CUDA_WG_MIN_Q"); /* tuning and tests: see KVC_WG_MIN_Q */
   st->wg_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_MIN_Q) : -1;
   ctx->cuda = st;
@@ -358,28 +366,31 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   int tcf = -1;
   const int di = kvc_tc_dim_index(p, &tcf);
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
-  if (di >= 0 && tcf == KVC_Q4 && Q <= 8 &&
+  const int tcd_max_q = st ? st->tcd_max_q : KVC_TCD_MAX_Q;
+  if (di >= 0 && tcf == KVC_Q4 && Q <= tcd_max_q &&
       (p->Dk == 64 || p->Dk == 128 || p->Dk == 256) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
       p->B * p->KVH * p->N >= tcd_min) {
-    /* q4 decode (up to 8 query vectors per KV head) with MLX's default group at head dims 64 (one group
-     * per row: kvc_tc_dim_index checked kvc_one_group_rows), 128 and 256: the
+    /* q4 decode and short verify (up to 16 query vectors per KV head) with MLX's default group at head
+     * dims 64 (one group per row: kvc_tc_dim_index checked kvc_one_group_rows), 128 and 256: the
      * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
      * stage max or P round trip per stage) */
     pl.fmt = KVC_Q4;
     pl.tc = 2;
-    pl.QW = 8;
-    pl.qtiles = 1;
+    pl.QW = kvc_tcd_hi(Q) ? 16 : 8;
+    pl.qtiles = (Q + pl.QW - 1) / pl.QW;
     pl.group = KVC_TC_GROUP;
     const int gpt = kvc_tcd_gpt((int)p->Dk, Q);
     int per_sm = 1;
     if (st) {
       const int tbl = kv->layout == KVA_LAYOUT_BLOCK_TABLE;
-      int *slot = &st->tcd_occupancy[p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2][kvc_log2(gpt)][tbl];
-      if (*slot == 0) *slot = kvc_tcd_occupancy((int)p->Dk, gpt, tbl);
+      const int hi = kvc_tcd_hi(Q);
+      int *slot = &st->tcd_occupancy[p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2][hi ? 3 : kvc_log2(gpt)][tbl];
+      if (*slot == 0) *slot = kvc_tcd_occupancy((int)p->Dk, gpt, hi, tbl);
       per_sm = *slot > 0 ? *slot : 1;
     }
-    kvc_plan_splits(&pl, p, p->B * p->KVH, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
+    kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES,
+                    KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
   if (di >= 0 && tcf == KVC_Q4 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
@@ -476,14 +487,16 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
  * tensor-core kernels round P to the rows' 16-bit type, and
  * - 16-bit float rows: nothing else (q, K, V are the mma operands as given);
  * - q4 / q8 decode instances (narrow, up to 8 query vectors) and the
- *   per-warp q4 kernel: q to 15 bits (two s8 parts, exact integer q.k on the
- *   codes); q4 narrow: V dequantized to bf16; q8 narrow and per-warp q4: P
- *   times the V scale in bf16, the codes exact;
+ *   per-warp q4 kernel up to 8 vectors: q to 15 bits (two s8 parts, one
+ *   scale per vector, exact integer q.k on the codes); the per-warp q4
+ *   kernel at 9 to 16 vectors: q to 8 bits (one s8 part, one scale per
+ *   vector and group); q4 narrow: V dequantized to bf16; q8 narrow and
+ *   per-warp q4: P times the V scale in bf16, the codes exact;
  * - the 32- and 48-vector instances and the warpgroup kernel: K and V
  *   dequantized to bf16. */
 static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
-  if (pl.tc == 2) return "[q int15, P bf16]";
+  if (pl.tc == 2) return pl.QW > 8 ? "[q int8, P bf16]" : "[q int15, P bf16]";
   if (pl.tc == 3) return "[K,V,P bf16]";
   if (pl.fmt == KVC_BF16) return "[P bf16]";
   if (pl.fmt == KVC_F16) return "[P f16]";
@@ -503,7 +516,7 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
     snprintf(name, size, "cuda q4 tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s %s",
              pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc == 2)
-    snprintf(name, size, "cuda q4 tensor-core kernel: per-warp decode, %d query vectors, group compiled in, %d split%s %s",
+    snprintf(name, size, "cuda q4 tensor-core kernel: per-warp, %d query vectors, group compiled in, %d split%s %s",
              (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc)
     snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s %s", fmts[pl.fmt],

@@ -69,12 +69,14 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 int kvc_tc_smem(int f, int D, int gk, int gv, int ntm);
 int kvc_tc_occupancy(int f, int D, int ntm, int g, int smem);
 int kvc_launch_tcd(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
-/* The per-warp q4 decode kernel: its dynamic shared memory at head dim D;
- * groups per S m-tile for q query vectors per KV head; resident blocks per
- * SM of that instance (tbl: BLOCK_TABLE rows; 0: none). */
+/* The per-warp q4 kernel: its dynamic shared memory at head dim D; groups
+ * per S m-tile for q query vectors per KV head; whether q takes the
+ * 16-vector instances (one s8 query part); resident blocks per SM of that
+ * instance (tbl: BLOCK_TABLE rows; 0: none). */
 int kvc_tcd_smem(int D);
 int kvc_tcd_gpt(int D, int q);
-int kvc_tcd_occupancy(int D, int gpt, int tbl);
+int kvc_tcd_hi(int q);
+int kvc_tcd_occupancy(int D, int gpt, int hi, int tbl);
 /* The warpgroup (wgmma) q4 verify kernel (attn_wg.cu, sm_90a): its dynamic
  * shared memory at head dim D with gk / gv groups per K / V row; resident
  * blocks per SM for that shared memory (0: none). */
