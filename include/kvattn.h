@@ -203,9 +203,17 @@ typedef struct kva_attn_params {
   const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only). CPU:
                          each finite or -inf (no effect), else KVA_EINVAL; CUDA: device memory,
                          not checked (+inf or NaN: NaN outputs for the head's rows that see a key) */
+  unsigned flags;     /* 0 or KVA_ATTN_EXACT; any other bit is KVA_EINVAL */
 } kva_attn_params;
 
-/* scale 0 (default), no softcap, no mask, no sinks. */
+/* Flags of kva_attn_params. KVA_ATTN_EXACT (for validation): the selector
+ * takes only kernels whose kva_attention_kernel bracket is "[exact f32]"
+ * (f32 products everywhere: no query rounding, no bf16/f16 rounding of K,
+ * V or P); without it the same call may take a faster kernel that rounds.
+ * Results need not match the default call's bit for bit. */
+#define KVA_ATTN_EXACT 1u
+
+/* scale 0 (default), no softcap, no mask, no sinks, flags 0. */
 kva_attn_params kva_attn_defaults(void);
 
 typedef enum kva_backend { KVA_BACKEND_CPU = 0, KVA_BACKEND_CUDA = 1 } kva_backend;
@@ -263,7 +271,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * the query to 8 bits with one scale per vector and K group, exact integer
  * q.k on the codes ("[q int8, P bf16]", the rounding kva_ref_rounding
  * describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
- * The other kernels are "[exact f32]".
+ * The other kernels are "[exact f32]";
+ * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array
  * the call reads (q, K, V, scales, biases, mask array, segments, sinks,
  * lengths, block table). A problem whose workspace would exceed 2^48 bytes

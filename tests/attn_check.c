@@ -367,6 +367,12 @@ int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_vi
   return rc;
 }
 
+int att_name_exact(const char *name) {
+  static const char exact[] = "[exact f32]";
+  const size_t n = strlen(name), e = sizeof exact - 1;
+  return n >= e && !strcmp(name + n - e, exact);
+}
+
 double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                        const kva_tensor *out) {
   char name[256];

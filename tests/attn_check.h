@@ -101,6 +101,8 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
 /* The allowance of a kernel name; -1 (fails every comparison) when the name
  * has no bracket or one this table does not know. */
 double att_name_atol(const char *name);
+/* The kernel name ends in "[exact f32]" (what KVA_ATTN_EXACT promises). */
+int att_name_exact(const char *name);
 /* The allowance of the kernel kva_attention(ctx, q, kv, params, out) runs
  * (ask after att_set_pass: the pass picks the kernel); -1 on error (printed). */
 double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,

@@ -164,6 +164,7 @@ void mut_call_diff(const mut_call *c, const mut_base *m) {
   tensor_diff("mask.segments", &p->mask.segments, &d->params.mask.segments);
   tensor_diff("mask.array", &p->mask.array, &d->params.mask.array);
   if (p->sinks != d->params.sinks) fprintf(stderr, "    sinks -> %p\n", (const void *)p->sinks);
+  if (p->flags != d->params.flags) fprintf(stderr, "    flags -> 0x%x\n", p->flags);
 }
 
 /* Whether a mutated call addresses its elements as the base call does

@@ -503,3 +503,65 @@ TEST(attention_caller_workspace) {
   kva_context_destroy(ctx);
   att_free(&d);
 }
+
+/* KVA_ATTN_EXACT on the CPU: on shapes that take the AMX kernel ("[K,V,P
+ * bf16]", "[P bf16]": bf16 queries, >= 6 vectors per KV head) or integer
+ * query products ("[q int21]": 16-bit queries over quantized K, AVX-512
+ * VNNI) where the host has them, every SIMD level and the general kernel
+ * name "[exact f32]" and match the oracle at the f32 allowance (f32 out).
+ * (On a host without AMX/VNNI this checks the contract, not the switch.) */
+TEST(attention_exact_mode) {
+  static const att_case ec[] = {
+      {1, 8, 4, 8, 300, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q4, nq 16 */
+      {2, 12, 2, 1, 257, 128, 128, BF16, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 1, 1, 1},   /* q8, nq 6, decode */
+      {1, 6, 1, 2, 200, 128, 128, F16, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},   /* f16 q (VNNI only) */
+      {1, 8, 2, 3, 190, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},    /* bf16 rows, nq 12 */
+      {1, 8, 4, 4, 150, 128, 128, BF16, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 20.0f, 0, 0, 1}, /* f32 rows, softcap */
+  };
+  kva_context *ctx;
+  kva_context_opts o = {KVA_BACKEND_CPU, 2, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  for (size_t ci = 0; ci < sizeof ec / sizeof ec[0] && !test_failed_flag; ++ci)
+    for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr) {
+      att_data d;
+      char cs[256], kname[160];
+      att_case_str(&ec[ci], cs, sizeof cs);
+      if (att_make_q(&d, &ec[ci], pr)) {
+        FAIL_("%s: could not build operands", cs);
+        att_free(&d);
+        break;
+      }
+      kva_tensor ref = att_alloc_like(&d, &d.out);
+      d.params.flags = KVA_ATTN_EXACT; /* the oracle takes it too (always exact) */
+      if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
+        FAIL_("%s: oracle: %s", cs, kva_last_error());
+        att_free(&d);
+        break;
+      }
+      for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
+        if (att_set_pass(li)) continue;
+        if (kva_attention_kernel(ctx, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname) < 0) {
+          FAIL_("%s [%s]: kva_attention_kernel: %s", cs, att_pass_name(li), kva_last_error());
+          break;
+        }
+        if (pr == 0) printf("  %-8s %-40s %s\n", att_pass_name(li), kname, cs);
+        if (!att_name_exact(kname)) {
+          FAIL_("%s [%s]: KVA_ATTN_EXACT runs \"%s\"", cs, att_pass_name(li), kname);
+          break;
+        }
+        att_poison(&d);
+        double max_err = 0, l2 = 0;
+        if (kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0)) {
+          FAIL_("%s [%s]: kva_attention: %s", cs, att_pass_name(li), kva_last_error());
+        } else if (!att_out_untouched_ok(&d)) {
+          FAIL_("%s [%s]: memory around out or between its rows overwritten", cs, att_pass_name(li));
+        } else if (!att_compare(&d.out, &ref, ATT_ATOL_F32, att_rtol(d.c.odt), &max_err, &l2)) {
+          FAIL_("%s [%s, %s]: out differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", cs,
+                att_pass_name(li), kname, max_err, ATT_ATOL_F32);
+        }
+      }
+      att_end_passes();
+      att_free(&d);
+    }
+  kva_context_destroy(ctx);
+}

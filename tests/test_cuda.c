@@ -43,6 +43,7 @@ TEST(cuda_rows_without_keys) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_sinks_nonfinite) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_lse) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_lse_merge) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_exact_mode) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1507,6 +1508,57 @@ TEST(cuda_lse_merge) {
   free(href);
   free(hout);
   kva_context_destroy(cpu);
+  kva_context_destroy(ctx);
+}
+
+/* ---- exact mode ---- */
+static void set_exact(att_data *d, int variant) {
+  (void)variant;
+  d->params.flags = KVA_ATTN_EXACT;
+}
+/* The kernel name of a case's call on the device with params.flags = flags. */
+static int cuda_case_kernel(kva_context *ctx, const att_case *c, unsigned flags, char *kname, size_t n) {
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  int ok = !att_make(&hd, c) && dev_make(&dd, &hd);
+  dd.params.flags = flags;
+  if (ok && kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, n) < 0) {
+    FAIL_("kva_attention_kernel(CUDA): %s", kva_last_error());
+    ok = 0;
+  }
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+/* KVA_ATTN_EXACT on CUDA: q4 decode / verify shapes (and bf16 rows) that
+ * take a tensor-core kernel by default (narrow or 32-vector tc, per-warp
+ * tcd at B KVH N >= 2^18, warpgroup on Hopper) run the fused CUDA-core
+ * kernel instead, named "[exact f32]", within the f32 allowance of the
+ * oracle (f32 out; att_kernel_atol reads the name). */
+TEST(cuda_exact_mode) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case ec[] = {
+      {1, 8, 4, 1, 4096, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 4, 8, 4096, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 4, 1, 65536, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 2, 600, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof ec / sizeof ec[0] && !test_failed_flag; ++ci) {
+    char cs[256], dflt[160], exact[160];
+    att_case_str(&ec[ci], cs, sizeof cs);
+    if (!cuda_case_kernel(ctx, &ec[ci], 0, dflt, sizeof dflt) ||
+        !cuda_case_kernel(ctx, &ec[ci], KVA_ATTN_EXACT, exact, sizeof exact))
+      break;
+    printf("  %-60s -> %-60s %s\n", dflt, exact, cs);
+    fflush(stdout);
+    if (att_name_exact(dflt)) FAIL_("%s: runs \"%s\" without the flag (the case tests nothing)", cs, dflt);
+    else if (!att_name_exact(exact)) FAIL_("%s: KVA_ATTN_EXACT runs \"%s\"", cs, exact);
+    else if (att_name_atol(exact) != ATT_ATOL_F32) FAIL_("%s: \"%s\" is not given the f32 allowance", cs, exact);
+    else if (!run_case_want(ctx, &ec[ci], set_exact, 0, "[exact f32]")) FAIL_("%s: exact mode", cs);
+  }
   kva_context_destroy(ctx);
 }
 #endif

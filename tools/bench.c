@@ -311,6 +311,7 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
                      (size_t)(c->B * c->H * c->L * c->Dk) * kva_dtype_size(c->qdtype));
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
+  p.flags = o->exact ? KVA_ATTN_EXACT : 0;
   r->setup_s = kb_now() - t0;
 
   if (rc == 0) {

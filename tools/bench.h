@@ -105,6 +105,7 @@ typedef struct kb_opts {
   int threads;          /* 0 = all cores */
   bool json, quick, full, check, quiet;
   bool list;            /* print the cases and their costs, run nothing */
+  bool exact;           /* --exact: params.flags = KVA_ATTN_EXACT ("[exact f32]" kernels only) */
   int warmups;          /* untimed calls before timing */
   int min_reps;         /* timed calls at least (fewer only for huge cases) */
   int max_reps;         /* timed calls at most */

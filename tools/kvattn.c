@@ -93,6 +93,8 @@ static void usage_bench(FILE *f) {
           "  --threads T        worker threads, 0 = all cores (default)\n"
           "  --simd LEVEL       CPU kernels of this SIMD level: avx512 | avx2 | portable\n"
           "                     (default: the best this CPU supports; `kvattn info` names it)\n"
+          "  --exact            exact mode (KVA_ATTN_EXACT): only \"[exact f32]\" kernels, never\n"
+          "                     AMX, integer-query or tensor-core ones (validation; slower)\n"
           "  --warmups N        untimed calls per case (default %d)\n"
           "  --reps N           at least N timed calls (default %d; fewer for huge cases)\n"
           "  --max-reps N       at most N timed calls (default %d)\n"
@@ -317,7 +319,7 @@ static int cmd_bench(int argc, char **argv) {
       return KB_EXIT_OK;
     }
     bool is_flag = IS("--json") || IS("--quick") || IS("--full") || IS("--no-check") ||
-                   IS("--quiet") || IS("--list");
+                   IS("--quiet") || IS("--list") || IS("--exact");
     if (is_flag && val) return usage_error("%s takes no value", opt), KB_EXIT_USAGE;
     if (IS("--json")) o.json = true;
     else if (IS("--quick")) o.quick = true;
@@ -325,6 +327,7 @@ static int cmd_bench(int argc, char **argv) {
     else if (IS("--no-check")) o.check = false;
     else if (IS("--quiet")) o.quiet = true;
     else if (IS("--list")) o.list = true;
+    else if (IS("--exact")) o.exact = true;
     else if (IS("--preset")) { NEEDS_VALUE(); TRY(parse_presets(opt, val, &a)); }
     else if (IS("--heads")) {
       NEEDS_VALUE();

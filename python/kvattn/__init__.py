@@ -316,6 +316,13 @@ def _params(scale, softcap):
     return p
 
 
+def _flags(exact):
+    """kva_attn_params.flags of the `exact` argument (a bool)."""
+    if not isinstance(exact, (bool, np.bool_)):
+        raise TypeError("exact must be a bool, got %r" % (exact,))
+    return C.ATTN_EXACT if exact else 0
+
+
 def _mask_kind(mask):
     """kva_mask_kind of the `mask` argument: None, "causal" or an array."""
     if mask is None:
@@ -438,7 +445,7 @@ class _Call:
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
-              return_lse=False, lse_base2=False):
+              return_lse=False, lse_base2=False, exact=False):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
@@ -459,6 +466,10 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     return_lse: returns (out, lse), lse [B, H, L] float32 = log of each row's
       softmax denominator (sink included; -inf for a row that sees no key),
       base 2 with lse_base2 (kva_attention_lse; CPU arrays).
+    exact: for validation, run only kernels with f32 products everywhere
+      ("[exact f32]": no rounding of q, K, V or P below f32; KVA_ATTN_EXACT),
+      never the AMX, integer-query or tensor-core kernels; slower where
+      those would run. attention_kernel(..., exact=True) names the kernel.
     CUDA arrays (PyTorch CUDA tensors, __cuda_array_interface__ objects) run
     on the CUDA backend, on their device and stream: see kvattn.cuda.
     """
@@ -467,9 +478,10 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
             raise C.error(C.EUNSUPPORTED, "return_lse: not wired for CUDA arrays in the Python binding yet "
                           "(the C API kva_attention_lse supports CUDA)")
         return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
-                               clamp=clamp, seq_lens=seq_lens, out=out, context=context)
+                               clamp=clamp, seq_lens=seq_lens, out=out, context=context, exact=exact)
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
+    call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     if return_lse:
         lse = np.empty(call.out_array.shape[:3], np.float32)
@@ -538,14 +550,15 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
 
 def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
-                     context=None):
+                     context=None, exact=False):
     """Validates like attention() and describes the kernel that would run, e.g.
     "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
     tiles) [K,V,P bf16]": words for reading (they may change), then the
     kernel's roundings in a stable trailing bracket (kvattn.h,
-    kva_attention_kernel)."""
+    kva_attention_kernel); with exact=True always "[exact f32]"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
+    call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     name = ctypes.create_string_buffer(256)
     with ctx.lock:

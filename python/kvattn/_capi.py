@@ -132,7 +132,11 @@ class kva_attn_params(ctypes.Structure):
         ("softcap", ctypes.c_float),
         ("mask", kva_mask),
         ("sinks", ctypes.POINTER(ctypes.c_float)),
+        ("flags", ctypes.c_uint),
     ]
+
+
+ATTN_EXACT = 1  # kva_attn_params.flags: only "[exact f32]" kernels (KVA_ATTN_EXACT)
 
 
 BACKEND_CPU, BACKEND_CUDA = 0, 1

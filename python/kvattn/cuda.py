@@ -172,11 +172,15 @@ def _run(call, context):
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None):
+              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False):
     """kvattn.attention on CUDA arrays (see its documentation); runs on the
-    arrays' device and the producer's current stream, asynchronously."""
+    arrays' device and the producer's current stream, asynchronously.
+    exact: only the fused or general CUDA-core kernels ("[exact f32]")."""
+    from . import _flags
+
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out)
+    call.params.flags = _flags(exact)
     return _run(call, context)
 
 

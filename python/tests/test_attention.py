@@ -331,3 +331,31 @@ def test_views_are_not_copied(request):
     kx = randn(rng, (1, 2, 40, 128))[..., ::2]
     call = kvattn._Call(q, kx, k, None, None, None, None, False, None, None, 64, 4, None, None)
     assert call.view.k.data.data != kx.ctypes.data and call.view.k.data.stride[3] == 4
+
+
+def test_exact_mode(request):
+    """exact=True (KVA_ATTN_EXACT): only "[exact f32]" kernels, at the f32
+    allowance of the reference; the default call (AMX or integer queries
+    where the CPU has them) agrees within its own allowance."""
+    import ctypes
+
+    from kvattn import _capi as C
+    from kvref import COMPUTE_ATOL
+
+    names = [n for n, _ in C.kva_attn_params._fields_]
+    assert names[-1] == "flags" and dict(C.kva_attn_params._fields_)["flags"] is ctypes.c_uint
+    assert C.kva_attn_params.flags.offset == C.kva_attn_params.sinks.offset + ctypes.sizeof(ctypes.c_void_p)
+    assert C.ATTN_EXACT == 1
+    rng = rng_for(request)
+    B, H, KVH, L, N, D = 1, 8, 4, 8, 300, 128  # bf16 q over q4 K, 16 query vectors per KV head
+    q = randn(rng, (B, H, L, D), BF16)
+    k = make_kv(rng, B, KVH, N, D, F32, 4)
+    v = make_kv(rng, B, KVH, N, D, F32, 4)
+    assert kvattn.attention_kernel(q, k, v, mask="causal", exact=True).endswith("[exact f32]")
+    exact = kvattn.attention(q, k, v, mask="causal", exact=True, out=np.empty((B, H, L, D), F32))
+    default = kvattn.attention(q, k, v, mask="causal", out=np.empty((B, H, L, D), F32))
+    ref = ref_attention(q, k, v, mask="causal")
+    assert_close(exact, ref, "exact", COMPUTE_ATOL)
+    assert_close(default, exact.astype(np.float64), "default vs exact", 2 * compute_atol(q, KVH))
+    with pytest.raises(TypeError, match="exact must be a bool"):
+        kvattn.attention(q, k, v, exact=1)

@@ -228,6 +228,9 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   if (!isfinite(params->softcap) || params->softcap < 0.0f)
     return kva_seterr(KVA_EINVAL, "softcap = %g must be finite and > 0 (or 0 for none)", (double)params->softcap);
   p->softcap = params->softcap;
+  if (params->flags & ~KVA_ATTN_EXACT)
+    return kva_seterr(KVA_EINVAL, "params->flags = 0x%x (allowed: KVA_ATTN_EXACT)", params->flags);
+  p->exact = (params->flags & KVA_ATTN_EXACT) != 0;
   p->sinks = params->sinks;
   p->mask = params->mask;
   if ((rc = check_mask(p, backend))) return rc;

@@ -20,6 +20,7 @@ typedef struct kva_problem {
   kva_mask mask;             /* as given; array/segments normalized below */
   int64_t mask_stride[4];    /* ARRAY: element strides in bytes, 0 where broadcast */
   const float *sinks;        /* [H] or NULL */
+  int exact;                 /* KVA_ATTN_EXACT: the selectors take only "[exact f32]" kernels */
   const kva_tensor *q, *out;
   const kva_tensor *lse;      /* [B, H, L] f32 or NULL: each row's log-sum-exp */
   int lse_base2;             /* lse in base 2 (KVA_LSE_BASE2) */

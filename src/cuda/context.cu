@@ -349,7 +349,9 @@ static int kvc_check_limits(const kva_problem *p) {
 
 /* The one selector: the per-warp q4 decode kernel, a tensor-core kernel (q4,
  * q8, bf16, f16) or the fused kernel when one covers the problem, else the
- * general kernel (plan.fmt = -1). */
+ * general kernel (plan.fmt = -1). Exact mode (p->exact) skips the
+ * tensor-core kernels (pl.tc 1-3: they round P, and q or K/V): the fused or
+ * general kernel, both "[exact f32]" (kvc_roundings). */
 static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_plan pl;
   memset(&pl, 0, sizeof pl);
@@ -364,7 +366,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   const int sms = st ? st->sm_count : 1;
   int tcf = -1;
-  const int di = kvc_tc_dim_index(p, &tcf);
+  const int di = p->exact ? -1 : kvc_tc_dim_index(p, &tcf); /* di < 0: no tensor-core kernel */
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   const int tcd_max_q = st ? st->tcd_max_q : KVC_TCD_MAX_Q;
   if (di >= 0 && tcf == KVC_Q4 && Q <= tcd_max_q &&

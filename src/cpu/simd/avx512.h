@@ -14,7 +14,7 @@
 typedef struct fmt_plan {
   int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
-  int exact;                      /* codes converted exactly (f32 queries), see code_as_float */
+  int exact;                      /* codes converted exactly (f32 queries, exact mode), see code_as_float */
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
@@ -179,7 +179,8 @@ ALWAYS void affine_f(__m512 *sv, __m512 *bv, int bits) {
 /* Code k of each word as a float, exact (c itself: shift, mask, convert) or
  * by mantissa placement (f = 1 + c/2^bits with affine_f: one operation
  * fewer, about 3x the rounding error of the plain form). The kernels take
- * the exact form for f32 queries, whose callers expect f32 accuracy. */
+ * the exact form for f32 queries and in exact mode (p->exact), whose callers
+ * expect f32 accuracy. */
 ALWAYS __m512 code_as_float(__m512i x, int k, int bits, int exact) {
   if (exact)
     return _mm512_cvtepi32_ps(

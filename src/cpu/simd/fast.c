@@ -5,8 +5,9 @@
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
  *   an exact integer dot product (vpdpbusd, chunk_dots_vnni) of the codes with
- *   q rounded to 21-bit integers. Quantized V accumulates (p*s_g)*c per
- *   element and p*b_g once per group lane.
+ *   q rounded to 21-bit integers (f32 products in exact mode, p->exact).
+ *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
+ *   lane.
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
  *   word w lands in lane w of vector k, so q (and the V accumulator) live in
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
@@ -19,9 +20,10 @@
  *   phase, tiles.h); K codes are decoded in registers per block of <= 8
  *   query vectors; V codes in registers per block of <= 2 vectors when
  *   nq <= 4, else once per tile into L1.
- *   Codes become floats exactly for f32 queries, by mantissa placement for
- *   16-bit queries (code_as_float). bf16 queries with >= 6 vectors per KV
- *   head go to the AMX kernel (amx.c) instead.
+ *   Codes become floats exactly for f32 queries and in exact mode, by
+ *   mantissa placement for other 16-bit queries (code_as_float). bf16
+ *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
+ *   instead, except in exact mode (p->exact).
  * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
@@ -584,7 +586,7 @@ static void attend_fast(const kva_item *it) {
   fmt_plan kf, vf;
   plan_format(&src->kf, &kf);
   plan_format(&src->vf, &vf);
-  kf.exact = vf.exact = p->q->dtype == KVA_F32; /* see code_as_float */
+  kf.exact = vf.exact = p->q->dtype == KVA_F32 || p->exact; /* see code_as_float */
   kf.split = !kf.bits && kf.sdt == KVA_BF16; /* one conversion per 16 values (load_bf16_split) */
   vf.split = !vf.bits && vf.sdt == KVA_BF16;
   const int64_t kqs = (int64_t)kf.nch * LANES, vbn = (int64_t)vf.nch * LANES;
@@ -595,7 +597,7 @@ static void attend_fast(const kva_item *it) {
    * chunk; or, for chunk_dots_vnni, as integer bytes (query_vnni). */
   float qrow[KVA_MAX_HEAD_DIM];
 #ifdef __AVX512VNNI__
-  kf.vnni = kf.bits && !kf.exact && queries_vnni_ok(it, nrows, nq);
+  kf.vnni = kf.bits && !kf.exact && queries_vnni_ok(it, nrows, nq); /* never in exact mode (kf.exact) */
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -649,7 +651,7 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   kva_rowfmt kf, vf;
   simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !fast_format_ok(&kf) || !fast_format_ok(&vf)) return NULL;
-  kva_item_fn amx = KFN(select_amx)(p, &kf, &vf);
+  kva_item_fn amx = p->exact ? NULL : KFN(select_amx)(p, &kf, &vf); /* AMX rounds P to bf16 */
   return amx ? amx : attend_fast;
 }
 
@@ -658,13 +660,13 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * already (quantized rows: exact codes) and P always (times the V group
  * scale for quantized V); the vector kernel multiplies in f32, with quantized
  * K and 16-bit queries on integer dot products (q rounded to 21 bits,
- * chunk_dots_vnni). */
+ * chunk_dots_vnni) except in exact mode (p->exact: f32 products only). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
   if (!f) return NULL;
   if (f == attend_fast) {
 #ifdef __AVX512VNNI__
-    if (p->kv->k.bits && p->q->dtype != KVA_F32) return "fused kernel [q int21]";
+    if (p->kv->k.bits && p->q->dtype != KVA_F32 && !p->exact) return "fused kernel [q int21]";
 #endif
     return "fused kernel [exact f32]";
   }
