@@ -391,6 +391,7 @@ static void pick_params(fz *s, attn_call *c, int64_t B, int64_t H, int64_t L, in
   *p = kva_attn_defaults();
   if (pick(in, 4) == 0) p->scale = 0.05f;
   if (pick(in, 4) == 0) p->softcap = 30.0f;
+  if (pick(in, 4) == 0) p->flags = KVA_ATTN_EXACT;
   if (pick(in, 3) == 0) {
     for (int h = 0; h < 16; ++h)
       c->sinks[h] = (float)(int)pick(in, 5) - 2.0f;
@@ -427,6 +428,7 @@ static void pick_params(fz *s, attn_call *c, int64_t B, int64_t H, int64_t L, in
   add(s, &p->mask.kind, F_INT);
   add(s, &p->mask.window, F_I32);
   add(s, &p->mask.segments_clamp, F_INT);
+  add(s, &p->flags, F_INT); /* unsigned, int-sized */
   add(s, &p->sinks, F_PTR);
   add_tensor(s, &p->mask.segments);
   add_tensor(s, &p->mask.array);
