@@ -12,14 +12,14 @@
 # The host CPU (an AVX-512 + AMX Xeon on the H200 machine) runs the whole C
 # test binary at every SIMD level it has (KVATTN_SIMD caps the level: full
 # at avx512, --quick at avx2 and portable), and a CPU verify/decode bench.
-#   STAGES="build test cpu cpubench asan memcheck racecheck kvbench bench torch pytest" (default: all)
+#   STAGES="build test seeds cpu cpubench asan memcheck racecheck kvbench bench torch pytest" (default: all)
 #   J=16 (make jobs)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 RET=${OUT:-}
 OUT=${LOG:-build/cuda_logs} # where the logs are written (below: $OUT)
 J=${J:-16}
-STAGES=${STAGES:-build test cpu cpubench asan memcheck racecheck kvbench bench torch pytest}
+STAGES=${STAGES:-build test seeds cpu cpubench asan memcheck racecheck kvbench bench torch pytest}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
@@ -48,6 +48,12 @@ fi
 if has test; then
   run tests-cuda 300 ./build/kvattn_tests cuda > "$OUT/tests.log" 2>&1
   grep -E "FAIL|passed|skip" "$OUT/tests.log" | tail -15
+fi
+if has seeds; then # the CUDA oracle tests over fresh seeds (each run prints its seed)
+  for i in 1 2 3; do
+    run seeds-cuda-$i 240 ./build/kvattn_tests --quick --seed $(( (RANDOM << 15) | RANDOM )) cuda >> "$OUT/tests.log" 2>&1
+  done
+  grep -E "FAIL" "$OUT/tests.log" | tail -5
 fi
 if has cpu; then # every SIMD level of this host's CPU: the full binary at the best, --quick below it
   for lvl in avx512 avx2 portable; do
@@ -95,6 +101,9 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-128k 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv q4
     run kvbench-verify 240 $KB --preset llama3-8b --ctx 32k --batch 4 --rows 8 --kv q4
     run kvbench-verify-paged 240 $KB --preset gqa6-256 --ctx 128k --rows 8 --kv q4 --layout paged --block 16
+    # 16 and 32 query vectors per KV head (the per-warp kernel's blocks of 16), contiguous and paged
+    run kvbench-verify16 240 $KB --preset gemma3-4b,llama3-8b --ctx 128k --rows 4,8,16 --kv q4
+    run kvbench-verify16-paged 240 $KB --preset gemma3-4b,llama3-8b --ctx 128k --rows 8 --kv q4 --layout paged --block 16
     run kvbench-b16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16
     run kvbench-paged16 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged --block 16
     run kvbench-paged64 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 64
