@@ -193,16 +193,19 @@ def _int32_device(call, x, name, ndim):
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
-                          clamp=False, out=None, context=None):
+                          clamp=False, out=None, context=None, exact=False):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
     (read by the kernels: a captured CUDA graph follows later changes). On
-    the device a bad length or block id is clamped, never a fault."""
+    the device a bad length or block id is clamped, never a fault. exact: as
+    attention()."""
+    from . import _flags
     from .paged import kva_block_table
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
                  out)
+    call.params.flags = _flags(exact)
     bl, bshape = _int32_device(call, blocks, "blocks", 2)
     B, mb = bshape
     if B > 1 and (bl.stride[0] % 4 or bl.stride[0] < 4 * mb):

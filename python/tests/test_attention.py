@@ -359,3 +359,14 @@ def test_exact_mode(request):
     assert_close(default, exact.astype(np.float64), "default vs exact", 2 * compute_atol(q, KVH))
     with pytest.raises(TypeError, match="exact must be a bool"):
         kvattn.attention(q, k, v, exact=1)
+    # the same call over a paged view and a block table: bit-equal to the contiguous exact call's rows
+    pool, seqs = kvattn.Pool.from_contiguous(k, v, block_size=16, shuffle_seed=3, group_size=64, bits=4)
+    view = pool.view(seqs)
+    paged = view.attention(q, mask="causal", exact=True, out=np.empty((B, H, L, D), F32))
+    blocks, lens, first = view.block_table()
+    table = kvattn.block_table_attention(q, pool.k, pool.v, blocks, lens, first, mask="causal", group_size=64,
+                                         bits=4, exact=True, out=np.empty((B, H, L, D), F32))
+    assert_close(paged, ref, "paged exact", COMPUTE_ATOL)
+    assert_close(table, ref, "block table exact", COMPUTE_ATOL)
+    with pytest.raises(TypeError, match="exact must be a bool"):
+        view.attention(q, exact="yes")
