@@ -321,6 +321,32 @@ int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *
 int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
                      kva_tensor *out, kva_tensor *lse_out, unsigned flags);
 
+/* Cascade (shared-prefix) attention: B sequences whose caches begin with the
+ * same P tokens, held once. prefix: a view of those P tokens as one sequence
+ * (B = 1; any layout); suffix: a view of the B sequences' own tokens after
+ * them (any layout, lengths s_b). Row i of sequence b sits at position
+ * P + s_b - L + i. The result is that of kva_attention over each sequence's
+ * whole cache (prefix then suffix): the prefix is attended once for all B L
+ * rows of each head (the rows stacked as one sequence of B L rows, in calls
+ * of at most 16 rows: each reads the prefix once for up to 16 B rep query
+ * vectors per KV head), the suffix as kva_attention does, and the two
+ * states merged (kva_merge_states). Requirements: the rows of consecutive
+ * sequences evenly spaced, q->stride[0] == L * q->stride[2] (e.g. q stored
+ * token-major, [B, L, H, Dk]; any q when B = 1), else KVA_ESTRIDE; mask none
+ * or causal without window or segments (else KVA_EUNSUPPORTED), so that
+ * every row sees the whole prefix (the suffix holds the rows' own tokens:
+ * s_b >= L, as kva_attention requires). Softcap, scale,
+ * flags (KVA_ATTN_EXACT) apply to both parts; sinks join once. lse: [B, H,
+ * L] f32 or NULL, flags 0 or KVA_LSE_BASE2, as kva_attention_lse. Workspace:
+ * NULL uses the context's (grown on first need), else at least
+ * kva_cascade_workspace_size() bytes in the backend's memory. Errors name
+ * the argument; nothing is written to out or lse on error. */
+int kva_cascade_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *prefix,
+                          const kva_kv_view *suffix, const kva_attn_params *params, kva_tensor *out, kva_tensor *lse,
+                          unsigned lse_flags, void *workspace, size_t workspace_bytes);
+int kva_cascade_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *prefix,
+                               const kva_kv_view *suffix, const kva_attn_params *params, size_t *bytes);
+
 typedef enum kva_path {
   KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */
   KVA_PATH_FALLBACK = 2, /* correct general path (explicit masks, long L) */

@@ -429,3 +429,67 @@ TEST(fork_while_another_thread_calls) {
   th_free(&c);
   if (hung || wrong) FAIL_("of %d children, %d hung or crashed, %d gave a wrong result or an error", forks, hung, wrong);
 }
+
+/* kva_merge_states from several threads on one CPU context (the merge runs
+ * on the context's pool): every output bit-equal to the solo result. */
+enum { TM_THREADS = 4, TM_CALLS = 60, TM_B = 2, TM_H = 8, TM_L = 4, TM_D = 128, TM_R = 3 };
+typedef struct tm_job {
+  kva_context *ctx;
+  float *o[TM_R], *l[TM_R], *want;
+  float out[TM_B * TM_H * TM_L * TM_D];
+  int bad;
+} tm_job;
+
+static int tm_merge(kva_context *ctx, tm_job *j, float *out) {
+  kva_tensor po[TM_R], pl[TM_R];
+  for (int r = 0; r < TM_R; ++r) {
+    po[r] = kva_tensor_4d(j->o[r], KVA_F32, TM_B, TM_H, TM_L, TM_D);
+    pl[r] = kva_tensor_4d(j->l[r], KVA_F32, TM_B, TM_H, TM_L, 1);
+    pl[r].ndim = 3;
+    pl[r].shape[3] = 0, pl[r].stride[3] = 0;
+    pl[r].stride[0] = TM_H * TM_L * 4, pl[r].stride[1] = TM_L * 4, pl[r].stride[2] = 4;
+  }
+  kva_tensor o = kva_tensor_4d(out, KVA_F32, TM_B, TM_H, TM_L, TM_D);
+  return kva_merge_states(ctx, TM_R, po, pl, &o, NULL, 0);
+}
+static void *tm_main(void *arg) {
+  tm_job *j = arg;
+  for (int c = 0; c < TM_CALLS; ++c) {
+    memset(j->out, 0, sizeof j->out);
+    if (tm_merge(j->ctx, j, j->out) || memcmp(j->out, j->want, sizeof j->out)) ++j->bad;
+  }
+  return NULL;
+}
+TEST(threads_merge_one_context) {
+  kva_context *ctx;
+  kva_context_opts o = {KVA_BACKEND_CPU, 2, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  static tm_job jobs[TM_THREADS];
+  const size_t no = (size_t)TM_B * TM_H * TM_L * TM_D, nl = (size_t)TM_B * TM_H * TM_L;
+  float *mem = calloc((no + nl) * TM_R * TM_THREADS + no * TM_THREADS, sizeof(float));
+  ASSERT_TRUE(mem != NULL);
+  float *p = mem;
+  for (int t = 0; t < TM_THREADS; ++t) {
+    jobs[t].ctx = ctx;
+    jobs[t].bad = 0;
+    for (int r = 0; r < TM_R; ++r) {
+      jobs[t].o[r] = p, p += no;
+      jobs[t].l[r] = p, p += nl;
+      for (size_t i = 0; i < no; ++i) jobs[t].o[r][i] = test_randn();
+      for (size_t i = 0; i < nl; ++i) jobs[t].l[r][i] = 3.0f * test_randn();
+    }
+    jobs[t].want = p, p += no;
+    ASSERT_OK(tm_merge(ctx, &jobs[t], jobs[t].want));
+  }
+  pthread_t tid[TM_THREADS];
+  int started = 0;
+  for (; started < TM_THREADS; ++started)
+    if (pthread_create(&tid[started], NULL, tm_main, &jobs[started])) break;
+  for (int t = 0; t < started; ++t) pthread_join(tid[t], NULL);
+  int bad = 0;
+  for (int t = 0; t < started; ++t) bad += jobs[t].bad;
+  if (started < TM_THREADS) FAIL_("pthread_create");
+  if (bad) FAIL_("%d of %d merges differ from the solo results or failed", bad, TM_THREADS * TM_CALLS);
+  free(mem);
+  kva_context_destroy(ctx);
+}

@@ -426,9 +426,27 @@ int kva_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
   return kva_attention_lse(ctx, q, kv, params, out, NULL, 0, workspace, workspace_bytes);
 }
 
-int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
-                      const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
-                      void *workspace, size_t workspace_bytes) {
+int kva_context_workspace(kva_context *ctx, size_t need) {
+  if (need <= ctx->ws_bytes) return 0;
+  void *nws = NULL;
+  int rc = 0;
+  if (ctx->backend == KVA_BACKEND_CPU) {
+    nws = malloc(need);
+    if (!nws) return kva_seterr(KVA_ENOMEM, "context workspace of %zu bytes", need);
+    free(ctx->ws);
+  } else if ((rc = kva_cuda_workspace_alloc(ctx, need, &nws)) < 0) {
+    return rc;
+  } else if (ctx->ws) {
+    kva_cuda_workspace_free(ctx, ctx->ws);
+  }
+  ctx->ws = nws;
+  ctx->ws_bytes = need;
+  return 0;
+}
+
+int kva_attention_lse_unlocked(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                               const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
+                               void *workspace, size_t workspace_bytes) {
   kva_problem p;
   int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
@@ -437,30 +455,23 @@ int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *
   if ((rc = workspace_size(ctx, &p, &need)) < 0) return rc;
   if (workspace && workspace_bytes < need)
     return kva_seterr(KVA_EWORKSPACE, "workspace_bytes = %zu < %zu needed", workspace_bytes, need);
-  /* Held across the workspace's growth and the backend call: the context's
-   * workspace and the CPU pool serve one call at a time. */
-  pthread_mutex_lock(&ctx->mu);
-  if (!workspace && need > ctx->ws_bytes) {
-    void *nws = NULL;
-    if (ctx->backend == KVA_BACKEND_CPU) {
-      nws = malloc(need);
-      if (!nws) rc = kva_seterr(KVA_ENOMEM, "context workspace of %zu bytes", need);
-      else free(ctx->ws);
-    } else if ((rc = kva_cuda_workspace_alloc(ctx, need, &nws)) >= 0 && ctx->ws) {
-      kva_cuda_workspace_free(ctx, ctx->ws);
-    }
-    if (rc >= 0) {
-      ctx->ws = nws;
-      ctx->ws_bytes = need;
-    }
-  }
-  if (rc >= 0 && !workspace) {
+  if (!workspace) {
+    if ((rc = kva_context_workspace(ctx, need)) < 0) return rc;
     workspace = ctx->ws;
     workspace_bytes = ctx->ws_bytes;
   }
-  if (rc >= 0)
-    rc = ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
+  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
                                          : kva_cuda_attention(ctx, &p, workspace, workspace_bytes);
+}
+
+int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                      const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
+                      void *workspace, size_t workspace_bytes) {
+  if (!ctx) return call_problem(NULL, ctx, q, kv, params, out); /* the NULL-context error */
+  /* Held across the workspace's growth and the backend call: the context's
+   * workspace and the CPU pool serve one call at a time. */
+  pthread_mutex_lock(&ctx->mu);
+  const int rc = kva_attention_lse_unlocked(ctx, q, kv, params, out, lse, flags, workspace, workspace_bytes);
   pthread_mutex_unlock(&ctx->mu);
   return rc;
 }

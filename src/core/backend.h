@@ -28,6 +28,17 @@ struct kva_context {
   void *cuda;           /* CUDA backend private state */
 };
 
+/* Entry points for calls made while holding ctx->mu (composed calls such
+ * as kva_cascade_attention): kva_attention_lse and kva_merge_states without
+ * taking the lock; the context workspace grown to at least need bytes (its
+ * contents not kept). */
+int kva_attention_lse_unlocked(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
+                               const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
+                               void *workspace, size_t workspace_bytes);
+int kva_merge_states_unlocked(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
+                              kva_tensor *out, kva_tensor *lse_out, unsigned flags);
+int kva_context_workspace(kva_context *ctx, size_t need);
+
 /* CPU backend (src/cpu/). */
 /* Workspace bytes of a validated problem; KVA_ESHAPE when the size does
  * not fit size_t (an absurd problem: no allocation is attempted). */

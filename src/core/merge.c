@@ -23,8 +23,8 @@ static int check_shape(const kva_tensor *t, const char *name, const int64_t *wan
   return 0;
 }
 
-int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
-                     kva_tensor *out, kva_tensor *lse_out, unsigned flags) {
+int kva_merge_states_unlocked(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
+                              kva_tensor *out, kva_tensor *lse_out, unsigned flags) {
   kva_clearerr();
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (R < 1 || R > KVA_MERGE_MAX_PARTS)
@@ -76,4 +76,15 @@ int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, con
   m.lse_out = lse_out;
   m.base2 = (flags & KVA_LSE_BASE2) != 0;
   return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_merge_states(ctx, &m) : kva_cuda_merge_states(ctx, &m);
+}
+
+/* The CPU merge runs on the context's pool and the CUDA one on its stream:
+ * one call at a time per context, as kva_attention. */
+int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, const kva_tensor *parts_lse,
+                     kva_tensor *out, kva_tensor *lse_out, unsigned flags) {
+  if (!ctx) return kva_merge_states_unlocked(ctx, R, parts_o, parts_lse, out, lse_out, flags);
+  pthread_mutex_lock(&ctx->mu);
+  const int rc = kva_merge_states_unlocked(ctx, R, parts_o, parts_lse, out, lse_out, flags);
+  pthread_mutex_unlock(&ctx->mu);
+  return rc;
 }
