@@ -70,7 +70,7 @@ $(foreach l,$(SIMD_LEVELS),$(eval SIMD_FLAGS_$(l) += -fno-sanitize-coverage=trac
 $(ASAN_DIR)/src/cpu/%.o: CFLAGS += -fno-sanitize-coverage=trace-cmp
 endif
 
-.PHONY: all lib test test-c test-py test-tsan test-seeds test-asan test-aarch64 fuzz fuzz-regress bench bench-paged install clean format FORCE
+.PHONY: all lib test test-c test-py test-tsan test-seeds test-asan test-aarch64 fuzz fuzz-regress bench bench-paged bench-cascade install clean format FORCE
 # A failed recipe removes its half-written target, so the next run redoes it.
 .DELETE_ON_ERROR:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
@@ -208,6 +208,12 @@ $(BUILD)/paged_vs_contiguous: bench/paged_vs_contiguous.c $(BUILD)/libkvattn.a
 	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
 bench-paged: $(BUILD)/paged_vs_contiguous
 	$(BUILD)/paged_vs_contiguous
+
+# Cascade (shared prefix) vs one batched call, side by side (CPU).
+$(BUILD)/cascade_vs_batched: bench/cascade_vs_batched.c $(BUILD)/libkvattn.a
+	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
+bench-cascade: $(BUILD)/cascade_vs_batched
+	$(BUILD)/cascade_vs_batched
 
 install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn.pc
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin

@@ -296,38 +296,13 @@ kva_tensor att_alloc_like(att_data *d, const kva_tensor *t) {
   return kva_tensor_4d(mem, t->dtype, t->shape[0], t->shape[1], t->shape[2], t->shape[3]);
 }
 
-double att_name_atol(const char *name) {
-  const char *open = strrchr(name, '[');
-  const size_t n = strlen(name);
-  if (!open || n < 2 || name[n - 1] != ']') return -1.0;
-  if (!strcmp(open, "[exact f32]")) return ATT_ATOL_F32;
-  double atol = 0.0;
-  /* items "OPERANDS TYPE" separated by ", "; OPERANDS joined by ',' ("K,V,P bf16") */
-  for (const char *item = open + 1; item < name + n - 1;) {
-    const char *end = strstr(item, ", ");
-    if (!end || end > name + n - 1) end = name + n - 1;
-    const char *sp = NULL;
-    for (const char *x = item; x < end; ++x)
-      if (*x == ' ') sp = x + 1;
-    char type[16];
-    const size_t tl = sp ? (size_t)(end - sp) : 0;
-    if (!sp || sp == item + 1 || tl == 0 || tl >= sizeof type) return -1.0;
-    memcpy(type, sp, tl);
-    type[tl] = '\0';
-    double a;
-    if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
-    else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
-      a = atoi(type + 3) >= ATT_QINT_EXACT_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
-    else return -1.0;
-    if (a > atol) atol = a;
-    item = end < name + n - 1 ? end + 2 : end;
-  }
-  return atol > 0 ? atol : -1.0;
-}
-
-int att_name_rounding(const char *name, kva_ref_rounding *r) {
-  r->q_int_bits = 0;
-  r->k_dtype = r->v_dtype = KVA_F32;
+/* The items "OPERANDS TYPE" of a kernel name's trailing bracket (separated
+ * by ", "; OPERANDS joined by ',', "K,V,P bf16"): fn(item, type, end, arg)
+ * for each, type the text after the item's last space (NULL without one),
+ * end the item's end; stops at a nonzero return and returns it. -1 when the
+ * name has no trailing bracket. */
+typedef int (*att_item_fn)(const char *item, const char *type, const char *end, void *arg);
+static int att_bracket_items(const char *name, att_item_fn fn, void *arg) {
   const char *open = strrchr(name, '[');
   const size_t n = strlen(name);
   if (!open || n < 2 || name[n - 1] != ']') return -1;
@@ -337,18 +312,57 @@ int att_name_rounding(const char *name, kva_ref_rounding *r) {
     const char *sp = NULL;
     for (const char *x = item; x < end; ++x)
       if (*x == ' ') sp = x + 1;
-    if (sp) {
-      const kva_dtype t = !strncmp(sp, "bf16", 4) ? KVA_BF16 : !strncmp(sp, "f16", 3) ? KVA_F16 : KVA_F32;
-      for (const char *x = item; x < sp - 1; ++x) { /* operands "K,V,P" */
-        if (*x == 'K' && t != KVA_F32) r->k_dtype = t;
-        if (*x == 'V' && t != KVA_F32) r->v_dtype = t;
-      }
-      if (item[0] == 'q' && item[1] == ' ' && !strncmp(sp, "int", 3) && atoi(sp + 3) <= ATT_QINT_ORACLE_BITS)
-        r->q_int_bits = atoi(sp + 3);
-    }
+    const int rc = fn(item, sp, end, arg);
+    if (rc) return rc;
     item = end < name + n - 1 ? end + 2 : end;
   }
   return 0;
+}
+
+/* att_name_atol's item: the largest allowance into *arg; -1 for an unknown item. */
+static int atol_item(const char *item, const char *sp, const char *end, void *arg) {
+  double *atol = arg;
+  char type[16];
+  const size_t tl = sp ? (size_t)(end - sp) : 0;
+  if (!sp || sp == item + 1 || tl == 0 || tl >= sizeof type) return -1;
+  memcpy(type, sp, tl);
+  type[tl] = '\0';
+  double a;
+  if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
+  else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
+    a = atoi(type + 3) >= ATT_QINT_EXACT_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
+  else return -1;
+  if (a > *atol) *atol = a;
+  return 0;
+}
+
+double att_name_atol(const char *name) {
+  const char *open = strrchr(name, '[');
+  if (open && !strcmp(open, "[exact f32]")) return ATT_ATOL_F32;
+  double atol = 0.0;
+  if (att_bracket_items(name, atol_item, &atol)) return -1.0;
+  return atol > 0 ? atol : -1.0;
+}
+
+/* att_name_rounding's item: the roundings it names into *arg. */
+static int rounding_item(const char *item, const char *sp, const char *end, void *arg) {
+  kva_ref_rounding *r = arg;
+  (void)end;
+  if (!sp) return 0;
+  const kva_dtype t = !strncmp(sp, "bf16", 4) ? KVA_BF16 : !strncmp(sp, "f16", 3) ? KVA_F16 : KVA_F32;
+  for (const char *x = item; x < sp - 1; ++x) { /* operands "K,V,P" */
+    if (*x == 'K' && t != KVA_F32) r->k_dtype = t;
+    if (*x == 'V' && t != KVA_F32) r->v_dtype = t;
+  }
+  if (item[0] == 'q' && item[1] == ' ' && !strncmp(sp, "int", 3) && atoi(sp + 3) <= ATT_QINT_ORACLE_BITS)
+    r->q_int_bits = atoi(sp + 3);
+  return 0;
+}
+
+int att_name_rounding(const char *name, kva_ref_rounding *r) {
+  r->q_int_bits = 0;
+  r->k_dtype = r->v_dtype = KVA_F32;
+  return att_bracket_items(name, rounding_item, r) < 0 ? -1 : 0;
 }
 
 int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_view *kkv, const kva_attn_params *kp,
