@@ -332,7 +332,7 @@ int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, con
  * vectors per KV head), the suffix as kva_attention does, and the two
  * states merged (kva_merge_states). Requirements: the rows of consecutive
  * sequences evenly spaced, q->stride[0] == L * q->stride[2] (e.g. q stored
- * token-major, [B, L, H, Dk]; any q when B = 1), else KVA_ESTRIDE; mask none
+ * token-major, [B, L, H, Dk]; any q when B = 1 or L = 1), else KVA_ESTRIDE; mask none
  * or causal without window or segments (else KVA_EUNSUPPORTED), so that
  * every row sees the whole prefix (the suffix holds the rows' own tokens:
  * s_b >= L, as kva_attention requires). Softcap, scale,

@@ -640,3 +640,6 @@ from .paged import (PagedView, Pool, Sequence, block_table_attention,  # noqa: E
 
 __all__ += ["PagedView", "Pool", "Sequence", "block_table_attention", "block_table_reference_attention",
             "paged_attention"]
+from .compose import cascade_attention  # noqa: E402
+
+__all__ += ["cascade_attention"]

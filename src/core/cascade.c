@@ -67,7 +67,7 @@ static int cascade_plan(kva_context *ctx, const kva_tensor *q, const kva_kv_view
     return kva_seterr(KVA_EUNSUPPORTED, "cascade: params->mask: no window or segments (the prefix is visible to "
                       "every row)");
   c->B = q->shape[0], c->H = q->shape[1], c->L = q->shape[2];
-  if (c->B > 1 && q->stride[0] != c->L * q->stride[2])
+  if (c->B > 1 && c->L > 1 && q->stride[0] != c->L * q->stride[2])
     return kva_seterr(KVA_ESTRIDE, "cascade: q->stride[0] = %lld must be L * q->stride[2] = %lld (the rows of "
                       "consecutive sequences evenly spaced, e.g. q stored [B, L, H, Dk]) to be read as one sequence",
                       (long long)q->stride[0], (long long)(c->L * q->stride[2]));
@@ -77,6 +77,7 @@ static int cascade_plan(kva_context *ctx, const kva_tensor *q, const kva_kv_view
   c->qc = *q;
   c->qc.shape[0] = 1;
   c->qc.shape[2] = c->rows;
+  if (c->L == 1) c->qc.stride[2] = q->stride[0]; /* one row per sequence: the rows are q's batch entries */
   c->pp = *params;
   memset(&c->pp.mask, 0, sizeof c->pp.mask);
   c->pp.mask.kind = KVA_MASK_NONE;

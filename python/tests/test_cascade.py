@@ -1,0 +1,125 @@
+"""kvattn.cascade_attention (shared-prefix attention) against the library's
+oracle, kvattn.reference_attention, over each sequence's whole cache (the
+prefix concatenated with its own suffix): float and quantized K/V, no mask
+and causal, sinks, softcap, ragged suffixes, several 16-row prefix chunks,
+q stored head-major (copied) and token-major (in place), lse; bad input.
+CUDA tensors (PyTorch) when a device is present."""
+import numpy as np
+import pytest
+
+import kvattn
+from kvref import BF16, F32, assert_close, randn, rng_for
+from test_lse import assert_lse
+
+
+def _concat(prefix, suffix, B):
+    """The whole caches [B, KVH, P + S, D]: the prefix [1, KVH, P, D] repeated
+    before each suffix (quantized tuples part by part: rows are quantized one
+    by one, so a concatenation is the cache quantized whole)."""
+    if isinstance(prefix, tuple):
+        return tuple(_concat(p, s, B) for p, s in zip(prefix, suffix))
+    return np.concatenate([np.repeat(prefix, B, axis=0), suffix], axis=2)
+
+
+def _case(rng, B, H, KVH, L, P, S, D, bits, dtype=F32):
+    q = randn(rng, (B, H, L, D), dtype)
+    pk, pv = randn(rng, (1, KVH, P, D), dtype), randn(rng, (1, KVH, P, D), dtype)
+    sk, sv = randn(rng, (B, KVH, S, D), dtype), randn(rng, (B, KVH, S, D), dtype)
+    if bits:
+        pk, pv, sk, sv = (kvattn.quantize(x, 64, bits) for x in (pk, pv, sk, sv))
+    return q, pk, pv, sk, sv
+
+
+@pytest.mark.parametrize("B,H,KVH,L,P,S,D,bits,kw", [
+    (3, 8, 4, 1, 300, 40, 128, 0, dict(mask="causal")),
+    (3, 8, 4, 4, 300, 40, 128, 4, dict(mask="causal", sinks=True)),
+    (5, 8, 2, 4, 200, 30, 64, 4, dict(mask="causal", softcap=20.0)),  # 20 rows: two prefix chunks
+    (2, 6, 6, 2, 100, 20, 256, 8, dict(sinks=True, softcap=10.0)),
+    (4, 4, 2, 1, 33, 1, 64, 0, dict(mask="causal")),  # one-token suffixes
+    (1, 4, 1, 8, 64, 16, 128, 4, dict(mask="causal", scale=0.05)),
+])
+def test_cascade_equals_whole_cache(request, B, H, KVH, L, P, S, D, bits, kw):
+    rng = rng_for(request)
+    kw = dict(kw)
+    q, pk, pv, sk, sv = _case(rng, B, H, KVH, L, P, S, D, bits)
+    if kw.pop("sinks", False):
+        kw["sinks"] = randn(rng, (H,), F32)
+    lens = np.maximum(L, S - 3 * np.arange(B)).astype(np.int32)  # ragged suffixes, each >= L
+    out, lse = kvattn.cascade_attention(q, pk, pv, sk, sv, bits=bits, suffix_lens=lens, return_lse=True, **kw)
+    assert out.shape == (B, H, L, D) and out.dtype == q.dtype and lse.shape == (B, H, L)
+    fk, fv = _concat(pk, sk, B), _concat(pv, sv, B)
+    ref = kvattn.reference_attention(q, fk, fv, bits=bits, seq_lens=P + lens, **kw)
+    assert_close(out, ref.astype(np.float64), "cascade out")
+    _, full_lse = kvattn.attention(q, fk, fv, bits=bits, seq_lens=P + lens, return_lse=True, exact=True, **kw)
+    assert_lse(lse, full_lse.astype(np.float64), "cascade lse")
+    # q stored token-major is read in place and gives the same result
+    qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    out2 = kvattn.cascade_attention(qt, pk, pv, sk, sv, bits=bits, suffix_lens=lens, **kw)
+    assert np.array_equal(out2, out)
+
+
+def test_cascade_prefix_3d_bf16_base2_and_out(request):
+    rng = rng_for(request)
+    B, H, KVH, L, P, S, D = 4, 8, 2, 2, 129, 17, 128
+    q, pk, pv, sk, sv = _case(rng, B, H, KVH, L, P, S, D, 0, BF16)
+    out = np.empty((B, H, L, D), F32)
+    got, lse2 = kvattn.cascade_attention(q, pk[0], pv[0], sk, sv, mask="causal", bits=0, out=out,
+                                         return_lse=True, lse_base2=True)
+    assert got is out
+    fk, fv = _concat(pk, sk, B), _concat(pv, sv, B)
+    ref = kvattn.reference_attention(q, fk, fv, mask="causal", bits=0, out=np.empty((B, H, L, D), F32))
+    # bf16 q with 8 query vectors per KV head may take bf16 products (the AMX kernel)
+    assert_close(out, ref.astype(np.float64), "bf16 cascade", atol=2.0**-7)
+    _, lse = kvattn.attention(q, fk, fv, mask="causal", bits=0, return_lse=True, exact=True)
+    assert np.abs(lse2 * np.log(2) - lse).max() <= 1e-3 * max(1.0, np.abs(lse).max())
+
+
+def test_cascade_bad_input(request):
+    rng = rng_for(request)
+    q, pk, pv, sk, sv = _case(rng, 2, 8, 4, 4, 64, 16, 64, 0)
+    with pytest.raises(ValueError, match="window|mask"):
+        kvattn.cascade_attention(q, pk, pv, sk, sv, mask=np.ones((2, 8, 4, 80), bool), bits=0)
+    with pytest.raises(ValueError, match="seq_lens\\[0\\]"):
+        kvattn.cascade_attention(q, pk, pv, sk, sv, bits=0, suffix_lens=[2, 16])
+    with pytest.raises(ValueError, match="Dv|head dim|shape"):
+        kvattn.cascade_attention(q, pk[..., :32], pv[..., :32], sk, sv, bits=0)
+    two = np.concatenate([pk, pk])
+    with pytest.raises(ValueError):
+        kvattn.cascade_attention(q, two, two, sk, sv, bits=0)
+    out = np.full((2, 8, 4, 64), 7.0, F32)
+    with pytest.raises(ValueError):
+        kvattn.cascade_attention(q, pk, pv, sk, sv, bits=0, suffix_lens=[2, 16], out=out)
+    assert (out == 7.0).all()
+
+
+def _torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or kvattn.cuda_device_count() == 0:
+        pytest.skip("no CUDA device")
+    return torch
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_cascade_cuda_tensors(request, bits):
+    torch = _torch_cuda()
+    rng = rng_for(request)
+    B, H, KVH, L, P, S, D = 4, 8, 4, 1, 1000, 60, 128
+    q, pk, pv, sk, sv = _case(rng, B, H, KVH, L, P, S, D, bits, BF16)
+    lens = np.array([60, 41, 60, 7], np.int32)
+
+    def dev(x):
+        if isinstance(x, tuple):
+            return tuple(dev(a) for a in x)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).cuda()
+        return torch.from_numpy(x.view(np.int32) if x.dtype == np.uint32 else x).cuda()
+
+    out, lse = kvattn.cascade_attention(dev(q), dev(pk), dev(pv), dev(sk), dev(sv), mask="causal", bits=bits,
+                                        suffix_lens=torch.from_numpy(lens).cuda(), return_lse=True)
+    torch.cuda.synchronize()
+    got = out.float().cpu().numpy()
+    ref = kvattn.reference_attention(q, _concat(pk, sk, B), _concat(pv, sv, B), mask="causal", bits=bits,
+                                     seq_lens=P + lens, out=np.empty((B, H, L, D), F32))
+    # bf16 output, tensor-core kernels (bf16 P, quantized q): bf16 allowance
+    assert_close(got, ref.astype(np.float64), "cuda cascade", atol=2.0**-7)
+    assert lse.shape == (B, H, L) and torch.isfinite(lse).all()
