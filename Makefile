@@ -223,5 +223,7 @@ install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kva
 	install -m 755 $(BUILD)/kvattn $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(BUILD)/kvattn.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
 
+# Also what `pip install -e .` stages in the package (python/kvattn/_lib/) and
+# `pip wheel . -w dist` / `python -m build` leave in dist/.
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) python/kvattn/_lib dist

@@ -15,8 +15,9 @@ dimension is not contiguous (or that has a negative stride) is copied first.
 Every error of the library raises ``KvaError`` (a ``ValueError``) whose message
 names the offending argument.
 
-The library is found through $KVATTN_LIB, else ../../build/libkvattn.so next
-to this package (the tree's `make`), else the system's library path.
+The library is found through $KVATTN_LIB, else _lib/libkvattn.so in this
+package (what `pip install .` bundles), else ../../build/libkvattn.so next to
+this package (the tree's `make`), else the system's library path.
 """
 import atexit
 import ctypes

@@ -16,19 +16,24 @@ import numpy as np
 
 
 def _find_library():
+    """$KVATTN_LIB, else the wheel's _lib/libkvattn.so in this package, else the
+    tree's build/libkvattn.so (`make`), else the system's library path."""
     env = os.environ.get("KVATTN_LIB")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
+    bundled = os.path.join(here, "_lib", "libkvattn.so")
     built = os.path.normpath(os.path.join(here, "..", "..", "build", "libkvattn.so"))
-    if os.path.exists(built):
-        return built
+    for path in (bundled, built):
+        if os.path.exists(path):
+            return path
     found = ctypes.util.find_library("kvattn")
     if found:
         return found
     raise ImportError(
-        "kvattn: shared library not found; run `make` (builds build/libkvattn.so) "
-        "or set KVATTN_LIB to its path")
+        "kvattn: shared library libkvattn.so not found (looked for $KVATTN_LIB, %s, %s and the system's "
+        "library path); install the package with `pip install .` from the source tree, or run `make` there "
+        "(builds build/libkvattn.so), or set KVATTN_LIB to the library's path" % (bundled, built))
 
 
 LIB_PATH = _find_library()
