@@ -335,7 +335,11 @@ int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, con
  * token-major, [B, L, H, Dk]; any q when B = 1 or L = 1), else KVA_ESTRIDE; mask none
  * or causal without window or segments (else KVA_EUNSUPPORTED), so that
  * every row sees the whole prefix (the suffix holds the rows' own tokens:
- * s_b >= L, as kva_attention requires). Softcap, scale,
+ * s_b >= L, as kva_attention requires). Forked paged sequences:
+ * kva_paged_view_split / kva_block_table_split give the two views. On CUDA
+ * a prefix whose length is device memory (seq_lens, a block table) must
+ * hold at least min(B L, 16) tokens (the host cannot check it); the CPU
+ * takes any length >= 1. Softcap, scale,
  * flags (KVA_ATTN_EXACT) apply to both parts; sinks join once. lse: [B, H,
  * L] f32 or NULL, flags 0 or KVA_LSE_BASE2, as kva_attention_lse. Workspace:
  * NULL uses the context's (grown on first need), else at least
@@ -618,6 +622,34 @@ kva_kv_view kva_view_block_table(const kva_kv *k_pool, const kva_kv *v_pool, con
  * a sequence has more than max_blocks blocks; nothing written on error. */
 int kva_paged_view_block_table(const kva_paged_view *view, int64_t max_blocks, int32_t *blocks,
                                int32_t *seq_lens, int32_t *first_offset);
+
+/* ---- shared prefixes (forks) for kva_cascade_attention */
+/* The tokens that sequences share in memory: the longest P such that tokens
+ * 0..P-1 of every sequence live in the same pool rows (the same first
+ * offset and the same block ids at the same table positions: forks of one
+ * parent before they diverge), capped so that every sequence keeps at least
+ * min_suffix (>= 0) own tokens after it (e.g. L, the query rows of a
+ * cascade call); *tokens >= 0 (0: nothing shared). */
+int kva_seq_shared_prefix(kva_pool *pool, const int32_t *seqs, int64_t B, int64_t min_suffix, int64_t *tokens);
+/* The same over a view's sequences: layout PAGED, or BLOCK_TABLE with host
+ * arrays (every entry validated as for kva_attention); CONTIGUOUS is KVA_EINVAL. */
+int kva_view_shared_prefix(const kva_kv_view *view, int64_t min_suffix, int64_t *tokens);
+/* The two views of kva_cascade_attention from a paged view of B sequences:
+ * *prefix (B = 1) holds tokens 0..P-1 of sequence 0, *suffix sequence b's
+ * tokens P..len_b-1 (start advanced by P), P = prefix_tokens in [1, the
+ * shared prefix with min_suffix 1] (else KVA_EINVAL). Both are new views
+ * with their own references (release each); nothing is made on error. */
+int kva_paged_view_split(const kva_paged_view *view, int64_t prefix_tokens, kva_paged_view **prefix,
+                         kva_paged_view **suffix);
+/* The same for a block-table view (host arrays, checked as above): fills
+ * lens [B + 1] and first_offset [B + 1] (caller memory: entry 0 the
+ * prefix's, 1..B the suffixes') and the tables *prefix (batch 1, sequence
+ * 0's row) and *suffix (each row advanced by whole blocks), whose blocks
+ * pointers are offsets of view->table->blocks and whose lengths and offsets
+ * point into lens and first_offset. For a device table, split its host
+ * mirror and offset the device pointers alike (copy lens, first_offset). */
+int kva_block_table_split(const kva_kv_view *view, int64_t prefix_tokens, int32_t *lens, int32_t *first_offset,
+                          kva_block_table *prefix, kva_block_table *suffix);
 
 /* Writes n new tokens into pool slots (the engine's append step):
  * k [n, KVH, Dk] and v [n, KVH, Dv] (f32/f16/bf16, any strides, innermost

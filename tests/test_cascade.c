@@ -224,3 +224,282 @@ TEST(cascade_bad_arguments) {
   kva_context_destroy(ctx);
   cz_free(&d);
 }
+
+/* ---- forked paged sequences: the shared prefix, the split, cascade over the
+ * split views (paged, and block tables made from them) against the oracle
+ * over the whole sequences */
+
+typedef struct forks {
+  kva_pool *pool;
+  int32_t parent, seqs[8];
+  int64_t B, P0, bs;
+} forks;
+
+/* f32 rows [KVH, T, D] of random values appended to seq (rows freed). */
+static int fk_append(kva_pool *pool, int32_t seq, int64_t KVH, int64_t T, int64_t D) {
+  float *k = malloc(sizeof(float) * (size_t)(KVH * T * D)), *v = malloc(sizeof(float) * (size_t)(KVH * T * D));
+  int rc = -1;
+  if (k && v) {
+    for (int64_t i = 0; i < KVH * T * D; ++i) k[i] = test_randn(), v[i] = test_randn();
+    kva_tensor tk = kva_tensor_4d(k, KVA_F32, 1, KVH, T, D), tv = tk;
+    tk.ndim = 3, tk.shape[0] = KVH, tk.shape[1] = T, tk.shape[2] = D, tk.stride[0] = T * D * 4, tk.stride[1] = D * 4,
+    tk.stride[2] = 4;
+    tv = tk, tv.data = v;
+    rc = kva_seq_append(pool, seq, &tk, &tv);
+  }
+  free(k), free(v);
+  return rc;
+}
+
+/* A parent of P0 tokens (P0 + trim appended, the first trim dropped) forked
+ * B times; child b appends suffix[b] tokens; bits 0: f32 pool, 4: q4 group
+ * 64 bf16 scales. */
+static int fk_make(forks *f, int64_t B, int64_t KVH, int64_t D, int64_t P0, const int64_t *suffix, int64_t bs,
+                   int bits, int64_t trim) {
+  memset(f, 0, sizeof *f);
+  f->B = B, f->P0 = P0, f->bs = bs;
+  kva_pool_desc d = {.num_blocks = 4096, .block_size = bs, .kv_heads = KVH, .dk = D, .dv = D,
+                     .dtype = bits ? KVA_BF16 : KVA_F32, .bits = bits, .group_size = bits ? 64 : 0};
+  if (kva_pool_create(&f->pool, &d, NULL) || kva_seq_create(f->pool, &f->parent) ||
+      fk_append(f->pool, f->parent, KVH, P0 + trim, D) || kva_seq_trim(f->pool, f->parent, P0))
+    return -1; /* trim > 0: the parent's window starts trim rows into its first blocks */
+  for (int64_t b = 0; b < B; ++b)
+    if (kva_seq_fork(f->pool, f->parent, &f->seqs[b]) || fk_append(f->pool, f->seqs[b], KVH, suffix[b], D)) return -1;
+  return 0;
+}
+
+/* kva_cascade_attention(prefix, suffix) against the oracle over full, on the
+ * CPU: q [B, H, L, D] token-major, causal, sinks; out and lse. */
+static int fk_check(kva_context *ctx, const kva_kv_view *full, const kva_kv_view *prefix, const kva_kv_view *suffix,
+                    int64_t B, int64_t H, int64_t L, int64_t D, const char *what) {
+  const cz c = {B, H, 1, L, 1, 1, D, 0, KVA_MASK_CAUSAL, 1, 0};
+  const size_t n = (size_t)(B * H * L * D);
+  float *q = malloc(n * 4), *o = malloc(n * 4), *r = malloc(n * 4), *l = malloc(n / D * 4), *rl = malloc(n / D * 4);
+  float sinks[64];
+  int ok = 0;
+  if (!q || !o || !r || !l || !rl) goto done;
+  for (size_t i = 0; i < n; ++i) q[i] = test_randn();
+  for (int64_t h = 0; h < H; ++h) sinks[h] = test_randn();
+  kva_tensor tq = cz_q(&c, q), to = kva_tensor_4d(o, KVA_F32, B, H, L, D), tr = kva_tensor_4d(r, KVA_F32, B, H, L, D);
+  kva_tensor tl = cz_lse(&c, l), trl = cz_lse(&c, rl);
+  kva_attn_params p = kva_attn_defaults();
+  p.mask.kind = KVA_MASK_CAUSAL;
+  p.sinks = sinks;
+  if (kva_reference_attention_lse(&tq, full, &p, &tr, &trl, 0)) {
+    FAIL_("%s: oracle: %s", what, kva_last_error());
+    goto done;
+  }
+  if (kva_cascade_attention(ctx, &tq, prefix, suffix, &p, &to, &tl, 0, NULL, 0)) {
+    FAIL_("%s: kva_cascade_attention: %s", what, kva_last_error());
+    goto done;
+  }
+  double err = 0;
+  if (!att_compare(&to, &tr, ATT_ATOL_F32, 0, &err, NULL)) {
+    FAIL_("%s: out differs from the oracle over the whole sequences (max err %.3g)", what, err);
+    goto done;
+  }
+  for (size_t i = 0; i < n / D; ++i)
+    if (!(fabs((double)l[i] - rl[i]) <= 1e-5 * (1 + fabs((double)rl[i])))) {
+      FAIL_("%s: lse[%zu] = %.7g, oracle %.7g", what, i, l[i], rl[i]);
+      goto done;
+    }
+  ok = 1;
+done:
+  free(q), free(o), free(r), free(l), free(rl);
+  return ok;
+}
+
+TEST(cascade_shared_prefix_of_forks) {
+  const int64_t suffix[4] = {20, 7, 33, 1};
+  forks f;
+  ASSERT_TRUE(fk_make(&f, 4, 2, 64, 100, suffix, 16, 0, 0) == 0);
+  int64_t P = -1;
+  /* 100 tokens: 6 whole blocks shared; the partial 7th was copied on each child's first append */
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 4, 0, &P));
+  ASSERT_EQ(P, 96);
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 3, 0, &P));
+  ASSERT_EQ(P, 96);
+  /* with the parent (still holding its partial block) */
+  int32_t with_parent[2] = {f.parent, f.seqs[0]};
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, with_parent, 2, 0, &P));
+  ASSERT_EQ(P, 96);
+  /* capped: every sequence keeps min_suffix own tokens (the shortest, the parent, has 100) */
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, with_parent, 2, 10, &P));
+  ASSERT_EQ(P, 90);
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 4, 5, &P)); /* seqs[3] holds 101 tokens */
+  ASSERT_EQ(P, 96);
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 4, 6, &P));
+  ASSERT_EQ(P, 95);
+  /* one sequence: all of it but min_suffix; the same sequence twice: likewise */
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 1, 1, &P));
+  ASSERT_EQ(P, 119);
+  int32_t twice[2] = {f.seqs[2], f.seqs[2]};
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, twice, 2, 0, &P));
+  ASSERT_EQ(P, 133);
+  /* an unrelated sequence shares nothing; a trimmed fork (another first offset) neither */
+  int32_t other, mix[2];
+  ASSERT_OK(kva_seq_create(f.pool, &other));
+  ASSERT_TRUE(fk_append(f.pool, other, 2, 50, 64) == 0);
+  mix[0] = f.seqs[0], mix[1] = other;
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, mix, 2, 0, &P));
+  ASSERT_EQ(P, 0);
+  int32_t trimmed;
+  ASSERT_OK(kva_seq_fork(f.pool, f.seqs[0], &trimmed));
+  ASSERT_OK(kva_seq_trim(f.pool, trimmed, 110)); /* drops 10 tokens: first offset 10 */
+  mix[1] = trimmed;
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, mix, 2, 0, &P));
+  ASSERT_EQ(P, 0);
+  /* a view reports the same; bad input */
+  kva_paged_view *pv;
+  ASSERT_OK(kva_paged_view_create(f.pool, f.seqs, 4, &pv));
+  const kva_kv_view view = kva_view_paged(pv);
+  ASSERT_OK(kva_view_shared_prefix(&view, 0, &P));
+  ASSERT_EQ(P, 96);
+  ASSERT_ERR(kva_view_shared_prefix(&view, -1, &P), KVA_EINVAL, "min_suffix");
+  ASSERT_ERR(kva_view_shared_prefix(&view, 0, NULL), KVA_EINVAL, "tokens");
+  ASSERT_ERR(kva_seq_shared_prefix(f.pool, f.seqs, 0, 0, &P), KVA_EINVAL, "B");
+  ASSERT_OK(kva_seq_free(f.pool, other));
+  mix[1] = other;
+  ASSERT_ERR(kva_seq_shared_prefix(f.pool, mix, 2, 0, &P), KVA_ENOSEQ, "seqs[1]");
+  const kva_kv_view contig = kva_view_contiguous(&view.k, &view.v, NULL);
+  ASSERT_ERR(kva_view_shared_prefix(&contig, 0, &P), KVA_EINVAL, "layout");
+  kva_paged_view_release(pv);
+  ASSERT_OK(kva_pool_check(f.pool));
+  kva_pool_destroy(f.pool);
+  /* forks of a trimmed parent: 37 rows dropped (2 blocks and 5 rows), 100
+   * left over blocks 2..8 from row 5: 6 whole blocks shared less 5 rows */
+  ASSERT_TRUE(fk_make(&f, 3, 2, 64, 100, suffix, 16, 0, 37) == 0);
+  ASSERT_OK(kva_seq_shared_prefix(f.pool, f.seqs, 3, 0, &P));
+  ASSERT_EQ(P, 91);
+  kva_pool_destroy(f.pool);
+}
+
+/* Split views of forks attended by kva_cascade_attention equal the oracle
+ * over the whole sequences: paged prefix + paged suffix, and both as block
+ * tables (kva_block_table_split), at the shared prefix (block-aligned) and
+ * inside a block (suffixes then start mid-block), float and 4-bit pools. */
+TEST(cascade_split_views_vs_oracle) {
+  static const struct {
+    int64_t B, H, KVH, L, D, P0, bs;
+    int bits;
+    int64_t suffix[5], trim;
+  } cs[] = {
+      {4, 8, 2, 1, 64, 100, 16, 0, {20, 7, 33, 1, 0}, 0},
+      {3, 8, 4, 4, 128, 300, 32, 4, {40, 9, 4, 0, 0}, 0},
+      {5, 4, 2, 4, 64, 70, 8, 4, {12, 30, 5, 6, 4}, 3}, /* 20 rows: two prefix chunks; first offset 3 */
+      {2, 4, 1, 8, 128, 40, 16, 0, {8, 21, 0, 0, 0}, 0},
+      {3, 8, 2, 2, 64, 90, 16, 0, {5, 18, 2, 0, 0}, 21}, /* first offset 5 */
+  };
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  for (size_t ci = 0; ci < sizeof cs / sizeof cs[0] && !test_failed_flag; ++ci) {
+    forks f;
+    ASSERT_TRUE(fk_make(&f, cs[ci].B, cs[ci].KVH, cs[ci].D, cs[ci].P0, cs[ci].suffix, cs[ci].bs, cs[ci].bits, cs[ci].trim) == 0);
+    kva_paged_view *pv;
+    ASSERT_OK(kva_paged_view_create(f.pool, f.seqs, f.B, &pv));
+    const kva_kv_view full = kva_view_paged(pv);
+    int64_t shared;
+    ASSERT_OK(kva_view_shared_prefix(&full, cs[ci].L, &shared));
+    ASSERT_TRUE(shared >= 1);
+    kva_pool_stats st0, st1;
+    ASSERT_OK(kva_pool_stats_get(f.pool, &st0));
+    const int64_t Ps[2] = {shared, shared > 5 ? shared - 5 : 1};
+    for (int pi = 0; pi < 2 && !test_failed_flag; ++pi) {
+      char what[96];
+      snprintf(what, sizeof what, "case %zu, P = %lld of %lld shared", ci, (long long)Ps[pi], (long long)shared);
+      kva_paged_view *pp = NULL, *ps = NULL;
+      ASSERT_OK(kva_paged_view_split(pv, Ps[pi], &pp, &ps));
+      kva_paged_csr pc, sc;
+      ASSERT_OK(kva_paged_view_csr(pp, &pc));
+      ASSERT_OK(kva_paged_view_csr(ps, &sc));
+      ASSERT_EQ(pc.batch, 1);
+      ASSERT_EQ(pc.lens[0], Ps[pi]);
+      ASSERT_EQ(sc.batch, f.B);
+      for (int64_t b = 0; b < f.B; ++b) ASSERT_EQ(sc.lens[b], f.P0 + cs[ci].suffix[b] - Ps[pi]);
+      const kva_kv_view prefix = kva_view_paged(pp), suffix = kva_view_paged(ps);
+      if (!fk_check(ctx, &full, &prefix, &suffix, f.B, cs[ci].H, cs[ci].L, cs[ci].D, what)) break;
+      /* the same split as block tables over the pool's arrays */
+      int64_t mb = 0;
+      for (int64_t b = 0; b < f.B; ++b) {
+        const int64_t nb = kva_seq_blocks(f.pool, f.seqs[b]);
+        if (nb > mb) mb = nb;
+      }
+      int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(f.B * (mb + 3))), lens[9], first[9], tl[8], tf[8];
+      ASSERT_TRUE(blocks != NULL);
+      /* row stride mb + 3: a table with padded rows */
+      for (int64_t b = 0; b < f.B; ++b) {
+        kva_paged_view *one;
+        ASSERT_OK(kva_paged_view_create(f.pool, &f.seqs[b], 1, &one));
+        ASSERT_OK(kva_paged_view_block_table(one, mb + 3, blocks + b * (mb + 3), &tl[b], &tf[b]));
+        kva_paged_view_release(one);
+      }
+      const kva_kv kp = kva_pool_k(f.pool), vp = kva_pool_v(f.pool);
+      const kva_block_table table = {f.B, mb, mb + 3, blocks, tl, tf};
+      const kva_kv_view tfull = kva_view_block_table(&kp, &vp, &table);
+      int64_t tshared;
+      ASSERT_OK(kva_view_shared_prefix(&tfull, cs[ci].L, &tshared));
+      ASSERT_EQ(tshared, shared);
+      kva_block_table tpre, tsuf;
+      ASSERT_OK(kva_block_table_split(&tfull, Ps[pi], lens, first, &tpre, &tsuf));
+      const kva_kv_view tprefix = kva_view_block_table(&kp, &vp, &tpre), tsuffix = kva_view_block_table(&kp, &vp, &tsuf);
+      snprintf(what + strlen(what), sizeof what - strlen(what), " (block tables)");
+      fk_check(ctx, &full, &tprefix, &tsuffix, f.B, cs[ci].H, cs[ci].L, cs[ci].D, what);
+      /* mixed layouts: a paged prefix, a block-table suffix */
+      fk_check(ctx, &full, &prefix, &tsuffix, f.B, cs[ci].H, cs[ci].L, cs[ci].D, "paged prefix, table suffix");
+      /* a split past the shared prefix, or of nothing, is refused and makes no view */
+      kva_paged_view *x = NULL, *y = NULL;
+      ASSERT_ERR(kva_paged_view_split(pv, shared + cs[ci].L, &x, &y), KVA_EINVAL, "prefix_tokens");
+      ASSERT_ERR(kva_paged_view_split(pv, 0, &x, &y), KVA_EINVAL, "prefix_tokens");
+      ASSERT_ERR(kva_block_table_split(&tfull, shared + cs[ci].L, lens, first, &tpre, &tsuf), KVA_EINVAL,
+                 "prefix_tokens");
+      ASSERT_TRUE(x == NULL && y == NULL);
+      free(blocks);
+      kva_paged_view_release(pp);
+      kva_paged_view_release(ps);
+      ASSERT_OK(kva_pool_stats_get(f.pool, &st1));
+      ASSERT_EQ(st1.views, st0.views);
+      ASSERT_EQ(st1.used_blocks, st0.used_blocks);
+    }
+    kva_paged_view_release(pv);
+    ASSERT_OK(kva_pool_check(f.pool));
+    kva_pool_destroy(f.pool);
+  }
+  kva_context_destroy(ctx);
+}
+
+/* A prefix shorter than a chunk of stacked rows (5 tokens, 20 rows), its
+ * length known only from host arrays (seq_lens, a block table): the CPU
+ * bounds the chunk by it. */
+TEST(cascade_short_prefix) {
+  const cz c = {5, 8, 4, 4, 5, 12, 64, 0, KVA_MASK_CAUSAL, 0, 0};
+  cdata d;
+  ASSERT_TRUE(cz_make(&d, &c) == 0);
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  const kva_kv_view full = kva_view_contiguous(&d.fk, &d.fv, d.full_len);
+  const kva_kv_view suffix = kva_view_contiguous(&d.ks, &d.vs, d.suf_len);
+  /* the 5 prefix tokens inside a 9-token cache: seq_lens [1] = 5 */
+  const int64_t N = 9;
+  float *pk = calloc((size_t)(c.KVH * N * c.D), 4), *pv = calloc((size_t)(c.KVH * N * c.D), 4);
+  ASSERT_TRUE(pk && pv);
+  for (int64_t h = 0; h < c.KVH; ++h) {
+    memcpy(pk + h * N * c.D, d.pk + h * c.P * c.D, (size_t)(c.P * c.D) * 4);
+    memcpy(pv + h * N * c.D, d.pv + h * c.P * c.D, (size_t)(c.P * c.D) * 4);
+  }
+  kva_kv k9 = kva_kv_float(pk, KVA_F32, 1, c.KVH, N, c.D), v9 = kva_kv_float(pv, KVA_F32, 1, c.KVH, N, c.D);
+  const int32_t plen = 5;
+  const kva_kv_view pre = kva_view_contiguous(&k9, &v9, &plen);
+  char what[] = "prefix of 5 tokens, seq_lens";
+  (void)full;
+  /* fk_check's oracle runs over `full` with its own q: use it directly */
+  ASSERT_TRUE(fk_check(ctx, &full, &pre, &suffix, c.B, c.H, c.L, c.D, what));
+  /* as a block table: the 9-token cache as one pool block of 9 rows */
+  kva_kv kpool = kva_kv_float(pk, KVA_F32, 1, c.KVH, N, c.D), vpool = kva_kv_float(pv, KVA_F32, 1, c.KVH, N, c.D);
+  const int32_t blk = 0;
+  const kva_block_table t = {1, 1, 0, &blk, &plen, NULL};
+  const kva_kv_view tpre = kva_view_block_table(&kpool, &vpool, &t);
+  ASSERT_TRUE(fk_check(ctx, &full, &tpre, &suffix, c.B, c.H, c.L, c.D, "prefix of 5 tokens, block table"));
+  free(pk), free(pv);
+  kva_context_destroy(ctx);
+  cz_free(&d);
+}

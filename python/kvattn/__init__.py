@@ -641,6 +641,6 @@ from .paged import (PagedView, Pool, Sequence, block_table_attention,  # noqa: E
 
 __all__ += ["PagedView", "Pool", "Sequence", "block_table_attention", "block_table_reference_attention",
             "paged_attention"]
-from .compose import cascade_attention  # noqa: E402
+from .compose import cascade_attention, paged_cascade_attention, shared_prefix, split_view  # noqa: E402
 
-__all__ += ["cascade_attention"]
+__all__ += ["cascade_attention", "paged_cascade_attention", "shared_prefix", "split_view"]

@@ -23,7 +23,13 @@ C._proto("kva_cascade_attention", ctypes.c_int, ctypes.c_void_p, _P(C.kva_tensor
 C._proto("kva_cascade_workspace_size", ctypes.c_int, ctypes.c_void_p, _P(C.kva_tensor), _P(C.kva_kv_view),
          _P(C.kva_kv_view), _P(C.kva_attn_params), _P(ctypes.c_size_t))
 
-__all__ = ["cascade_attention"]
+C._proto("kva_seq_shared_prefix", ctypes.c_int, ctypes.c_void_p, _P(ctypes.c_int32), ctypes.c_int64, ctypes.c_int64,
+         _P(ctypes.c_int64))
+C._proto("kva_view_shared_prefix", ctypes.c_int, _P(C.kva_kv_view), ctypes.c_int64, _P(ctypes.c_int64))
+C._proto("kva_paged_view_split", ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, _P(ctypes.c_void_p),
+         _P(ctypes.c_void_p))
+
+__all__ = ["cascade_attention", "paged_cascade_attention", "shared_prefix", "split_view"]
 
 
 def _one_sequence(x):
@@ -82,6 +88,7 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, scale=None, mas
     place, otherwise copied so.
     CUDA arrays (PyTorch CUDA tensors) run on the CUDA backend, on their
     device and current stream; sinks and suffix_lens are then device arrays.
+    Forked paged sequences: split_view and paged_cascade_attention.
     """
     _check_mask(mask)
     q = _token_major(q)
@@ -137,6 +144,82 @@ def _cascade_cuda(q, prefix_k, prefix_v, suffix_k, suffix_v, scale, mask, softca
             stream = 0
         C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
         C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(prefix),
+                                          ctypes.byref(call.view), ctypes.byref(call.params), ctypes.byref(call.out),
+                                          ctypes.byref(lt) if lt is not None else None,
+                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
+    return (call.out_array, lse) if return_lse else call.out_array
+
+
+# ------------------------------------------------ forks of a paged pool
+
+
+def shared_prefix(seqs, min_suffix=0):
+    """The tokens that sequences share in memory: the longest P such that
+    tokens 0..P-1 of every sequence live in the same pool rows (forks of
+    one parent before they diverge), capped so that each keeps at least
+    min_suffix own tokens (e.g. L, the query rows of a cascade call).
+    seqs: a PagedView, or Sequence objects of one pool."""
+    from .paged import PagedView, Sequence, _int
+
+    min_suffix = _int(min_suffix, "min_suffix")
+    tokens = ctypes.c_int64()
+    if isinstance(seqs, PagedView):
+        view = lib.kva_view_paged(seqs.handle)
+        C.check(lib.kva_view_shared_prefix(ctypes.byref(view), min_suffix, ctypes.byref(tokens)))
+        return tokens.value
+    seqs = list(seqs)
+    if not seqs or not all(isinstance(s, Sequence) for s in seqs):
+        raise C.error(C.EINVAL, "seqs must be a PagedView or a non-empty list of Sequence objects")
+    pool = seqs[0].pool
+    if any(s.pool is not pool for s in seqs):
+        raise C.error(C.EINVAL, "seqs: every sequence must belong to the same pool")
+    ids = np.array([s.id for s in seqs], np.int32)
+    C.check(lib.kva_seq_shared_prefix(pool.handle, ids.ctypes.data_as(_P(ctypes.c_int32)), ids.size, min_suffix,
+                                      ctypes.byref(tokens)))
+    return tokens.value
+
+
+def split_view(view, prefix_tokens):
+    """(prefix, suffix) PagedViews of a view of forks for
+    paged_cascade_attention: prefix (one sequence) holds tokens
+    0..prefix_tokens-1 of sequence 0, suffix each sequence's tokens from
+    prefix_tokens on; prefix_tokens in [1, shared_prefix(view, 1)] (else
+    KvaError). Each is a new view with its own references."""
+    from .paged import PagedView, _int
+
+    if not isinstance(view, PagedView):
+        raise TypeError("view must be a kvattn.PagedView, got %s" % type(view).__name__)
+    pp, ps = ctypes.c_void_p(), ctypes.c_void_p()
+    C.check(lib.kva_paged_view_split(view.handle, _int(prefix_tokens, "prefix_tokens"), ctypes.byref(pp),
+                                     ctypes.byref(ps)))
+    return PagedView(view.pool, pp.value), PagedView(view.pool, ps.value)
+
+
+def paged_cascade_attention(q, prefix, suffix, scale=None, mask=None, softcap=None, sinks=None, threads=None, *,
+                            out=None, context=None, return_lse=False, lse_base2=False, exact=False):
+    """cascade_attention over PagedViews of one pool (CPU): prefix a view of
+    one sequence (the shared tokens), suffix a view of the B sequences' own
+    tokens after them (split_view gives both); row i of sequence b at
+    position P + s_b - L + i; the other arguments as cascade_attention."""
+    from . import _flags, default_context
+    from .paged import PagedView
+
+    for name, x in (("prefix", prefix), ("suffix", suffix)):
+        if not isinstance(x, PagedView):
+            raise TypeError("%s must be a kvattn.PagedView, got %s" % (name, type(x).__name__))
+    _check_mask(mask)
+    q = _token_major(q)
+    call = suffix._call(q, scale, mask, None, None, False, softcap, sinks, out)
+    call.params.flags = _flags(exact)
+    call.keep.append(prefix)
+    pview = lib.kva_view_paged(prefix.handle)
+    lse = lt = None
+    if return_lse:
+        lse = np.empty(call.out_array.shape[:3], np.float32)
+        lt = C.tensor(lse, "lse", output=True)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(pview),
                                           ctypes.byref(call.view), ctypes.byref(call.params), ctypes.byref(call.out),
                                           ctypes.byref(lt) if lt is not None else None,
                                           C.LSE_BASE2 if lse_base2 else 0, None, 0))

@@ -123,3 +123,41 @@ def test_cascade_cuda_tensors(request, bits):
     # bf16 output, tensor-core kernels (bf16 P, quantized q): bf16 allowance
     assert_close(got, ref.astype(np.float64), "cuda cascade", atol=2.0**-7)
     assert lse.shape == (B, H, L) and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("bits,trim", [(0, 0), (4, 21)])
+def test_paged_forks_shared_prefix_split_cascade(request, bits, trim):
+    rng = rng_for(request)
+    B, H, KVH, L, D, P0, bs = 4, 8, 2, 2, 64, 100, 16
+    pool = kvattn.Pool(512, bs, KVH, D, dtype=F32 if not bits else BF16, bits=bits, group_size=64)
+    parent = pool.sequence()
+    parent.append(randn(rng, (KVH, P0 + trim, D)), randn(rng, (KVH, P0 + trim, D)))
+    parent.trim(P0)
+    kids = [parent.fork() for _ in range(B)]
+    for n, s in zip([9, 30, 2, 17], kids):
+        s.append(randn(rng, (KVH, n, D)), randn(rng, (KVH, n, D)))
+    # whole blocks before the parent's partial last block (copied on each child's first append)
+    expect = (trim + P0) // bs * bs - trim
+    assert kvattn.shared_prefix(kids) == expect
+    assert kvattn.shared_prefix(kids, min_suffix=L) == expect
+    assert kvattn.shared_prefix([kids[0], pool.sequence()]) == 0
+    view = pool.view(kids)
+    assert kvattn.shared_prefix(view, min_suffix=L) == expect
+    q = randn(rng, (B, H, L, D))
+    sinks = randn(rng, (H,))
+    ref = view.reference_attention(q, mask="causal", sinks=sinks)
+    for P in (expect, expect - 7):
+        pre, suf = kvattn.split_view(view, P)
+        assert list(pre.lens) == [P] and list(suf.lens) == list(view.lens - P)
+        out, lse = kvattn.paged_cascade_attention(q, pre, suf, mask="causal", sinks=sinks, return_lse=True)
+        assert_close(out, ref.astype(np.float64), "paged cascade P=%d" % P)
+        assert lse.shape == (B, H, L) and np.isfinite(lse).all()
+        pre.release()
+        suf.release()
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        kvattn.split_view(view, expect + L)
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        kvattn.split_view(view, 0)
+    assert pool.stats()["views"] == 1
+    view.release()
+    pool.check()

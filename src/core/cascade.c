@@ -11,6 +11,7 @@
 #include "core/attention.h"
 #include "core/backend.h"
 #include "core/internal.h"
+#include "paged/paged.h"
 
 #include <string.h>
 
@@ -96,8 +97,17 @@ static int cascade_plan(kva_context *ctx, const kva_tensor *q, const kva_kv_view
   if (pp.Dv != c->Dv)
     return kva_seterr(KVA_ESHAPE, "cascade: prefix head dim Dv = %lld differs from the suffix's %lld",
                       (long long)pp.Dv, (long long)c->Dv);
+  /* a chunk of rows is at most the prefix's length (L <= len for every call):
+   * its capacity N, or on the CPU its length (host memory, checked by
+   * kva_problem_init above) */
+  int64_t plen = pp.N;
+  if (ctx->backend == KVA_BACKEND_CPU) {
+    if (prefix->layout == KVA_LAYOUT_CONTIGUOUS && prefix->seq_lens) plen = prefix->seq_lens[0];
+    else if (prefix->layout == KVA_LAYOUT_PAGED) plen = kva_paged_view_len(prefix, 0);
+    else if (prefix->layout == KVA_LAYOUT_BLOCK_TABLE) plen = kva_block_table_len(prefix, 0);
+  }
   c->chunk = c->rows < KVA_MAX_FUSED_ROWS ? c->rows : KVA_MAX_FUSED_ROWS;
-  if (c->chunk > pp.N) c->chunk = pp.N;
+  if (c->chunk > plen) c->chunk = plen;
   size_t wp = 0, ws = 0;
   kva_tensor qk = cascade_rows(c, 0, c->chunk);
   if ((rc = kva_attention_workspace_size(ctx, &qk, prefix, &c->pp, &wp)) < 0 ||
