@@ -2,10 +2,13 @@
 point): replaces this process with the C program `kvattn` (kvattn info,
 kvattn bench, ...), passing the same arguments.
 
-The program is looked for next to $KVATTN_LIB (the CLI is built beside the
-library), in this package's _lib/ (a wheel's copy), then in the tree's
-../../build/ (`make`). PATH is not searched: there the name would find this
-entry point again.
+A top-level module beside the kvattn package, not inside it: importing
+kvattn loads numpy and the library (a second or more), which the command
+does not need. The program is looked for next to $KVATTN_LIB (the CLI is
+built beside the library), in the package's kvattn/_lib/ (a wheel's copy, or
+an editable install's), then in the tree's build/ (`make`; this file is
+python/_kvattn_cli.py there). PATH is not searched: there the name would
+find this entry point again.
 """
 import os
 import sys
@@ -17,8 +20,8 @@ def find_cli():
     env = os.environ.get("KVATTN_LIB")
     if env:
         candidates.append(os.path.join(os.path.dirname(os.path.abspath(env)), "kvattn"))
-    candidates.append(os.path.join(here, "_lib", "kvattn"))
-    candidates.append(os.path.normpath(os.path.join(here, "..", "..", "build", "kvattn")))
+    candidates.append(os.path.join(here, "kvattn", "_lib", "kvattn"))
+    candidates.append(os.path.normpath(os.path.join(here, "..", "build", "kvattn")))
     for path in candidates:
         if os.path.isfile(path) and os.access(path, os.X_OK):
             return path, candidates

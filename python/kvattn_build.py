@@ -53,7 +53,8 @@ EXTRAS = {
     "transformers": ["torch", "transformers"],
     "test": ["pytest"],
 }
-ENTRY_POINTS = {"console_scripts": {"kvattn": "kvattn._cli:main"}}
+ENTRY_POINTS = {"console_scripts": {"kvattn": "_kvattn_cli:main"}}
+TOP_MODULES = ("_kvattn_cli.py",)         # python/*.py installed beside the package
 LIB_FILES = ("libkvattn.so", "kvattn")  # always in kvattn/_lib/
 TORCH_LIB = "libkvattn_torch.so"        # in kvattn/_lib/ when built
 # Fixed zip timestamps (or SOURCE_DATE_EPOCH's): the same tree gives the same wheel.
@@ -351,10 +352,10 @@ _WHEEL_SKIP_DIRS = ("_lib", "csrc")
 
 
 def package_files():
-    """(arcname, path) of python/kvattn/ (sources and data), without caches
-    and _WHEEL_SKIP_DIRS."""
+    """(arcname, path) of TOP_MODULES and python/kvattn/ (sources and data),
+    without caches and _WHEEL_SKIP_DIRS."""
     pkg = os.path.join(ROOT, "python", NAME)
-    out = []
+    out = [(m, os.path.join(ROOT, "python", m)) for m in TOP_MODULES]
     for d, dirs, files in os.walk(pkg):
         rel = os.path.relpath(d, pkg)
         dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not (rel == "." and x in _WHEEL_SKIP_DIRS))

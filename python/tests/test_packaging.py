@@ -104,7 +104,7 @@ def check_dist_info(zf, version, tag=None):
     if tag:
         assert wheel["Tag"] == tag
     eps = zf.read(di + "entry_points.txt").decode().splitlines()
-    assert eps[0] == "[console_scripts]" and "kvattn = kvattn._cli:main" in eps
+    assert eps[0] == "[console_scripts]" and "kvattn = _kvattn_cli:main" in eps
 
 
 def test_wheel_layout(tmp_path):
@@ -130,7 +130,7 @@ def test_wheel_layout(tmp_path):
                 assert "kvattn/" + f in names
                 with open(os.path.join(pkg, f), "rb") as src:
                     assert zf.read("kvattn/" + f) == src.read()
-        assert "kvattn/_cli.py" in names
+        assert "_kvattn_cli.py" in names
         assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc") or n.startswith("kvattn/csrc/")]
         for f, path in native.items():
             info = zf.getinfo("kvattn/_lib/" + f)
@@ -157,7 +157,7 @@ def test_sdist_contents(tmp_path):
         assert all(n.startswith(base) for n in names)
         rel = {n[len(base):] for n in names}
         for need in ("PKG-INFO", "pyproject.toml", "Makefile", "include/kvattn.h", "python/kvattn_build.py",
-                     "python/kvattn/__init__.py", "python/kvattn/_capi.py", "python/kvattn/_cli.py",
+                     "python/kvattn/__init__.py", "python/kvattn/_capi.py", "python/_kvattn_cli.py",
                      "tools/kvattn.c", "src/core/attention.c", "python/README.md"):
             assert need in rel, need
         assert not [n for n in rel if n.startswith(("build/", "build-", "dist/", ".git/", "python/kvattn/_lib"))
@@ -271,3 +271,7 @@ print(json.dumps(dict(pkg=kvattn.__file__, lib=kvattn._capi.LIB_PATH, version=kv
     assert r.returncode == 0 and r.stdout.startswith("kvattn %s" % version) and "CUDA: not built" in r.stdout
     r = subprocess.run([cli, "bench", "--no-such-flag"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "--no-such-flag" in r.stderr  # the C program's own exit status and message
+    # the command does not import the package: it runs when the library cannot be loaded
+    r = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=60,
+                       env=dict(env, KVATTN_LIB=str(tmp_path / "none" / "libkvattn.so")))
+    assert r.returncode == 0 and r.stdout.strip() == "kvattn " + version, (r.stdout, r.stderr)
