@@ -258,7 +258,9 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * "[P bf16]" for quantized rows: the codes exact, q.k exact up to f32
  * accumulation, P times the V group scale rounded to bf16); on AVX-512
  * VNNI, 16-bit queries over quantized K ("[q int21]": q rounded to 21-bit
- * integers, exact integer q.k). CUDA: bf16 queries over 4-bit or 8-bit K/V
+ * integers, exact integer q.k); on AVX2, 4-bit and 8-bit K ("[q int8]": q
+ * rounded to 8 bits with one scale per vector and K group, the rounding
+ * kva_ref_rounding describes, exact integer q.k on the codes). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
  * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
  * tables at 128), run on tensor cores: 16-bit rows round P only ("[P bf16]",
@@ -399,8 +401,10 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
  *   dims (float K: the whole row), in f32 arithmetic on the query as loaded:
  *   amax = max |q| over the group, sigma = amax / (2^(bits-1) - 1),
  *   inv = 1 / sigma (0 when sigma is 0), c = rint(q * inv) clamped to
- *   +-(2^(bits-1) - 1), q' = c * sigma; a group holding a NaN or Inf is left
- *   unrounded. ("q int8": the 4-bit per-warp CUDA kernel.)
+ *   +-(2^(bits-1) - 1), q' = c * sigma; a group holding a NaN or Inf, or
+ *   one whose inv overflows to inf (max |q| below ~2^-121 at 8 bits), is
+ *   left unrounded. ("q int8": the 4-bit per-warp CUDA kernel, the AVX2
+ *   CPU kernel over 4-bit and 8-bit K.)
  * k_dtype, v_dtype: KVA_F32 = none; KVA_BF16 / KVA_F16 = each K (V)
  *   element, dequantized exactly, rounded once to that type (nearest even).
  * P rounding depends on a kernel's running maximum and is not modelled: the

@@ -26,6 +26,7 @@ const char *const att_query_names[ATT_PROBES] = {"random", "probe"};
 
 /* bytes with SENTINEL_BYTES of room before and after (the output's guards). */
 static void *keep(att_data *d, size_t bytes) {
+  if (d->nbufs == (int)(sizeof d->bufs / sizeof d->bufs[0])) return NULL;
   char *p = (char *)malloc(SENTINEL_BYTES + bytes + SENTINEL_BYTES);
   if (!p) return NULL;
   d->bufs[d->nbufs++] = p;
@@ -330,7 +331,7 @@ static int atol_item(const char *item, const char *sp, const char *end, void *ar
   double a;
   if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
   else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
-    a = atoi(type + 3) >= ATT_QINT_EXACT_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
+    a = atoi(type + 3) >= ATT_QINT_EXACT_BITS || atoi(type + 3) <= ATT_QINT_ORACLE_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
   else return -1;
   if (a > *atol) *atol = a;
   return 0;
@@ -379,6 +380,23 @@ int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_vi
   rc = kva_reference_attention_rounded(q, kv, p, ref, NULL, 0, &r);
   if (rc < 0) fprintf(stderr, "    att_kernel_reference: oracle: %s\n", kva_last_error());
   return rc;
+}
+
+const kva_tensor *att_oracle_for(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *p,
+                                 const kva_tensor *out, const kva_tensor *exact, kva_tensor *scratch) {
+  char name[256];
+  if (kva_attention_kernel(ctx, q, kv, p, out, name, sizeof name) < 0) {
+    fprintf(stderr, "    att_oracle_for: kva_attention_kernel: %s\n", kva_last_error());
+    return NULL;
+  }
+  kva_ref_rounding r;
+  att_name_rounding(name, &r);
+  if (r.q_int_bits == 0 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32) return exact;
+  if (kva_reference_attention_rounded(q, kv, p, scratch, NULL, 0, &r) < 0) {
+    fprintf(stderr, "    att_oracle_for: oracle: %s\n", kva_last_error());
+    return NULL;
+  }
+  return scratch;
 }
 
 int att_name_exact(const char *name) {

@@ -37,7 +37,7 @@ typedef struct att_data {
   float *sinks;
   kva_attn_params params;
   kva_kv_view view;
-  void *bufs[16];
+  void *bufs[24];
   int nbufs;
   void *out_buf;    /* the buffer out views into (guards of 64 bytes before and after it) */
   size_t out_bytes; /* its bytes, between the guards */
@@ -88,13 +88,15 @@ void att_plant_last_v(att_data *d, float x);
 int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, double rtol, double *max_err,
                 double *rel_l2);
 /* Absolute allowance, relative to max|ref|, for the arithmetic of the kernel
- * that runs, read from the trailing bracket of its name
- * (kva_attention_kernel, kvattn.h): "[exact f32]" and "q intN" with N >=
- * ATT_QINT_EXACT_BITS (q rounded below 2^-20 of its largest element): f32
- * products over up to a few thousand keys against the double oracle (3e-5);
- * any operand rounded to bf16 or f16, and q rounded to fewer bits (always
- * paired with a 16-bit P): bf16 products (2^-7; f16 is not given a tighter
- * allowance). The largest over the bracket's items. */
+ * that runs against the oracle with the kernel's modelled roundings
+ * (att_kernel_reference), read from the trailing bracket of its name
+ * (kva_attention_kernel, kvattn.h): "[exact f32]", "q intN" with N >=
+ * ATT_QINT_EXACT_BITS (q rounded below 2^-20 of its largest element) and
+ * "q intN" with N <= ATT_QINT_ORACLE_BITS (the oracle applies that very
+ * rounding): f32 products over up to a few thousand keys against the double
+ * oracle (3e-5); any operand rounded to bf16 or f16, and q rounded to bits
+ * in between (always paired with a 16-bit P): bf16 products (2^-7; f16 is
+ * not given a tighter allowance). The largest over the bracket's items. */
 #define ATT_ATOL_F32 3e-5
 #define ATT_ATOL_BF16 (1.0 / 128)
 #define ATT_QINT_EXACT_BITS 21
@@ -126,6 +128,14 @@ int att_kernel_reference(kva_context *ctx, const kva_tensor *kq, const kva_kv_vi
  * context and the current SIMD level (for callers without the call at hand:
  * the mutation tests). */
 double att_case_atol(const att_case *c);
+/* The oracle to compare a host call kva_attention(ctx, q, kv, p, out) with:
+ * exact, the caller's (from kva_reference_attention), when the kernel that
+ * runs models no rounding (att_name_rounding), else the oracle with its
+ * roundings, computed into scratch (out's shape and dtype). Returns exact
+ * or scratch; NULL on error (printed). Ask after att_set_pass (the pass
+ * picks the kernel). */
+const kva_tensor *att_oracle_for(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *p,
+                                 const kva_tensor *out, const kva_tensor *exact, kva_tensor *scratch);
 /* Output-dtype rounding allowance: relative half-ulp-ish bound per element. */
 double att_rtol(kva_dtype out);
 /* A second output tensor of the same shape/dtype (contiguous, owned by d). */

@@ -249,7 +249,8 @@ void mut_call_free(mut_call *c) {
   memset(c, 0, sizeof *c);
 }
 
-int mut_check_accepted(const mut_call *c, const mut_base *m, double atol, int lenient, int it, int *compared) {
+int mut_check_accepted(kva_context *ctx, const mut_call *c, const mut_base *m, double atol, int lenient, int it,
+                       int *compared) {
   const att_data *d = &m->d;
   if (c->out.ndim != 4 || mut_elems(&c->out) > mut_elems(&d->out)) {
     FAIL_("iteration %d: accepted a larger output", it);
@@ -259,7 +260,11 @@ int mut_check_accepted(const mut_call *c, const mut_base *m, double atol, int le
   ref.data = malloc((size_t)mut_elems(&c->out) * kva_dtype_size(c->out.dtype));
   if (!ref.data) { FAIL_("iteration %d: out of memory", it); return -1; }
   int rc = 0;
-  const int rrc = kva_reference_attention(&c->q, &c->view, &c->p, &ref);
+  kva_ref_rounding rr = {0, KVA_F32, KVA_F32};
+  char kname[256];
+  if (ctx && kva_attention_kernel(ctx, &c->q, &c->view, &c->p, &c->out, kname, sizeof kname) >= 0)
+    att_name_rounding(kname, &rr);
+  const int rrc = kva_reference_attention_rounded(&c->q, &c->view, &c->p, &ref, NULL, 0, &rr);
   const int compare = rrc == 0 && strides_kept(c, m);
   *compared += compare;
   if (rrc < 0 && !lenient) {

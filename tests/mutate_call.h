@@ -63,6 +63,10 @@ void mut_call_diff(const mut_call *c, const mut_base *m); /* prints the fields t
  * oracle must accept the same descriptors (unless lenient: mutated device
  * values the CUDA backend clamps), the output must not have grown, and
  * where the strides are the base call's it must agree with the oracle
- * within atol. 0, or -1 after reporting iteration it's failure. */
-int mut_check_accepted(const mut_call *c, const mut_base *m, double atol, int lenient, int it, int *compared);
+ * within atol: the exact oracle, or (ctx not NULL: a CPU context and host
+ * descriptors) the oracle with the roundings of the kernel ctx runs for
+ * the call (att_name_rounding). 0, or -1 after reporting iteration it's
+ * failure. */
+int mut_check_accepted(kva_context *ctx, const mut_call *c, const mut_base *m, double atol, int lenient, int it,
+                       int *compared);
 #endif

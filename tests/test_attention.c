@@ -78,10 +78,18 @@ static const att_case cases[] = {
  * bracket of kva_attention_kernel's name; f32 products: 3e-5 of max|ref|). */
 #define ATOL_REL ATT_ATOL_F32
 
-static int run_case(const char *name, kva_context *ctx, const char *level, att_data *d, const kva_tensor *ref) {
+/* Against the oracle with the kernel's modelled roundings (att_oracle_for:
+ * exact, or computed into scratch). */
+static int run_case(const char *name, kva_context *ctx, const char *level, att_data *d, const kva_tensor *exact,
+                    kva_tensor *scratch) {
   char kname[160];
   kva_attention_kernel(ctx, &d->q, &d->view, &d->params, &d->out, kname, sizeof kname);
   const double atol = att_kernel_atol(ctx, &d->q, &d->view, &d->params, &d->out);
+  const kva_tensor *ref = att_oracle_for(ctx, &d->q, &d->view, &d->params, &d->out, exact, scratch);
+  if (!ref) {
+    FAIL_("%s [%s]: no oracle", name, level);
+    return 0;
+  }
   att_poison(d);
   int rc = kva_attention(ctx, &d->q, &d->view, &d->params, &d->out, NULL, 0);
   if (rc) {
@@ -122,7 +130,7 @@ TEST(attention_cpu_vs_oracle) {
         ok = 0;
         break;
       }
-      kva_tensor ref = att_alloc_like(&d, &d.out);
+      kva_tensor ref = att_alloc_like(&d, &d.out), rref = att_alloc_like(&d, &d.out);
       if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
         FAIL_("%s: oracle: %s", name, kva_last_error());
         att_free(&d);
@@ -134,7 +142,8 @@ TEST(attention_cpu_vs_oracle) {
       if (pr == 0) printf("  case %2d %-8s %-36s %s\n", ci, path == KVA_PATH_FUSED ? "fused" : "fallback", kname, cs);
       for (int li = 0; li < ATT_PASSES && ok; ++li) {
         if (att_set_pass(li)) continue; /* this CPU lacks the level (said once per test) */
-        ok = run_case(name, ctx1, att_pass_name(li), &d, &ref) && run_case(name, ctx2, att_pass_name(li), &d, &ref);
+        ok = run_case(name, ctx1, att_pass_name(li), &d, &ref, &rref) &&
+             run_case(name, ctx2, att_pass_name(li), &d, &ref, &rref);
       }
       att_end_passes();
       att_free(&d);
@@ -150,15 +159,17 @@ TEST(attention_cpu_vs_oracle) {
  * with a poisoned output and its sentinel;
  * frees d. Returns 1 when they match (0 also when a call fails: reported). */
 static int planted_matches_oracle(kva_context *ctx, att_data *d) {
-  kva_tensor ref = att_alloc_like(d, &d->out);
-  int ok = kva_reference_attention(&d->q, &d->view, &d->params, &ref) == 0;
+  kva_tensor exact = att_alloc_like(d, &d->out), rref = att_alloc_like(d, &d->out);
+  int ok = kva_reference_attention(&d->q, &d->view, &d->params, &exact) == 0;
   if (!ok) fprintf(stderr, "    oracle: %s\n", kva_last_error());
+  const kva_tensor *ref = ok ? att_oracle_for(ctx, &d->q, &d->view, &d->params, &d->out, &exact, &rref) : NULL;
+  ok = ok && ref;
   att_poison(d);
   if (ok && kva_attention(ctx, &d->q, &d->view, &d->params, &d->out, NULL, 0) != 0) {
     fprintf(stderr, "    kva_attention: %s\n", kva_last_error());
     ok = 0;
   }
-  ok = ok && att_compare(&d->out, &ref, att_kernel_atol(ctx, &d->q, &d->view, &d->params, &d->out), att_rtol(d->c.odt), NULL, NULL) &&
+  ok = ok && att_compare(&d->out, ref, att_kernel_atol(ctx, &d->q, &d->view, &d->params, &d->out), att_rtol(d->c.odt), NULL, NULL) &&
        att_out_untouched_ok(d);
   att_free(d);
   return ok;
@@ -341,19 +352,21 @@ TEST(attention_row_without_keys_is_zero) {
           ++nempty;
         }
     ASSERT_TRUE(nempty > 0);
-    kva_tensor ref = att_alloc_like(&d, &d.out);
+    kva_tensor ref = att_alloc_like(&d, &d.out), rref = att_alloc_like(&d, &d.out);
     ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
     for (int li = 0; li < ATT_PASSES && !test_failed_flag; ++li) {
       if (att_set_pass(li)) continue;
       for (int t = 0; t < 2 && !test_failed_flag; ++t) {
         att_poison(&d);
         const double atol = att_kernel_atol(ctx[t], &d.q, &d.view, &d.params, &d.out);
+        const kva_tensor *oref = att_oracle_for(ctx[t], &d.q, &d.view, &d.params, &d.out, &ref, &rref);
+        ASSERT_TRUE(oref != NULL);
         if (kva_attention(ctx[t], &d.q, &d.view, &d.params, &d.out, NULL, 0)) {
           FAIL_("case %zu [%s]: %s", ci, att_pass_now(), kva_last_error());
           break;
         }
         if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out or between its rows written", ci, att_pass_now());
-        if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+        if (!att_compare(&d.out, oref, atol, att_rtol(c->odt), NULL, NULL))
           FAIL_("case %zu [%s, %d threads]: differs from the oracle", ci, att_pass_now(), t + 1);
         for (int64_t b = 0; b < c->B; ++b)
           for (int64_t h = 0; h < c->H; ++h)
@@ -398,7 +411,7 @@ TEST(attention_sinks_nonfinite) {
     ASSERT_TRUE(att_make(&d, c) == 0);
     /* head h: sink -inf (h even), finite (h odd) */
     for (int h = 0; h < c->H; h += 2) d.sinks[h] = -INFINITY;
-    kva_tensor ref = att_alloc_like(&d, &d.out), nosink = att_alloc_like(&d, &d.out);
+    kva_tensor ref = att_alloc_like(&d, &d.out), nosink = att_alloc_like(&d, &d.out), rref = att_alloc_like(&d, &d.out);
     ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
     kva_attn_params p0 = d.params;
     p0.sinks = NULL;
@@ -407,9 +420,11 @@ TEST(attention_sinks_nonfinite) {
       ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &p0, &nosink, NULL, 0));
       att_poison(&d);
       const double atol = att_kernel_atol(ctx, &d.q, &d.view, &d.params, &d.out);
+      const kva_tensor *oref = att_oracle_for(ctx, &d.q, &d.view, &d.params, &d.out, &ref, &rref);
+      ASSERT_TRUE(oref != NULL);
       ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, NULL, 0));
       if (!att_out_untouched_ok(&d)) FAIL_("case %zu [%s]: memory around out written", ci, att_pass_now());
-      if (!att_compare(&d.out, &ref, atol, att_rtol(c->odt), NULL, NULL))
+      if (!att_compare(&d.out, oref, atol, att_rtol(c->odt), NULL, NULL))
         FAIL_("case %zu [%s]: differs from the oracle", ci, att_pass_now());
       for (int64_t b = 0; b < c->B; ++b)
         for (int64_t h = 0; h < c->H; h += 2)
@@ -493,12 +508,14 @@ TEST(attention_caller_workspace) {
   ASSERT_OK(kva_attention_workspace_size(ctx, &d.q, &d.view, &d.params, &bytes));
   ASSERT_TRUE(bytes > 0);
   void *ws = malloc(bytes);
-  kva_tensor ref = att_alloc_like(&d, &d.out);
+  kva_tensor ref = att_alloc_like(&d, &d.out), rref = att_alloc_like(&d, &d.out);
   ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+  const kva_tensor *oref = att_oracle_for(ctx, &d.q, &d.view, &d.params, &d.out, &ref, &rref);
+  ASSERT_TRUE(oref != NULL);
   att_poison(&d);
   ASSERT_ERR(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, ws, bytes - 1), KVA_EWORKSPACE, "workspace");
   ASSERT_OK(kva_attention(ctx, &d.q, &d.view, &d.params, &d.out, ws, bytes));
-  ASSERT_TRUE(att_compare(&d.out, &ref, ATOL_REL, 0, NULL, NULL));
+  ASSERT_TRUE(att_compare(&d.out, oref, att_kernel_atol(ctx, &d.q, &d.view, &d.params, &d.out), 0, NULL, NULL));
   free(ws);
   kva_context_destroy(ctx);
   att_free(&d);

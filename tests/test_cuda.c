@@ -1148,7 +1148,7 @@ static int run_cuda_mutations(kva_context *ctx, const att_case *ac, int64_t bs, 
       continue;
     }
     ++*accepted;
-    if (mut_check_accepted(&c, &m, cuda_case_atol_layout(ac, bs), c.dev_values, it, compared)) rc_all = -1;
+    if (mut_check_accepted(NULL, &c, &m, cuda_case_atol_layout(ac, bs), c.dev_values, it, compared)) rc_all = -1;
   }
   mut_dev_free(&md);
   mut_call_free(&c);

@@ -48,7 +48,7 @@ static int run_mutations(const att_case *ac, int64_t bs, int iters, int *accepte
     ++*accepted;
     if (!att_sentinel_ok(d)) { FAIL_("iteration %d: sentinel overwritten", it); rc_all = -1; break; }
     /* accepted: the oracle must accept the same descriptors and agree */
-    if (mut_check_accepted(&c, &m, att_case_atol(ac), 0, it, compared)) rc_all = -1;
+    if (mut_check_accepted(ctx, &c, &m, att_case_atol(ac), 0, it, compared)) rc_all = -1;
   }
   mut_call_free(&c);
   free(snap);

@@ -1100,8 +1100,9 @@ static const paged_case pcases[] = {
  * and the contiguous path run at the same SIMD level and thread count
  * (into `contig`): equal up to f32 summation order and one output rounding. */
 static int paged_run(const char *name, kva_context *ctx, const char *level, att_data *d, const kva_kv_view *view,
-                     const kva_tensor *ref, kva_tensor *contig) {
-  if (kva_attention(ctx, &d->q, &d->view, &d->params, contig, NULL, 0)) {
+                     const kva_tensor *exact, kva_tensor *rref, kva_tensor *contig) {
+  const kva_tensor *ref = att_oracle_for(ctx, &d->q, view, &d->params, &d->out, exact, rref);
+  if (!ref || kva_attention(ctx, &d->q, &d->view, &d->params, contig, NULL, 0)) {
     FAIL_("%s [%s]: contiguous attention: %s", name, level, kva_last_error());
     return 0;
   }
@@ -1151,7 +1152,7 @@ TEST(paged_attention_vs_oracle) {
       goto done;
     }
     kva_tensor ref = att_alloc_like(&d, &d.out), ref_paged = att_alloc_like(&d, &d.out);
-    kva_tensor contig = att_alloc_like(&d, &d.out);
+    kva_tensor contig = att_alloc_like(&d, &d.out), rref = att_alloc_like(&d, &d.out);
     if (kva_reference_attention(&d.q, &d.view, &d.params, &ref)) {
       FAIL_("%s: oracle: %s", name, kva_last_error());
       goto done;
@@ -1183,8 +1184,8 @@ TEST(paged_attention_vs_oracle) {
     for (int li = test_quick ? 2 : 0; li < (test_quick ? 3 : ATT_PASSES) && ok; ++li) {
       if (test_quick ? kva_cpu_set_simd(NULL) : att_set_pass(li)) continue; /* this CPU lacks the level */
       const char *lv = att_pass_now();
-      ok = (test_quick || paged_run(name, ctx1, lv, &d, &pview, &ref, &contig)) &&
-           paged_run(name, ctx2, lv, &d, &pview, &ref, &contig);
+      ok = (test_quick || paged_run(name, ctx1, lv, &d, &pview, &ref, &rref, &contig)) &&
+           paged_run(name, ctx2, lv, &d, &pview, &ref, &rref, &contig);
     }
     att_end_passes();
   done:
@@ -1250,7 +1251,7 @@ TEST(paged_attention_after_state_ops) {
       kva_attn_params p = kva_attn_defaults();
       if (mk) p.mask.kind = KVA_MASK_CAUSAL;
       if (mk == 2) p.mask.window = 20;
-      ASSERT_OK(kva_reference_attention(&q, &cview, &p, &ref));
+      ASSERT_OK(att_kernel_reference(ctx, &q, &pview, &p, &out, &q, &cview, &p, &ref)); /* the kernel's roundings */
       memset(ob, 0xff, sizeof(float) * (3 * H * L * 64 + 16));
       ASSERT_OK(kva_attention(ctx, &q, &pview, &p, &out, NULL, 0));
       for (int i = 0; i < 16; ++i) {

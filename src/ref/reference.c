@@ -195,6 +195,7 @@ static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, 
     }
     if (!finite) continue; /* a non-finite group stays as it is */
     const float sig = amax / lv, inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+    if (isinf(inv)) continue; /* so does one too small for 1 / sigma (max |q| below ~2^-121 at 8 bits) */
     for (int64_t d = g0; d < g1; ++d) {
       const float y = (float)qr[d] * inv;
       float c = rintf(y);

@@ -46,6 +46,8 @@ typedef struct fmt8 {
   int one_group;                   /* every chunk lies in one group (8*E <= G) */
   int wpg;                         /* words per group, G/E: 2 or 4 unless one_group (v8f_groups) */
   int split;                       /* bf16 float rows in split order (full 16-element blocks) */
+  int iq;                          /* K: the integer K phase (kphase_int8) runs */
+  int halves;                      /* two groups per chunk (4-bit codes in groups of 32) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
   int full[MAXCH];                 /* all 8 words of the chunk are in the row */
@@ -69,6 +71,7 @@ static void plan8(const kva_rowfmt *f, fmt8 *fp) {
   fp->nch = (words + L8 - 1) / L8;
   fp->P = fp->nch * fp->E * L8;
   fp->one_group = L8 * fp->E <= fp->G;
+  fp->halves = L8 * fp->E == 2 * fp->G;
   fp->wpg = fp->G / fp->E;
   fp->sdt = f->sdtype;
   for (int c = 0; c < fp->nch; ++c) {
@@ -293,6 +296,205 @@ ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
 KBLOCK(1)
 KBLOCK(2)
 KBLOCK(4)
+
+#if defined(__AVX2__)
+/* ---- K phase on integers (avx2; never in exact mode) ----
+ * The query rounded to s8 per (vector, K group) as kva_ref_rounding with
+ * q_int_bits = 8 models it (kvattn.h; the same f32 steps: sigma = max|q| /
+ * 127, c = rint(q / sigma) clamped to +-127, on q as loaded, before the
+ * logit scale), then q.codes as exact integer dot products: 4-bit codes by
+ * vpmaddubsw of the u8 codes (the low and high nibbles of each byte: one
+ * and, one shift + and per chunk) with the s8 query bytes (a pair sums to
+ * at most 2*15*127, no saturation), the two nibble halves added in s16 and
+ * vpmaddwd by ones into one int32 per word lane; 8-bit codes zero-extended
+ * to s16 (unpack) and vpmaddwd with the query as s16. Per block of 8 rows
+ * the word lanes of each group are reduced (phaddd) to one int32 I per
+ * (row, group), and S[j][t] = sum_g sg_jg (s_tg I_jtg) + beta_jg b_tg with
+ * sg = scale*sigma and beta = sg * sum(c) over the group. Group layouts:
+ * every chunk in one group (8E <= G: a group is cpg whole chunks) or, for
+ * 4-bit codes in groups of 32, two groups per chunk (halves: words 0-3 and
+ * 4-7, the two 128-bit halves of the reduction). */
+#define IQ_MAXU MAXG /* int32 lane vectors per (vector, row): one per group or per chunk (halves) */
+
+/* Lane t of the low (high) half of *lo (*hi) = the sum of lanes 0-3 (4-7)
+ * of v[t]: the two halves of 8 rows' lane sums; their sum is the full sum. */
+ALWAYS void reduce8_halves_i(const __m256i v[8], __m256i *lo, __m256i *hi) {
+  const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+  *lo = _mm256_permute2x128_si256(b0, b1, 0x20);
+  *hi = _mm256_permute2x128_si256(b0, b1, 0x31);
+}
+
+/* sc += sg * (s[t] * I[t]) + beta * b[t] for the 8 rows of a block (s, b:
+ * the group's transposed scale and bias rows at the block's first row). */
+ALWAYS __m256 iq_group_term(__m256i I, const float *s, const float *b, const float *sg, const float *beta, __m256 sc) {
+  const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(I), _mm256_loadu_ps(s));
+  sc = _mm256_fmadd_ps(f, _mm256_broadcast_ss(sg), sc);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(b), _mm256_broadcast_ss(beta), sc);
+}
+
+/* Scores of J vectors against n rows of quantized K (bits 4 or 8) with the
+ * integer query qb (vector j at qb + j*qst bytes; query_int8's layout) and
+ * its group factors sgb (vector j: sg[ng] then beta[ng] at sgb + j*sgst);
+ * kst/kbt: the tile's K group scales/biases transposed, [g][KVA_TILE], zero
+ * past n. */
+ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
+                      const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, int bits,
+                      float *S, const kva_prefetch *pf) {
+  const int U = fp->halves ? fp->nch : fp->ngroups, cpg = fp->halves ? 1 : fp->G / (8 * fp->E);
+  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+  __m256i part[KQB][IQ_MAXU][L8];
+  for (int64_t t = 0; t < n; ++t) {
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+    const char *row = rows[t].k;
+    __m256i acc[KQB];
+    for (int j = 0; j < J; ++j) acc[j] = z;
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m256i x = load_chunk(fp, row, c);
+      if (bits == 4) {
+        const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+        for (int j = 0; j < J; ++j) {
+          const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 2 * c;
+          const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(q)),
+                                             _mm256_maddubs_epi16(hi, _mm256_load_si256(q + 1)));
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(d, ones));
+        }
+      } else {
+        const __m256i lo = _mm256_unpacklo_epi8(x, z), hi = _mm256_unpackhi_epi8(x, z);
+        for (int j = 0; j < J; ++j) {
+          const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 2 * c;
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
+                                                             _mm256_madd_epi16(hi, _mm256_load_si256(q + 1))));
+        }
+      }
+      if ((c + 1) % cpg == 0 || c == fp->nch - 1) { /* the last chunk of its unit */
+        for (int j = 0; j < J; ++j) {
+          part[j][c / cpg][t % L8] = acc[j];
+          acc[j] = z;
+        }
+      }
+    }
+    if (t % L8 != L8 - 1 && t != n - 1) continue;
+    const int64_t t0 = t - t % L8;
+    for (int j = 0; j < J; ++j) {
+      const float *sg = sgb + (int64_t)j * sgst, *beta = sg + fp->ngroups;
+      __m256 sc = _mm256_setzero_ps();
+      for (int u = 0; u < U; ++u) {
+        for (int64_t r = t + 1; r < t0 + L8; ++r) part[j][u][r % L8] = z;
+        __m256i lo, hi;
+        reduce8_halves_i(part[j][u], &lo, &hi);
+        if (fp->halves) {
+          const int g = 2 * u;
+          sc = iq_group_term(lo, kst + g * KVA_TILE + t0, kbt + g * KVA_TILE + t0, sg + g, beta + g, sc);
+          if (g + 1 < fp->ngroups)
+            sc = iq_group_term(hi, kst + (g + 1) * KVA_TILE + t0, kbt + (g + 1) * KVA_TILE + t0, sg + g + 1,
+                               beta + g + 1, sc);
+        } else {
+          sc = iq_group_term(_mm256_add_epi32(lo, hi), kst + u * KVA_TILE + t0, kbt + u * KVA_TILE + t0, sg + u,
+                             beta + u, sc);
+        }
+      }
+      _mm256_storeu_ps(S + j * KVA_TILE + t0, sc);
+    }
+  }
+}
+#define KIBLOCK(J_)                                                                                             \
+  static void kiblock8_##J_(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,      \
+                            const float *sgb, int64_t sgst, const float *kst, const float *kbt, float *S,      \
+                            const kva_prefetch *pf) {                                                          \
+    if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf);                     \
+    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf);                                   \
+  }
+KIBLOCK(1)
+KIBLOCK(2)
+KIBLOCK(4)
+
+/* All nq vectors in register blocks of 4, 2, 1 on the integer query (qp:
+ * bytes of query_int8 per vector, P floats apart; qs: sg, beta per vector,
+ * nch*8 floats apart). */
+static void kphase_int8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
+                        const float *kst, const float *kbt, int64_t nq, float *S, const kva_prefetch *pf) {
+  const int64_t qst = (int64_t)fp->P * 4, sgst = (int64_t)fp->nch * L8;
+  int64_t j = 0;
+#define KIARGS(J) rows, n, (const char *)(qp + (J) * fp->P), qst, qs + (J) * sgst, sgst, kst, kbt, S + (J) * KVA_TILE, pf
+  for (; j + 4 <= nq; j += 4, pf = NULL) kiblock8_4(fp, KIARGS(j));
+  if (j + 2 <= nq) { kiblock8_2(fp, KIARGS(j)); j += 2; pf = NULL; }
+  if (j < nq) kiblock8_1(fp, KIARGS(j));
+#undef KIARGS
+}
+
+/* The integer K phase applies: 4-bit codes with every chunk in one group or
+ * in two (groups of 32), or 8-bit codes. */
+static int iq_format_ok(const fmt8 *fp) {
+  if (fp->bits == 4) return fp->one_group || fp->G == 32;
+  return fp->bits == 8;
+}
+
+/* One query (D elements, as loaded) for kphase_i8: per group sigma = max|q|
+ * / 127, c = rint(q * (1 / sigma)) clamped to +-127 (kva_ref_rounding's
+ * f32 steps); sg[g] = scale * sigma, beta[g] = sg[g] * sum(c). A query
+ * with a NaN or Inf element gets sg = beta = NaN (its logits NaN, as the
+ * oracle's are); a group too small for 1 / sigma (max |q| below ~2^-121,
+ * which the oracle leaves unrounded) gets c = 0 (its term below 2^-121 of
+ * sum |k|). Bytes at qb,
+ * 2 vectors of 32 per chunk: 4-bit codes, s8, vector i byte b = element
+ * (c*8 + b/4)*8 + (b%4)*2 + i (the low / high nibble of byte b); 8-bit
+ * codes, s16, vector h element k = the query element of chunk byte
+ * (k/8)*16 + h*8 + k%8 (unpacklo / unpackhi within each 128-bit half),
+ * byte b = element (c*8 + b/4)*4 + b%4. Words past the row: 0. */
+static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, char *qb, float *sg) {
+  int8_t c8[KVA_MAX_HEAD_DIM];
+  float *beta = sg + fp->ngroups;
+  int finite = 1;
+  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
+  for (int g = 0; g < fp->ngroups; ++g) {
+    const int64_t g0 = (int64_t)g * fp->G;
+    float amax = 0.0f;
+    for (int64_t d = g0; d < g0 + fp->G; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+    const float sig = amax / 127.0f;
+    float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+    if (!finite || isinf(inv)) inv = 0.0f;
+    int sum = 0;
+    for (int64_t d = g0; d < g0 + fp->G; ++d) {
+      float c = rintf(q[d] * inv);
+      c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+      c8[d] = (int8_t)c;
+      sum += (int)c;
+    }
+    sg[g] = !finite ? NAN : inv == 0.0f ? 0.0f : scale * sig;
+    beta[g] = sg[g] * (float)sum;
+  }
+  const int64_t words = D / fp->E;
+  for (int c = 0; c < fp->nch; ++c) {
+    if (fp->bits == 4) {
+      for (int i = 0; i < 2; ++i)
+        for (int b = 0; b < 32; ++b) {
+          const int64_t w = (int64_t)c * L8 + b / 4;
+          qb[((int64_t)c * 2 + i) * 32 + b] = w < words ? c8[w * 8 + (b % 4) * 2 + i] : 0;
+        }
+    } else {
+      int16_t *q16 = (int16_t *)qb;
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 16; ++k) {
+          const int b = (k / 8) * 16 + h * 8 + k % 8;
+          const int64_t w = (int64_t)c * L8 + b / 4;
+          q16[((int64_t)c * 2 + h) * 16 + k] = w < words ? c8[w * 4 + b % 4] : 0;
+        }
+    }
+  }
+}
+
+/* The tile's K group scales and biases (kgs/kgb[t][GLD], after
+ * k_groups_nan) transposed into kst/kbt[g][KVA_TILE], zero past n. */
+static void k_groups_transpose(const fmt8 *fp, const float *gs, const float *gb, int64_t n, float *kst, float *kbt) {
+  for (int g = 0; g < fp->ngroups; ++g)
+    for (int64_t t = 0; t < KVA_TILE; ++t) {
+      kst[g * KVA_TILE + t] = t < n ? gs[t * GLD + g] : 0.0f;
+      kbt[g * KVA_TILE + t] = t < n ? gb[t * GLD + g] : 0.0f;
+    }
+}
+#endif
 
 /* All nq vectors in register blocks of 4, 2, 1; the first block issues the prefetch. */
 static void kphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
@@ -704,9 +906,10 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
   return any;
 }
 
-/* Scratch (floats): qp[nq][Pk], qs[nq][nchk*8],
- * o[nq][Pv], ob[nq][MAXG] (V's group bias sums), m/l[nq], S[nq][T], vt[T][Pv],
- * kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD] (vweights8). vt: T rows of VT_LD. */
+/* Scratch (floats): qp[nq][Pk], qs[nq][nchk*8] (the integer K phase: the
+ * query bytes in qp, sg/beta in qs), o[nq][Pv], ob[nq][MAXG] (V's group bias
+ * sums), m/l[nq], S[nq][T], vt[T][Pv], kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD]
+ * (vweights8), kst/kbt[MAXG][T] (avx2). vt: T rows of VT_LD. */
 static void attend_fast8(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -719,12 +922,22 @@ static void attend_fast8(const kva_item *it) {
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
   float *kgs = vt + KVA_TILE * VT_LD(&vf), *kgb = kgs + KVA_TILE * GLD, *vgs = kgb + KVA_TILE * GLD,
         *vgb = vgs + KVA_TILE * GLD, *ws = vgb + KVA_TILE * GLD;
+#if defined(__AVX2__)
+  float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE;
+  kf.iq = !p->exact && iq_format_ok(&kf);
+#endif
   float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
     m[j] = -INFINITY;
     l[j] = 0.0f;
     load_row8(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
+#if defined(__AVX2__)
+    if (kf.iq) {
+      query_int8(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs);
+      continue;
+    }
+#endif
     permute8(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
     for (int c = 0; c < kf.nch; ++c) {
       v8f sum = v8f_zero();
@@ -744,7 +957,13 @@ static void attend_fast8(const kva_item *it) {
       tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
       k_groups_nan(kgs, kgb, n, kf.ngroups);
     }
-    kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
+#if defined(__AVX2__)
+    if (kf.iq) {
+      k_groups_transpose(&kf, kgs, kgb, n, kst, kbt);
+      kphase_int8(&kf, rows, n, qp, qs, kst, kbt, nq, S, &tl.pf);
+    } else
+#endif
+      kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     simd_mask_tile(it, seg, S, nq, tf, n);
     if (!tile_softmax8(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
@@ -772,5 +991,20 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   return attend_fast8;
 }
 
-const char *KFN(fast_name)(const kva_problem *p) { return KFN(select_fast)(p) ? "fused kernel [exact f32]" : NULL; }
+/* The name with its roundings in brackets (kvattn.h, kva_attention_kernel):
+ * at the avx2 level, quantized K that the integer K phase takes (4-bit,
+ * 8-bit) rounds the query to s8 per (vector, group) ("[q int8]", the
+ * rounding kva_ref_rounding models); everything else, and exact mode,
+ * multiplies in f32. */
+const char *KFN(fast_name)(const kva_problem *p) {
+  if (!KFN(select_fast)(p)) return NULL;
+#if defined(__AVX2__)
+  kva_rowfmt kr, vr;
+  simd_rowfmts(p, &kr, &vr);
+  fmt8 kf;
+  plan8(&kr, &kf);
+  if (!p->exact && iq_format_ok(&kf)) return "fused kernel [q int8]";
+#endif
+  return "fused kernel [exact f32]";
+}
 #endif
