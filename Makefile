@@ -209,11 +209,12 @@ $(BUILD)/paged_vs_contiguous: bench/paged_vs_contiguous.c $(BUILD)/libkvattn.a
 bench-paged: $(BUILD)/paged_vs_contiguous
 	$(BUILD)/paged_vs_contiguous
 
-# Cascade (shared prefix) vs one batched call, side by side (CPU).
+# Cascade (shared prefix) vs one batched call, side by side, and the merge
+# (CPU; CASCADE_ARGS="--backend cuda" for the GPU, see the program's usage).
 $(BUILD)/cascade_vs_batched: bench/cascade_vs_batched.c $(BUILD)/libkvattn.a
 	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
 bench-cascade: $(BUILD)/cascade_vs_batched
-	$(BUILD)/cascade_vs_batched
+	$(BUILD)/cascade_vs_batched $(CASCADE_ARGS)
 
 install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn.pc
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin

@@ -1,11 +1,28 @@
-/* Cascade (shared prefix) against one batched call, side by side in one run
- * (`make bench-cascade`, CPU): B sequences whose caches are a shared prefix
- * of P tokens then S own tokens each, 8/4/256, 4-bit K/V (group 64, bf16
- * scales), L = 1, causal, 2 threads. The batched kva_attention reads each
- * sequence's whole cache (the prefix B times); kva_cascade_attention reads
- * the prefix once for all B rows of each head. The two calls alternate; hot
- * caches; best of reps calls each; the outputs are compared (max relative
- * difference). Usage: cascade_vs_batched [P=8192] [S=256] [B=16] [reps=9] */
+/* Cascade (shared prefix) against one batched call, and the merge kernel
+ * (`make bench-cascade`; CPU, or CUDA with --backend cuda).
+ *
+ * Cascade: B sequences whose caches are a shared prefix of P tokens then S
+ * own tokens each, L = 1 query row, causal, bf16 queries. The batched
+ * kva_attention reads each sequence's whole cache (the prefix B times);
+ * kva_cascade_attention reads the prefix once for all B rows of each head
+ * (one stacked call), then the suffixes, then one merge. Shapes H/KVH/D
+ * 8/4/256 and 32/8/128, K/V q4 (group 64, bf16 scales) or bf16 rows. Cold:
+ * before every timed call a buffer larger than the last-level cache is
+ * written (--flush-mb; on CUDA a cudaMemsetAsync on the call's stream);
+ * --hot skips it. Median of --reps calls each (after one warm-up call),
+ * the two calls alternated; the outputs are compared (max |diff| over
+ * max |out|: both run fast kernels, bf16 products on some paths).
+ * Bytes each call reads: batched B (P + S) KVH D (K and V), cascade
+ * (P + B S) KVH D, in the cache's format.
+ *
+ * Merge: kva_merge_states of R = 2..8 f32 parts [B, H, 1, Dv = 128] into
+ * f32 out and lse, B H = 8 (1 x 8) and 512 (16 x 32), hot, mean over
+ * --merge-iters calls (CUDA: events around the loop on one stream).
+ *
+ * Usage: cascade_vs_batched [--backend cpu|cuda] [--threads T = 0: all cores] [--shape 8/4/256|32/8/128|all]
+ *          [--format q4|bf16|all] [--P 32768] [--S 1024] [--B 16] [--reps 5] [--hot]
+ *          [--flush-mb MB] [--merge-only | --no-merge] [--merge-iters N]
+ * Exit status 1 when a call fails or the outputs differ by more than 2^-6. */
 #include "kvattn.h"
 
 #include <math.h>
@@ -13,6 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#ifdef KVA_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 static double now(void) {
   struct timespec ts;
@@ -24,79 +45,416 @@ static float rnd(void) {
   rs ^= rs << 13, rs ^= rs >> 7, rs ^= rs << 17;
   return (float)(rs >> 40) / (float)(1 << 24) * 2.0f - 1.0f;
 }
-/* 4-bit K or V of [B, KVH, N, D] f32 rows src (buffers leak until exit). */
-static int quant(int64_t B, int64_t KVH, int64_t N, int64_t D, const float *src, kva_kv *kv) {
-  const size_t words = (size_t)(B * KVH * N * D / 8), groups = (size_t)(B * KVH * N * D / 64);
-  void *w = malloc(words * 4), *s = malloc(groups * 2), *z = malloc(groups * 2);
-  if (!w || !s || !z) return -1;
-  *kv = kva_kv_quantized(w, s, z, KVA_BF16, 4, 64, B, KVH, N, D);
-  const kva_tensor t = kva_tensor_4d((void *)src, KVA_F32, B, KVH, N, D);
-  return kva_quantize(&t, kv);
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+static double median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof *t, cmp_double);
+  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
 }
 
-int main(int argc, char **argv) {
-  const int64_t P = argc > 1 ? atoll(argv[1]) : 8192, S = argc > 2 ? atoll(argv[2]) : 256;
-  const int64_t B = argc > 3 ? atoll(argv[3]) : 16, H = 8, KVH = 4, L = 1, D = 256, T = P + S;
-  const int reps = argc > 4 ? atoi(argv[4]) : 9;
-  if (P < 1 || S < L || B < 1 || B > 16 || reps < 1) {
-    fprintf(stderr, "usage: cascade_vs_batched [P >= 1] [S >= 1] [1 <= B <= 16] [reps >= 1]\n");
-    return 2;
+typedef struct opts {
+  int cuda, threads, hot, merge, cascade, reps, merge_iters;
+  int64_t P, S, B;
+  size_t flush_bytes;
+  int shapes, formats; /* bit masks: 1 = 8/4/256, 2 = 32/8/128; 1 = q4, 2 = bf16 */
+} opts;
+
+/* ------------------------------------------------------------ memory */
+/* Host or device buffer of n bytes (device when o->cuda); NULL on failure. */
+static void *buf_alloc(const opts *o, size_t n) {
+#ifdef KVA_HAVE_CUDA
+  if (o->cuda) {
+    void *p = NULL;
+    return cudaMalloc(&p, n ? n : 1) == cudaSuccess ? p : NULL;
   }
-  float *src[2][3]; /* K, V x prefix [1, KVH, P, D], suffix [B, KVH, S, D], full [B, KVH, T, D] */
-  kva_kv kv[2][3];
-  for (int x = 0; x < 2; ++x) {
-    src[x][0] = malloc(sizeof(float) * KVH * P * D);
-    src[x][1] = malloc(sizeof(float) * B * KVH * S * D);
-    src[x][2] = malloc(sizeof(float) * B * KVH * T * D);
-    if (!src[x][0] || !src[x][1] || !src[x][2]) return 1;
-    for (int64_t i = 0; i < KVH * P * D; ++i) src[x][0][i] = rnd();
-    for (int64_t i = 0; i < B * KVH * S * D; ++i) src[x][1][i] = rnd();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < KVH; ++h) {
-        memcpy(src[x][2] + (b * KVH + h) * T * D, src[x][0] + h * P * D, sizeof(float) * P * D);
-        memcpy(src[x][2] + ((b * KVH + h) * T + P) * D, src[x][1] + (b * KVH + h) * S * D, sizeof(float) * S * D);
-      }
-    if (quant(1, KVH, P, D, src[x][0], &kv[x][0]) || quant(B, KVH, S, D, src[x][1], &kv[x][1]) ||
-        quant(B, KVH, T, D, src[x][2], &kv[x][2])) {
-      fprintf(stderr, "quantize: %s\n", kva_last_error());
-      return 1;
+#endif
+  (void)o;
+  return malloc(n ? n : 1);
+}
+static void buf_free(const opts *o, void *p) {
+#ifdef KVA_HAVE_CUDA
+  if (o->cuda) {
+    cudaFree(p);
+    return;
+  }
+#endif
+  (void)o;
+  free(p);
+}
+static int buf_upload(const opts *o, void *dst, const void *src, size_t n) {
+#ifdef KVA_HAVE_CUDA
+  if (o->cuda) return cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -1;
+#endif
+  (void)o;
+  memcpy(dst, src, n);
+  return 0;
+}
+static int buf_download(const opts *o, void *dst, const void *src, size_t n) {
+#ifdef KVA_HAVE_CUDA
+  if (o->cuda) return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost) == cudaSuccess ? 0 : -1;
+#endif
+  (void)o;
+  memcpy(dst, src, n);
+  return 0;
+}
+
+/* One K or V cache [B, KVH, N, D] in host memory: bf16 rows (bits 0) or q4
+ * g64 with bf16 scales; arrays[0..2] = data, scales, biases. */
+typedef struct cache {
+  kva_kv kv;
+  void *arr[3];
+  size_t row_bytes[3], bytes[3];
+  int64_t B, KVH, N;
+} cache;
+
+static int cache_alloc(cache *c, int64_t B, int64_t KVH, int64_t N, int64_t D, int bits) {
+  memset(c, 0, sizeof *c);
+  c->B = B, c->KVH = KVH, c->N = N;
+  const int64_t rows = B * KVH * N;
+  c->row_bytes[0] = bits ? (size_t)(D * bits / 8) : (size_t)D * 2;
+  c->row_bytes[1] = c->row_bytes[2] = bits ? (size_t)(D / 64) * 2 : 0;
+  for (int a = 0; a < (bits ? 3 : 1); ++a) {
+    c->bytes[a] = c->row_bytes[a] * (size_t)rows;
+    if (!(c->arr[a] = malloc(c->bytes[a]))) return -1;
+  }
+  c->kv = bits ? kva_kv_quantized(c->arr[0], c->arr[1], c->arr[2], KVA_BF16, bits, 64, B, KVH, N, D)
+               : kva_kv_float(c->arr[0], KVA_BF16, B, KVH, N, D);
+  return 0;
+}
+static void cache_free(cache *c) {
+  for (int a = 0; a < 3; ++a) free(c->arr[a]);
+}
+/* Random rows, written one (b, h) slice at a time (quantized through f32). */
+static int cache_fill(cache *c, int64_t D) {
+  float *f = malloc(sizeof(float) * (size_t)(c->N * D));
+  if (!f) return -1;
+  for (int64_t bh = 0; bh < c->B * c->KVH; ++bh) {
+    for (int64_t i = 0; i < c->N * D; ++i) f[i] = rnd();
+    if (!c->kv.bits) {
+      uint16_t *dst = (uint16_t *)c->arr[0] + bh * c->N * D;
+      for (int64_t i = 0; i < c->N * D; ++i) dst[i] = kva_f32_to_bf16(f[i]);
+      continue;
+    }
+    kva_kv s = kva_kv_quantized((char *)c->arr[0] + bh * c->N * c->row_bytes[0],
+                                (char *)c->arr[1] + bh * c->N * c->row_bytes[1],
+                                (char *)c->arr[2] + bh * c->N * c->row_bytes[2], KVA_BF16, c->kv.bits, 64, 1, 1,
+                                c->N, D);
+    const kva_tensor t = kva_tensor_4d(f, KVA_F32, 1, 1, c->N, D);
+    if (kva_quantize(&t, &s)) {
+      free(f);
+      return -1;
     }
   }
-  float *q = malloc(sizeof(float) * B * H * L * D), *ob = malloc(sizeof(float) * B * H * L * D),
-        *oc = malloc(sizeof(float) * B * H * L * D);
-  if (!q || !ob || !oc) return 1;
-  for (int64_t i = 0; i < B * H * L * D; ++i) q[i] = rnd();
-  kva_tensor tq = kva_tensor_4d(q, KVA_F32, B, H, L, D); /* token-major storage [B, L, H, D] */
-  tq.stride[0] = L * H * D * 4, tq.stride[1] = D * 4, tq.stride[2] = H * D * 4;
-  kva_tensor tb = kva_tensor_4d(ob, KVA_F32, B, H, L, D), tc = kva_tensor_4d(oc, KVA_F32, B, H, L, D);
+  free(f);
+  return 0;
+}
+/* full (b, h) = prefix (0, h) rows then suffix (b, h) rows, bit for bit. */
+static void cache_concat(cache *full, const cache *pre, const cache *suf) {
+  for (int a = 0; a < 3; ++a) {
+    if (!full->arr[a]) continue;
+    const size_t rb = full->row_bytes[a];
+    for (int64_t b = 0; b < full->B; ++b)
+      for (int64_t h = 0; h < full->KVH; ++h) {
+        char *dst = (char *)full->arr[a] + (size_t)((b * full->KVH + h) * full->N) * rb;
+        memcpy(dst, (const char *)pre->arr[a] + (size_t)(h * pre->N) * rb, (size_t)pre->N * rb);
+        memcpy(dst + (size_t)pre->N * rb, (const char *)suf->arr[a] + (size_t)((b * suf->KVH + h) * suf->N) * rb,
+               (size_t)suf->N * rb);
+      }
+  }
+}
+/* The cache in the backend's memory: the host arrays themselves on the CPU;
+ * on CUDA device copies (dev[] to free). */
+static int cache_place(const opts *o, const cache *c, kva_kv *kv, void *dev[3]) {
+  *kv = c->kv;
+  kva_tensor *ts[3] = {&kv->data, &kv->scales, &kv->biases};
+  for (int a = 0; a < 3; ++a) {
+    dev[a] = NULL;
+    if (!c->arr[a] || !o->cuda) continue;
+    if (!(dev[a] = buf_alloc(o, c->bytes[a])) || buf_upload(o, dev[a], c->arr[a], c->bytes[a])) return -1;
+    ts[a]->data = dev[a];
+  }
+  return 0;
+}
+
+/* ----------------------------------------------------------- timing */
+typedef struct timer {
+  const opts *o;
+  void *flush;
+#ifdef KVA_HAVE_CUDA
+  cudaStream_t s;
+  cudaEvent_t e0, e1;
+#endif
+  double t0;
+} timer;
+
+static int timer_init(timer *t, const opts *o, kva_context *ctx) {
+  memset(t, 0, sizeof *t);
+  t->o = o;
+  if (!o->hot && !(t->flush = buf_alloc(o, o->flush_bytes))) return -1;
+#ifdef KVA_HAVE_CUDA
+  if (o->cuda && (cudaStreamCreate(&t->s) != cudaSuccess || cudaEventCreate(&t->e0) != cudaSuccess ||
+                  cudaEventCreate(&t->e1) != cudaSuccess || kva_context_set_stream(ctx, t->s)))
+    return -1;
+#endif
+  (void)ctx;
+  return 0;
+}
+static void timer_free(timer *t, kva_context *ctx) {
+  if (t->flush) buf_free(t->o, t->flush);
+#ifdef KVA_HAVE_CUDA
+  if (t->o->cuda) {
+    kva_context_set_stream(ctx, NULL);
+    cudaEventDestroy(t->e0), cudaEventDestroy(t->e1), cudaStreamDestroy(t->s);
+  }
+#endif
+  (void)ctx;
+}
+/* Evicts the caches (cold runs), then starts the clock. */
+static void timer_start(timer *t, unsigned char fill) {
+#ifdef KVA_HAVE_CUDA
+  if (t->o->cuda) {
+    if (t->flush) cudaMemsetAsync(t->flush, fill, t->o->flush_bytes, t->s);
+    cudaEventRecord(t->e0, t->s);
+    return;
+  }
+#endif
+  if (t->flush) memset(t->flush, fill, t->o->flush_bytes);
+  t->t0 = now();
+}
+/* Seconds since timer_start (waits for the device). */
+static double timer_stop(timer *t) {
+#ifdef KVA_HAVE_CUDA
+  if (t->o->cuda) {
+    float ms = 0;
+    cudaEventRecord(t->e1, t->s);
+    if (cudaEventSynchronize(t->e1) != cudaSuccess || cudaEventElapsedTime(&ms, t->e0, t->e1) != cudaSuccess)
+      return NAN;
+    return ms * 1e-3;
+  }
+#endif
+  return now() - t->t0;
+}
+
+/* ----------------------------------------------------------- cascade */
+static int run_cascade(const opts *o, kva_context *ctx, int64_t H, int64_t KVH, int64_t D, int bits) {
+  const int64_t B = o->B, P = o->P, S = o->S, L = 1, T = P + S;
+  int ok = 0;
+  cache src[2][3]; /* K, V x prefix [1, KVH, P, D], suffix [B, KVH, S, D], full [B, KVH, T, D] */
+  memset(src, 0, sizeof src);
+  kva_kv kv[2][3];
+  void *dev[2][3][3];
+  memset(dev, 0, sizeof dev);
+  void *dq = NULL, *dob = NULL, *doc = NULL;
+  float *ob = NULL, *oc = NULL;
+  timer tm;
+  memset(&tm, 0, sizeof tm);
+  for (int x = 0; x < 2; ++x) {
+    if (cache_alloc(&src[x][0], 1, KVH, P, D, bits) || cache_alloc(&src[x][1], B, KVH, S, D, bits) ||
+        cache_alloc(&src[x][2], B, KVH, T, D, bits) || cache_fill(&src[x][0], D) || cache_fill(&src[x][1], D)) {
+      fprintf(stderr, "cascade: operands: %s\n", kva_last_error());
+      goto done;
+    }
+    cache_concat(&src[x][2], &src[x][0], &src[x][1]);
+    for (int i = 0; i < 3; ++i)
+      if (cache_place(o, &src[x][i], &kv[x][i], dev[x][i])) {
+        fprintf(stderr, "cascade: could not place the caches in the backend's memory\n");
+        goto done;
+      }
+  }
+  const size_t nq = (size_t)(B * H * L * D);
+  uint16_t *hq = malloc(nq * 2);
+  ob = malloc(nq * 4), oc = malloc(nq * 4);
+  if (!hq || !ob || !oc) goto done;
+  for (size_t i = 0; i < nq; ++i) hq[i] = kva_f32_to_bf16(rnd());
+  dq = buf_alloc(o, nq * 2), dob = buf_alloc(o, nq * 4), doc = buf_alloc(o, nq * 4);
+  if (!dq || !dob || !doc || buf_upload(o, dq, hq, nq * 2)) {
+    free(hq);
+    goto done;
+  }
+  free(hq);
+  kva_tensor tq = kva_tensor_4d(dq, KVA_BF16, B, H, L, D);
+  kva_tensor tb = kva_tensor_4d(dob, KVA_F32, B, H, L, D), tc = kva_tensor_4d(doc, KVA_F32, B, H, L, D);
   const kva_kv_view full = kva_view_contiguous(&kv[0][2], &kv[1][2], NULL);
   const kva_kv_view prefix = kva_view_contiguous(&kv[0][0], &kv[1][0], NULL);
   const kva_kv_view suffix = kva_view_contiguous(&kv[0][1], &kv[1][1], NULL);
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
-  kva_context *ctx;
-  const kva_context_opts o = {KVA_BACKEND_CPU, 2, 0, NULL};
-  if (kva_context_create(&ctx, &o)) return 1;
-  double best_b = INFINITY, best_c = INFINITY;
-  for (int r = 0; r <= reps; ++r) { /* call 0: warm-up */
-    double t0 = now();
-    if (kva_attention(ctx, &tq, &full, &p, &tb, NULL, 0)) goto fail;
-    const double tbat = now() - t0;
-    t0 = now();
-    if (kva_cascade_attention(ctx, &tq, &prefix, &suffix, &p, &tc, NULL, 0, NULL, 0)) goto fail;
-    const double tcas = now() - t0;
-    if (r > 0 && tbat < best_b) best_b = tbat;
-    if (r > 0 && tcas < best_c) best_c = tcas;
+  /* kernels: the batched call, the stacked prefix rows (B L <= 16: one call) */
+  char kb[200] = "?", kp[200] = "?";
+  kva_tensor qs = tq, os = kva_tensor_4d(doc, KVA_F32, 1, H, B * L < 16 ? B * L : 16, D);
+  qs.shape[0] = 1, qs.shape[2] = os.shape[2], qs.stride[2] = tq.stride[0];
+  kva_attn_params pp = p;
+  pp.mask.kind = KVA_MASK_NONE;
+  kva_attention_kernel(ctx, &tq, &full, &p, &tb, kb, sizeof kb);
+  kva_attention_kernel(ctx, &qs, &prefix, &pp, &os, kp, sizeof kp);
+  if (timer_init(&tm, o, ctx)) {
+    fprintf(stderr, "cascade: timer (flush buffer of %zu bytes, stream)\n", o->flush_bytes);
+    goto done;
   }
+  double *t_b = malloc(sizeof(double) * (size_t)o->reps), *t_c = malloc(sizeof(double) * (size_t)o->reps);
+  if (!t_b || !t_c) {
+    free(t_b), free(t_c);
+    goto done;
+  }
+  for (int r = 0; r <= o->reps; ++r) { /* call 0: warm-up (workspaces) */
+    timer_start(&tm, (unsigned char)r);
+    if (kva_attention(ctx, &tq, &full, &p, &tb, NULL, 0)) goto fail;
+    const double tbat = timer_stop(&tm);
+    timer_start(&tm, (unsigned char)(r + 1));
+    if (kva_cascade_attention(ctx, &tq, &prefix, &suffix, &p, &tc, NULL, 0, NULL, 0)) goto fail;
+    const double tcas = timer_stop(&tm);
+    if (r > 0) t_b[r - 1] = tbat, t_c[r - 1] = tcas;
+  }
+  const double mb = median(t_b, o->reps), mc = median(t_c, o->reps);
+  free(t_b), free(t_c);
+  if (buf_download(o, ob, dob, nq * 4) || buf_download(o, oc, doc, nq * 4)) goto done;
   double diff = 0, mx = 0;
-  for (int64_t i = 0; i < B * H * L * D; ++i) diff = fmax(diff, fabs((double)ob[i] - oc[i])), mx = fmax(mx, fabs((double)ob[i]));
-  printf("B=%lld 8/4/256 q4 g64, prefix %lld + %lld own tokens, L=1, 2 threads, hot, best of %d: batched %.2f ms, "
-         "cascade %.2f ms: %.2fx (outputs differ by %.2e of max|out|) [%s]\n",
-         (long long)B, (long long)P, (long long)S, reps, best_b * 1e3, best_c * 1e3, best_b / best_c, diff / mx,
-         kva_cpu_simd());
-  kva_context_destroy(ctx);
-  return diff / mx < 1e-4 ? 0 : 1;
+  for (size_t i = 0; i < nq; ++i) diff = fmax(diff, fabs((double)ob[i] - oc[i])), mx = fmax(mx, fabs((double)ob[i]));
+  const double kv_row = (double)(src[0][0].row_bytes[0] + src[0][0].row_bytes[1] + src[0][0].row_bytes[2]) * 2;
+  const double bytes_b = (double)(B * T * KVH) * kv_row, bytes_c = (double)((P + B * S) * KVH) * kv_row;
+  printf("%s B=%lld %lld/%lld/%lld %s, prefix %lld + %lld own tokens, L=1 bf16 q, %s, median of %d: batched %.3f ms "
+         "(%.1f GB/s), cascade %.3f ms (%.1f GB/s of its own bytes): %.2fx (outputs differ by %.2e of max|out|)\n",
+         o->cuda ? "cuda" : "cpu", (long long)B, (long long)H, (long long)KVH, (long long)D,
+         bits ? "q4 g64" : "bf16", (long long)P, (long long)S, o->hot ? "hot" : "cold", o->reps, mb * 1e3,
+         bytes_b / mb * 1e-9, mc * 1e3, bytes_c / mc * 1e-9, mb / mc, mx > 0 ? diff / mx : diff);
+  printf("    batched: %s\n    cascade prefix pass: %s\n", kb, kp);
+  fflush(stdout);
+  ok = mx > 0 && diff / mx < 1.0 / 64;
+  if (!ok) fprintf(stderr, "cascade: outputs differ by %.3g of max|out|\n", mx > 0 ? diff / mx : diff);
+  goto done;
 fail:
-  fprintf(stderr, "%s\n", kva_last_error());
-  return 1;
+  fprintf(stderr, "cascade: %s\n", kva_last_error());
+done:
+  timer_free(&tm, ctx);
+  for (int x = 0; x < 2; ++x)
+    for (int i = 0; i < 3; ++i) {
+      for (int a = 0; a < 3; ++a)
+        if (dev[x][i][a]) buf_free(o, dev[x][i][a]);
+      cache_free(&src[x][i]);
+    }
+  if (dq) buf_free(o, dq);
+  if (dob) buf_free(o, dob);
+  if (doc) buf_free(o, doc);
+  free(ob), free(oc);
+  return ok;
+}
+
+/* ------------------------------------------------------------- merge */
+static int run_merge(const opts *o, kva_context *ctx) {
+  enum { RMAX = 8, DV = 128 };
+  static const int64_t shapes[2][2] = {{1, 8}, {16, 32}}; /* B, H */
+  int ok = 1;
+  timer tm;
+  opts oh = *o;
+  oh.hot = 1;
+  if (timer_init(&tm, &oh, ctx)) return 0;
+  for (int si = 0; si < 2 && ok; ++si) {
+    const int64_t B = shapes[si][0], H = shapes[si][1], n = B * H * DV;
+    void *po[RMAX], *pl[RMAX], *out = buf_alloc(o, (size_t)n * 4), *lo = buf_alloc(o, (size_t)(B * H) * 4);
+    kva_tensor to[RMAX], tl[RMAX];
+    float *h = malloc(sizeof(float) * (size_t)n);
+    int made = out && lo && h;
+    for (int r = 0; r < RMAX; ++r) {
+      po[r] = made ? buf_alloc(o, (size_t)n * 4) : NULL;
+      pl[r] = made ? buf_alloc(o, (size_t)(B * H) * 4) : NULL;
+      made = made && po[r] && pl[r];
+      if (!made) continue;
+      for (int64_t i = 0; i < n; ++i) h[i] = rnd();
+      made = !buf_upload(o, po[r], h, (size_t)n * 4);
+      for (int64_t i = 0; i < B * H; ++i) h[i] = 4.0f * rnd();
+      made = made && !buf_upload(o, pl[r], h, (size_t)(B * H) * 4);
+      to[r] = kva_tensor_4d(po[r], KVA_F32, B, H, 1, DV);
+      tl[r] = kva_tensor_4d(pl[r], KVA_F32, B, H, 1, 1);
+      tl[r].ndim = 3, tl[r].shape[3] = 0, tl[r].stride[3] = 0;
+    }
+    if (made) {
+      kva_tensor tout = kva_tensor_4d(out, KVA_F32, B, H, 1, DV), tlo = kva_tensor_4d(lo, KVA_F32, B, H, 1, 1);
+      tlo.ndim = 3, tlo.shape[3] = 0, tlo.stride[3] = 0;
+      printf("%s merge B*H=%lld (%lldx%lld) L=1 Dv=%d f32, hot, mean of %d calls:", o->cuda ? "cuda" : "cpu",
+             (long long)(B * H), (long long)B, (long long)H, DV, o->merge_iters);
+      for (int R = 2; R <= RMAX && ok; ++R) {
+        ok = !kva_merge_states(ctx, R, to, tl, &tout, &tlo, 0); /* warm-up */
+        timer_start(&tm, 0);
+        for (int it = 0; it < o->merge_iters && ok; ++it) ok = !kva_merge_states(ctx, R, to, tl, &tout, &tlo, 0);
+        const double t = timer_stop(&tm);
+        if (ok) printf(" R=%d %.2f us%s", R, t / o->merge_iters * 1e6, R < RMAX ? "," : "\n");
+      }
+      if (!ok) fprintf(stderr, "merge: %s\n", kva_last_error());
+    } else {
+      fprintf(stderr, "merge: could not allocate the parts\n");
+      ok = 0;
+    }
+    for (int r = 0; r < RMAX; ++r) {
+      if (po[r]) buf_free(o, po[r]);
+      if (pl[r]) buf_free(o, pl[r]);
+    }
+    if (out) buf_free(o, out);
+    if (lo) buf_free(o, lo);
+    free(h);
+  }
+  fflush(stdout);
+  timer_free(&tm, ctx);
+  return ok;
+}
+
+static int usage(void) {
+  fprintf(stderr, "usage: cascade_vs_batched [--backend cpu|cuda] [--threads T] [--shape 8/4/256|32/8/128|all] "
+                  "[--format q4|bf16|all] [--P N] [--S N] [--B N] [--reps N] [--hot] [--flush-mb MB] "
+                  "[--merge-only | --no-merge] [--merge-iters N]\n");
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  opts o = {0, 0, 0, 1, 1, 5, 2000, 32768, 1024, 16, (size_t)1024 << 20, 3, 3};
+  int flush_set = 0;
+  for (int i = 1; i < argc; ++i) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--hot")) o.hot = 1;
+    else if (!strcmp(a, "--merge-only")) o.cascade = 0;
+    else if (!strcmp(a, "--no-merge")) o.merge = 0;
+    else if (!v) return usage();
+    else if (++i, !strcmp(a, "--backend")) {
+      if (strcmp(v, "cpu") && strcmp(v, "cuda")) return usage();
+      o.cuda = !strcmp(v, "cuda");
+    } else if (!strcmp(a, "--threads")) o.threads = atoi(v);
+    else if (!strcmp(a, "--shape"))
+      o.shapes = !strcmp(v, "8/4/256") ? 1 : !strcmp(v, "32/8/128") ? 2 : !strcmp(v, "all") ? 3 : 0;
+    else if (!strcmp(a, "--format"))
+      o.formats = !strcmp(v, "q4") ? 1 : !strcmp(v, "bf16") ? 2 : !strcmp(v, "all") ? 3 : 0;
+    else if (!strcmp(a, "--P")) o.P = atoll(v);
+    else if (!strcmp(a, "--S")) o.S = atoll(v);
+    else if (!strcmp(a, "--B")) o.B = atoll(v);
+    else if (!strcmp(a, "--reps")) o.reps = atoi(v);
+    else if (!strcmp(a, "--flush-mb")) o.flush_bytes = (size_t)atoll(v) << 20, flush_set = 1;
+    else if (!strcmp(a, "--merge-iters")) o.merge_iters = atoi(v);
+    else return usage();
+  }
+  if (o.P < 1 || o.S < 1 || o.B < 1 || o.reps < 1 || o.threads < 0 || !o.shapes || !o.formats || o.merge_iters < 1 ||
+      (!o.hot && !o.flush_bytes))
+    return usage();
+  if (o.cuda && !flush_set) o.flush_bytes = (size_t)512 << 20; /* 10x the H200's 50 MB L2 */
+#ifndef KVA_HAVE_CUDA
+  if (o.cuda) {
+    fprintf(stderr, "built without CUDA\n");
+    return 1;
+  }
+#endif
+  kva_context *ctx;
+  const kva_context_opts co = {o.cuda ? KVA_BACKEND_CUDA : KVA_BACKEND_CPU, o.threads, 0, NULL};
+  if (kva_context_create(&ctx, &co)) {
+    fprintf(stderr, "context: %s\n", kva_last_error());
+    return 1;
+  }
+  if (!o.cuda) printf("cpu: %d threads, %s\n", kva_context_threads(ctx), kva_cpu_simd());
+  static const int64_t shapes[2][3] = {{8, 4, 256}, {32, 8, 128}};
+  int ok = 1;
+  for (int s = 0; s < 2 && o.cascade; ++s)
+    for (int f = 0; f < 2; ++f)
+      if ((o.shapes >> s & 1) && (o.formats >> f & 1))
+        ok &= run_cascade(&o, ctx, shapes[s][0], shapes[s][1], shapes[s][2], f == 0 ? 4 : 0);
+  if (o.merge) ok &= run_merge(&o, ctx);
+  kva_context_destroy(ctx);
+  return ok ? 0 : 1;
 }

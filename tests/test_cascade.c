@@ -516,3 +516,288 @@ TEST(cascade_short_prefix) {
   kva_context_destroy(ctx);
   cz_free(&d);
 }
+
+/* ---- CUDA: the same cascade on the device against the host oracle over the
+ * whole caches: contiguous prefix and suffix (bf16 rows and bf16 q on the
+ * tensor cores, q4 with bf16 q, f32 q over q4: the exact kernels), device
+ * lengths and sinks, lse, two prefix chunks, a graph capture replayed;
+ * split forks as device block tables. Skips without a device. */
+#ifndef KVA_HAVE_CUDA
+TEST(cascade_cuda_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cascade_cuda_block_tables) { SKIP("built without CUDA (nvcc not found)"); }
+#else
+#include <cuda_runtime_api.h>
+
+#define CZ_DEV_MAX 48
+typedef struct cz_dev {
+  void *mem[CZ_DEV_MAX];
+  int n;
+} cz_dev;
+
+static size_t cz_extent(const kva_tensor *t) {
+  size_t e = kva_dtype_size(t->dtype);
+  for (int d = 0; d < t->ndim; ++d) e += (size_t)((t->shape[d] - 1) * t->stride[d]);
+  return e;
+}
+/* A device copy of n bytes at h (NULL on failure). */
+static void *cz_dev_copy(cz_dev *m, const void *h, size_t n) {
+  void *p = NULL;
+  if (m->n == CZ_DEV_MAX || cudaMalloc(&p, n ? n : 1) != cudaSuccess) return NULL;
+  m->mem[m->n++] = p;
+  if (h && cudaMemcpy(p, h, n, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
+  return p;
+}
+/* t's memory mirrored with the same strides (t itself rewritten to point at it). */
+static int cz_dev_tensor(cz_dev *m, kva_tensor *t) {
+  if (!t->data) return 0;
+  void *p = cz_dev_copy(m, t->data, cz_extent(t));
+  if (!p) return -1;
+  t->data = p;
+  return 0;
+}
+static int cz_dev_kv(cz_dev *m, kva_kv *kv) {
+  return cz_dev_tensor(m, &kv->data) || (kv->bits && (cz_dev_tensor(m, &kv->scales) || cz_dev_tensor(m, &kv->biases)));
+}
+static void cz_dev_free(cz_dev *m) {
+  for (int i = 0; i < m->n; ++i) cudaFree(m->mem[i]);
+  m->n = 0;
+}
+/* float K/V rows converted to dt (new host buffers owned by d). */
+static int cz_to_dtype(cdata *d, kva_kv *kv, kva_dtype dt) {
+  if (kv->bits || kv->data.dtype == dt) return 0;
+  const kva_tensor *s = &kv->data;
+  void *buf = cz_alloc(d, (size_t)(s->shape[0] * s->shape[1] * s->shape[2] * s->shape[3]) * kva_dtype_size(dt));
+  if (!buf) return -1;
+  kva_tensor t = kva_tensor_4d(buf, dt, s->shape[0], s->shape[1], s->shape[2], s->shape[3]);
+  if (kva_convert(s, &t)) return -1;
+  kv->data = t;
+  return 0;
+}
+/* The allowance of a cascade on ctx: f32 when both passes (the stacked
+ * prefix rows, the suffix call) run "[exact f32]" kernels, else bf16 products. */
+static double cz_cuda_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view *prefix,
+                           const kva_kv_view *suffix, const kva_attn_params *p, const kva_tensor *out) {
+  const int64_t B = q->shape[0], L = q->shape[2], rows = B * L < 16 ? B * L : 16;
+  kva_tensor qc = *q, oc = kva_tensor_4d(NULL, KVA_F32, 1, q->shape[1], rows, out->shape[3]);
+  qc.shape[0] = 1, qc.shape[2] = rows;
+  if (L == 1) qc.stride[2] = q->stride[0];
+  oc.data = out->data;
+  kva_attn_params pp = *p;
+  memset(&pp.mask, 0, sizeof pp.mask);
+  kva_attn_params ps = *p;
+  ps.sinks = NULL;
+  char a[200], b[200];
+  if (kva_attention_kernel(ctx, &qc, prefix, &pp, &oc, a, sizeof a) < 0 ||
+      kva_attention_kernel(ctx, q, suffix, &ps, out, b, sizeof b) < 0) {
+    FAIL_("kva_attention_kernel(CUDA): %s", kva_last_error());
+    return -1;
+  }
+  return att_name_exact(a) && att_name_exact(b) ? ATT_ATOL_F32 : ATT_ATOL_BF16;
+}
+
+/* Device out / lse fetched and compared with the host oracle's. */
+static int cz_fetch_compare(const kva_tensor *dout, const kva_tensor *dlse, float *hout, float *hlse,
+                            const kva_tensor *ref, const float *rlse, int64_t rows, double atol, const char *what) {
+  const size_t n = (size_t)(rows * dout->shape[3]);
+  if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpy(hout, dout->data, n * 4, cudaMemcpyDeviceToHost) ||
+      cudaMemcpy(hlse, dlse->data, (size_t)rows * 4, cudaMemcpyDeviceToHost)) {
+    FAIL_("%s: device run or copy: %s", what, cudaGetErrorString(cudaGetLastError()));
+    return 0;
+  }
+  kva_tensor got = *ref;
+  got.data = hout;
+  double err = 0;
+  if (!att_compare(&got, ref, atol, 0, &err, NULL)) {
+    FAIL_("%s: CUDA cascade differs from the oracle over the whole caches (max err %.3g, allowed %.3g)", what, err,
+          atol);
+    return 0;
+  }
+  /* lse: f32 sums over the same logits; bf16-product kernels round the logits' inputs */
+  const double lt = atol > ATT_ATOL_F32 ? 2e-2 : 1e-5;
+  for (int64_t i = 0; i < rows; ++i)
+    if (!(fabs((double)hlse[i] - rlse[i]) <= lt * (1 + fabs((double)rlse[i])))) {
+      FAIL_("%s: lse[%lld] = %.7g, oracle %.7g", what, (long long)i, hlse[i], rlse[i]);
+      return 0;
+    }
+  return 1;
+}
+
+typedef struct czc {
+  cz c;
+  kva_dtype qdt; /* q (and float K/V rows) dtype */
+  int graph;     /* also capture the call into a graph and replay it */
+} czc;
+
+static int cz_cuda_case(kva_context *ctx, const czc *cc) {
+  const cz *c = &cc->c;
+  cdata d;
+  cz_dev m = {{0}, 0};
+  int ok = 0;
+  char what[160];
+  snprintf(what, sizeof what, "CUDA B%lld H%lld/%lld L%lld P%lld S%lld D%lld bits %d q %s", (long long)c->B,
+           (long long)c->H, (long long)c->KVH, (long long)c->L, (long long)c->P, (long long)c->S, (long long)c->D,
+           c->bits, kva_dtype_name(cc->qdt));
+  if (cz_make(&d, c) || cz_to_dtype(&d, &d.fk, cc->qdt) || cz_to_dtype(&d, &d.fv, cc->qdt) ||
+      cz_to_dtype(&d, &d.kp, cc->qdt) || cz_to_dtype(&d, &d.vp, cc->qdt) || cz_to_dtype(&d, &d.ks, cc->qdt) ||
+      cz_to_dtype(&d, &d.vs, cc->qdt)) {
+    FAIL_("%s: could not build operands", what);
+    goto done;
+  }
+  const int64_t rows = c->B * c->H * c->L, n = rows * c->D;
+  kva_tensor qf = cz_q(c, d.q), q = qf;
+  if (cc->qdt != KVA_F32) { /* the same token-major layout in 2-byte elements */
+    void *qb = cz_alloc(&d, (size_t)n * 2);
+    q.data = qb, q.dtype = cc->qdt;
+    for (int k = 0; k < 4; ++k) q.stride[k] /= 2;
+    if (!qb || kva_convert(&qf, &q)) goto done;
+  }
+  kva_tensor ref = kva_tensor_4d(d.ref, KVA_F32, c->B, c->H, c->L, c->D), rlse = cz_lse(c, d.rlse);
+  const kva_kv_view full = kva_view_contiguous(&d.fk, &d.fv, d.full_len);
+  const kva_attn_params hp = cz_params(c, &d);
+  if (kva_reference_attention_lse(&q, &full, &hp, &ref, &rlse, 0)) {
+    FAIL_("%s: oracle: %s", what, kva_last_error());
+    goto done;
+  }
+  /* device operands */
+  kva_tensor dq = q, dout = kva_tensor_4d(NULL, KVA_F32, c->B, c->H, c->L, c->D), dlse = cz_lse(c, NULL);
+  kva_kv kp = d.kp, vp = d.vp, ks = d.ks, vs = d.vs;
+  int32_t *dlen = (int32_t *)cz_dev_copy(&m, d.suf_len, sizeof(int32_t) * (size_t)c->B);
+  float *dsinks = (float *)cz_dev_copy(&m, d.sinks, sizeof d.sinks);
+  dout.data = cz_dev_copy(&m, NULL, (size_t)n * 4);
+  dlse.data = cz_dev_copy(&m, NULL, (size_t)rows * 4);
+  if (cz_dev_tensor(&m, &dq) || cz_dev_kv(&m, &kp) || cz_dev_kv(&m, &vp) || cz_dev_kv(&m, &ks) || cz_dev_kv(&m, &vs) ||
+      !dlen || !dsinks || !dout.data || !dlse.data) {
+    FAIL_("%s: could not mirror operands to the device", what);
+    goto done;
+  }
+  const kva_kv_view prefix = kva_view_contiguous(&kp, &vp, NULL), suffix = kva_view_contiguous(&ks, &vs, dlen);
+  kva_attn_params p = hp;
+  if (p.sinks) p.sinks = dsinks;
+  const double atol = cz_cuda_atol(ctx, &dq, &prefix, &suffix, &p, &dout);
+  if (atol < 0) goto done;
+  cudaMemset(dout.data, 0xff, (size_t)n * 4);
+  if (kva_cascade_attention(ctx, &dq, &prefix, &suffix, &p, &dout, &dlse, 0, NULL, 0)) {
+    FAIL_("%s: kva_cascade_attention(CUDA): %s", what, kva_last_error());
+    goto done;
+  }
+  if (!cz_fetch_compare(&dout, &dlse, d.out, d.lse, &ref, d.rlse, rows, atol, what)) goto done;
+  if (cc->graph) { /* captured (the workspace exists now) and replayed on a stream */
+    cudaStream_t s;
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    if (cudaStreamCreate(&s) != cudaSuccess || kva_context_set_stream(ctx, s)) {
+      FAIL_("%s: stream", what);
+      goto done;
+    }
+    cudaMemset(dout.data, 0xff, (size_t)n * 4);
+    int rc = -1;
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess) {
+      rc = kva_cascade_attention(ctx, &dq, &prefix, &suffix, &p, &dout, &dlse, 0, NULL, 0);
+      if (cudaStreamEndCapture(s, &g) != cudaSuccess) rc = -1;
+    }
+    int launched = rc == 0 && cudaGraphInstantiate(&ge, g, 0) == cudaSuccess;
+    if (launched) launched = cudaGraphLaunch(ge, s) == cudaSuccess && cudaStreamSynchronize(s) == cudaSuccess;
+    kva_context_set_stream(ctx, NULL);
+    if (!launched) FAIL_("%s: graph capture / replay failed (%s)", what, rc ? kva_last_error() : "CUDA");
+    else ok = cz_fetch_compare(&dout, &dlse, d.out, d.lse, &ref, d.rlse, rows, atol, "graph replay");
+    if (rc == 0) {
+      if (launched) cudaGraphExecDestroy(ge);
+      cudaGraphDestroy(g);
+    }
+    cudaStreamDestroy(s);
+    if (!ok) goto done;
+  }
+  ok = 1;
+done:
+  cz_dev_free(&m);
+  cz_free(&d);
+  return ok;
+}
+
+TEST(cascade_cuda_vs_oracle) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const czc cs[] = {
+      {{3, 8, 4, 1, 3000, 40, 128, 0, KVA_MASK_CAUSAL, 0, 0}, KVA_BF16, 1},  /* bf16 rows, tensor cores */
+      {{4, 8, 4, 4, 2000, 40, 256, 4, KVA_MASK_CAUSAL, 1, 0}, KVA_BF16, 0},  /* q4, 32 stacked vectors */
+      {{5, 8, 2, 4, 700, 30, 128, 4, KVA_MASK_CAUSAL, 0, 1}, KVA_BF16, 0},   /* two prefix chunks */
+      {{3, 8, 4, 2, 1000, 20, 128, 4, KVA_MASK_CAUSAL, 1, 0}, KVA_F32, 0},   /* f32 q: exact kernels */
+      {{16, 32, 8, 1, 4096, 64, 128, 4, KVA_MASK_CAUSAL, 0, 0}, KVA_BF16, 1}, /* the bench's 32/8/128 shape */
+      {{2, 6, 6, 2, 100, 20, 64, 0, KVA_MASK_NONE, 1, 1}, KVA_F32, 0},
+  };
+  kva_context *ctx;
+  const kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  for (size_t i = 0; i < sizeof cs / sizeof cs[0] && !test_failed_flag; ++i)
+    if (!cz_cuda_case(ctx, &cs[i])) FAIL_("case %zu", i);
+  kva_context_destroy(ctx);
+}
+
+/* Forks split as block tables (kva_block_table_split on the host mirror)
+ * over device pools: cascade on the device against the oracle over the
+ * whole sequences (host view); q4 pool, bf16 q; aligned and mid-block splits. */
+TEST(cascade_cuda_block_tables) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  const int64_t B = 4, H = 16, KVH = 4, L = 2, D = 128, bs = 16, suffix[4] = {20, 7, 33, 2};
+  forks f;
+  ASSERT_TRUE(fk_make(&f, B, KVH, D, 900, suffix, bs, 4, 11) == 0);
+  kva_context *ctx;
+  const kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  kva_paged_view *pv;
+  ASSERT_OK(kva_paged_view_create(f.pool, f.seqs, B, &pv));
+  const kva_kv_view full = kva_view_paged(pv);
+  int64_t shared, mb = 0;
+  ASSERT_OK(kva_view_shared_prefix(&full, L, &shared));
+  for (int64_t b = 0; b < B; ++b)
+    if (kva_seq_blocks(f.pool, f.seqs[b]) > mb) mb = kva_seq_blocks(f.pool, f.seqs[b]);
+  int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(B * mb)), tl[4], tf[4], lens[5], first[5];
+  ASSERT_TRUE(blocks != NULL);
+  ASSERT_OK(kva_paged_view_block_table(pv, mb, blocks, tl, tf));
+  const kva_kv hk = kva_pool_k(f.pool), hv = kva_pool_v(f.pool);
+  const kva_block_table table = {B, mb, 0, blocks, tl, tf};
+  const kva_kv_view tfull = kva_view_block_table(&hk, &hv, &table);
+  cz_dev m = {{0}, 0};
+  kva_kv dk = hk, dv = hv;
+  int32_t *dblocks = (int32_t *)cz_dev_copy(&m, blocks, sizeof(int32_t) * (size_t)(B * mb));
+  ASSERT_TRUE(dblocks && !cz_dev_kv(&m, &dk) && !cz_dev_kv(&m, &dv));
+  const size_t n = (size_t)(B * H * L * D);
+  const cz c = {B, H, KVH, L, 1, 1, D, 4, KVA_MASK_CAUSAL, 0, 0};
+  float *qf = malloc(n * 4), *hout = malloc(n * 4), *ref = malloc(n * 4), *hl = malloc(n / D * 4), *rl = malloc(n / D * 4);
+  uint16_t *qb = malloc(n * 2);
+  ASSERT_TRUE(qf && hout && ref && hl && rl && qb);
+  for (size_t i = 0; i < n; ++i) qf[i] = test_randn();
+  kva_tensor tqf = cz_q(&c, qf), tq = tqf;
+  tq.data = qb, tq.dtype = KVA_BF16;
+  for (int k = 0; k < 4; ++k) tq.stride[k] /= 2;
+  ASSERT_OK(kva_convert(&tqf, &tq));
+  kva_tensor tref = kva_tensor_4d(ref, KVA_F32, B, H, L, D), trl = cz_lse(&c, rl);
+  kva_attn_params p = kva_attn_defaults();
+  p.mask.kind = KVA_MASK_CAUSAL;
+  ASSERT_OK(kva_reference_attention_lse(&tq, &full, &p, &tref, &trl, 0));
+  kva_tensor dq = tq, dout = kva_tensor_4d(cz_dev_copy(&m, NULL, n * 4), KVA_F32, B, H, L, D), dlse = cz_lse(&c, NULL);
+  dlse.data = cz_dev_copy(&m, NULL, n / D * 4);
+  ASSERT_TRUE(!cz_dev_tensor(&m, &dq) && dout.data && dlse.data);
+  const int64_t Ps[2] = {shared, shared - 9};
+  for (int pi = 0; pi < 2 && !test_failed_flag; ++pi) {
+    kva_block_table hpre, hsuf;
+    ASSERT_OK(kva_block_table_split(&tfull, Ps[pi], lens, first, &hpre, &hsuf));
+    int32_t *dlens = (int32_t *)cz_dev_copy(&m, lens, sizeof lens), *dfirst = (int32_t *)cz_dev_copy(&m, first, sizeof first);
+    ASSERT_TRUE(dlens && dfirst);
+    kva_block_table dpre = hpre, dsuf = hsuf;
+    dpre.blocks = dblocks + (hpre.blocks - blocks), dsuf.blocks = dblocks + (hsuf.blocks - blocks);
+    dpre.seq_lens = dlens, dpre.first_offset = dfirst, dsuf.seq_lens = dlens + 1, dsuf.first_offset = dfirst + 1;
+    const kva_kv_view prefix = kva_view_block_table(&dk, &dv, &dpre), sfx = kva_view_block_table(&dk, &dv, &dsuf);
+    const double atol = cz_cuda_atol(ctx, &dq, &prefix, &sfx, &p, &dout);
+    ASSERT_TRUE(atol > 0);
+    ASSERT_OK(kva_cascade_attention(ctx, &dq, &prefix, &sfx, &p, &dout, &dlse, 0, NULL, 0));
+    char what[64];
+    snprintf(what, sizeof what, "CUDA block tables, P = %lld", (long long)Ps[pi]);
+    if (!cz_fetch_compare(&dout, &dlse, hout, hl, &tref, rl, B * H * L, atol, what)) break;
+  }
+  free(qf), free(hout), free(ref), free(hl), free(rl), free(qb), free(blocks);
+  cz_dev_free(&m);
+  kva_paged_view_release(pv);
+  kva_context_destroy(ctx);
+  kva_pool_destroy(f.pool);
+}
+#endif

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F32, assert_close, randn, rng_for
+from kvref import BF16, BF16_PRODUCTS_ATOL, COMPUTE_ATOL, F32, assert_close, randn, rng_for
 from test_lse import assert_lse
 
 
@@ -19,6 +19,12 @@ def _concat(prefix, suffix, B):
     if isinstance(prefix, tuple):
         return tuple(_concat(p, s, B) for p, s in zip(prefix, suffix))
     return np.concatenate([np.repeat(prefix, B, axis=0), suffix], axis=2)
+
+
+def _atol(kernel):
+    """The allowance of a default call: f32 products, or a kernel that rounds
+    (q to integers, K/V/P to bf16: kvattn.attention_kernel's bracket)."""
+    return COMPUTE_ATOL if kernel.endswith("[exact f32]") else BF16_PRODUCTS_ATOL
 
 
 def _case(rng, B, H, KVH, L, P, S, D, bits, dtype=F32):
@@ -45,13 +51,18 @@ def test_cascade_equals_whole_cache(request, B, H, KVH, L, P, S, D, bits, kw):
     if kw.pop("sinks", False):
         kw["sinks"] = randn(rng, (H,), F32)
     lens = np.maximum(L, S - 3 * np.arange(B)).astype(np.int32)  # ragged suffixes, each >= L
-    out, lse = kvattn.cascade_attention(q, pk, pv, sk, sv, bits=bits, suffix_lens=lens, return_lse=True, **kw)
+    out, lse = kvattn.cascade_attention(q, pk, pv, sk, sv, bits=bits, suffix_lens=lens, return_lse=True,
+                                        exact=True, **kw)
     assert out.shape == (B, H, L, D) and out.dtype == q.dtype and lse.shape == (B, H, L)
     fk, fv = _concat(pk, sk, B), _concat(pv, sv, B)
-    ref = kvattn.reference_attention(q, fk, fv, bits=bits, seq_lens=P + lens, **kw)
-    assert_close(out, ref.astype(np.float64), "cascade out")
+    ref = kvattn.reference_attention(q, fk, fv, bits=bits, seq_lens=P + lens, **kw).astype(np.float64)
+    assert_close(out, ref, "cascade out (exact)")
     _, full_lse = kvattn.attention(q, fk, fv, bits=bits, seq_lens=P + lens, return_lse=True, exact=True, **kw)
     assert_lse(lse, full_lse.astype(np.float64), "cascade lse")
+    # the default call: the kernels the batched call would take (their roundings)
+    out = kvattn.cascade_attention(q, pk, pv, sk, sv, bits=bits, suffix_lens=lens, **kw)
+    kernel = kvattn.attention_kernel(q, fk, fv, bits=bits, seq_lens=P + lens, **kw)
+    assert_close(out, ref, "cascade out (%s)" % kernel, atol=_atol(kernel))
     # q stored token-major is read in place and gives the same result
     qt = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     out2 = kvattn.cascade_attention(qt, pk, pv, sk, sv, bits=bits, suffix_lens=lens, **kw)
@@ -145,12 +156,13 @@ def test_paged_forks_shared_prefix_split_cascade(request, bits, trim):
     assert kvattn.shared_prefix(view, min_suffix=L) == expect
     q = randn(rng, (B, H, L, D))
     sinks = randn(rng, (H,))
-    ref = view.reference_attention(q, mask="causal", sinks=sinks)
+    ref = view.reference_attention(q, mask="causal", sinks=sinks).astype(np.float64)
     for P in (expect, expect - 7):
         pre, suf = kvattn.split_view(view, P)
         assert list(pre.lens) == [P] and list(suf.lens) == list(view.lens - P)
-        out, lse = kvattn.paged_cascade_attention(q, pre, suf, mask="causal", sinks=sinks, return_lse=True)
-        assert_close(out, ref.astype(np.float64), "paged cascade P=%d" % P)
+        out, lse = kvattn.paged_cascade_attention(q, pre, suf, mask="causal", sinks=sinks, return_lse=True,
+                                                  exact=True)
+        assert_close(out, ref, "paged cascade P=%d" % P)
         assert lse.shape == (B, H, L) and np.isfinite(lse).all()
         pre.release()
         suf.release()
