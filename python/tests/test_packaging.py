@@ -205,7 +205,7 @@ def test_pip_wheel_from_sdist_installs(tmp_path):
     version = kb.read_version()
     sdist = tmp_path / kb.build_sdist(str(tmp_path))
     with tarfile.open(sdist) as tf:
-        tf.extractall(tmp_path / "src")
+        tf.extractall(tmp_path / "src", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     src = tmp_path / "src" / ("kvattn-%s" % version)
     env = clean_env()
     venv = tmp_path / "venv"
