@@ -216,6 +216,23 @@ $(BUILD)/cascade_vs_batched: bench/cascade_vs_batched.c $(BUILD)/libkvattn.a
 bench-cascade: $(BUILD)/cascade_vs_batched
 	$(BUILD)/cascade_vs_batched $(CASCADE_ARGS)
 
+# The PyTorch extension (optional, not part of `all` or `test`):
+# torch.ops.kvattn.* in $(BUILD)/libkvattn_torch.so, linked to the
+# libkvattn.so beside it (rpath $ORIGIN), compiled against the torch that
+# TORCH_PY imports: PY when given (`make torch-ext PY=.venv-torch/bin/python`),
+# else python3. CUDA tensors too when the library has CUDA and torch has.
+# Fails with a message when that python has no torch.
+TORCH_PY  ?= $(if $(filter command line environment,$(origin PY)),$(PY),python3)
+CXX_TORCH ?= g++
+TORCH_FLAGS = python/kvattn/csrc/torch_flags.py
+.PHONY: torch-ext
+torch-ext: $(BUILD)/libkvattn_torch.so
+$(BUILD)/libkvattn_torch.so: python/kvattn/csrc/torch_ops.cpp $(TORCH_FLAGS) include/kvattn.h $(BUILD)/libkvattn.so
+	@$(TORCH_PY) -c 'import torch' > /dev/null 2>&1 || { $(TORCH_PY) $(TORCH_FLAGS) cflags 0 x 2>&1 | tail -1 >&2; exit 1; }
+	$(CXX_TORCH) -std=c++20 -O2 -g -fPIC -shared -Wall -Wextra -Iinclude \
+	  $$($(TORCH_PY) $(TORCH_FLAGS) cflags $(if $(HAVE_CUDA),1,0) '$(CUDA_HOME)' 2>/dev/null) $< -o $@ -L$(BUILD) -lkvattn \
+	  -Wl,-rpath,'$$ORIGIN' $$($(TORCH_PY) $(TORCH_FLAGS) libs $(if $(HAVE_CUDA),1,0) '$(CUDA_HOME)' 2>/dev/null)
+
 install: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn.pc
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
 	install -m 644 include/kvattn.h $(DESTDIR)$(PREFIX)/include/

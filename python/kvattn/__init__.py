@@ -297,6 +297,15 @@ def image_mask(segments, window=None, clamp=False):
 # ----------------------------------------------------------------- attention
 
 
+def _torch_ops(x, threads=None, context=None):
+    """kvattn.torch_ops when x is a torch tensor, no explicit CPU threads or
+    context is asked for, and the compiled extension loads; else None."""
+    if threads is not None or context is not None or type(x).__module__.split(".")[0] != "torch":
+        return None
+    from . import torch_ops
+    return torch_ops if torch_ops.available() else None
+
+
 def _params(scale, softcap):
     """kva_attn_params with the scalar options checked (0 means "default" in
     C; in Python that is spelled None)."""
@@ -473,7 +482,15 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
       those would run. attention_kernel(..., exact=True) names the kernel.
     CUDA arrays (PyTorch CUDA tensors, __cuda_array_interface__ objects) run
     on the CUDA backend, on their device and stream: see kvattn.cuda.
+    PyTorch tensors (CPU and CUDA) go through the compiled operators
+    (kvattn.torch_ops) when that extension is built.
     """
+    ops = _torch_ops(q, threads, context)
+    if ops is not None:
+        res = ops.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp=clamp,
+                            seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact)
+        if res is not NotImplemented:
+            return res
     if _cuda.is_cuda_array(q):
         if return_lse:
             raise C.error(C.EUNSUPPORTED, "return_lse: not wired for CUDA arrays in the Python binding yet "
@@ -503,8 +520,15 @@ def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, cont
     of a cache). lse = log sum_r exp(lse_r), out = sum_r exp(lse_r - lse) o_r
     (-inf parts skipped; all -inf: zeros and -inf). Returns (out, lse); out in
     `dtype` (default o_0's dtype) or written to `out` (may be one of the o_r).
-    base2: every lse in base 2. kva_merge_states on the CPU context."""
+    base2: every lse in base 2. kva_merge_states on the CPU context; torch
+    tensors through the compiled operators (kvattn.torch_ops) when built."""
     parts = list(parts)
+    ops = _torch_ops(parts[0][0] if parts and isinstance(parts[0], (tuple, list)) and parts[0] else None, threads,
+                     context)
+    if ops is not None:
+        res = ops.merge_states(parts, base2=base2, out=out, dtype=dtype)
+        if res is not NotImplemented:
+            return res
     if not parts:
         raise C.error(C.EINVAL, "merge_states: parts is empty (R = 0)")
     os_, ls_ = [], []
@@ -608,7 +632,11 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       the rows rounded to their dtype; quantized pools store quantize() of
       each row, bit for bit. A slot past the pools raises KvaError (nothing
       is written then). CUDA arrays (pools, rows and slots on the device)
-      run on the CUDA backend: kvattn.cuda.cache_write."""
+      run on the CUDA backend: kvattn.cuda.cache_write; torch tensors go
+      through the compiled operators (kvattn.torch_ops) when built."""
+    ops = _torch_ops(k, threads, context)
+    if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits) is not NotImplemented:
+        return None
     if _cuda.is_cuda_array(k):
         return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context)
     group_size = _check_i32(group_size, "group_size")

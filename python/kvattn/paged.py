@@ -654,8 +654,14 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     [B, H, L, Dv] in q's dtype.
     CUDA arrays (PyTorch tensors, __cuda_array_interface__) run on the CUDA
     backend: kvattn.cuda.block_table_attention."""
-    from . import cuda, default_context
+    from . import _torch_ops, cuda, default_context
 
+    ops = _torch_ops(q, threads, context)
+    if ops is not None:
+        res = ops.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
+                                        segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact)
+        if res is not NotImplemented:
+            return res
     if cuda.is_cuda_array(q):
         return cuda.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                           segments, softcap, sinks, group_size, bits, clamp=clamp, out=out,

@@ -1,0 +1,230 @@
+"""PyTorch operators of kvattn (torch.ops.kvattn.*), from the compiled
+extension libkvattn_torch.so: tensors become the library's descriptors in
+C++, on the tensors' device and current CUDA stream, with meta kernels for
+torch.compile (no graph break) and nothing that synchronizes, so the ops can
+be captured in CUDA graphs. Optional: without torch or the extension,
+kvattn works as before (kvattn.attention then takes the ctypes path).
+
+    import torch, kvattn.torch_ops
+    ops = kvattn.torch_ops.load()            # torch.ops.kvattn, or raises ImportError
+    out = ops.attention(q, k, v, causal=True)                    # float K/V
+    out = ops.attention(q, kp, vp, k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb,
+                        bits=4, group_size=64, causal=True)      # MLX-packed K/V
+    ops.attention_out(out, q, k, v, causal=True)                 # into a preallocated out
+
+The extension is found through $KVATTN_TORCH_LIB, else _lib/libkvattn_torch.so
+in this package (wheels), else next to the libkvattn.so that kvattn loaded,
+else the tree's build/libkvattn_torch.so (`make torch-ext`). Ops (keyword
+options after the tensors; see README "PyTorch"):
+
+  attention(q, k, v, *opts, seq_lens=None) -> out
+  attention_out(out, q, k, v, *opts, seq_lens=None)
+  attention_lse(q, k, v, *opts, seq_lens=None, lse_base2=False) -> (out, lse)
+  attention_lse_out(out, lse, q, k, v, ...)
+  block_table_attention(q, k_pool, v_pool, block_table, seq_lens, first_offset=None, *opts) -> out
+  block_table_attention_out / _lse / _lse_out (as above)
+  cache_write(k_pool, v_pool, k, v, slots)
+  cache_write_quantized(k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, k, v, slots, bits=4, group_size=64)
+  merge_states(parts_o, parts_lse, base2=False, dtype=None) -> (out, lse)
+  merge_states_out(out, lse, parts_o, parts_lse, base2=False)
+
+opts: k_scales, k_biases, v_scales, v_biases, bits (0 = float K/V), group_size,
+scale (None = 1/sqrt(Dk)), causal, window (0 = none), segments, clamp, mask
+(a bool or additive float tensor broadcastable to [B, H, L, N]), softcap,
+sinks (float32 [H]), exact. Errors raise ValueError with the library's message.
+"""
+import os
+
+import torch
+
+from . import _capi as C
+from ._capi import KvaError
+
+__all__ = ["attention", "available", "block_table_attention", "cache_write", "library_path", "load",
+           "load_error", "merge_states"]
+
+_state = {"loaded": None, "error": None, "path": None}
+
+
+def _candidates():
+    env = os.environ.get("KVATTN_TORCH_LIB")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [os.path.join(here, "_lib", "libkvattn_torch.so"),
+            os.path.join(os.path.dirname(os.path.abspath(C.LIB_PATH)), "libkvattn_torch.so"),
+            os.path.normpath(os.path.join(here, "..", "..", "build", "libkvattn_torch.so"))]
+
+
+def load():
+    """torch.ops.kvattn, loading the extension on first use; ImportError
+    (naming the paths tried) when it cannot be loaded."""
+    if _state["loaded"] is None:
+        tried = []
+        for path in _candidates():
+            if not os.path.exists(path):
+                tried.append(path + " (missing)")
+                continue
+            try:
+                torch.ops.load_library(path)
+            except (OSError, RuntimeError) as e:
+                tried.append("%s (%s)" % (path, e))
+                continue
+            _state["path"] = path
+            break
+        _state["loaded"] = _state["path"] is not None
+        if not _state["loaded"]:
+            _state["error"] = ("kvattn torch extension not loaded; tried: " + "; ".join(tried)
+                               + ". Build it with `make torch-ext PY=<python with torch>` or set KVATTN_TORCH_LIB")
+    if not _state["loaded"]:
+        raise ImportError(_state["error"])
+    return torch.ops.kvattn
+
+
+def available():
+    """True when the extension loads (it is then used for torch tensors)."""
+    try:
+        load()
+    except ImportError:
+        return False
+    return True
+
+
+def load_error():
+    """Why the extension did not load (None when it did or was not tried)."""
+    return _state["error"]
+
+
+def library_path():
+    """Path of the loaded extension (None before load())."""
+    return _state["path"]
+
+
+# ---------------------------------------------------------------- kvattn.* on torch tensors
+# kvattn.attention & co. call these for torch tensors when the extension
+# loads; NotImplemented sends an argument the ops do not take (a numpy
+# array, a list, a Context) back to the ctypes path.
+
+_STATUS = {C.strerror(code): code for code in range(C.EINTERNAL, 0)}
+
+
+def _kva_error(e):
+    """The op's ValueError as a KvaError with the library's status code."""
+    msg = str(e)
+    return KvaError(_STATUS.get(msg.split(":", 1)[0], C.EINVAL), msg)
+
+
+def _tensors(*xs):
+    return all(x is None or isinstance(x, torch.Tensor) for x in xs)
+
+
+def _kv(x, bits):
+    """(data, scales, biases, bits) of a K/V operand: a tensor (float, bits 0)
+    or a (packed, scales, biases) tuple with `bits`; None when not tensors."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 3 or not _tensors(*x):
+            return None
+        return x[0], x[1], x[2], bits
+    return (x, None, None, 0) if isinstance(x, torch.Tensor) else None
+
+
+def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact):
+    """The ops' keyword options from kvattn.attention's arguments (None if
+    some argument is not for the ops)."""
+    from . import _check_i32, _flags, _mask_kind, _window
+
+    kk, vv = _kv(k, bits), _kv(v, bits)
+    if kk is None or vv is None or not _tensors(segments, sinks):
+        return None
+    kind = _mask_kind(mask)
+    if kind == C.MASK_ARRAY and not isinstance(mask, torch.Tensor):
+        return None
+    if kk[3] != vv[3]:
+        raise C.error(C.EINVAL, "k and v must both be tensors or both (packed, scales, biases) tuples")
+    return dict(k_scales=kk[1], k_biases=kk[2], v_scales=vv[1], v_biases=vv[2], bits=kk[3],
+                group_size=_check_i32(group_size, "group_size"), scale=scale, causal=kind == C.MASK_CAUSAL,
+                window=_window(window), segments=segments, clamp=bool(clamp),
+                mask=mask if kind == C.MASK_ARRAY else None, softcap=softcap, sinks=sinks,
+                exact=bool(_flags(exact))), kk[0], vv[0]
+
+
+def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,
+              bits=4, *, clamp=False, seq_lens=None, out=None, return_lse=False, lse_base2=False, exact=False):
+    """kvattn.attention on torch tensors through the ops (see its documentation)."""
+    opts = _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
+    if opts is None or not _tensors(seq_lens, out):
+        return NotImplemented
+    kw, kd, vd = opts
+    ops = torch.ops.kvattn
+    try:
+        if return_lse:
+            if out is None:
+                return ops.attention_lse(q, kd, vd, seq_lens=seq_lens, lse_base2=bool(lse_base2), **kw)
+            lse = q.new_empty(out.shape[:3], dtype=torch.float32)
+            ops.attention_lse_out(out, lse, q, kd, vd, seq_lens=seq_lens, lse_base2=bool(lse_base2), **kw)
+            return out, lse
+        if out is None:
+            return ops.attention(q, kd, vd, seq_lens=seq_lens, **kw)
+        ops.attention_out(out, q, kd, vd, seq_lens=seq_lens, **kw)
+        return out
+    except ValueError as e:
+        raise _kva_error(e) from None
+
+
+def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None, window=None,
+                          segments=None, softcap=None, sinks=None, group_size=64, bits=4, *, clamp=False, out=None,
+                          exact=False):
+    """kvattn.block_table_attention on torch tensors through the ops."""
+    opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
+    if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
+        return NotImplemented
+    kw, kd, vd = opts
+    ops = torch.ops.kvattn
+    try:
+        if out is None:
+            return ops.block_table_attention(q, kd, vd, blocks, seq_lens, first_offset, **kw)
+        ops.block_table_attention_out(out, q, kd, vd, blocks, seq_lens, first_offset, **kw)
+        return out
+    except ValueError as e:
+        raise _kva_error(e) from None
+
+
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4):
+    """kvattn.cache_write on torch tensors through the ops (pools written in place)."""
+    from . import _check_i32
+
+    kp, vp = _kv(k_pool, bits), _kv(v_pool, bits)
+    if kp is None or vp is None or not _tensors(k, v, slots):
+        return NotImplemented
+    try:
+        if kp[3] == 0 and vp[3] == 0:
+            torch.ops.kvattn.cache_write(kp[0], vp[0], k, v, slots)
+        elif kp[3] and vp[3]:
+            torch.ops.kvattn.cache_write_quantized(kp[0], kp[1], kp[2], vp[0], vp[1], vp[2], k, v, slots,
+                                                   bits=_check_i32(bits, "bits"),
+                                                   group_size=_check_i32(group_size, "group_size"))
+        else:
+            raise C.error(C.EINVAL, "k_pool and v_pool must both be tensors or both (packed, scales, biases) tuples")
+    except ValueError as e:
+        if isinstance(e, KvaError):
+            raise
+        raise _kva_error(e) from None
+
+
+def merge_states(parts, *, base2=False, out=None, dtype=None):
+    """kvattn.merge_states on torch tensors through the ops: returns (out, lse)."""
+    parts = list(parts)
+    if not parts or not all(isinstance(p, (tuple, list)) and len(p) == 2 and _tensors(*p) and p[0] is not None
+                            and p[1] is not None for p in parts) or not _tensors(out):
+        return NotImplemented
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        return NotImplemented
+    os_, ls_ = [p[0] for p in parts], [p[1] for p in parts]
+    try:
+        if out is None:
+            return torch.ops.kvattn.merge_states(os_, ls_, base2=bool(base2), dtype=dtype)
+        lse = torch.empty(ls_[0].shape, dtype=torch.float32, device=ls_[0].device)
+        torch.ops.kvattn.merge_states_out(out, lse, os_, ls_, base2=bool(base2))
+        return out, lse
+    except ValueError as e:
+        raise _kva_error(e) from None
