@@ -223,7 +223,11 @@ class native_build:
             d = os.path.join(ROOT, d) if not os.path.isabs(d) else d
         else:
             self.tmp = d = tempfile.mkdtemp(prefix="kvattn-build-")
-        return build_native(self.s, os.path.abspath(d))
+        try:
+            return build_native(self.s, os.path.abspath(d))
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc):
         if self.tmp:

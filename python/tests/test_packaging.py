@@ -66,6 +66,34 @@ def test_settings(monkeypatch):
     assert kb.make_args(kb.settings({"cuda": "1"}), "/b")[-1] == "NVCC=/nonexistent/nvcc"
 
 
+def test_build_dir(monkeypatch, tmp_path):
+    """No build-dir: make runs in a fresh temporary directory, removed after
+    the wheel (or a failure); a given one is kept, relative to the source root."""
+    seen = []
+
+    def fake_build(s, d):
+        seen.append((d, os.path.isdir(d)))
+        if s["jobs"] == 1:
+            raise kb.BuildError("stand-in failure")
+        return {}
+
+    monkeypatch.setattr(kb, "build_native", fake_build)
+    monkeypatch.delenv("KVATTN_BUILD_DIR", raising=False)
+    with kb.native_build({"jobs": "2"}):
+        assert seen[-1][1]
+    assert not os.path.exists(seen[-1][0])
+    with pytest.raises(kb.BuildError):
+        with kb.native_build({"jobs": "1"}):
+            pass
+    assert seen[-1][1] and not os.path.exists(seen[-1][0])
+    with kb.native_build({"build-dir": "build-x/y", "jobs": "2"}):
+        pass
+    assert seen[-1][0] == os.path.join(kb.ROOT, "build-x", "y")
+    with kb.native_build({"build-dir": str(tmp_path), "jobs": "2"}):
+        pass
+    assert seen[-1] == (str(tmp_path), True) and tmp_path.is_dir()
+
+
 def check_record(zf):
     """Every member but RECORD listed once with its sha256 and size; RECORD itself with none."""
     names = zf.namelist()
@@ -191,48 +219,7 @@ def clean_env():
     return env
 
 
-def test_pip_wheel_from_sdist_installs(tmp_path):
-    """Offline, as on a machine without network: the sdist unpacked, `pip
-    wheel --no-index` (build isolation on: the backend needs nothing
-    installed), the wheel installed with pip into a fresh venv that sees this
-    interpreter's numpy and ml_dtypes, then, with no PYTHONPATH / KVATTN_LIB,
-    from another directory: the package and library are the venv's, one
-    exact-f32 and one 4-bit attention call agree with the double-precision
-    oracle, and the `kvattn` script runs the bundled CLI."""
-    import ml_dtypes
-    import numpy
-
-    version = kb.read_version()
-    sdist = tmp_path / kb.build_sdist(str(tmp_path))
-    with tarfile.open(sdist) as tf:
-        tf.extractall(tmp_path / "src", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    src = tmp_path / "src" / ("kvattn-%s" % version)
-    env = clean_env()
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py = str(venv / "bin" / "python")
-    r = subprocess.run([py, "-m", "pip", "wheel", "--no-index", "--no-deps", "-w", str(tmp_path / "wheels"),
-                        str(src)], capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    wheels = os.listdir(tmp_path / "wheels")
-    assert wheels == ["kvattn-%s-py3-none-linux_%s.whl" % (version, os.uname().machine)]
-    whl = tmp_path / "wheels" / wheels[0]
-    with zipfile.ZipFile(whl) as zf:
-        check_record(zf)
-        check_dist_info(zf, version)
-        assert {"kvattn/_lib/libkvattn.so", "kvattn/_lib/kvattn"} <= set(zf.namelist())
-
-    # numpy and ml_dtypes from this interpreter's site-packages (no index to install them from)
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    dep_dirs = sorted({os.path.dirname(os.path.dirname(m.__file__)) for m in (numpy, ml_dtypes)})
-    with open(os.path.join(site, "zz_test_deps.pth"), "w") as f:
-        f.write("\n".join(dep_dirs) + "\n")
-    r = subprocess.run([py, "-m", "pip", "install", "--no-index", str(whl)], capture_output=True, text=True,
-                       env=env, timeout=300, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-
-    probe = r"""
+PROBE = r"""
 import json, os, sys
 import numpy as np, kvattn
 rng = np.random.default_rng(int(sys.argv[1]))
@@ -251,20 +238,26 @@ print(json.dumps(dict(pkg=kvattn.__file__, lib=kvattn._capi.LIB_PATH, version=kv
                       err4=float(np.abs(out4.astype(np.float64) - ref4).max()),
                       ref_max=float(np.abs(ref).max()))))
 """
+
+
+def check_installed(py, env, cwd, version, pkg_dir):
+    """In the venv of `py`, from cwd: kvattn is imported from pkg_dir with
+    pkg_dir/_lib/libkvattn.so, and exact-f32 calls (float and 4-bit K/V) agree
+    with the double-precision oracle on fresh random data."""
     seed = int.from_bytes(os.urandom(4), "little")
-    r = subprocess.run([py, "-c", probe, str(seed)], capture_output=True, text=True, env=env, timeout=300,
-                       cwd=str(tmp_path))
+    r = subprocess.run([py, "-c", PROBE, str(seed)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=str(cwd))
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.splitlines()[-1])
-    inside = os.path.realpath(site) + os.sep
-    assert os.path.realpath(got["pkg"]).startswith(inside), got
-    assert os.path.realpath(got["lib"]) == os.path.realpath(os.path.join(site, "kvattn", "_lib", "libkvattn.so"))
+    assert os.path.realpath(got["pkg"]) == os.path.realpath(os.path.join(pkg_dir, "__init__.py")), got
+    assert os.path.realpath(got["lib"]) == os.path.realpath(os.path.join(pkg_dir, "_lib", "libkvattn.so")), got
     assert got["version"] == version and got["kernel"].endswith("[exact f32]")
     # [exact f32] against the f64 oracle: kvref.COMPUTE_ATOL
     assert got["err"] <= 2e-6 and got["err4"] <= 2e-6, (got, seed)
     assert got["ref_max"] > 0.05
 
-    cli = str(venv / "bin" / "kvattn")
+
+def check_cli(cli, env, version, tmp_path):
     r = subprocess.run([cli, "--version"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "kvattn " + version, (r.stdout, r.stderr)
     r = subprocess.run([cli, "info"], capture_output=True, text=True, env=env, timeout=60)
@@ -275,3 +268,58 @@ print(json.dumps(dict(pkg=kvattn.__file__, lib=kvattn._capi.LIB_PATH, version=kv
     r = subprocess.run([cli, "--version"], capture_output=True, text=True, timeout=60,
                        env=dict(env, KVATTN_LIB=str(tmp_path / "none" / "libkvattn.so")))
     assert r.returncode == 0 and r.stdout.strip() == "kvattn " + version, (r.stdout, r.stderr)
+
+
+def test_pip_wheel_from_sdist_installs(tmp_path):
+    """Offline, as on a machine without network: the sdist unpacked, `pip
+    wheel --no-index` (build isolation on: the backend needs nothing
+    installed; KVATTN_BUILD_DIR kept), the wheel installed with pip into a
+    fresh venv that sees this interpreter's numpy and ml_dtypes, then, with no
+    PYTHONPATH / KVATTN_LIB, from another directory: the package and library
+    are the venv's, attention agrees with the oracle, the `kvattn` script runs
+    the bundled CLI. Then `pip install -e` of the same tree over the same
+    build directory (make finds it up to date): the package and library are
+    the tree's."""
+    import ml_dtypes
+    import numpy
+
+    version = kb.read_version()
+    sdist = tmp_path / kb.build_sdist(str(tmp_path))
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp_path / "src", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    src = tmp_path / "src" / ("kvattn-%s" % version)
+    env = dict(clean_env(), KVATTN_BUILD_DIR=str(tmp_path / "objs"), LC_ALL="C")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin" / "python")
+    r = subprocess.run([py, "-m", "pip", "wheel", "--no-index", "--no-deps", "-w", str(tmp_path / "wheels"),
+                        str(src)], capture_output=True, text=True, env=env, timeout=900, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    wheels = os.listdir(tmp_path / "wheels")
+    assert wheels == ["kvattn-%s-py3-none-linux_%s.whl" % (version, os.uname().machine)]
+    whl = tmp_path / "wheels" / wheels[0]
+    with zipfile.ZipFile(whl) as zf:
+        check_record(zf)
+        check_dist_info(zf, version)
+        assert {"kvattn/_lib/libkvattn.so", "kvattn/_lib/kvattn"} <= set(zf.namelist())
+    assert os.path.exists(tmp_path / "objs" / "libkvattn.so")
+
+    # numpy and ml_dtypes from this interpreter's site-packages (no index to install them from)
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dep_dirs = sorted({os.path.dirname(os.path.dirname(m.__file__)) for m in (numpy, ml_dtypes)})
+    with open(os.path.join(site, "zz_test_deps.pth"), "w") as f:
+        f.write("\n".join(dep_dirs) + "\n")
+    r = subprocess.run([py, "-m", "pip", "install", "--no-index", str(whl)], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    check_installed(py, env, tmp_path, version, os.path.join(site, "kvattn"))
+    check_cli(str(venv / "bin" / "kvattn"), env, version, tmp_path)
+
+    r = subprocess.run([py, "-m", "pip", "install", "-v", "--no-index", "-e", str(src)], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "libkvattn.so' is up to date" in r.stdout + r.stderr  # the kept build directory, reused
+    assert not os.path.exists(os.path.join(site, "kvattn"))
+    check_installed(py, env, tmp_path, version, os.path.join(str(src), "python", "kvattn"))
+    check_cli(str(venv / "bin" / "kvattn"), env, version, tmp_path)
