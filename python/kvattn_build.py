@@ -151,7 +151,10 @@ def make_args(s, build_dir):
 def run(cmd, **kw):
     log("$ " + " ".join(cmd))
     # make's output goes to stderr: pip shows it on failure (and with -v).
-    return subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr, **kw)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr, **kw)
+    except FileNotFoundError:
+        raise BuildError("%s not found: building kvattn needs make and a C compiler (gcc or clang)" % cmd[0])
 
 
 def torch_importable():
@@ -448,10 +451,13 @@ _SDIST_SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".venv", "dist", "_l
 def sdist_files():
     """Source-root-relative paths: git's tracked and unignored files when this is
     a git checkout, else every file outside build directories and caches."""
-    if os.path.isdir(os.path.join(ROOT, ".git")):
-        r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True)
-        if r.returncode == 0:
+    if os.path.exists(os.path.join(ROOT, ".git")):  # a folder, or a file in a worktree
+        try:
+            r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                               cwd=ROOT, capture_output=True)
+        except OSError:  # no git: the walk below
+            r = None
+        if r is not None and r.returncode == 0:
             names = sorted({n for n in r.stdout.decode().split("\0") if n})
             return [n for n in names if os.path.isfile(os.path.join(ROOT, n)) and
                     not (set(n.split("/")[:-1]) & _SDIST_SKIP_DIRS) and not n.endswith(".pyc")]
