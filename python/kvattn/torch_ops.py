@@ -129,8 +129,11 @@ def _kv(x, bits):
 
 
 def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact):
-    """The ops' keyword options from kvattn.attention's arguments (None if
-    some argument is not for the ops)."""
+    """(k data, v data, the ops' options in schema order: k_scales, k_biases,
+    v_scales, v_biases, bits, group_size, scale, causal, window, segments,
+    clamp, mask, softcap, sinks, exact) from kvattn.attention's arguments;
+    None if some argument is not for the ops. Positional arguments: the
+    operators parse them faster than keywords."""
     from . import _check_i32, _flags, _mask_kind, _window
 
     kk, vv = _kv(k, bits), _kv(v, bits)
@@ -141,11 +144,9 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
         return None
     if kk[3] != vv[3]:
         raise C.error(C.EINVAL, "k and v must both be tensors or both (packed, scales, biases) tuples")
-    return dict(k_scales=kk[1], k_biases=kk[2], v_scales=vv[1], v_biases=vv[2], bits=kk[3],
-                group_size=_check_i32(group_size, "group_size"), scale=scale, causal=kind == C.MASK_CAUSAL,
-                window=_window(window), segments=segments, clamp=bool(clamp),
-                mask=mask if kind == C.MASK_ARRAY else None, softcap=softcap, sinks=sinks,
-                exact=bool(_flags(exact))), kk[0], vv[0]
+    return kk[0], vv[0], (kk[1], kk[2], vv[1], vv[2], kk[3], _check_i32(group_size, "group_size"), scale,
+                          kind == C.MASK_CAUSAL, _window(window), segments, bool(clamp),
+                          mask if kind == C.MASK_ARRAY else None, softcap, sinks, bool(_flags(exact)))
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,
@@ -154,18 +155,18 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     opts = _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
     if opts is None or not _tensors(seq_lens, out):
         return NotImplemented
-    kw, kd, vd = opts
+    kd, vd, o = opts
     ops = torch.ops.kvattn
     try:
         if return_lse:
             if out is None:
-                return ops.attention_lse(q, kd, vd, seq_lens=seq_lens, lse_base2=bool(lse_base2), **kw)
+                return ops.attention_lse.default(q, kd, vd, *o, seq_lens, bool(lse_base2))
             lse = q.new_empty(out.shape[:3], dtype=torch.float32)
-            ops.attention_lse_out(out, lse, q, kd, vd, seq_lens=seq_lens, lse_base2=bool(lse_base2), **kw)
+            ops.attention_lse_out.default(out, lse, q, kd, vd, *o, seq_lens, bool(lse_base2))
             return out, lse
         if out is None:
-            return ops.attention(q, kd, vd, seq_lens=seq_lens, **kw)
-        ops.attention_out(out, q, kd, vd, seq_lens=seq_lens, **kw)
+            return ops.attention.default(q, kd, vd, *o, seq_lens)
+        ops.attention_out.default(out, q, kd, vd, *o, seq_lens)
         return out
     except ValueError as e:
         raise _kva_error(e) from None
@@ -178,12 +179,12 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
     if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
         return NotImplemented
-    kw, kd, vd = opts
+    kd, vd, o = opts
     ops = torch.ops.kvattn
     try:
         if out is None:
-            return ops.block_table_attention(q, kd, vd, blocks, seq_lens, first_offset, **kw)
-        ops.block_table_attention_out(out, q, kd, vd, blocks, seq_lens, first_offset, **kw)
+            return ops.block_table_attention.default(q, kd, vd, blocks, seq_lens, first_offset, *o)
+        ops.block_table_attention_out.default(out, q, kd, vd, blocks, seq_lens, first_offset, *o)
         return out
     except ValueError as e:
         raise _kva_error(e) from None
