@@ -314,7 +314,6 @@ KBLOCK(4)
  * every chunk in one group (8E <= G: a group is cpg whole chunks) or, for
  * 4-bit codes in groups of 32, two groups per chunk (halves: words 0-3 and
  * 4-7, the two 128-bit halves of the reduction). */
-#define IQ_MAXU MAXG /* int32 lane vectors per (vector, row): one per group or per chunk (halves) */
 
 /* Lane t of the low (high) half of *lo (*hi) = the sum of lanes 0-3 (4-7)
  * of v[t]: the two halves of 8 rows' lane sums; their sum is the full sum. */
@@ -342,15 +341,13 @@ ALWAYS __m256 iq_group_term(__m256i I, const float *s, const float *b, const flo
 ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
                       const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, int bits,
                       float *S, const kva_prefetch *pf) {
-  const int U = fp->halves ? fp->nch : fp->ngroups, cpg = fp->halves ? 1 : fp->G / (8 * fp->E);
+  const int nch = fp->nch;
   const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
-  __m256i part[KQB][IQ_MAXU][L8];
+  __m256i part[KQB][MAXCH][L8]; /* [vector][chunk][row of the block]: int32 word-lane sums */
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    __m256i acc[KQB];
-    for (int j = 0; j < J; ++j) acc[j] = z;
-    for (int c = 0; c < fp->nch; ++c) {
+    for (int c = 0; c < nch; ++c) {
       const __m256i x = load_chunk(fp, row, c);
       if (bits == 4) {
         const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
@@ -358,42 +355,42 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
           const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 2 * c;
           const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(q)),
                                              _mm256_maddubs_epi16(hi, _mm256_load_si256(q + 1)));
-          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(d, ones));
+          part[j][c][t % L8] = _mm256_madd_epi16(d, ones);
         }
       } else {
         const __m256i lo = _mm256_unpacklo_epi8(x, z), hi = _mm256_unpackhi_epi8(x, z);
         for (int j = 0; j < J; ++j) {
           const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 2 * c;
-          acc[j] = _mm256_add_epi32(acc[j], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
-                                                             _mm256_madd_epi16(hi, _mm256_load_si256(q + 1))));
-        }
-      }
-      if ((c + 1) % cpg == 0 || c == fp->nch - 1) { /* the last chunk of its unit */
-        for (int j = 0; j < J; ++j) {
-          part[j][c / cpg][t % L8] = acc[j];
-          acc[j] = z;
+          part[j][c][t % L8] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_load_si256(q)),
+                                                _mm256_madd_epi16(hi, _mm256_load_si256(q + 1)));
         }
       }
     }
     if (t % L8 != L8 - 1 && t != n - 1) continue;
+    /* the block's 8 rows: per chunk the lane sums of each group (int32, exact),
+     * chunks of one group added, then the group's term */
     const int64_t t0 = t - t % L8;
     for (int j = 0; j < J; ++j) {
       const float *sg = sgb + (int64_t)j * sgst, *beta = sg + fp->ngroups;
       __m256 sc = _mm256_setzero_ps();
-      for (int u = 0; u < U; ++u) {
-        for (int64_t r = t + 1; r < t0 + L8; ++r) part[j][u][r % L8] = z;
+      __m256i I = z;
+      for (int c = 0; c < nch; ++c) {
+        for (int64_t r = t + 1; r < t0 + L8; ++r) part[j][c][r % L8] = z;
         __m256i lo, hi;
-        reduce8_halves_i(part[j][u], &lo, &hi);
+        reduce8_halves_i(part[j][c], &lo, &hi);
         if (fp->halves) {
-          const int g = 2 * u;
+          const int g = 2 * c;
           sc = iq_group_term(lo, kst + g * KVA_TILE + t0, kbt + g * KVA_TILE + t0, sg + g, beta + g, sc);
           if (g + 1 < fp->ngroups)
             sc = iq_group_term(hi, kst + (g + 1) * KVA_TILE + t0, kbt + (g + 1) * KVA_TILE + t0, sg + g + 1,
                                beta + g + 1, sc);
-        } else {
-          sc = iq_group_term(_mm256_add_epi32(lo, hi), kst + u * KVA_TILE + t0, kbt + u * KVA_TILE + t0, sg + u,
-                             beta + u, sc);
+          continue;
         }
+        I = _mm256_add_epi32(I, _mm256_add_epi32(lo, hi));
+        const int g = fp->g0[c];
+        if (c + 1 < nch && fp->g0[c + 1] == g) continue; /* the group goes on in the next chunk */
+        sc = iq_group_term(I, kst + g * KVA_TILE + t0, kbt + g * KVA_TILE + t0, sg + g, beta + g, sc);
+        I = z;
       }
       _mm256_storeu_ps(S + j * KVA_TILE + t0, sc);
     }
@@ -575,7 +572,7 @@ ALWAYS void vdirect_q_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
     enum { KB = J == 4 ? 2 : 4, KP = 32 / BITS / KB }; /* codes per pass, passes per chunk */                  \
     const int np = fp->nch * KP;                                                                               \
     for (int c = 0; c < fp->nch; ++c)                                                                          \
-      for (int kp = 0; kp < KP; ++kp) {                                                                        \
+      _Pragma("GCC unroll 8") for (int kp = 0; kp < KP; ++kp) { /* k0 a constant: immediate shifts */          \
         const vshare sh = vshare_of(pf, c * KP + kp, np);                                                      \
         if (fp->one_group) vdirect_q_pass(fp, rows, n, ws, o, c, KB * kp, KB, J, BITS, 1, sh);                  \
         else vdirect_q_pass(fp, rows, n, ws, o, c, KB * kp, KB, J, BITS, 0, sh);                                \
