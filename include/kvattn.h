@@ -353,6 +353,49 @@ int kva_cascade_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_vi
 int kva_cascade_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *prefix,
                                const kva_kv_view *suffix, const kva_attn_params *params, size_t *bytes);
 
+/* Context parallelism: a sequence batch's KV sharded over R ranks
+ * (contiguous ranges, round-robin blocks: any split of the keys). Each rank
+ * attends its shard for all heads into its send buffer (kva_cp_attend), the
+ * partials are exchanged, and each rank merges the R parts it received
+ * (kva_cp_merge): the heads it owns (by_head: rank r ends with heads
+ * [r H/R, (r+1) H/R), an all-to-all) or all heads (all-gather). The
+ * exchange is the caller's (kva_cp_plan's offsets: simulated ranks, any
+ * transport). Buffers, f32, in ctx's memory:
+ *   send: o at 0 and lse at send_lse_offset; the part for rank d (by_head;
+ *     all-gather: the one part, d = 0) is o_bytes at d * o_bytes and
+ *     lse_bytes at send_lse_offset + d * lse_bytes;
+ *   recv: the part from rank s at s * o_bytes and at recv_lse_offset +
+ *     s * lse_bytes.
+ * The result equals attention over the unsharded keys within rounding when
+ * the shards are disjoint, cover the keys, and each rank's params state
+ * what its rows see of its shard: the shard that ends with the query rows'
+ * own tokens (>= L of them) takes the caller's mask, a shard wholly before
+ * them mask none (or, with a window, none when the window covers it, kv
+ * NULL when it excludes it); sinks on one rank only. */
+typedef struct kva_cp_plan {
+  int64_t ranks, rank;               /* R (1..KVA_MERGE_MAX_PARTS) and this rank */
+  int by_head;                       /* 1: all-to-all by head owner; 0: all-gather */
+  int64_t B, H, L, Dv;               /* the call's shape */
+  int64_t heads;                     /* heads per part: H / R (by_head) or H */
+  unsigned lse_flags;                /* 0 or KVA_LSE_BASE2: the base of every lse (parts and out) */
+  size_t o_bytes, lse_bytes;         /* one part: heads B L Dv and heads B L floats */
+  size_t send_lse_offset, send_bytes; /* send buffer layout */
+  size_t recv_lse_offset, recv_bytes; /* receive buffer layout */
+} kva_cp_plan;
+/* The plan of one call shape (by_head needs R | H). */
+int kva_cp_plan_init(kva_cp_plan *plan, int64_t ranks, int64_t rank, int by_head, int64_t B, int64_t H, int64_t L,
+                     int64_t Dv, unsigned lse_flags);
+/* This rank's part: kva_attention_lse of q [B, H, L, Dk] over its shard kv
+ * (NULL: no key, out 0 and lse -inf) into send (>= plan->send_bytes;
+ * workspace as kva_attention). Errors as kva_attention's; nothing written on error. */
+int kva_cp_attend(kva_context *ctx, const kva_cp_plan *plan, const kva_tensor *q, const kva_kv_view *kv,
+                  const kva_attn_params *params, void *send, size_t send_bytes, void *workspace,
+                  size_t workspace_bytes);
+/* Merges the R received parts into out [B, heads, L, Dv] (f32/f16/bf16) and
+ * lse [B, heads, L] f32 or NULL (kva_merge_states; recv >= plan->recv_bytes). */
+int kva_cp_merge(kva_context *ctx, const kva_cp_plan *plan, const void *recv, size_t recv_bytes, kva_tensor *out,
+                 kva_tensor *lse);
+
 typedef enum kva_path {
   KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */
   KVA_PATH_FALLBACK = 2, /* correct general path (explicit masks, long L) */

@@ -69,6 +69,9 @@ int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t 
  * validated by src/core/cache_write.c; slots out of range are skipped. */
 int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                          const kva_tensor *v, const int32_t *slots, int64_t n);
+/* A context-parallel send buffer with no key (src/cuda/cp.cu): o_bytes of
+ * zeros at send, lse_count floats of -inf at send + o_bytes, on ctx's stream. */
+int kva_cuda_cp_fill_empty(kva_context *ctx, void *send, size_t o_bytes, size_t lse_count);
 /* Allocates / frees the context-owned workspace in device memory. */
 int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr);
 void kva_cuda_workspace_free(kva_context *ctx, void *ptr);
