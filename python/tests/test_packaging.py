@@ -323,3 +323,58 @@ def test_pip_wheel_from_sdist_installs(tmp_path):
     assert not os.path.exists(os.path.join(site, "kvattn"))
     check_installed(py, env, tmp_path, version, os.path.join(str(src), "python", "kvattn"))
     check_cli(str(venv / "bin" / "kvattn"), env, version, tmp_path)
+
+
+def test_wheel_with_torch_extension(tmp_path):
+    """Where torch imports (so not in CI): the backend run by this
+    interpreter (as `pip install --no-build-isolation` runs it) with
+    KVATTN_TORCH=1, CPU only, builds libkvattn_torch.so into kvattn/_lib/
+    under a cpXY tag; installed into a fresh venv that sees this
+    interpreter's torch, kvattn.torch_ops loads it from there and its
+    attention agrees with the oracle."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    import numpy
+
+    version = kb.read_version()
+    env = dict(clean_env(), KVATTN_TORCH="1")
+    code = "import sys; sys.path.insert(0, 'python'); import kvattn_build as b; print(b.build_wheel(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "wheels")], capture_output=True, text=True,
+                       env=env, timeout=1200, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    name = r.stdout.split()[-1]
+    tag = kb.wheel_tag(True)
+    assert name == "kvattn-%s-%s.whl" % (version, tag)
+    whl = tmp_path / "wheels" / name
+    with zipfile.ZipFile(whl) as zf:
+        check_record(zf)
+        check_dist_info(zf, version, tag)
+        assert "kvattn/_lib/libkvattn_torch.so" in zf.namelist()
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dep_dirs = sorted({os.path.dirname(os.path.dirname(m.__file__)) for m in (numpy, ml_dtypes, torch)})
+    with open(os.path.join(site, "zz_test_deps.pth"), "w") as f:
+        f.write("\n".join(dep_dirs) + "\n")
+    r = subprocess.run([py, "-m", "pip", "install", "--no-index", "--no-deps", str(whl)], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    probe = r"""
+import json, sys
+import numpy as np, torch, kvattn, kvattn.torch_ops as t
+torch.manual_seed(int(sys.argv[1]))
+q = torch.randn(2, 8, 3, 64); k = torch.randn(2, 2, 500, 64); v = torch.randn(2, 2, 500, 64)
+out = t.load().attention(q, k, v, causal=True, exact=True)
+ref = kvattn.reference_attention(q.numpy(), k.numpy(), v.numpy(), mask="causal")
+print(json.dumps(dict(ext=t.library_path(), err=float(np.abs(out.numpy().astype(np.float64) - ref).max()))))
+"""
+    seed = int.from_bytes(os.urandom(4), "little")
+    r = subprocess.run([py, "-c", probe, str(seed)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert os.path.realpath(got["ext"]) == os.path.realpath(os.path.join(site, "kvattn", "_lib", "libkvattn_torch.so"))
+    assert got["err"] <= 2e-6, (got, seed)  # [exact f32] against the f64 oracle: kvref.COMPUTE_ATOL
