@@ -42,6 +42,23 @@ CFLAGS_BASE += -DKVA_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 
+# NCCL (kva_cp_attention, context parallelism over GPUs), with CUDA only:
+# nccl.h under NCCL_HOME (default: the CUDA toolkit, /usr/local or /usr; for
+# PyPI's nvidia-nccl-cu13 pass NCCL_HOME=<site-packages>/nvidia/nccl) and
+# libnccl.so(.2) in its lib, lib64 or the system's library directories.
+# NCCL=0 builds without it.
+ifneq ($(HAVE_CUDA),)
+ifneq ($(NCCL),0)
+NCCL_HOME ?= $(firstword $(foreach d,$(CUDA_HOME) /usr/local /usr,$(if $(wildcard $(d)/include/nccl.h),$(d))))
+NCCL_LIB := $(if $(NCCL_HOME),$(firstword $(wildcard $(foreach d,$(NCCL_HOME)/lib $(NCCL_HOME)/lib64 /usr/local/lib /usr/lib/x86_64-linux-gnu /usr/lib64,$(d)/libnccl.so $(d)/libnccl.so.2))))
+ifneq ($(NCCL_LIB),)
+HAVE_NCCL = 1
+CFLAGS_BASE += -DKVA_HAVE_NCCL=1 -I$(NCCL_HOME)/include
+LDLIBS += -L$(dir $(NCCL_LIB)) -Wl,-rpath,$(dir $(NCCL_LIB)) -l:$(notdir $(NCCL_LIB))
+endif
+endif
+endif
+
 # objdir, extra cflags
 define objs
 $(patsubst %.c,$(1)/%.o,$(CORE_SRC)) \

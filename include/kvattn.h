@@ -360,7 +360,7 @@ int kva_cascade_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_
  * (kva_cp_merge): the heads it owns (by_head: rank r ends with heads
  * [r H/R, (r+1) H/R), an all-to-all) or all heads (all-gather). The
  * exchange is the caller's (kva_cp_plan's offsets: simulated ranks, any
- * transport). Buffers, f32, in ctx's memory:
+ * transport) or NCCL's (kva_cp_attention). Buffers, f32, in ctx's memory:
  *   send: o at 0 and lse at send_lse_offset; the part for rank d (by_head;
  *     all-gather: the one part, d = 0) is o_bytes at d * o_bytes and
  *     lse_bytes at send_lse_offset + d * lse_bytes;
@@ -395,6 +395,18 @@ int kva_cp_attend(kva_context *ctx, const kva_cp_plan *plan, const kva_tensor *q
  * lse [B, heads, L] f32 or NULL (kva_merge_states; recv >= plan->recv_bytes). */
 int kva_cp_merge(kva_context *ctx, const kva_cp_plan *plan, const void *recv, size_t recv_bytes, kva_tensor *out,
                  kva_tensor *lse);
+/* The three steps over NCCL on ctx's stream (CUDA context; no host
+ * synchronization, no allocation: CUDA-graph capturable): kva_cp_attend
+ * into send, the exchange (by_head: a send / receive per peer in one
+ * group; else all-gather), kva_cp_merge from recv into out, lse (checked
+ * first). comm: the caller's ncclComm_t (as void *) of plan->ranks ranks in
+ * which this is plan->rank (else KVA_EINVAL); send, recv: device buffers of
+ * plan->send_bytes and plan->recv_bytes. Every rank calls it with the same
+ * plan shape. Built with NCCL when the Makefile finds it (NCCL_HOME), else
+ * KVA_EUNSUPPORTED. On an NCCL error (KVA_ECUDA) send may hold this rank's part. */
+int kva_cp_attention(kva_context *ctx, void *comm, const kva_cp_plan *plan, const kva_tensor *q,
+                     const kva_kv_view *kv, const kva_attn_params *params, kva_tensor *out, kva_tensor *lse,
+                     void *send, void *recv, void *workspace, size_t workspace_bytes);
 
 typedef enum kva_path {
   KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */

@@ -183,12 +183,55 @@ static kva_tensor cp_lse_t(float *p, int64_t B, int64_t H, int64_t L) {
   return t;
 }
 
-/* All ranks of one split: attend, exchange, merge, compare with ref/rlse. */
+/* Buffers of the simulated ranks: host memory, or device memory (dev). */
+#ifdef KVA_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+static void *cp_buf(int dev, size_t n) {
+#ifdef KVA_HAVE_CUDA
+  if (dev) {
+    void *p = NULL;
+    return cudaMalloc(&p, n ? n : 1) == cudaSuccess ? p : NULL;
+  }
+#endif
+  (void)dev;
+  return malloc(n ? n : 1);
+}
+static void cp_buf_free(int dev, void *p) {
+#ifdef KVA_HAVE_CUDA
+  if (dev) {
+    if (p) cudaFree(p);
+    return;
+  }
+#endif
+  (void)dev;
+  free(p);
+}
+/* dst <- src (n bytes, both in the ranks' memory; to_host: dst is host memory). */
+static int cp_copy(int dev, void *dst, const void *src, size_t n, int to_host) {
+#ifdef KVA_HAVE_CUDA
+  if (dev) return cudaMemcpy(dst, src, n, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice) == cudaSuccess ? 0 : -1;
+#endif
+  (void)dev, (void)to_host;
+  memcpy(dst, src, n);
+  return 0;
+}
+static int cp_poison(int dev, void *p, size_t n) {
+#ifdef KVA_HAVE_CUDA
+  if (dev) return cudaMemset(p, 0x7f, n) == cudaSuccess ? 0 : -1;
+#endif
+  (void)dev;
+  memset(p, 0x7f, n);
+  return 0;
+}
+
+/* All ranks of one split: attend, exchange, merge, compare with ref/rlse
+ * (host arrays); dev: the ranks' buffers in device memory (ctx CUDA). */
 static int cp_run(kva_context *ctx, const cpc *c, int64_t R, int by_head, const kva_tensor *q, shard *sh,
-                  const float *ref, const float *rlse, const char *what) {
+                  const float *ref, const float *rlse, const char *what, int dev) {
   kva_cp_plan plan[8];
   char *send[8] = {0}, *recv[8] = {0};
-  float *out = NULL, *lse = NULL;
+  float *out = NULL, *lse = NULL, *dout = NULL, *dlse = NULL;
   int ok = 0;
   for (int64_t r = 0; r < R; ++r)
     if (kva_cp_plan_init(&plan[r], R, r, by_head, c->B, c->H, c->L, c->D, 0)) {
@@ -197,9 +240,8 @@ static int cp_run(kva_context *ctx, const cpc *c, int64_t R, int by_head, const 
     }
   const kva_cp_plan *p0 = &plan[0];
   for (int64_t r = 0; r < R; ++r) {
-    send[r] = malloc(p0->send_bytes), recv[r] = malloc(p0->recv_bytes);
-    if (!send[r] || !recv[r]) goto done;
-    memset(send[r], 0x7f, p0->send_bytes);
+    send[r] = cp_buf(dev, p0->send_bytes), recv[r] = cp_buf(dev, p0->recv_bytes);
+    if (!send[r] || !recv[r] || cp_poison(dev, send[r], p0->send_bytes)) goto done;
     if (kva_cp_attend(ctx, &plan[r], q, sh[r].empty ? NULL : &sh[r].view, &sh[r].p, send[r], p0->send_bytes, NULL,
                       0)) {
       FAIL_("%s: rank %lld: kva_cp_attend: %s", what, (long long)r, kva_last_error());
@@ -210,18 +252,25 @@ static int cp_run(kva_context *ctx, const cpc *c, int64_t R, int by_head, const 
   for (int64_t d = 0; d < R; ++d)
     for (int64_t s = 0; s < R; ++s) {
       const size_t part = by_head ? (size_t)d : 0;
-      memcpy(recv[d] + s * p0->o_bytes, send[s] + part * p0->o_bytes, p0->o_bytes);
-      memcpy(recv[d] + p0->recv_lse_offset + s * p0->lse_bytes, send[s] + p0->send_lse_offset + part * p0->lse_bytes,
-             p0->lse_bytes);
+      if (cp_copy(dev, recv[d] + s * p0->o_bytes, send[s] + part * p0->o_bytes, p0->o_bytes, 0) ||
+          cp_copy(dev, recv[d] + p0->recv_lse_offset + s * p0->lse_bytes,
+                  send[s] + p0->send_lse_offset + part * p0->lse_bytes, p0->lse_bytes, 0)) {
+        FAIL_("%s: exchange", what);
+        goto done;
+      }
     }
   const int64_t hc = p0->heads;
-  out = malloc(sizeof(float) * (size_t)(c->B * hc * c->L * c->D));
-  lse = malloc(sizeof(float) * (size_t)(c->B * hc * c->L));
-  if (!out || !lse) goto done;
+  const size_t on = sizeof(float) * (size_t)(c->B * hc * c->L * c->D), ln = sizeof(float) * (size_t)(c->B * hc * c->L);
+  out = malloc(on), lse = malloc(ln), dout = dev ? cp_buf(dev, on) : out, dlse = dev ? cp_buf(dev, ln) : lse;
+  if (!out || !lse || !dout || !dlse) goto done;
   for (int64_t d = 0; d < R; ++d) {
-    kva_tensor to = kva_tensor_4d(out, KVA_F32, c->B, hc, c->L, c->D), tl = cp_lse_t(lse, c->B, hc, c->L);
+    kva_tensor to = kva_tensor_4d(dout, KVA_F32, c->B, hc, c->L, c->D), tl = cp_lse_t(dlse, c->B, hc, c->L);
     if (kva_cp_merge(ctx, &plan[d], recv[d], p0->recv_bytes, &to, &tl)) {
       FAIL_("%s: rank %lld: kva_cp_merge: %s", what, (long long)d, kva_last_error());
+      goto done;
+    }
+    if (dev && (cp_copy(dev, out, dout, on, 1) || cp_copy(dev, lse, dlse, ln, 1))) {
+      FAIL_("%s: fetch", what);
       goto done;
     }
     const int64_t h0 = by_head ? d * hc : 0;
@@ -245,20 +294,62 @@ static int cp_run(kva_context *ctx, const cpc *c, int64_t R, int by_head, const 
   }
   ok = 1;
 done:
-  for (int64_t r = 0; r < R; ++r) free(send[r]), free(recv[r]);
+  for (int64_t r = 0; r < R; ++r) cp_buf_free(dev, send[r]), cp_buf_free(dev, recv[r]);
+  if (dev) cp_buf_free(dev, dout), cp_buf_free(dev, dlse);
   free(out), free(lse);
   return ok;
 }
 
-static int cp_case(kva_context *ctx, const cpc *c) {
+/* Device copies of the case's operands (dev runs), freed together. */
+#define CP_DEV_MAX 256
+typedef struct cpd {
+  void *p[CP_DEV_MAX];
+  int n;
+} cpd;
+static void *cpd_copy(cpd *d, const void *h, size_t n) {
+  if (d->n == CP_DEV_MAX) return NULL;
+  void *p = cp_buf(1, n);
+  if (!p) return NULL;
+  d->p[d->n++] = p;
+#ifdef KVA_HAVE_CUDA
+  if (h && cudaMemcpy(p, h, n, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
+#else
+  (void)h;
+#endif
+  return p;
+}
+static size_t cp_extent(const kva_tensor *t) {
+  size_t e = kva_dtype_size(t->dtype);
+  for (int x = 0; x < t->ndim; ++x) e += (size_t)((t->shape[x] - 1) * t->stride[x]);
+  return e;
+}
+/* kv with its arrays copied to the device (same strides). */
+static int cpd_kv(cpd *d, const kva_kv *h, kva_kv *out) {
+  *out = *h;
+  kva_tensor *ts[3] = {&out->data, &out->scales, &out->biases};
+  for (int a = 0; a < (h->bits ? 3 : 1); ++a)
+    if (!(ts[a]->data = cpd_copy(d, ts[a]->data, cp_extent(ts[a])))) return -1;
+  return 0;
+}
+static void cpd_free(cpd *d) {
+  for (int i = 0; i < d->n; ++i) cp_buf_free(1, d->p[i]);
+  d->n = 0;
+}
+
+/* One case for R = 1..8, both exchange modes; dev: the ranks on ctx's
+ * device (contiguous and block-table layouts), the reference the unsharded
+ * call there. */
+static int cp_case(kva_context *ctx, const cpc *c, int dev) {
   cpm m = {{0}, 0};
+  cpd dm = {{0}, 0};
   kva_pool *pool = NULL;
   int32_t seqs[8];
   int ok = 0;
-  char cs[200];
-  snprintf(cs, sizeof cs, "B%lld H%lld/%lld L%lld N%lld D%lld bits %d %s mask %d window %d sinks %d cap %g layout %d",
-           (long long)c->B, (long long)c->H, (long long)c->KVH, (long long)c->L, (long long)c->N, (long long)c->D,
-           c->bits, kva_dtype_name(c->dt), (int)c->mask, c->window, c->sinks, (double)c->softcap, (int)c->layout);
+  char cs[220];
+  snprintf(cs, sizeof cs, "%sB%lld H%lld/%lld L%lld N%lld D%lld bits %d %s mask %d window %d sinks %d cap %g layout %d",
+           dev ? "CUDA " : "", (long long)c->B, (long long)c->H, (long long)c->KVH, (long long)c->L, (long long)c->N,
+           (long long)c->D, c->bits, kva_dtype_name(c->dt), (int)c->mask, c->window, c->sinks, (double)c->softcap,
+           (int)c->layout);
   const size_t nkv = (size_t)(c->B * c->KVH * c->N * c->D), nq = (size_t)(c->B * c->H * c->L * c->D);
   float *ks = cpm_alloc(&m, nkv * 4), *vs = cpm_alloc(&m, nkv * 4), *qd = cpm_alloc(&m, nq * 4);
   float *ref = cpm_alloc(&m, nq * 4), *rlse = cpm_alloc(&m, nq / c->D * 4), sinks[64];
@@ -266,7 +357,8 @@ static int cp_case(kva_context *ctx, const cpc *c) {
   for (size_t i = 0; i < nkv; ++i) ks[i] = test_randn(), vs[i] = test_randn();
   for (size_t i = 0; i < nq; ++i) qd[i] = test_randn();
   for (int64_t h = 0; h < c->H; ++h) sinks[h] = test_randn();
-  kva_kv k, v;
+  kva_kv k, v, dk, dv, pk, pv;
+  memset(&dk, 0, sizeof dk), memset(&dv, 0, sizeof dv), memset(&pk, 0, sizeof pk), memset(&pv, 0, sizeof pv);
   if (cp_kv(&m, c, ks, &k) || cp_kv(&m, c, vs, &v)) {
     FAIL_("%s: operands: %s", cs, kva_last_error());
     goto done;
@@ -283,54 +375,98 @@ static int cp_case(kva_context *ctx, const cpc *c) {
   p.softcap = c->softcap;
   if (c->sinks) p.sinks = sinks;
   kva_tensor tr = kva_tensor_4d(ref, KVA_F32, c->B, c->H, c->L, c->D), trl = cp_lse_t(rlse, c->B, c->H, c->L);
-  if (kva_attention_lse(ctx, &q, &full, &p, &tr, &trl, 0, NULL, 0)) {
+  if (dev) { /* operands on the device; the reference: the unsharded call there */
+    kva_tensor dq = q, dout = tr, dlse = trl;
+    float *dsinks = cpd_copy(&dm, sinks, sizeof sinks);
+    dq.data = cpd_copy(&dm, qd, nq * 4), dout.data = cpd_copy(&dm, NULL, nq * 4);
+    dlse.data = cpd_copy(&dm, NULL, nq / c->D * 4);
+    if (!dsinks || !dq.data || !dout.data || !dlse.data || cpd_kv(&dm, &k, &dk) || cpd_kv(&dm, &v, &dv)) {
+      FAIL_("%s: could not mirror operands to the device", cs);
+      goto done;
+    }
+    if (pool) {
+      const kva_kv hpk = kva_pool_k(pool), hpv = kva_pool_v(pool);
+      if (cpd_kv(&dm, &hpk, &pk) || cpd_kv(&dm, &hpv, &pv)) goto done;
+    }
+    if (c->sinks) p.sinks = dsinks;
+    const kva_kv_view dfull = kva_view_contiguous(&dk, &dv, NULL);
+    if (kva_attention_lse(ctx, &dq, &dfull, &p, &dout, &dlse, 0, NULL, 0) || cp_copy(1, ref, dout.data, nq * 4, 1) ||
+        cp_copy(1, rlse, dlse.data, nq / c->D * 4, 1)) {
+      FAIL_("%s: unsharded call on the device: %s", cs, kva_last_error());
+      goto done;
+    }
+    q = dq;
+  } else if (kva_attention_lse(ctx, &q, &full, &p, &tr, &trl, 0, NULL, 0)) {
     FAIL_("%s: unsharded call: %s", cs, kva_last_error());
     goto done;
   }
   ok = 1;
   for (int64_t R = 1; R <= 8 && ok; ++R) {
     shard sh[8];
-    if (cp_split(&m, c, R, &k, &v, pool, seqs, &p, sh)) {
+    if (cp_split(&m, c, R, dev ? &dk : &k, dev ? &dv : &v, pool, seqs, &p, sh)) {
       FAIL_("%s: R = %lld: could not split (%s)", cs, (long long)R, kva_last_error());
       ok = 0;
       cp_unsplit(sh, R);
       break;
     }
+    for (int64_t r = 0; r < R && dev && pool; ++r) { /* the shards' tables and pools on the device */
+      shard *t = &sh[r];
+      if (t->empty) continue;
+      t->k = pk, t->v = pv;
+      t->table.blocks = cpd_copy(&dm, t->blocks, sizeof(int32_t) * (size_t)(c->B * t->table.max_blocks));
+      t->table.seq_lens = cpd_copy(&dm, t->lens, sizeof(int32_t) * (size_t)c->B);
+      if (!t->table.blocks || !t->table.seq_lens) ok = 0;
+      t->view = kva_view_block_table(&t->k, &t->v, &t->table);
+    }
     for (int by_head = 0; by_head < 2 && ok; ++by_head) {
       if (by_head && c->H % R) continue;
       char what[300];
       snprintf(what, sizeof what, "%s, R = %lld, %s", cs, (long long)R, by_head ? "by head" : "all-gather");
-      ok = cp_run(ctx, c, R, by_head, &q, sh, ref, rlse, what);
+      ok = cp_run(ctx, c, R, by_head, &q, sh, ref, rlse, what, dev);
     }
     cp_unsplit(sh, R);
   }
 done:
   if (pool) kva_pool_destroy(pool);
+  cpd_free(&dm);
   cpm_free(&m);
   return ok;
 }
 
+static const cpc cp_cases[] = {
+    /* contiguous ranges: float formats, masks */
+    {1, 8, 4, 1, 700, 128, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 0, 0, 0, CP_CONTIG, 0},
+    {2, 8, 2, 4, 500, 64, 0, 0, KVA_BF16, KVA_MASK_CAUSAL, 0, 1, 0, CP_CONTIG, 0},
+    {1, 8, 8, 3, 400, 128, 0, 0, KVA_F16, KVA_MASK_NONE, 0, 1, 15.0f, CP_CONTIG, 0},
+    {1, 8, 4, 2, 900, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 30, 1, 0, CP_CONTIG, 0},  /* window excludes shards */
+    {1, 8, 4, 2, 300, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 310, 0, 0, CP_CONTIG, 0}, /* window covers them */
+    /* quantized */
+    {1, 8, 4, 1, 1000, 256, 4, 64, KVA_BF16, KVA_MASK_CAUSAL, 0, 0, 0, CP_CONTIG, 0},
+    {2, 8, 2, 4, 600, 128, 8, 32, KVA_F16, KVA_MASK_CAUSAL, 25, 0, 0, CP_CONTIG, 0},
+    /* round-robin blocks: block tables and paged views (ranks without a block at R > 5) */
+    {1, 8, 4, 1, 77, 128, 4, 64, KVA_BF16, KVA_MASK_CAUSAL, 0, 1, 0, CP_TABLE_RR, 16},
+    {2, 8, 2, 4, 300, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 0, 0, 20.0f, CP_TABLE_RR, 32},
+    {1, 8, 4, 2, 500, 128, 8, 64, KVA_BF16, KVA_MASK_NONE, 0, 1, 0, CP_PAGED_RR, 16},
+    {2, 8, 4, 1, 260, 64, 0, 0, KVA_F16, KVA_MASK_CAUSAL, 0, 0, 0, CP_PAGED_RR, 64},
+};
+
 TEST(cp_simulated_ranks_vs_unsharded) {
-  static const cpc cs[] = {
-      /* contiguous ranges: float formats, masks */
-      {1, 8, 4, 1, 700, 128, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 0, 0, 0, CP_CONTIG, 0},
-      {2, 8, 2, 4, 500, 64, 0, 0, KVA_BF16, KVA_MASK_CAUSAL, 0, 1, 0, CP_CONTIG, 0},
-      {1, 8, 8, 3, 400, 128, 0, 0, KVA_F16, KVA_MASK_NONE, 0, 1, 15.0f, CP_CONTIG, 0},
-      {1, 8, 4, 2, 900, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 30, 1, 0, CP_CONTIG, 0}, /* window excludes shards */
-      {1, 8, 4, 2, 300, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 310, 0, 0, CP_CONTIG, 0}, /* window covers them */
-      /* quantized */
-      {1, 8, 4, 1, 1000, 256, 4, 64, KVA_BF16, KVA_MASK_CAUSAL, 0, 0, 0, CP_CONTIG, 0},
-      {2, 8, 2, 4, 600, 128, 8, 32, KVA_F16, KVA_MASK_CAUSAL, 25, 0, 0, CP_CONTIG, 0},
-      /* round-robin blocks: block tables and paged views (ranks without a block at R > 5) */
-      {1, 8, 4, 1, 77, 128, 4, 64, KVA_BF16, KVA_MASK_CAUSAL, 0, 1, 0, CP_TABLE_RR, 16},
-      {2, 8, 2, 4, 300, 64, 0, 0, KVA_F32, KVA_MASK_CAUSAL, 0, 0, 20.0f, CP_TABLE_RR, 32},
-      {1, 8, 4, 2, 500, 128, 8, 64, KVA_BF16, KVA_MASK_NONE, 0, 1, 0, CP_PAGED_RR, 16},
-      {2, 8, 4, 1, 260, 64, 0, 0, KVA_F16, KVA_MASK_CAUSAL, 0, 0, 0, CP_PAGED_RR, 64},
-  };
   kva_context *ctx;
   ASSERT_OK(kva_context_create(&ctx, NULL));
-  for (size_t i = 0; i < sizeof cs / sizeof cs[0] && !test_failed_flag; ++i)
-    if (!cp_case(ctx, &cs[i])) FAIL_("case %zu", i);
+  for (size_t i = 0; i < sizeof cp_cases / sizeof cp_cases[0] && !test_failed_flag; ++i)
+    if (!cp_case(ctx, &cp_cases[i], 0)) FAIL_("case %zu", i);
+  kva_context_destroy(ctx);
+}
+
+/* The same on one CUDA device (the paged layout is the CPU's only): the
+ * ranks' buffers in device memory, the exchange by device copies. */
+TEST(cp_cuda_simulated_ranks) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible (or built without CUDA)");
+  kva_context *ctx;
+  const kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  for (size_t i = 0; i < sizeof cp_cases / sizeof cp_cases[0] && !test_failed_flag; ++i)
+    if (cp_cases[i].layout != CP_PAGED_RR && !cp_case(ctx, &cp_cases[i], 1)) FAIL_("case %zu", i);
   kva_context_destroy(ctx);
 }
 
@@ -391,3 +527,106 @@ TEST(cp_bad_input) {
   free(send), free(recv);
   kva_context_destroy(ctx);
 }
+
+/* kva_cp_attention over a real NCCL communicator of one rank (both
+ * exchange modes) equals the unsharded call on the device, also captured
+ * into a CUDA graph and replayed; bad communicators. Needs NCCL and a device. */
+#if !defined(KVA_HAVE_CUDA) || !defined(KVA_HAVE_NCCL)
+TEST(cp_nccl_one_rank) {
+  kva_context *ctx = NULL;
+  kva_cp_plan plan;
+  if (kva_cuda_device_count() > 0 && kva_context_create(&ctx, &(kva_context_opts){KVA_BACKEND_CUDA, 0, 0, NULL}) == 0 &&
+      kva_cp_plan_init(&plan, 1, 0, 0, 1, 8, 1, 64, 0) == 0) {
+    char b[8];
+    const int rc = kva_cp_attention(ctx, b, &plan, NULL, NULL, NULL, NULL, NULL, b, b, NULL, 0);
+    kva_context_destroy(ctx);
+    ASSERT_ERR(rc, KVA_EUNSUPPORTED, "NCCL");
+  }
+  SKIP("built without NCCL");
+}
+#else
+#include <nccl.h>
+
+TEST(cp_nccl_one_rank) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  ncclUniqueId id;
+  ncclComm_t comm;
+  ASSERT_TRUE(cudaSetDevice(0) == cudaSuccess);
+  ASSERT_TRUE(ncclGetUniqueId(&id) == ncclSuccess && ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  kva_context *ctx;
+  const kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  const int64_t B = 2, H = 8, KVH = 4, L = 2, N = 700, D = 128;
+  const size_t nq = (size_t)(B * H * L * D), nkv = (size_t)(B * KVH * N * D);
+  float *hq = malloc(nq * 4), *hk = malloc(nkv * 4), *hv = malloc(nkv * 4), *ref = malloc(nq * 4), *got = malloc(nq * 4);
+  float *rl = malloc(nq / D * 4), *gl = malloc(nq / D * 4);
+  ASSERT_TRUE(hq && hk && hv && ref && got && rl && gl);
+  for (size_t i = 0; i < nq; ++i) hq[i] = test_randn();
+  for (size_t i = 0; i < nkv; ++i) hk[i] = test_randn(), hv[i] = test_randn();
+  cpd dm = {{0}, 0};
+  kva_tensor q = kva_tensor_4d(cpd_copy(&dm, hq, nq * 4), KVA_F32, B, H, L, D);
+  kva_kv k = kva_kv_float(cpd_copy(&dm, hk, nkv * 4), KVA_F32, B, KVH, N, D);
+  kva_kv v = kva_kv_float(cpd_copy(&dm, hv, nkv * 4), KVA_F32, B, KVH, N, D);
+  kva_tensor out = kva_tensor_4d(cpd_copy(&dm, NULL, nq * 4), KVA_F32, B, H, L, D);
+  kva_tensor lse = cp_lse_t(cpd_copy(&dm, NULL, nq / D * 4), B, H, L);
+  const kva_kv_view view = kva_view_contiguous(&k, &v, NULL);
+  kva_attn_params p = kva_attn_defaults();
+  p.mask.kind = KVA_MASK_CAUSAL;
+  ASSERT_OK(kva_attention_lse(ctx, &q, &view, &p, &out, &lse, 0, NULL, 0));
+  ASSERT_TRUE(!cp_copy(1, ref, out.data, nq * 4, 1) && !cp_copy(1, rl, lse.data, nq / D * 4, 1));
+  kva_cp_plan plan;
+  cudaStream_t s;
+  ASSERT_TRUE(cudaStreamCreate(&s) == cudaSuccess);
+  ASSERT_OK(kva_context_set_stream(ctx, s));
+  for (int by_head = 0; by_head < 2 && !test_failed_flag; ++by_head)
+    for (int graph = 0; graph < 2 && !test_failed_flag; ++graph) {
+      ASSERT_OK(kva_cp_plan_init(&plan, 1, 0, by_head, B, H, L, D, 0));
+      void *send = cpd_copy(&dm, NULL, plan.send_bytes), *recv = cpd_copy(&dm, NULL, plan.recv_bytes);
+      ASSERT_TRUE(send && recv && cudaMemset(out.data, 0xff, nq * 4) == cudaSuccess);
+      ASSERT_TRUE(cudaDeviceSynchronize() == cudaSuccess);
+      if (!graph) {
+        ASSERT_OK(kva_cp_attention(ctx, comm, &plan, &q, &view, &p, &out, &lse, send, recv, NULL, 0));
+      } else {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        ASSERT_TRUE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+        const int rc = kva_cp_attention(ctx, comm, &plan, &q, &view, &p, &out, &lse, send, recv, NULL, 0);
+        ASSERT_TRUE(cudaStreamEndCapture(s, &g) == cudaSuccess);
+        ASSERT_OK(rc);
+        ASSERT_TRUE(cudaGraphInstantiate(&ge, g, 0) == cudaSuccess && cudaGraphLaunch(ge, s) == cudaSuccess);
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+      }
+      ASSERT_TRUE(cudaStreamSynchronize(s) == cudaSuccess);
+      ASSERT_TRUE(!cp_copy(1, got, out.data, nq * 4, 1) && !cp_copy(1, gl, lse.data, nq / D * 4, 1));
+      double err = 0, mx = 0;
+      for (size_t i = 0; i < nq; ++i) err = fmax(err, fabs((double)got[i] - ref[i])), mx = fmax(mx, fabs((double)ref[i]));
+      if (!(err <= 1e-6 * mx)) FAIL_("by_head %d graph %d: out differs from the unsharded call by %.3g", by_head, graph, err);
+      for (size_t i = 0; i < nq / D; ++i)
+        if (!(fabs((double)gl[i] - rl[i]) <= 1e-6 * (1 + fabs((double)rl[i])))) {
+          FAIL_("by_head %d graph %d: lse[%zu] = %.7g, unsharded %.7g", by_head, graph, i, gl[i], rl[i]);
+          break;
+        }
+    }
+  /* bad input: nothing runs */
+  void *send = cpd_copy(&dm, NULL, plan.send_bytes), *recv = cpd_copy(&dm, NULL, plan.recv_bytes);
+  ASSERT_ERR(kva_cp_attention(ctx, NULL, &plan, &q, &view, &p, &out, &lse, send, recv, NULL, 0), KVA_EINVAL, "comm");
+  kva_cp_plan two;
+  ASSERT_OK(kva_cp_plan_init(&two, 2, 0, 0, B, H, L, D, 0));
+  ASSERT_ERR(kva_cp_attention(ctx, comm, &two, &q, &view, &p, &out, &lse, send, recv, NULL, 0), KVA_EINVAL, "ranks");
+  kva_tensor bad = out;
+  bad.shape[1] = 4;
+  ASSERT_ERR(kva_cp_attention(ctx, comm, &plan, &q, &view, &p, &bad, &lse, send, recv, NULL, 0), KVA_ESHAPE,
+             "out.shape[1]");
+  kva_context *cpu;
+  ASSERT_OK(kva_context_create(&cpu, NULL));
+  ASSERT_ERR(kva_cp_attention(cpu, comm, &plan, &q, &view, &p, &out, &lse, send, recv, NULL, 0), KVA_EINVAL, "CUDA");
+  kva_context_destroy(cpu);
+  kva_context_set_stream(ctx, NULL);
+  cudaStreamDestroy(s);
+  cpd_free(&dm);
+  free(hq), free(hk), free(hv), free(ref), free(got), free(rl), free(gl);
+  kva_context_destroy(ctx);
+  ncclCommDestroy(comm);
+}
+#endif
