@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Host time per call of kvattn on PyTorch CUDA tensors: the compiled
 operators (torch.ops.kvattn.attention_out into a preallocated out,
-torch.ops.kvattn.attention allocating it, kvattn.attention on tensors, which
-takes the operators), the ctypes path of kvattn.cuda (the binding before the
+torch.ops.kvattn.attention allocating it), the extension's eager entry
+points (kvattn.torch_ops.eager(): the same calls without the dispatcher),
+kvattn.attention on tensors (which takes the eager entry points outside
+torch.compile), the ctypes path of kvattn.cuda (the binding before the
 extension), and torch's scaled_dot_product_attention on the same shapes,
 in one run.
 
@@ -113,9 +115,21 @@ def main():
             [lambda: ao(out, q, k, v, causal=True),
              lambda: ao(out, q, kq[0], vq[0], k_scales=kq[1], k_biases=kq[2], v_scales=vq[1], v_biases=vq[2], bits=4,
                         causal=True)])
-        add("kvattn.attention(..., out=out) (-> the operators)",
+        E = torch_ops.eager()
+        if E is not None:
+            # the eager entry points: the same call without the dispatcher's argument parsing
+            o_bf = (None, None, None, None, 0, 64, None, True, 0, None, False, None, None, None, False, None)
+            o_q4 = (kq[1], kq[2], vq[1], vq[2], 4, 64, None, True, 0, None, False, None, None, None, False, None)
+            add("kvattn.torch_ops.eager().attention_out (out preallocated)",
+                [lambda: E.attention_out(out, q, k, v, *o_bf), lambda: E.attention_out(out, q, kq[0], vq[0], *o_q4)])
+            add("kvattn.torch_ops.eager().attention (allocating out)",
+                [lambda: E.attention(q, k, v, *o_bf), lambda: E.attention(q, kq[0], vq[0], *o_q4)])
+        add("kvattn.attention(..., out=out) (-> the eager entry points)",
             [lambda: kvattn.attention(q, k, v, mask="causal", out=out),
              lambda: kvattn.attention(q, tuple(kq), tuple(vq), mask="causal", bits=4, out=out)])
+        add("kvattn.attention(...) (allocating)",
+            [lambda: kvattn.attention(q, k, v, mask="causal"),
+             lambda: kvattn.attention(q, tuple(kq), tuple(vq), mask="causal", bits=4)])
     else:
         print("torch extension not available: %s" % torch_ops.load_error())
     add("ctypes path (kvattn.cuda.attention, out=out)",
@@ -124,11 +138,15 @@ def main():
     add("torch SDPA (bf16 K/V, enable_gqa)",
         [lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None])
 
-    if have_ops:  # the operators' results against the ctypes path on the same data
+    if have_ops:  # the operators' and eager entry points' results against the ctypes path on the same data
         ref = kcuda.attention(q, k, v, None, "causal", out=torch.empty_like(q))
         got = torch.ops.kvattn.attention(q, k, v, causal=True)
         torch.cuda.synchronize()
         assert torch.equal(got, ref), "operator and ctypes path differ"
+        if torch_ops.eager() is not None:
+            got = torch_ops.eager().attention(q, k, v, *o_bf)
+            torch.cuda.synchronize()
+            assert torch.equal(got, ref), "eager entry point and ctypes path differ"
 
     print("kvattn host time per call on %s: B=%d H=%d KVH=%d D=%d N=%d L=1, torch %s"
           % (torch.cuda.get_device_name(), B, H, KVH, D, N, torch.__version__))

@@ -297,13 +297,19 @@ def image_mask(segments, window=None, clamp=False):
 # ----------------------------------------------------------------- attention
 
 
+_torch_ops_module = None  # kvattn.torch_ops once imported, False when its extension does not load
+
+
 def _torch_ops(x, threads=None, context=None):
     """kvattn.torch_ops when x is a torch tensor, no explicit CPU threads or
     context is asked for, and the compiled extension loads; else None."""
-    if threads is not None or context is not None or type(x).__module__.split(".")[0] != "torch":
+    global _torch_ops_module
+    if threads is not None or context is not None or not type(x).__module__.startswith("torch"):
         return None
-    from . import torch_ops
-    return torch_ops if torch_ops.available() else None
+    if _torch_ops_module is None:
+        from . import torch_ops
+        _torch_ops_module = torch_ops if torch_ops.available() else False
+    return _torch_ops_module or None
 
 
 def _params(scale, softcap):

@@ -38,12 +38,13 @@ import os
 import torch
 
 from . import _capi as C
+from . import _check_i32, _flags, _mask_kind, _window
 from ._capi import KvaError
 
-__all__ = ["attention", "available", "block_table_attention", "cache_write", "library_path", "load",
+__all__ = ["attention", "available", "block_table_attention", "cache_write", "eager", "library_path", "load",
            "load_error", "merge_states"]
 
-_state = {"loaded": None, "error": None, "path": None}
+_state = {"loaded": None, "error": None, "path": None, "eager": None}
 
 
 def _candidates():
@@ -71,6 +72,7 @@ def load():
                 tried.append("%s (%s)" % (path, e))
                 continue
             _state["path"] = path
+            _state["eager"] = _eager_module(path)
             break
         _state["loaded"] = _state["path"] is not None
         if not _state["loaded"]:
@@ -79,6 +81,22 @@ def load():
     if not _state["loaded"]:
         raise ImportError(_state["error"])
     return torch.ops.kvattn
+
+
+def _eager_module(path):
+    """The extension's eager entry points (the module libkvattn_torch in the
+    same file; None when it was built without them)."""
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("libkvattn_torch", path)
+        spec = importlib.util.spec_from_file_location("libkvattn_torch", path, loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except ImportError:
+        return None
 
 
 def available():
@@ -93,6 +111,22 @@ def available():
 def load_error():
     """Why the extension did not load (None when it did or was not tried)."""
     return _state["error"]
+
+
+def eager():
+    """The extension's eager entry points for plain tensors outside
+    torch.compile, the same calls as the operators without the dispatcher's
+    argument parsing (positional arguments in the operators' schema order;
+    NotImplemented where only the dispatcher can serve the call), or None:
+
+      eager().attention_out(out, q, k, v, k_scales, k_biases, v_scales, v_biases, bits, group_size, scale,
+                            causal, window, segments, clamp, mask, softcap, sinks, exact, seq_lens)
+      eager().attention(q, k, v, <the same options>, seq_lens) -> out
+      eager().block_table_attention_out(out, q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>)
+      eager().block_table_attention(q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>) -> out
+    """
+    load()
+    return _state["eager"]
 
 
 def library_path():
@@ -114,18 +148,21 @@ def _kva_error(e):
     return KvaError(_STATUS.get(msg.split(":", 1)[0], C.EINVAL), msg)
 
 
+_Tensor = torch.Tensor
+
+
 def _tensors(*xs):
-    return all(x is None or isinstance(x, torch.Tensor) for x in xs)
+    return all(x is None or isinstance(x, _Tensor) for x in xs)
 
 
 def _kv(x, bits):
     """(data, scales, biases, bits) of a K/V operand: a tensor (float, bits 0)
     or a (packed, scales, biases) tuple with `bits`; None when not tensors."""
-    if isinstance(x, (tuple, list)):
-        if len(x) != 3 or not _tensors(*x):
-            return None
+    if isinstance(x, _Tensor):
+        return x, None, None, 0
+    if isinstance(x, (tuple, list)) and len(x) == 3 and _tensors(*x):
         return x[0], x[1], x[2], bits
-    return (x, None, None, 0) if isinstance(x, torch.Tensor) else None
+    return None
 
 
 def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact):
@@ -134,19 +171,28 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
     clamp, mask, softcap, sinks, exact) from kvattn.attention's arguments;
     None if some argument is not for the ops. Positional arguments: the
     operators parse them faster than keywords."""
-    from . import _check_i32, _flags, _mask_kind, _window
-
     kk, vv = _kv(k, bits), _kv(v, bits)
-    if kk is None or vv is None or not _tensors(segments, sinks):
+    if kk is None or vv is None:
         return None
-    kind = _mask_kind(mask)
-    if kind == C.MASK_ARRAY and not isinstance(mask, torch.Tensor):
+    if not ((segments is None or isinstance(segments, _Tensor)) and (sinks is None or isinstance(sinks, _Tensor))):
+        return None
+    if mask is None:
+        causal, marr = False, None
+    elif isinstance(mask, _Tensor):
+        causal, marr = False, mask
+    elif isinstance(mask, str):
+        causal, marr = _mask_kind(mask) == C.MASK_CAUSAL, None
+    else:
         return None
     if kk[3] != vv[3]:
         raise C.error(C.EINVAL, "k and v must both be tensors or both (packed, scales, biases) tuples")
-    return kk[0], vv[0], (kk[1], kk[2], vv[1], vv[2], kk[3], _check_i32(group_size, "group_size"), scale,
-                          kind == C.MASK_CAUSAL, _window(window), segments, bool(clamp),
-                          mask if kind == C.MASK_ARRAY else None, softcap, sinks, bool(_flags(exact)))
+    if type(group_size) is not int or not -2**31 <= group_size < 2**31:
+        group_size = _check_i32(group_size, "group_size")
+    if exact is not False and exact is not True:
+        exact = bool(_flags(exact))
+    return kk[0], vv[0], (kk[1], kk[2], vv[1], vv[2], kk[3], group_size, scale, causal,
+                          0 if window is None else _window(window), segments, bool(clamp), marr, softcap, sinks,
+                          exact)
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,
@@ -164,9 +210,12 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
             lse = q.new_empty(out.shape[:3], dtype=torch.float32)
             ops.attention_lse_out.default(out, lse, q, kd, vd, *o, seq_lens, bool(lse_base2))
             return out, lse
+        eager = _state["eager"] if not torch.compiler.is_compiling() else None
         if out is None:
-            return ops.attention.default(q, kd, vd, *o, seq_lens)
-        ops.attention_out.default(out, q, kd, vd, *o, seq_lens)
+            res = NotImplemented if eager is None else eager.attention(q, kd, vd, *o, seq_lens)
+            return ops.attention.default(q, kd, vd, *o, seq_lens) if res is NotImplemented else res
+        if eager is None or eager.attention_out(out, q, kd, vd, *o, seq_lens) is NotImplemented:
+            ops.attention_out.default(out, q, kd, vd, *o, seq_lens)
         return out
     except ValueError as e:
         raise _kva_error(e) from None
@@ -182,9 +231,16 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     kd, vd, o = opts
     ops = torch.ops.kvattn
     try:
+        eager = _state["eager"] if not torch.compiler.is_compiling() else None
         if out is None:
-            return ops.block_table_attention.default(q, kd, vd, blocks, seq_lens, first_offset, *o)
-        ops.block_table_attention_out.default(out, q, kd, vd, blocks, seq_lens, first_offset, *o)
+            res = (NotImplemented if eager is None else
+                   eager.block_table_attention(q, kd, vd, blocks, seq_lens, first_offset, *o))
+            if res is NotImplemented:
+                res = ops.block_table_attention.default(q, kd, vd, blocks, seq_lens, first_offset, *o)
+            return res
+        if eager is None or eager.block_table_attention_out(out, q, kd, vd, blocks, seq_lens, first_offset,
+                                                            *o) is NotImplemented:
+            ops.block_table_attention_out.default(out, q, kd, vd, blocks, seq_lens, first_offset, *o)
         return out
     except ValueError as e:
         raise _kva_error(e) from None
@@ -192,8 +248,6 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
 
 def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4):
     """kvattn.cache_write on torch tensors through the ops (pools written in place)."""
-    from . import _check_i32
-
     kp, vp = _kv(k_pool, bits), _kv(v_pool, bits)
     if kp is None or vp is None or not _tensors(k, v, slots):
         return NotImplemented

@@ -634,3 +634,89 @@ def test_cuda_bad_devices(request):
     if torch.cuda.device_count() > 1:
         with pytest.raises(ValueError, match="cuda:1"):
             ops.attention_out(out, qc, kd.to("cuda:1"), vd)
+
+
+# ------------------------------------------------------ eager entry points
+def eager_args(q, k, v, **o):
+    """The eager entry points' positional options (the operators' schema order)."""
+    d = dict(k_scales=None, k_biases=None, v_scales=None, v_biases=None, bits=0, group_size=64, scale=None,
+             causal=False, window=0, segments=None, clamp=False, mask=None, softcap=None, sinks=None, exact=False)
+    d.update(o)
+    return (q, k, v) + tuple(d.values())
+
+
+def test_eager_entry_points(request):
+    """kvattn.torch_ops.eager(): the operators' results bit for bit on plain
+    tensors, their errors (ValueError, out untouched), NotImplemented for
+    fake tensors and under a dispatch mode."""
+    E = torch_ops.eager()
+    assert E is not None
+    rng = rng_for(request)
+    q, k, v = make_case(rng, 2, 8, 2, 3, 90, 128, 128, BF16, BF16, 4, 64)
+    kd, vd, kvkw = kv_kwargs(k, v, 4, 64)
+    qt = to_torch(q)
+    lens = torch.tensor([90, 41], dtype=torch.int32)
+    want = ops.attention(qt, kd, vd, causal=True, window=30, seq_lens=lens, **kvkw)
+    got = E.attention(*eager_args(qt, kd, vd, causal=True, window=30, **kvkw), lens)
+    assert torch.equal(got, want)
+    out = torch.empty_like(want)
+    assert E.attention_out(out, *eager_args(qt, kd, vd, causal=True, window=30, **kvkw), lens) is None
+    assert torch.equal(out, want)
+    # block tables
+    kp, vp, table = scatter_to_pools(rng, k, v, 16)
+    kpd, vpd, pkw = kv_kwargs(kp, vp, 4, 64)
+    bl = torch.tensor([90, 41], dtype=torch.int32)
+    want_b = ops.block_table_attention(qt, kpd, vpd, to_torch(table), bl, None, causal=True, **pkw)
+    opts = eager_args(None, None, None, causal=True, **pkw)[3:]
+    assert torch.equal(E.block_table_attention(qt, kpd, vpd, to_torch(table), bl, None, *opts), want_b)
+    out_b = torch.empty_like(want_b)
+    E.block_table_attention_out(out_b, qt, kpd, vpd, to_torch(table), bl, None, *opts)
+    assert torch.equal(out_b, want_b)
+    # errors
+    out.fill_(3)
+    with pytest.raises(ValueError, match="window"):
+        E.attention_out(out, *eager_args(qt, kd, vd, causal=True, window=-3, **kvkw), None)
+    assert (out == 3).all()
+    with pytest.raises(ValueError, match="k.data is packed"):
+        E.attention(*eager_args(qt, kd, vd, bits=4), None)
+    with pytest.raises(TypeError, match="positional arguments"):
+        E.attention(qt, kd, vd)
+    # not served here: the caller takes the operator
+    assert E.attention(*eager_args(qt, kd, vd, causal=1, **kvkw), None) is NotImplemented  # not a bool
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    with FakeTensorMode():
+        f = torch.empty(1, 4, 1, 64)
+        assert E.attention(*eager_args(f, f, f), None) is NotImplemented
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        assert E.attention(*eager_args(qt, kd, vd, **kvkw), None) is NotImplemented
+        r = kvattn.attention(qt, tuple(to_torch(a) for a in k), tuple(to_torch(a) for a in v), mask="causal")
+    assert Count.calls >= 1 and torch.equal(r, ops.attention(qt, kd, vd, causal=True, **kvkw))
+
+
+def test_kvattn_attention_under_compile(request):
+    """kvattn.attention itself inside torch.compile(fullgraph=True): traced
+    through the operators (the eager entry points are skipped while compiling)."""
+    rng = rng_for(request)
+    q, k, v = make_case(rng, 1, 8, 2, 1, 70, 64, 64, F32, F32)
+    qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
+
+    def f(q, out):
+        a = kvattn.attention(q, kt, vt, mask="causal", window=40)
+        kvattn.attention(q * 2, kt, vt, mask="causal", out=out)
+        return a
+
+    torch._dynamo.reset()
+    out_c, out_e = torch.empty_like(qt), torch.empty_like(qt)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(qt, out_c)
+    want = f(qt, out_e)
+    assert torch.equal(got, want) and torch.equal(out_c, out_e)

@@ -7,6 +7,7 @@ WITH_CUDA 1: the library was built with CUDA; the extension then takes CUDA
 tensors too when this torch has CUDA (torch.version.cuda). Exits 1 with a
 message when torch is not importable."""
 import sys
+import sysconfig
 
 try:
     import torch
@@ -19,11 +20,13 @@ cuda = with_cuda and bool(torch.version.cuda)
 if what == "cflags":
     flags = ["-isystem" + p for p in ext.include_paths()]  # system headers: their warnings are not ours
     flags.append("-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    # the eager Python entry points (PyInit_libkvattn_torch) next to the operators
+    flags += ["-DKVATTN_TORCH_PYTHON=1", "-isystem" + sysconfig.get_paths()["include"]]
     if cuda:
         flags += ["-DKVATTN_TORCH_CUDA=1", "-isystem" + cuda_home + "/include"]
     print(" ".join(flags))
 elif what == "libs":
-    flags = ["-L" + p for p in ext.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10"]
+    flags = ["-L" + p for p in ext.library_paths()] + ["-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python"]
     if cuda:
         flags += ["-ltorch_cuda", "-lc10_cuda", "-L" + cuda_home + "/lib64", "-lcudart"]
     print(" ".join(flags))

@@ -27,6 +27,13 @@
 
 #include "kvattn.h"
 
+#ifdef KVATTN_TORCH_PYTHON
+#include <Python.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+#endif
+
 #ifdef KVATTN_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -448,6 +455,14 @@ std::vector<c10::SymInt> out_shape(const Tensor &q, const Tensor &v, int64_t bit
 }
 
 Tensor new_out(const Tensor &q, const Tensor &v, int64_t bits) {
+  if (!q.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+      !v.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) { /* eager: concrete sizes, no SymInt vector */
+    int64_t s[4];
+    for (int i = 0; i < 3; ++i) s[i] = q.dim() == 4 ? q.size(i) : 1;
+    const int64_t last = v.dim() ? v.size(-1) : 1;
+    s[3] = bits == 0 ? last : (bits == 2 || bits == 4 || bits == 8) ? last * kWordBits / bits : 1;
+    return at::empty(at::IntArrayRef(s, 4), q.options().dtype(out_dtype(q)));
+  }
   std::vector<c10::SymInt> s = out_shape(q, v, bits);
   return at::empty_symint(s, q.options().dtype(out_dtype(q)));
 }
@@ -641,6 +656,226 @@ void merge_states_out_meta(const Tensor &, const Tensor &, at::TensorList, at::T
 std::string version() { return kva_version(); }
 
 } // namespace
+
+#ifdef KVATTN_TORCH_PYTHON
+/* ------------------------------------------------- the eager Python entry
+ * The same calls as the operators for plain eager tensors, entered from
+ * Python directly (METH_FASTCALL, positional arguments in the schemas'
+ * order) rather than through the dispatcher's argument parsing: the module
+ * libkvattn_torch (this file, imported by kvattn.torch_ops next to
+ * torch.ops.load_library). A call it cannot serve as the dispatcher would
+ * (a tensor subclass such as FakeTensor or FunctionalTensor, a dispatch
+ * mode, functorch transforms, autocast or other included keys) returns
+ * NotImplemented, and the caller takes the operator; under torch.compile
+ * the caller always takes the operator. */
+namespace {
+
+const c10::DispatchKeySet kNotPlain({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                     c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                     c10::DispatchKey::Batched, c10::DispatchKey::PythonTLSSnapshot});
+
+/* A plain strided torch.Tensor (not a subclass) without wrapper keys. */
+const Tensor *plain(PyObject *o) {
+  if (!THPVariable_CheckExact(o)) return nullptr;
+  const Tensor &t = THPVariable_Unpack(o);
+  if (t.layout() != at::kStrided || t.key_set().has_any(kNotPlain)) return nullptr;
+  return &t;
+}
+
+bool eager_plain() {
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set()) return false;
+  return (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+}
+
+/* Argument readers: false = not servable here (NotImplemented). */
+struct Args {
+  PyObject *const *a;
+  bool ok = true;
+  const Tensor &tensor(int i) {
+    const Tensor *t = plain(a[i]);
+    if (!t) {
+      ok = false;
+      static const Tensor none;
+      return none;
+    }
+    return *t;
+  }
+  OptTensor opt(int i) {
+    if (a[i] == Py_None) return std::nullopt;
+    const Tensor *t = plain(a[i]);
+    if (!t) {
+      ok = false;
+      return std::nullopt;
+    }
+    return *t;
+  }
+  int64_t integer(int i) {
+    if (!PyLong_Check(a[i]) || PyBool_Check(a[i])) {
+      ok = false;
+      return 0;
+    }
+    const long long v = PyLong_AsLongLong(a[i]);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return v;
+  }
+  std::optional<double> real(int i) {
+    if (a[i] == Py_None) return std::nullopt;
+    if (!PyFloat_Check(a[i]) && !(PyLong_Check(a[i]) && !PyBool_Check(a[i]))) {
+      ok = false;
+      return std::nullopt;
+    }
+    const double v = PyFloat_AsDouble(a[i]);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      ok = false;
+    }
+    return v;
+  }
+  bool boolean(int i) {
+    if (!PyBool_Check(a[i])) ok = false;
+    return a[i] == Py_True;
+  }
+};
+
+/* The options KVA_OPT_PARAMS from args[i0 .. i0 + 15). */
+struct Opts {
+  OptTensor k_scales, k_biases, v_scales, v_biases, segments, mask, sinks;
+  int64_t bits, group_size, window;
+  std::optional<double> scale, softcap;
+  bool causal, clamp, exact;
+  void read(Args &r, int i) {
+    k_scales = r.opt(i), k_biases = r.opt(i + 1), v_scales = r.opt(i + 2), v_biases = r.opt(i + 3);
+    bits = r.integer(i + 4), group_size = r.integer(i + 5), scale = r.real(i + 6), causal = r.boolean(i + 7);
+    window = r.integer(i + 8), segments = r.opt(i + 9), clamp = r.boolean(i + 10), mask = r.opt(i + 11);
+    softcap = r.real(i + 12), sinks = r.opt(i + 13), exact = r.boolean(i + 14);
+  }
+};
+constexpr int kOpts = 15;
+#define KVA_OPTS_OF(o)                                                                                          \
+  o.k_scales, o.k_biases, o.v_scales, o.v_biases, o.bits, o.group_size, o.scale, o.causal, o.window,           \
+      o.segments, o.clamp, o.mask, o.softcap, o.sinks, o.exact
+
+/* Runs body() without the GIL; a library or binding error becomes a
+ * Python ValueError (other torch errors RuntimeError). Returns false with
+ * the Python error set. */
+template <class Body>
+bool call_released(Body body) {
+  std::string err;
+  PyObject *type = nullptr;
+  Py_BEGIN_ALLOW_THREADS;
+  try {
+    body();
+  } catch (const c10::ValueError &e) {
+    err = e.what_without_backtrace(), type = PyExc_ValueError;
+  } catch (const c10::Error &e) {
+    err = e.what_without_backtrace(), type = PyExc_RuntimeError;
+  } catch (const std::exception &e) {
+    err = e.what(), type = PyExc_RuntimeError;
+  }
+  Py_END_ALLOW_THREADS;
+  if (type) PyErr_SetString(type, err.c_str());
+  return type == nullptr;
+}
+
+bool nargs_ok(Py_ssize_t n, Py_ssize_t want, const char *fn) {
+  if (n == want) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd positional arguments (%zd given)", fn, want, n);
+  return false;
+}
+
+/* attention_out(out, q, k, v, <15 options>, seq_lens) */
+PyObject *py_attention_out(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs_ok(n, 5 + kOpts, "attention_out")) return nullptr;
+  Args r{args};
+  const Tensor &out = r.tensor(0), &q = r.tensor(1), &k = r.tensor(2), &v = r.tensor(3);
+  Opts o;
+  o.read(r, 4);
+  OptTensor seq_lens = r.opt(4 + kOpts);
+  if (!r.ok || !eager_plain()) Py_RETURN_NOTIMPLEMENTED;
+  if (!call_released([&] { attend(q, k, v, seq_lens, nullptr, out, nullptr, false, KVA_OPTS_OF(o)); }))
+    return nullptr;
+  Py_RETURN_NONE;
+}
+
+/* attention(q, k, v, <15 options>, seq_lens) -> out */
+PyObject *py_attention(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs_ok(n, 4 + kOpts, "attention")) return nullptr;
+  Args r{args};
+  const Tensor &q = r.tensor(0), &k = r.tensor(1), &v = r.tensor(2);
+  Opts o;
+  o.read(r, 3);
+  OptTensor seq_lens = r.opt(3 + kOpts);
+  if (!r.ok || !eager_plain()) Py_RETURN_NOTIMPLEMENTED;
+  Tensor out;
+  if (!call_released([&] {
+        out = new_out(q, v, o.bits);
+        attend(q, k, v, seq_lens, nullptr, out, nullptr, false, KVA_OPTS_OF(o));
+      }))
+    return nullptr;
+  return THPVariable_Wrap(std::move(out));
+}
+
+/* block_table_attention_out(out, q, k_pool, v_pool, block_table, seq_lens, first_offset, <15 options>) */
+PyObject *py_block_table_attention_out(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs_ok(n, 7 + kOpts, "block_table_attention_out")) return nullptr;
+  Args r{args};
+  const Tensor &out = r.tensor(0), &q = r.tensor(1), &kp = r.tensor(2), &vp = r.tensor(3);
+  const Tensor &bt = r.tensor(4), &sl = r.tensor(5);
+  OptTensor fo = r.opt(6);
+  Opts o;
+  o.read(r, 7);
+  if (!r.ok || !eager_plain()) Py_RETURN_NOTIMPLEMENTED;
+  TableArgs t{&bt, &sl, &fo};
+  if (!call_released([&] { attend(q, kp, vp, std::nullopt, &t, out, nullptr, false, KVA_OPTS_OF(o)); }))
+    return nullptr;
+  Py_RETURN_NONE;
+}
+
+/* block_table_attention(q, k_pool, v_pool, block_table, seq_lens, first_offset, <15 options>) -> out */
+PyObject *py_block_table_attention(PyObject *, PyObject *const *args, Py_ssize_t n) {
+  if (!nargs_ok(n, 6 + kOpts, "block_table_attention")) return nullptr;
+  Args r{args};
+  const Tensor &q = r.tensor(0), &kp = r.tensor(1), &vp = r.tensor(2), &bt = r.tensor(3), &sl = r.tensor(4);
+  OptTensor fo = r.opt(5);
+  Opts o;
+  o.read(r, 6);
+  if (!r.ok || !eager_plain()) Py_RETURN_NOTIMPLEMENTED;
+  TableArgs t{&bt, &sl, &fo};
+  Tensor out;
+  if (!call_released([&] {
+        out = new_out(q, vp, o.bits);
+        attend(q, kp, vp, std::nullopt, &t, out, nullptr, false, KVA_OPTS_OF(o));
+      }))
+    return nullptr;
+  return THPVariable_Wrap(std::move(out));
+}
+
+PyMethodDef g_methods[] = {
+    {"attention_out", (PyCFunction)(void (*)(void))py_attention_out, METH_FASTCALL,
+     "attention_out(out, q, k, v, k_scales, k_biases, v_scales, v_biases, bits, group_size, scale, causal, "
+     "window, segments, clamp, mask, softcap, sinks, exact, seq_lens): torch.ops.kvattn.attention_out for plain "
+     "eager tensors; NotImplemented where the dispatcher is needed"},
+    {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
+     "attention(q, k, v, <options as attention_out>, seq_lens) -> out"},
+    {"block_table_attention_out", (PyCFunction)(void (*)(void))py_block_table_attention_out, METH_FASTCALL,
+     "block_table_attention_out(out, q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>)"},
+    {"block_table_attention", (PyCFunction)(void (*)(void))py_block_table_attention, METH_FASTCALL,
+     "block_table_attention(q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>) -> out"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "libkvattn_torch",
+                        "kvattn's eager entry points for plain torch tensors (see kvattn.torch_ops)", -1,
+                        g_methods, nullptr, nullptr, nullptr, nullptr};
+
+} // namespace
+
+extern "C" __attribute__((visibility("default"))) PyObject *PyInit_libkvattn_torch(void) {
+  return PyModule_Create(&g_module);
+}
+#endif
 
 #define KVA_ATTN "Tensor q, Tensor k, Tensor v, " KVA_OPT_SCHEMA ", Tensor? seq_lens=None"
 #define KVA_TABLE                                                                                               \
