@@ -21,7 +21,12 @@
  *
  * Usage: cascade_vs_batched [--backend cpu|cuda] [--threads T = 0: all cores] [--shape 8/4/256|32/8/128|all]
  *          [--format q4|bf16|all] [--P 32768] [--S 1024] [--B 16] [--reps 5] [--hot]
- *          [--flush-mb MB] [--merge-only | --no-merge] [--merge-iters N]
+ *          [--flush-mb MB] [--merge-only | --no-merge] [--merge-iters N] [--cp | --cp-only] [--cp-N 1048576]
+ * Context parallelism (--cp): one sequence of --cp-N tokens, q4 8/4/256 and
+ * 24/4/256, B = 1: the unsharded call, then for R = 2, 4, 8 one shard's
+ * kva_cp_attend, the merge of R parts (kva_cp_merge), the bytes each rank
+ * exchanges, and the speedup they imply (unsharded / (shard + merge); the
+ * exchange is not timed).
  * Exit status 1 when a call fails or the outputs differ by more than 2^-6. */
 #include "kvattn.h"
 
@@ -59,6 +64,8 @@ typedef struct opts {
   int64_t P, S, B;
   size_t flush_bytes;
   int shapes, formats; /* bit masks: 1 = 8/4/256, 2 = 32/8/128; 1 = q4, 2 = bf16 */
+  int cp;              /* also the context-parallel bench */
+  int64_t cp_N;
 } opts;
 
 /* ------------------------------------------------------------ memory */
@@ -126,22 +133,23 @@ static int cache_alloc(cache *c, int64_t B, int64_t KVH, int64_t N, int64_t D, i
 static void cache_free(cache *c) {
   for (int a = 0; a < 3; ++a) free(c->arr[a]);
 }
-/* Random rows, written one (b, h) slice at a time (quantized through f32). */
+/* Random rows, written FILL_ROWS rows at a time (quantized through f32). */
+#define FILL_ROWS 65536
 static int cache_fill(cache *c, int64_t D) {
-  float *f = malloc(sizeof(float) * (size_t)(c->N * D));
+  float *f = malloc(sizeof(float) * (size_t)(FILL_ROWS * D));
   if (!f) return -1;
-  for (int64_t bh = 0; bh < c->B * c->KVH; ++bh) {
-    for (int64_t i = 0; i < c->N * D; ++i) f[i] = rnd();
+  const int64_t rows = c->B * c->KVH * c->N;
+  for (int64_t r0 = 0; r0 < rows; r0 += FILL_ROWS) {
+    const int64_t n = rows - r0 < FILL_ROWS ? rows - r0 : FILL_ROWS;
+    for (int64_t i = 0; i < n * D; ++i) f[i] = rnd();
     if (!c->kv.bits) {
-      uint16_t *dst = (uint16_t *)c->arr[0] + bh * c->N * D;
-      for (int64_t i = 0; i < c->N * D; ++i) dst[i] = kva_f32_to_bf16(f[i]);
+      uint16_t *dst = (uint16_t *)c->arr[0] + r0 * D;
+      for (int64_t i = 0; i < n * D; ++i) dst[i] = kva_f32_to_bf16(f[i]);
       continue;
     }
-    kva_kv s = kva_kv_quantized((char *)c->arr[0] + bh * c->N * c->row_bytes[0],
-                                (char *)c->arr[1] + bh * c->N * c->row_bytes[1],
-                                (char *)c->arr[2] + bh * c->N * c->row_bytes[2], KVA_BF16, c->kv.bits, 64, 1, 1,
-                                c->N, D);
-    const kva_tensor t = kva_tensor_4d(f, KVA_F32, 1, 1, c->N, D);
+    kva_kv s = kva_kv_quantized((char *)c->arr[0] + r0 * c->row_bytes[0], (char *)c->arr[1] + r0 * c->row_bytes[1],
+                                (char *)c->arr[2] + r0 * c->row_bytes[2], KVA_BF16, c->kv.bits, 64, 1, 1, n, D);
+    const kva_tensor t = kva_tensor_4d(f, KVA_F32, 1, 1, n, D);
     if (kva_quantize(&t, &s)) {
       free(f);
       return -1;
@@ -399,21 +407,131 @@ static int run_merge(const opts *o, kva_context *ctx) {
   return ok;
 }
 
+/* --------------------------------------------- context parallelism */
+/* One sequence of cp_N tokens, q4 g64, B = 1, L = 1, bf16 q, causal: the
+ * unsharded call, then for R = 2, 4, 8 the shard holding the query row's
+ * own tokens (the last N / R: kva_cp_attend, causal) and the merge of R
+ * parts (kva_cp_merge, all-gather: every rank all heads), cold as the
+ * cascade; the exchange is not timed (its bytes are printed). */
+static int run_cp(const opts *o, kva_context *ctx, int64_t H, int64_t KVH, int64_t D) {
+  const int64_t N = o->cp_N, L = 1;
+  cache ck, cv;
+  memset(&ck, 0, sizeof ck), memset(&cv, 0, sizeof cv);
+  kva_kv k, v;
+  void *dk[3] = {0}, *dv[3] = {0}, *dq = NULL, *dout = NULL, *send = NULL, *recv = NULL;
+  double *t = malloc(sizeof(double) * (size_t)o->reps);
+  uint16_t *hq = malloc(sizeof(uint16_t) * (size_t)(H * D));
+  int ok = 0;
+  timer tm;
+  memset(&tm, 0, sizeof tm);
+  if (!t || !hq || cache_alloc(&ck, 1, KVH, N, D, 4) || cache_alloc(&cv, 1, KVH, N, D, 4) || cache_fill(&ck, D) ||
+      cache_fill(&cv, D) || cache_place(o, &ck, &k, dk) || cache_place(o, &cv, &v, dv)) {
+    fprintf(stderr, "cp: operands: %s\n", kva_last_error());
+    goto done;
+  }
+  for (int64_t i = 0; i < H * D; ++i) hq[i] = kva_f32_to_bf16(rnd());
+  kva_cp_plan big;
+  if (kva_cp_plan_init(&big, 8, 7, 0, 1, H, L, D, 0)) goto fail;
+  dq = buf_alloc(o, (size_t)(H * D) * 2), dout = buf_alloc(o, (size_t)(H * D) * 4);
+  send = buf_alloc(o, big.send_bytes), recv = buf_alloc(o, big.recv_bytes);
+  if (!dq || !dout || !send || !recv || buf_upload(o, dq, hq, (size_t)(H * D) * 2) || timer_init(&tm, o, ctx)) goto done;
+  const kva_tensor q = kva_tensor_4d(dq, KVA_BF16, 1, H, L, D);
+  kva_tensor out = kva_tensor_4d(dout, KVA_F32, 1, H, L, D);
+  kva_attn_params p = kva_attn_defaults();
+  p.mask.kind = KVA_MASK_CAUSAL;
+  const kva_kv_view full = kva_view_contiguous(&k, &v, NULL);
+  for (int r = 0; r <= o->reps; ++r) {
+    timer_start(&tm, (unsigned char)r);
+    if (kva_attention(ctx, &q, &full, &p, &out, NULL, 0)) goto fail;
+    const double x = timer_stop(&tm);
+    if (r) t[r - 1] = x;
+  }
+  const double t1 = median(t, o->reps);
+  printf("%s cp q4 g64 %lld/%lld/%lld B=1 L=1 bf16 q, %lld tokens, %s, median of %d: unsharded %.3f ms\n",
+         o->cuda ? "cuda" : "cpu", (long long)H, (long long)KVH, (long long)D, (long long)N, o->hot ? "hot" : "cold",
+         o->reps, t1 * 1e3);
+  for (int64_t R = 2; R <= 8; R *= 2) {
+    kva_cp_plan plan;
+    if (kva_cp_plan_init(&plan, R, R - 1, 0, 1, H, L, D, 0)) goto fail;
+    const int64_t t0 = N - N / R;
+    kva_kv sk = k, sv = v;
+    kva_tensor *ts[6] = {&sk.data, &sk.scales, &sk.biases, &sv.data, &sv.scales, &sv.biases};
+    for (int a = 0; a < 6; ++a) ts[a]->data = (char *)ts[a]->data + t0 * ts[a]->stride[2], ts[a]->shape[2] = N - t0;
+    const kva_kv_view shard = kva_view_contiguous(&sk, &sv, NULL);
+    for (int r = 0; r <= o->reps; ++r) {
+      timer_start(&tm, (unsigned char)r);
+      if (kva_cp_attend(ctx, &plan, &q, &shard, &p, send, plan.send_bytes, NULL, 0)) goto fail;
+      const double x = timer_stop(&tm);
+      if (r) t[r - 1] = x;
+    }
+    const double ts_ = median(t, o->reps);
+    /* the merge over R copies of this part (hot: the parts are what the exchange just wrote) */
+    for (int64_t s2 = 0; s2 < R; ++s2) {
+#ifdef KVA_HAVE_CUDA
+      if (o->cuda) {
+        cudaMemcpy((char *)recv + s2 * plan.o_bytes, send, plan.o_bytes, cudaMemcpyDeviceToDevice);
+        cudaMemcpy((char *)recv + plan.recv_lse_offset + s2 * plan.lse_bytes, (char *)send + plan.send_lse_offset,
+                   plan.lse_bytes, cudaMemcpyDeviceToDevice);
+        continue;
+      }
+#endif
+      memcpy((char *)recv + s2 * plan.o_bytes, send, plan.o_bytes);
+      memcpy((char *)recv + plan.recv_lse_offset + s2 * plan.lse_bytes, (char *)send + plan.send_lse_offset,
+             plan.lse_bytes);
+    }
+    const int iters = o->merge_iters;
+    if (kva_cp_merge(ctx, &plan, recv, plan.recv_bytes, &out, NULL)) goto fail;
+    opts oh = *o;
+    oh.hot = 1;
+    timer th = tm;
+    th.o = &oh, th.flush = NULL;
+    timer_start(&th, 0);
+    for (int i = 0; i < iters; ++i)
+      if (kva_cp_merge(ctx, &plan, recv, plan.recv_bytes, &out, NULL)) goto fail;
+    const double tmg = timer_stop(&th) / iters;
+    const double xbytes = (double)(R - 1) * (double)(plan.o_bytes + plan.lse_bytes);
+    printf("    R=%lld: shard of %lld tokens %.3f ms, merge %.1f us, exchange per rank %.1f KB in (all-gather; by head: "
+           "%.1f KB each way): implied speedup %.2fx (exchange not timed)\n",
+           (long long)R, (long long)(N - t0), ts_ * 1e3, tmg * 1e6, xbytes / 1024,
+           xbytes / (double)R / 1024, t1 / (ts_ + tmg));
+  }
+  fflush(stdout);
+  ok = 1;
+  goto done;
+fail:
+  fprintf(stderr, "cp: %s\n", kva_last_error());
+done:
+  timer_free(&tm, ctx);
+  for (int a = 0; a < 3; ++a) {
+    if (dk[a]) buf_free(o, dk[a]);
+    if (dv[a]) buf_free(o, dv[a]);
+  }
+  if (dq) buf_free(o, dq);
+  if (dout) buf_free(o, dout);
+  if (send) buf_free(o, send);
+  if (recv) buf_free(o, recv);
+  cache_free(&ck), cache_free(&cv);
+  free(t), free(hq);
+  return ok;
+}
+
 static int usage(void) {
   fprintf(stderr, "usage: cascade_vs_batched [--backend cpu|cuda] [--threads T] [--shape 8/4/256|32/8/128|all] "
                   "[--format q4|bf16|all] [--P N] [--S N] [--B N] [--reps N] [--hot] [--flush-mb MB] "
-                  "[--merge-only | --no-merge] [--merge-iters N]\n");
+                  "[--merge-only | --no-merge] [--merge-iters N] [--cp | --cp-only] [--cp-N tokens]\n");
   return 2;
 }
 
 int main(int argc, char **argv) {
-  opts o = {0, 0, 0, 1, 1, 5, 2000, 32768, 1024, 16, (size_t)1024 << 20, 3, 3};
+  opts o = {0, 0, 0, 1, 1, 5, 2000, 32768, 1024, 16, (size_t)1024 << 20, 3, 3, 0, 1 << 20};
   int flush_set = 0;
   for (int i = 1; i < argc; ++i) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--hot")) o.hot = 1;
     else if (!strcmp(a, "--merge-only")) o.cascade = 0;
     else if (!strcmp(a, "--no-merge")) o.merge = 0;
+    else if (!strcmp(a, "--cp")) o.cp = 1;
+    else if (!strcmp(a, "--cp-only")) o.cp = 1, o.cascade = 0, o.merge = 0;
     else if (!v) return usage();
     else if (++i, !strcmp(a, "--backend")) {
       if (strcmp(v, "cpu") && strcmp(v, "cuda")) return usage();
@@ -429,6 +547,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--reps")) o.reps = atoi(v);
     else if (!strcmp(a, "--flush-mb")) o.flush_bytes = (size_t)atoll(v) << 20, flush_set = 1;
     else if (!strcmp(a, "--merge-iters")) o.merge_iters = atoi(v);
+    else if (!strcmp(a, "--cp-N")) o.cp_N = atoll(v);
     else return usage();
   }
   if (o.P < 1 || o.S < 1 || o.B < 1 || o.reps < 1 || o.threads < 0 || !o.shapes || !o.formats || o.merge_iters < 1 ||
@@ -455,6 +574,8 @@ int main(int argc, char **argv) {
       if ((o.shapes >> s & 1) && (o.formats >> f & 1))
         ok &= run_cascade(&o, ctx, shapes[s][0], shapes[s][1], shapes[s][2], f == 0 ? 4 : 0);
   if (o.merge) ok &= run_merge(&o, ctx);
+  static const int64_t cp_shapes[2][3] = {{8, 4, 256}, {24, 4, 256}};
+  for (int s = 0; s < 2 && o.cp; ++s) ok &= run_cp(&o, ctx, cp_shapes[s][0], cp_shapes[s][1], cp_shapes[s][2]);
   kva_context_destroy(ctx);
   return ok ? 0 : 1;
 }
