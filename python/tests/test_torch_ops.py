@@ -720,3 +720,72 @@ def test_kvattn_attention_under_compile(request):
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(qt, out_c)
     want = f(qt, out_e)
     assert torch.equal(got, want) and torch.equal(out_c, out_e)
+
+
+# ------------------------------------------------------ threads and fork()
+def test_threads_share_the_cpu_context(request):
+    """Calls from several Python threads at once (the GIL released in the
+    eager entry points and in the dispatcher): each result equals the
+    single-threaded one."""
+    import threading
+
+    rng = rng_for(request)
+    cases = [make_case(rng, 1, 8, 2, 2, 300, 64, 64, F32, F32, 4, 64) for _ in range(4)]
+    args = []
+    for q, k, v in cases:
+        kd, vd, kvkw = kv_kwargs(k, v, 4, 64)
+        args.append((to_torch(q), kd, vd, kvkw))
+    want = [ops.attention(q, kd, vd, causal=True, **kw) for q, kd, vd, kw in args]
+    got = [None] * len(args)
+
+    def work(i):
+        q, kd, vd, kw = args[i]
+        for _ in range(20):
+            r = kvattn.attention(q, (kd, kw["k_scales"], kw["k_biases"]), (vd, kw["v_scales"], kw["v_biases"]),
+                                 mask="causal")
+            o = ops.attention(q, kd, vd, causal=True, **kw)
+            if not (torch.equal(r, want[i]) and torch.equal(o, want[i])):
+                return
+        got[i] = True
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(len(args))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert got == [True] * len(args)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_fork_child_uses_the_cpu_context(request):
+    """A child fork()ed after the parent used the CPU context (its workers
+    started) gets the parent's result bit for bit."""
+    import multiprocessing
+    import os
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork()")
+    rng = rng_for(request)
+    q, k, v = make_case(rng, 1, 8, 2, 1, 500, 64, 64, F32, F32)
+    qt, kt, vt = to_torch(q), to_torch(k), to_torch(v)
+    want = ops.attention(qt, kt, vt, causal=True)
+    mp = multiprocessing.get_context("fork")
+    recv, send = mp.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("ok", to_numpy(ops.attention(qt, kt, vt, causal=True)).tobytes()))
+        except BaseException as e:  # reported to the parent
+            send.send(("error", repr(e)))
+
+    p = mp.Process(target=child)
+    p.start()
+    try:
+        assert recv.poll(60), "the fork()ed child did not answer (hung)"
+        status, payload = recv.recv()
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    assert status == "ok", payload
+    assert payload == to_numpy(want).tobytes()
