@@ -471,6 +471,13 @@ TEST(cuda_q4_tc_path) {
       {2, 24, 4, 1, 603, 128, 128, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
       {1, 8, 4, 1, 705, 128, 128, BF16, BF16, 8, 8, 128, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {1, 16, 2, 8, 499, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      /* q4 at head dim 512 (the decode instance, two V words per lane): rep
+       * 2 with the compiled group; 16 vectors (two blocks) with group 128,
+       * window, softcap, sinks, ragged, f32 out; one vector (8 groups in the
+       * mma columns), strided */
+      {1, 16, 8, 1, 1500, 512, 512, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 8, 2, 4, 700, 512, 512, BF16, F32, 4, 4, 128, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {1, 8, 8, 1, 333, 512, 512, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
   };
   run_case_table(mcases, sizeof mcases / sizeof mcases[0], NULL, 1, "tensor-core kernel");
 }

@@ -7,7 +7,8 @@
  * 2 D bytes per operand), or 8-bit K/V with bf16 scales (KVC_Q8: in this
  * narrow kernel the decode instance only, D 128/256, each warp's V dims
  * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8).
- * Quantized formats take bf16 queries. Dk = Dv = D in {64, 128, 256},
+ * Quantized formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
+ * 512 for the q4 decode instance: 2 blocks per SM, 16 V codes per lane),
  * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split
  * over token blocks like the fused kernel and merged by the same merge
  * launch (attn_merge.cu). What follows describes the q4 format; for float
@@ -256,13 +257,19 @@ __device__ __forceinline__ void kvc_p_frags(const unsigned short *ps, int stride
     }
 }
 
+/* q4 V words per lane in the P.V phase: a lane's m-tiles take 2 MT codes,
+ * 8 per word. */
+__host__ __device__ constexpr int kvc_tc_vpl(int mt) { return mt > 4 ? mt / 4 : 1; }
+
 /* One k-step of O^T += V^T P^T: 16 tokens of a staged slot (this lane's rows
  * ta, ta + 1 (a0, a1) and ta + 8, ta + 9 (a2, a3)), MT m-tiles of 16 dims,
  * the n-tiles below ntc. A register pairs two tokens of one dim (PRMT of
  * the two tokens' words).
- *   q4: V word xw of each row; m-tile i rows g, g + 8 are codes cb + 2 i,
- *       cb + 2 i + 1 of it, dequantized with the two tokens' scales and
- *       biases of group vgi (gv groups per row);
+ *   q4: V words xw .. xw + VPL - 1 of each row (kvc_tc_vpl: 2 when the
+ *       lane's 2 MT codes outgrow one word, head dim 512); m-tile
+ *       i = j MPW + u rows g, g + 8 are codes cb + 2 u, cb + 2 u + 1 of word
+ *       xw + j, dequantized with the two tokens' scales and biases of group
+ *       vgi (gv groups per row; a lane's words lie in one group);
  *   bf16 / f16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i;
  *   q8 (the wide kernel; the narrow one takes kvc_pv_step_q8): the same dims
  *       2 x, 2 x + 1, bytes 2 (x % 2), + 1 of word x / 2, dequantized to
@@ -307,28 +314,33 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
     }
     return;
   }
-  const uint32_t w0 = r0[xw], w1 = r1[xw], w8 = r8[xw], w9 = r9[xw];
   const kvc_vsb sb = kvc_v_scales(sv, L, ta, gv, vgi);
   const uint32_t s01 = sb.s01, b01 = sb.b01, s89 = sb.s89, b89 = sb.b89;
-  /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
-  const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
-  const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
+  constexpr int VPL = kvc_tc_vpl(MT), MPW = MT / VPL; /* words per lane, m-tiles per word */
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    const int c0 = cb + 2 * i, c1 = c0 + 1; /* codes of rows g and g + 8 */
-    uint32_t af[4];
-    af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
-    af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
-    af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
-    af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
+  for (int j = 0; j < VPL; ++j) {
+    const uint32_t w0 = r0[xw + j], w1 = r1[xw + j], w8 = r8[xw + j], w9 = r9[xw + j];
+    /* two tokens' codes 0-3 (lo) and 4-7 (hi) interleaved by 16-bit halves */
+    const uint32_t lo01 = __byte_perm(w0, w1, 0x5410), hi01 = __byte_perm(w0, w1, 0x7632);
+    const uint32_t lo89 = __byte_perm(w8, w9, 0x5410), hi89 = __byte_perm(w8, w9, 0x7632);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+    for (int u = 0; u < MPW; ++u) {
+      const int i = j * MPW + u, c0 = cb + 2 * u, c1 = c0 + 1; /* m-tile; codes of rows g and g + 8 */
+      uint32_t af[4];
+      af[0] = kvc_deq_pair((c0 & 4) ? hi01 : lo01, c0 & 3, s01, b01);
+      af[1] = kvc_deq_pair((c1 & 4) ? hi01 : lo01, c1 & 3, s01, b01);
+      af[2] = kvc_deq_pair((c0 & 4) ? hi89 : lo89, c0 & 3, s89, b89);
+      af[3] = kvc_deq_pair((c1 & 4) ? hi89 : lo89, c1 & 3, s89, b89);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+    }
   }
 }
 
 template <int F, int D, int NTM, int G>
-__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : !kvc_tc_float(F) || D < 256 ? 2 : 1)
+__global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <= 256 ? 4 : 2)
+                                                  : !kvc_tc_float(F) || D < 256 ? 2 : 1)
     kvc_tc_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
   constexpr bool BF = kvc_tc_float(F); /* bf16 / f16 K/V rows: mma operands as they are, no scale rows */
@@ -490,8 +502,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 
   unsigned short *ps = (unsigned short *)(kvc_tc_buf + L.p);
   float *wmax = (float *)(kvc_tc_buf + L.wmax), *lsum = (float *)(kvc_tc_buf + L.lsum);
-  /* V slice of this lane: word xw of each token row, codes cb .. cb + 2 MT - 1 */
-  const int xw = warp * WPL + g % WPL, cb = (g / WPL) * 2 * MT;
+  /* V slice of this lane: words xw .. xw + VPL - 1 of each token row, codes cb .. of each */
+  constexpr int VPL = kvc_tc_vpl(MT), MPW = MT / VPL;
+  const int xw = VPL > 1 ? warp * WPL + VPL * g : warp * WPL + g % WPL, cb = VPL > 1 ? 0 : (g / WPL) * 2 * MT;
   /* q8: word xq + 8 w of each token row (m-tiles 2 w, 2 w + 1), all in the group of the warp's dims */
   const int xq = warp * (D / 16) + g;
   const int vgi = ((F == KVC_Q8 ? 4 * xq : 8 * xw)) >> gv_sh;
@@ -795,7 +808,8 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? 4 : 
 #pragma unroll
         for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
           const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r
-                           : F == KVC_Q8 ? 4 * (xq + 8 * (i / 2)) + 2 * (i % 2) + r : 8 * xw + cb + 2 * i + r;
+                           : F == KVC_Q8 ? 4 * (xq + 8 * (i / 2)) + 2 * (i % 2) + r
+                                         : 8 * (xw + i / MPW) + cb + 2 * (i % MPW) + r;
           ost[qr * D + d] = acc[i][nt][2 * r + j] + (F == KVC_Q8 ? accc[nt][j] : 0.0f);
         }
     }
@@ -1191,7 +1205,8 @@ template <int F, int D, int NTM, int G> static cudaError_t kvc_tc_prepare(void) 
   X(KVC_Q4, 256, 1, KVC_TC_GROUP) X(KVC_Q4, 64, 4, KVC_TC_GROUP) X(KVC_Q4, 128, 4, KVC_TC_GROUP)            \
   X(KVC_Q4, 256, 4, KVC_TC_GROUP) X(KVC_BF16, 64, 1, 0) X(KVC_BF16, 128, 1, 0) X(KVC_BF16, 256, 1, 0)      \
   X(KVC_Q8, 128, 1, 0) X(KVC_Q8, 256, 1, 0) X(KVC_Q8, 128, 1, KVC_TC_GROUP) X(KVC_Q8, 256, 1, KVC_TC_GROUP) \
-  X(KVC_F16, 64, 1, 0) X(KVC_F16, 128, 1, 0) X(KVC_F16, 256, 1, 0)
+  X(KVC_F16, 64, 1, 0) X(KVC_F16, 128, 1, 0) X(KVC_F16, 256, 1, 0) X(KVC_Q4, 512, 1, 0)                  \
+  X(KVC_Q4, 512, 1, KVC_TC_GROUP)
 
 template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
   return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -20,7 +20,7 @@
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
-#define KVC_TC_NDIMS 3            /* head dims of the q4 tensor-core kernel: 64 << i */
+#define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block) */
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
 #define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
@@ -258,6 +258,7 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   if (kv->k.bits == 0 && kv->v.bits == 0) {
     /* bf16 or f16 rows with queries of the same type (the mma's operands) */
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
+    if (p->Dk == 512) return -1; /* two 64-row slots of K and V rows would take 266 KB */
     const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
                      : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? KVC_TC_FLOAT_MIN_Q_TABLE
                                                                             : KVC_TC_FLOAT_MIN_Q;
@@ -271,6 +272,7 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
      * beyond 8 the wide kernel (K and V dequantized to bf16) */
     if (kv->k.bits == 8 && p->rep * p->L <= 8 && p->Dk != 64 && !kvc_q8_narrow(p)) return -1;
     *fmt = kv->k.bits == 8 ? KVC_Q8 : KVC_Q4;
+    if (p->Dk == 512 && *fmt != KVC_Q4) return -1; /* head dim 512: the q4 decode instance only */
     const int gk = (int)(p->Dk / kv->k.group_size), gv = (int)(p->Dv / kv->v.group_size);
     if ((gk == 1) != (gv == 1)) return -1; /* one group per row: K and V alike (one stage layout) */
     if (gk == 1 && !kvc_one_group_rows(kv)) return -1;
@@ -395,7 +397,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                     KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
-  if (di >= 0 && tcf == KVC_Q4 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
+  if (di >= 0 && tcf == KVC_Q4 && p->Dk <= 256 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
       p->mask.kind == KVA_MASK_CAUSAL && !p->mask.segments.data) {
     /* q4 verify-sized calls (and wide GQA) on Hopper, causal without image segments:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
@@ -422,8 +424,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     /* the narrow kernel with one n-tile of 8 query vectors per block for
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
      * the wide kernel (48 vectors per block: K/V staged and dequantized once
-     * per 48) */
-    const int kind = Q <= 8 && (tcf != KVC_Q8 || kvc_q8_narrow(p)) ? 0
+     * per 48); q4 at head dim 512: the decode instance, 8 vectors per block */
+    const int kind = p->Dk == 512 || (Q <= 8 && (tcf != KVC_Q8 || kvc_q8_narrow(p))) ? 0
                      : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q     ? 1
                                                                      : 2;
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
