@@ -789,3 +789,27 @@ def test_fork_child_uses_the_cpu_context(request):
             p.kill()
     assert status == "ok", payload
     assert payload == to_numpy(want).tobytes()
+
+
+def test_compile_dynamic_shapes(request):
+    """torch.compile(dynamic=True): the meta kernels on symbolic sizes (batch,
+    heads, rows, cache length and head dim symbolic); two shapes, one graph."""
+    rng = rng_for(request)
+
+    def f(q, kp, ks, kb):
+        o = torch.ops.kvattn.attention(q, kp, kp, k_scales=ks, k_biases=kb, v_scales=ks, v_biases=kb, bits=4,
+                                       causal=True)
+        o2, lse = torch.ops.kvattn.attention_lse(q, kp, kp, k_scales=ks, k_biases=kb, v_scales=ks, v_biases=kb,
+                                                 bits=4)
+        m, ml = torch.ops.kvattn.merge_states([o2, o2], [lse, lse])
+        return o + m, ml
+
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for B, H, KVH, L, N in ((3, 6, 2, 5, 70), (4, 12, 2, 6, 130)):  # distinct sizes > 1 (0, 1 and equal sizes specialize)
+            q, k, v = make_case(rng, B, H, KVH, L, N, 64, 64, F32, F32, 4, 64)
+            args = (to_torch(q), to_torch(k[0]), to_torch(k[1]), to_torch(k[2]))
+            got, want = g(*args), f(*args)
+            assert got[0].shape == (B, H, L, 64) and got[1].shape == (B, H, L)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
