@@ -224,3 +224,135 @@ def paged_cascade_attention(q, prefix, suffix, scale=None, mask=None, softcap=No
                                           ctypes.byref(lt) if lt is not None else None,
                                           C.LSE_BASE2 if lse_base2 else 0, None, 0))
     return (call.out_array, lse) if return_lse else call.out_array
+
+
+# ------------------------------------------------ context parallelism
+
+
+class kva_cp_plan(ctypes.Structure):
+    _fields_ = [("ranks", ctypes.c_int64), ("rank", ctypes.c_int64), ("by_head", ctypes.c_int),
+                ("B", ctypes.c_int64), ("H", ctypes.c_int64), ("L", ctypes.c_int64), ("Dv", ctypes.c_int64),
+                ("heads", ctypes.c_int64), ("lse_flags", ctypes.c_uint),
+                ("o_bytes", ctypes.c_size_t), ("lse_bytes", ctypes.c_size_t),
+                ("send_lse_offset", ctypes.c_size_t), ("send_bytes", ctypes.c_size_t),
+                ("recv_lse_offset", ctypes.c_size_t), ("recv_bytes", ctypes.c_size_t)]
+
+
+C._proto("kva_cp_plan_init", ctypes.c_int, _P(kva_cp_plan), ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+C._proto("kva_cp_attend", ctypes.c_int, ctypes.c_void_p, _P(kva_cp_plan), _P(C.kva_tensor), _P(C.kva_kv_view),
+         _P(C.kva_attn_params), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t)
+C._proto("kva_cp_merge", ctypes.c_int, ctypes.c_void_p, _P(kva_cp_plan), ctypes.c_void_p, ctypes.c_size_t,
+         _P(C.kva_tensor), _P(C.kva_tensor))
+
+__all__ += ["CPPlan", "cp_attend", "cp_exchange", "cp_merge"]
+
+
+class CPPlan:
+    """The exchange layout of one context-parallel call shape for one rank
+    (kva_cp_plan): R ranks each hold a disjoint part of the keys; rank r
+    attends its part (cp_attend) into its send buffer, the parts travel
+    (cp_exchange for ranks in one process, or any transport by the offsets
+    below), and cp_merge merges the R parts a rank received: the heads it
+    owns (by_head: rank r gets heads [r H/R, (r+1) H/R)) or all of them.
+    Buffers are float32 numpy arrays (send_buffer(), recv_buffer())."""
+
+    def __init__(self, ranks, rank, B, H, L, Dv, by_head=False, lse_base2=False):
+        from .paged import _int
+
+        self._p = kva_cp_plan()
+        C.check(lib.kva_cp_plan_init(ctypes.byref(self._p), _int(ranks, "ranks"), _int(rank, "rank"),
+                                     int(bool(by_head)), _int(B, "B"), _int(H, "H"), _int(L, "L"), _int(Dv, "Dv"),
+                                     C.LSE_BASE2 if lse_base2 else 0))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._p, name)
+
+    def send_buffer(self):
+        return np.empty(self._p.send_bytes // 4, np.float32)
+
+    def recv_buffer(self):
+        return np.empty(self._p.recv_bytes // 4, np.float32)
+
+    def send_part(self, send, dst):
+        """(o, lse) float32 views of send: the part addressed to rank dst."""
+        p = self._p
+        d = dst if p.by_head else 0
+        o0, l0 = d * p.o_bytes // 4, (p.send_lse_offset + d * p.lse_bytes) // 4
+        return send[o0:o0 + p.o_bytes // 4], send[l0:l0 + p.lse_bytes // 4]
+
+    def recv_part(self, recv, src):
+        """(o, lse) float32 views of recv: the part from rank src."""
+        p = self._p
+        o0, l0 = src * p.o_bytes // 4, (p.recv_lse_offset + src * p.lse_bytes) // 4
+        return recv[o0:o0 + p.o_bytes // 4], recv[l0:l0 + p.lse_bytes // 4]
+
+
+def _cp_buffer(buf, nbytes, name):
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+        raise TypeError("%s must be a contiguous float32 numpy array (CPPlan.%s_buffer())" % (name, name))
+    if buf.nbytes < nbytes:
+        raise C.error(C.EWORKSPACE, "%s has %d bytes < %d of the plan" % (name, buf.nbytes, nbytes))
+    return buf.ctypes.data
+
+
+def cp_attend(plan, q, k, v, send, scale=None, mask=None, window=None, softcap=None, sinks=None, group_size=64,
+              bits=4, threads=None, *, seq_lens=None, context=None, exact=False):
+    """This rank's part: attention of q [B, H, L, Dk] over its keys k, v
+    (arguments as kvattn.attention; k = v = None: no key, zeros and -inf)
+    into send (kva_cp_attend). Each rank's mask states what its rows see of
+    its keys: the rank whose keys end with the query rows' own tokens takes
+    the caller's mask (and the sinks), the others mask None."""
+    from . import _Call, _flags, default_context
+
+    p = plan._p
+    sp = _cp_buffer(send, p.send_bytes, "send")
+    ctx = context if context is not None else default_context(threads)
+    if k is None and v is None:
+        qa = C.prepare_input(q, "q")
+        qt = C.tensor(qa, "q")
+        with ctx.lock:
+            C.check(lib.kva_cp_attend(ctx.handle, ctypes.byref(p), ctypes.byref(qt), None, None, sp, send.nbytes,
+                                      None, 0))
+        return send
+    out = np.empty((p.B, p.H, p.L, p.Dv), np.float32)  # descriptor only: the call writes into send
+    call = _Call(q, k, v, scale, mask, window, None, False, softcap, sinks, group_size, bits, seq_lens, out)
+    call.params.flags = _flags(exact)
+    with ctx.lock:
+        C.check(lib.kva_cp_attend(ctx.handle, ctypes.byref(p), ctypes.byref(call.q), ctypes.byref(call.view),
+                                  ctypes.byref(call.params), sp, send.nbytes, None, 0))
+    return send
+
+
+def cp_exchange(plans, sends):
+    """The exchange of ranks in one process (simulated ranks): sends[s] from
+    rank s's plan; returns recvs[d] for every rank d."""
+    plans, sends = list(plans), list(sends)
+    if len(plans) != len(sends) or not plans:
+        raise C.error(C.EINVAL, "cp_exchange: one send buffer per plan, got %d and %d" % (len(plans), len(sends)))
+    recvs = [pl.recv_buffer() for pl in plans]
+    for d, pl in enumerate(plans):
+        for s, src in enumerate(plans):
+            o, l = pl.recv_part(recvs[d], s)
+            so, sl = src.send_part(sends[s], d)
+            o[:], l[:] = so, sl
+    return recvs
+
+
+def cp_merge(plan, recv, out=None, dtype=np.float32, threads=None, *, context=None):
+    """Merges the R parts of recv into (out [B, heads, L, Dv], lse [B, heads, L])
+    (kva_cp_merge; out in dtype unless given)."""
+    from . import default_context
+
+    p = plan._p
+    rp = _cp_buffer(recv, p.recv_bytes, "recv")
+    if out is None:
+        out = np.empty((p.B, p.heads, p.L, p.Dv), dtype)
+    lse = np.empty((p.B, p.heads, p.L), np.float32)
+    to, tl = C.tensor(out, "out", output=True), C.tensor(lse, "lse", output=True)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_cp_merge(ctx.handle, ctypes.byref(p), rp, recv.nbytes, ctypes.byref(to), ctypes.byref(tl)))
+    return out, lse
