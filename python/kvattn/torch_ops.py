@@ -32,6 +32,11 @@ opts: k_scales, k_biases, v_scales, v_biases, bits (0 = float K/V), group_size,
 scale (None = 1/sqrt(Dk)), causal, window (0 = none), segments, clamp, mask
 (a bool or additive float tensor broadcastable to [B, H, L, N]), softcap,
 sinks (float32 [H]), exact. Errors raise ValueError with the library's message.
+
+eager() gives the same attention calls as C entry points for plain eager
+tensors, without the dispatcher's argument parsing (the host time of a
+decode step); kvattn.attention and kvattn.block_table_attention use them
+outside torch.compile and the operators under it.
 """
 import os
 
