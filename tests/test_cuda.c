@@ -424,7 +424,7 @@ TEST(cuda_q4_tc_path) {
       {2, 16, 2, 5, 333, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
       {1, 16, 2, 8, 500, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       /* image segments, and no mask, at 24 vectors: the narrow kernel (the
-       * warpgroup one takes the causal mask only) */
+       * warpgroup one, on sm_90, takes no mask too: cuda_q4_wg_path) */
       {1, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_SEG, 0, 0, 0, 0, 0},
       {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 1, 0},
       /* bf16 K/V on the same kernel (>= 3 query vectors per KV head): decode
@@ -511,6 +511,10 @@ TEST(cuda_q4_wg_path) {
       {2, 24, 4, 8, 501, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 100, 20.0f, 1, 1, 0},
       {1, 16, 2, 8, 400, 64, 64, BF16, BF16, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
       {2, 40, 2, 4, 333, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      /* no mask (a cascade's stacked prefix rows): ragged; 80 vectors (two
+       * blocks) with softcap, sinks, f32 out, strided */
+      {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 1, 0},
+      {1, 40, 2, 4, 300, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_NONE, 0, 30.0f, 1, 0, 1},
   };
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
   run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");

@@ -3,8 +3,9 @@
  * stage loader of tc_stage.cuh takes them), Dk = Dv = D in {64, 128, 256}, up
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
- * wide GQA); the causal mask with or without a window (no image segments,
- * no unmasked calls), softcap, sinks; contiguous or BLOCK_TABLE rows.
+ * wide GQA, the stacked prefix rows of a cascade); the causal mask with or
+ * without a window, or no mask (no image segments), softcap, sinks;
+ * contiguous or BLOCK_TABLE rows.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int qv = q0 + 16 * warp + g + 8 * r;
-    pos[r] = qv < Q ? len - a.L + qv % a.L : -1; /* -1: no query vector, sees nothing (as any row before token 0) */
+    /* -1: no query vector, sees nothing (as any row before token 0); no mask: every key up to t_hi */
+    pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
@@ -284,10 +286,11 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
     const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
     int lo[2] = {0, 0}, hi[2] = {KVC_TC_TOK, KVC_TC_TOK};
-    if (!full) /* causal (the selector sends no other mask here): t <= pos, t > pos - window */
+    if (!full) /* causal: t <= pos, t > pos - window; no mask: t < t_hi (the selector sends no other mask here) */
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const long long h = min(t_hi, pos[r] + 1), o = a.window > 0 ? pos[r] - a.window + 1 : t0;
+        const long long h = min(t_hi, pos[r] + 1);
+        const long long o = a.window > 0 && a.mask_kind == KVA_MASK_CAUSAL ? pos[r] - a.window + 1 : t0;
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
       }
