@@ -356,3 +356,79 @@ def cp_merge(plan, recv, out=None, dtype=np.float32, threads=None, *, context=No
     with ctx.lock:
         C.check(lib.kva_cp_merge(ctx.handle, ctypes.byref(p), rp, recv.nbytes, ctypes.byref(to), ctypes.byref(tl)))
     return out, lse
+
+
+C._proto("kva_cp_attention", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, _P(kva_cp_plan), _P(C.kva_tensor),
+         _P(C.kva_kv_view), _P(C.kva_attn_params), _P(C.kva_tensor), _P(C.kva_tensor), ctypes.c_void_p,
+         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+__all__ += ["cp_attention"]
+
+
+def _nccl_comm(comm):
+    """The ncclComm_t address of comm: an int, or a torch.distributed
+    ProcessGroup (or its NCCL backend) whose communicator exists (created by
+    a first collective, or eagerly with init_process_group(device_id=...))."""
+    if isinstance(comm, int) and not isinstance(comm, bool):
+        return comm
+    backend = comm
+    if not hasattr(backend, "_comm_ptr") and hasattr(comm, "_get_backend"):
+        import torch
+        backend = comm._get_backend(torch.device("cuda"))
+    if not hasattr(backend, "_comm_ptr"):
+        raise TypeError("comm must be an ncclComm_t address (int) or a torch.distributed NCCL process group, got %s"
+                        % type(comm).__name__)
+    return int(backend._comm_ptr())
+
+
+def cp_attention(plan, comm, q, k, v, scale=None, mask=None, window=None, softcap=None, sinks=None, group_size=64,
+                 bits=4, *, seq_lens=None, out=None, send=None, recv=None, context=None, exact=False,
+                 return_lse=False):
+    """Context parallelism over NCCL (kva_cp_attention) on PyTorch CUDA
+    tensors: this rank attends q [B, H, L, Dk] over its keys k, v (arguments
+    as kvattn.attention; k = v = None: no key; the mask each rank passes as
+    for cp_attend), the parts are exchanged over comm and merged into out
+    [B, plan.heads, L, Dv] (q's dtype unless given), on the tensors' device
+    and current stream, without a host synchronization. comm: a
+    torch.distributed ProcessGroup with the NCCL backend whose communicator
+    exists (after a first collective), or an ncclComm_t address (int), of
+    plan.ranks ranks in which this one is plan.rank. send, recv: float32
+    device buffers of plan.send_bytes / plan.recv_bytes (None: allocated).
+    Returns out, or (out, lse) with return_lse. Needs a build with NCCL."""
+    from . import _flags
+
+    if not _cuda._is_torch(q) or not q.is_cuda:
+        raise TypeError("cp_attention takes PyTorch CUDA tensors (q is %s)" % type(q).__name__)
+    import torch
+
+    p = plan._p
+    ptr = _nccl_comm(comm)
+    if out is None:
+        out = q.new_empty((p.B, p.heads, p.L, p.Dv))
+    lse = torch.empty((p.B, p.heads, p.L), dtype=torch.float32, device=q.device) if return_lse else None
+    if send is None:
+        send = torch.empty(p.send_bytes // 4, dtype=torch.float32, device=q.device)
+    if recv is None:
+        recv = torch.empty(p.recv_bytes // 4, dtype=torch.float32, device=q.device)
+    for name, buf, n in (("send", send, p.send_bytes), ("recv", recv, p.recv_bytes)):
+        if not _cuda._is_torch(buf) or buf.dtype != torch.float32 or not buf.is_cuda or buf.numel() * 4 < n:
+            raise C.error(C.EWORKSPACE, "%s must be a float32 CUDA tensor of >= %d bytes" % (name, n))
+    shard = k is not None or v is not None
+    kk, vv = (k, v) if shard else (q[:, :1], q[:, :1])  # descriptors only when there is no shard
+    call = _cuda._Call(q, kk, vv, scale, mask, window, None, False, softcap, sinks, group_size,
+                       bits if shard else 0, seq_lens, out)
+    call.params.flags = _flags(exact)
+    call.keep += [send, recv, lse]
+    lt = None
+    if lse is not None:
+        lt, _, _, _ = _cuda._tensor(lse, "lse")
+    ctx = context if context is not None else _cuda._context(call.device)
+    with ctx.lock:
+        stream = call.stream
+        if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
+            stream = 0
+        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
+        C.check(lib.kva_cp_attention(ctx.handle, ctypes.c_void_p(ptr), ctypes.byref(p), ctypes.byref(call.q),
+                                     ctypes.byref(call.view) if shard else None, ctypes.byref(call.params),
+                                     ctypes.byref(call.out), ctypes.byref(lt) if lt is not None else None,
+                                     ctypes.c_void_p(send.data_ptr()), ctypes.c_void_p(recv.data_ptr()), None, 0))
+    return (out, lse) if return_lse else out

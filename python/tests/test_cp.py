@@ -79,3 +79,52 @@ def test_cp_bad_input(request):
         kvattn.cp_merge(plan, plan.recv_buffer()[:5])
     with pytest.raises(ValueError, match="out.shape"):
         kvattn.cp_merge(plan, plan.recv_buffer(), out=np.empty((1, 4, 1, 64), F32))
+
+
+def test_cp_attention_argument_errors(request):
+    rng = rng_for(request)
+    plan = kvattn.CPPlan(1, 0, 1, 8, 1, 64)
+    q = randn(rng, (1, 8, 1, 64))
+    with pytest.raises(TypeError, match="CUDA tensors"):
+        kvattn.cp_attention(plan, 0, q, q, q)
+    from kvattn.compose import _nccl_comm
+    assert _nccl_comm(1234) == 1234
+    with pytest.raises(TypeError, match="process group"):
+        _nccl_comm(object())
+
+
+def test_cp_attention_torch_one_rank(request):
+    """A one-rank torch.distributed NCCL group: kva_cp_attention equals one call."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or kvattn.cuda_device_count() == 0:
+        pytest.skip("no CUDA device")
+    import socket
+
+    import torch.distributed as dist
+    if not dist.is_nccl_available():
+        pytest.skip("torch without NCCL")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%d" % port, rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(1, device="cuda"))  # creates the communicator
+        rng = rng_for(request)
+        B, H, KVH, L, N, D = 2, 8, 4, 2, 500, 128
+        q, k, v = randn(rng, (B, H, L, D)), randn(rng, (B, KVH, N, D)), randn(rng, (B, KVH, N, D))
+        ref, ref_lse = kvattn.attention(q, k, v, mask="causal", bits=0, return_lse=True, exact=True)
+        tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+        for by_head in (False, True):
+            plan = kvattn.CPPlan(1, 0, B, H, L, D, by_head=by_head)
+            try:
+                out, lse = kvattn.cp_attention(plan, dist.group.WORLD, tq, tk, tv, mask="causal", bits=0,
+                                               return_lse=True, exact=True)
+            except ValueError as e:
+                if "no NCCL" in str(e):
+                    pytest.skip("kvattn built without NCCL")
+                raise
+            torch.cuda.synchronize()
+            assert_close(out.cpu().numpy(), ref.astype(np.float64), "cp_attention by_head=%s" % by_head, atol=1e-5)
+            assert_lse(lse.cpu().numpy(), ref_lse.astype(np.float64), "cp_attention lse")
+    finally:
+        dist.destroy_process_group()
