@@ -675,8 +675,10 @@ from .paged import (PagedView, Pool, Sequence, block_table_attention,  # noqa: E
 
 __all__ += ["PagedView", "Pool", "Sequence", "block_table_attention", "block_table_reference_attention",
             "paged_attention"]
-from .compose import (CPPlan, cascade_attention, cp_attend, cp_attention, cp_exchange, cp_merge,  # noqa: E402
-                      paged_cascade_attention, shared_prefix, split_view)
+from .compose import (CPPlan, block_table_cascade_attention, block_table_shared_prefix,  # noqa: E402
+                      cascade_attention, cp_attend, cp_attention, cp_exchange, cp_merge, paged_cascade_attention,
+                      shared_prefix, split_block_table, split_view)
 
-__all__ += ["CPPlan", "cascade_attention", "cp_attend", "cp_attention", "cp_exchange", "cp_merge",
-            "paged_cascade_attention", "shared_prefix", "split_view"]
+__all__ += ["CPPlan", "block_table_cascade_attention", "block_table_shared_prefix", "cascade_attention",
+            "cp_attend", "cp_attention", "cp_exchange", "cp_merge", "paged_cascade_attention", "shared_prefix",
+            "split_block_table", "split_view"]

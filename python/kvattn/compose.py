@@ -432,3 +432,91 @@ def cp_attention(plan, comm, q, k, v, scale=None, mask=None, window=None, softca
                                      ctypes.byref(call.out), ctypes.byref(lt) if lt is not None else None,
                                      ctypes.c_void_p(send.data_ptr()), ctypes.c_void_p(recv.data_ptr()), None, 0))
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------ block tables (CPU)
+
+
+def _table_view(k_pool, v_pool, blocks, seq_lens, first_offset, group_size, bits):
+    """A block-table kva_kv_view over numpy pools and host table arrays (and what it points to)."""
+    from .paged import _table_call
+
+    bl = np.asarray(blocks)
+    q1 = np.zeros((bl.shape[0] if bl.ndim == 2 else 1, 1, 1, 1), np.float32)  # a stand-in query: only the view is used
+    call = _table_call(q1, k_pool, v_pool, blocks, seq_lens, first_offset, None, None, None, None, False, None, None,
+                       group_size, bits, np.empty((q1.shape[0], 1, 1, 1), np.float32))
+    return call
+
+
+def block_table_shared_prefix(k_pool, v_pool, blocks, seq_lens, first_offset=None, min_suffix=0, group_size=64,
+                              bits=4):
+    """shared_prefix for sequences given by a block table (host arrays, as
+    block_table_attention's): the tokens every sequence holds in the same
+    pool rows, leaving each min_suffix own tokens (kva_view_shared_prefix)."""
+    from .paged import _int
+
+    call = _table_view(k_pool, v_pool, blocks, seq_lens, first_offset, group_size, bits)
+    tokens = ctypes.c_int64()
+    C.check(lib.kva_view_shared_prefix(ctypes.byref(call.view), _int(min_suffix, "min_suffix"), ctypes.byref(tokens)))
+    return tokens.value
+
+
+def split_block_table(k_pool, v_pool, blocks, seq_lens, first_offset, prefix_tokens, group_size=64, bits=4):
+    """The prefix and suffix tables of kva_block_table_split: ((blocks [1, m],
+    seq_lens [1], first_offset [1]), (blocks [B, m'], seq_lens [B],
+    first_offset [B])) int32, the blocks views of the given table's rows;
+    prefix_tokens in [1, block_table_shared_prefix(..., min_suffix=1)]."""
+    from .paged import _int, kva_block_table
+
+    from .paged import lib as plib  # noqa: F401 (kva_block_table's prototypes)
+
+    C._proto("kva_block_table_split", ctypes.c_int, _P(C.kva_kv_view), ctypes.c_int64, _P(ctypes.c_int32),
+             _P(ctypes.c_int32), _P(kva_block_table), _P(kva_block_table))
+    call = _table_view(k_pool, v_pool, blocks, seq_lens, first_offset, group_size, bits)
+    base = ctypes.cast(ctypes.cast(call.view.table, _P(kva_block_table)).contents.blocks, ctypes.c_void_p).value
+    bl = next(x for x in call.keep if isinstance(x, np.ndarray) and x.ndim == 2 and x.ctypes.data == base)
+    B = bl.shape[0]
+    lens, first = np.empty(B + 1, np.int32), np.empty(B + 1, np.int32)
+    pre, suf = kva_block_table(), kva_block_table()
+    _i32p = _P(ctypes.c_int32)
+    C.check(lib.kva_block_table_split(ctypes.byref(call.view), _int(prefix_tokens, "prefix_tokens"),
+                                      lens.ctypes.data_as(_i32p), first.ctypes.data_as(_i32p), ctypes.byref(pre),
+                                      ctypes.byref(suf)))
+    skip = (ctypes.cast(suf.blocks, ctypes.c_void_p).value - base) // 4  # whole blocks before the suffixes
+    return ((bl[:1, :pre.max_blocks], lens[:1].copy(), first[:1].copy()),
+            (bl[:, skip:skip + suf.max_blocks], lens[1:].copy(), first[1:].copy()))
+
+
+def block_table_cascade_attention(q, k_pool, v_pool, prefix, suffix, scale=None, mask=None, softcap=None, sinks=None,
+                                  group_size=64, bits=4, threads=None, *, out=None, context=None, return_lse=False,
+                                  lse_base2=False, exact=False):
+    """cascade_attention over caller pools addressed by block tables (CPU,
+    numpy): prefix = (blocks [1, m], seq_lens [1], first_offset [1] or None)
+    of the shared tokens, suffix = (blocks [B, m'], seq_lens [B],
+    first_offset [B] or None) of each sequence's own tokens after them
+    (split_block_table gives both); the other arguments as cascade_attention."""
+    from . import _flags, default_context
+    from .paged import _table_call
+
+    _check_mask(mask)
+    q = _token_major(q)
+    if len(prefix) != 3 or len(suffix) != 3:
+        raise C.error(C.EINVAL, "prefix and suffix must be (blocks, seq_lens, first_offset) tuples")
+    scall = _table_call(q, k_pool, v_pool, *suffix, scale, mask, None, None, False, softcap, sinks, group_size, bits,
+                        out)
+    scall.params.flags = _flags(exact)
+    pcall = _table_view(k_pool, v_pool, *prefix, group_size, bits)
+    lse = lt = None
+    if return_lse:
+        lse = np.empty(scall.out_array.shape[:3], np.float32)
+        lt = C.tensor(lse, "lse", output=True)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(scall.q), ctypes.byref(pcall.view),
+                                          ctypes.byref(scall.view), ctypes.byref(scall.params),
+                                          ctypes.byref(scall.out), ctypes.byref(lt) if lt is not None else None,
+                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
+    return (scall.out_array, lse) if return_lse else scall.out_array
+
+
+__all__ += ["block_table_cascade_attention", "block_table_shared_prefix", "split_block_table"]

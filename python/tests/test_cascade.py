@@ -173,3 +173,35 @@ def test_paged_forks_shared_prefix_split_cascade(request, bits, trim):
     assert pool.stats()["views"] == 1
     view.release()
     pool.check()
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_block_table_forks_cascade(request, bits):
+    """Forks read through a block table of the pool's arrays: the shared
+    prefix, the split, cascade over the two tables = the oracle."""
+    rng = rng_for(request)
+    B, H, KVH, L, D, P0, bs = 3, 8, 2, 2, 64, 90, 16
+    pool = kvattn.Pool(256, bs, KVH, D, dtype=F32 if not bits else BF16, bits=bits, group_size=64)
+    parent = pool.sequence()
+    parent.append(randn(rng, (KVH, P0 + 5, D)), randn(rng, (KVH, P0 + 5, D)))
+    parent.trim(P0)
+    kids = [parent.fork() for _ in range(B)]
+    for n, s in zip([7, 20, 3], kids):
+        s.append(randn(rng, (KVH, n, D)), randn(rng, (KVH, n, D)))
+    view = pool.view(kids)
+    blocks, lens, first = view.block_table()
+    gb = pool.group_size or 64
+    shared = kvattn.block_table_shared_prefix(pool.k, pool.v, blocks, lens, first, min_suffix=L, group_size=gb,
+                                              bits=bits)
+    assert shared == kvattn.shared_prefix(view, min_suffix=L) == (P0 + 5) // bs * bs - 5
+    q = randn(rng, (B, H, L, D))
+    ref = view.reference_attention(q, mask="causal").astype(np.float64)
+    for P in (shared, shared - 6):
+        pre, suf = kvattn.split_block_table(pool.k, pool.v, blocks, lens, first, P, group_size=gb, bits=bits)
+        assert pre[1].tolist() == [P] and suf[1].tolist() == (lens - P).tolist()
+        out = kvattn.block_table_cascade_attention(q, pool.k, pool.v, pre, suf, mask="causal", group_size=gb,
+                                                   bits=bits, exact=True)
+        assert_close(out, ref, "block-table cascade P=%d" % P)
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        kvattn.split_block_table(pool.k, pool.v, blocks, lens, first, shared + L, group_size=gb, bits=bits)
+    view.release()
