@@ -490,11 +490,13 @@ def split_block_table(k_pool, v_pool, blocks, seq_lens, first_offset, prefix_tok
 def block_table_cascade_attention(q, k_pool, v_pool, prefix, suffix, scale=None, mask=None, softcap=None, sinks=None,
                                   group_size=64, bits=4, threads=None, *, out=None, context=None, return_lse=False,
                                   lse_base2=False, exact=False):
-    """cascade_attention over caller pools addressed by block tables (CPU,
-    numpy): prefix = (blocks [1, m], seq_lens [1], first_offset [1] or None)
-    of the shared tokens, suffix = (blocks [B, m'], seq_lens [B],
-    first_offset [B] or None) of each sequence's own tokens after them
-    (split_block_table gives both); the other arguments as cascade_attention."""
+    """cascade_attention over caller pools addressed by block tables:
+    prefix = (blocks [1, m], seq_lens [1], first_offset [1] or None) of the
+    shared tokens, suffix = (blocks [B, m'], seq_lens [B], first_offset [B]
+    or None) of each sequence's own tokens after them (split_block_table
+    gives both); the other arguments as cascade_attention. numpy pools and
+    host tables on the CPU; PyTorch CUDA tensors (pools, int32 tables on the
+    device) on CUDA, where the prefix must hold >= min(B L, 16) tokens."""
     from . import _flags, default_context
     from .paged import _table_call
 
@@ -502,6 +504,9 @@ def block_table_cascade_attention(q, k_pool, v_pool, prefix, suffix, scale=None,
     q = _token_major(q)
     if len(prefix) != 3 or len(suffix) != 3:
         raise C.error(C.EINVAL, "prefix and suffix must be (blocks, seq_lens, first_offset) tuples")
+    if _cuda.is_cuda_array(q):
+        return _table_cascade_cuda(q, k_pool, v_pool, prefix, suffix, scale, mask, softcap, sinks, group_size, bits,
+                                   out, context, return_lse, lse_base2, exact)
     scall = _table_call(q, k_pool, v_pool, *suffix, scale, mask, None, None, False, softcap, sinks, group_size, bits,
                         out)
     scall.params.flags = _flags(exact)
@@ -520,3 +525,61 @@ def block_table_cascade_attention(q, k_pool, v_pool, prefix, suffix, scale=None,
 
 
 __all__ += ["block_table_cascade_attention", "block_table_shared_prefix", "split_block_table"]
+
+
+def _cuda_table(call, blocks, seq_lens, first_offset, what):
+    """A kva_block_table of int32 device arrays (kept alive by call)."""
+    from .paged import kva_block_table
+
+    bl, bshape = _cuda._int32_device(call, blocks, what + ".blocks", 2)
+    B, mb = bshape
+    if B > 1 and (bl.stride[0] % 4 or bl.stride[0] < 4 * mb):
+        raise C.error(C.ESTRIDE, "%s.blocks: row stride %d bytes must be a multiple of 4 and >= 4 * max_blocks"
+                      % (what, bl.stride[0]))
+    sl, sshape = _cuda._int32_device(call, seq_lens, what + ".seq_lens", 1)
+    if sshape != (B,):
+        raise C.error(C.ESHAPE, "%s.seq_lens must have shape [B] = [%d] (the rows of blocks)" % (what, B))
+    t = kva_block_table()
+    t.batch, t.max_blocks, t.row_stride = B, mb, (bl.stride[0] // 4 if B > 1 else 0)
+    t.blocks = ctypes.cast(bl.data, _P(ctypes.c_int32))
+    t.seq_lens = ctypes.cast(sl.data, _P(ctypes.c_int32))
+    if first_offset is not None:
+        fo, fshape = _cuda._int32_device(call, first_offset, what + ".first_offset", 1)
+        if fshape != (B,):
+            raise C.error(C.ESHAPE, "%s.first_offset must have shape [B] = [%d]" % (what, B))
+        t.first_offset = ctypes.cast(fo.data, _P(ctypes.c_int32))
+    call.keep.append(t)
+    return t
+
+
+def _table_cascade_cuda(q, k_pool, v_pool, prefix, suffix, scale, mask, softcap, sinks, group_size, bits, out,
+                        context, return_lse, lse_base2, exact):
+    from . import _flags
+    from .paged import lib as plib
+
+    call = _cuda._Call(q, k_pool, v_pool, scale, mask, None, None, False, softcap, sinks, group_size, bits, None,
+                       out)
+    call.params.flags = _flags(exact)
+    tp = _cuda_table(call, *prefix, "prefix")
+    ts = _cuda_table(call, *suffix, "suffix")
+    pview = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(tp))
+    sview = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(ts))
+    lse = lt = None
+    if return_lse:
+        if not _cuda._is_torch(q):
+            raise C.error(C.EINVAL, "return_lse on CUDA arrays other than PyTorch tensors is not supported")
+        import torch
+        lse = torch.empty(tuple(call.out_array.shape[:3]), dtype=torch.float32, device=q.device)
+        call.keep.append(lse)
+        lt, _, _, _ = _cuda._tensor(lse, "lse")
+    ctx = context if context is not None else _cuda._context(call.device)
+    with ctx.lock:
+        stream = call.stream
+        if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
+            stream = 0
+        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
+        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(pview), ctypes.byref(sview),
+                                          ctypes.byref(call.params), ctypes.byref(call.out),
+                                          ctypes.byref(lt) if lt is not None else None,
+                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
+    return (call.out_array, lse) if return_lse else call.out_array

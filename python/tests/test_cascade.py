@@ -205,3 +205,59 @@ def test_block_table_forks_cascade(request, bits):
     with pytest.raises(ValueError, match="prefix_tokens"):
         kvattn.split_block_table(pool.k, pool.v, blocks, lens, first, shared + L, group_size=gb, bits=bits)
     view.release()
+
+
+class _FakeDeviceArray:
+    """Host memory behind a __cuda_array_interface__ (never dereferenced without a device)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+        self.__cuda_array_interface__ = {"shape": arr.shape, "typestr": arr.dtype.str, "data": (arr.ctypes.data, False),
+                                         "strides": arr.strides, "version": 3, "stream": 1}
+
+
+@pytest.mark.skipif(kvattn.cuda_device_count() > 0, reason="a CUDA device is present")
+def test_block_table_cascade_cuda_arrays_route_to_the_backend():
+    f = _FakeDeviceArray
+    q = f(np.ones((2, 4, 1, 64), np.float16))
+    pool = f(np.ones((8, 2, 16, 64), np.float16))
+    out = f(np.zeros((2, 4, 1, 64), np.float16))
+    pre = (f(np.zeros((1, 2), np.int32)), f(np.array([20], np.int32)), None)
+    suf = (f(np.array([[2, 3], [4, 5]], np.int32)), f(np.array([5, 9], np.int32)), None)
+    with pytest.raises(ValueError, match="backend or device not available"):
+        kvattn.block_table_cascade_attention(q, pool, pool, pre, suf, mask="causal", bits=0, out=out)
+    with pytest.raises(ValueError, match="prefix.seq_lens"):
+        kvattn.block_table_cascade_attention(q, pool, pool, (pre[0], suf[1], None), suf, bits=0, out=out)
+
+
+def test_block_table_cascade_cuda_tensors(request):
+    torch = _torch_cuda()
+    rng = rng_for(request)
+    B, H, KVH, L, D, bs = 4, 16, 4, 1, 128, 16
+    pool = kvattn.Pool(512, bs, KVH, D, dtype=BF16, bits=4, group_size=64)
+    parent = pool.sequence()
+    parent.append(randn(rng, (KVH, 1000, D)), randn(rng, (KVH, 1000, D)))
+    kids = [parent.fork() for _ in range(B)]
+    for n, s in zip([30, 7, 64, 1], kids):
+        s.append(randn(rng, (KVH, n, D)), randn(rng, (KVH, n, D)))
+    view = pool.view(kids)
+    blocks, lens, first = view.block_table()
+    P = kvattn.block_table_shared_prefix(pool.k, pool.v, blocks, lens, first, min_suffix=L)
+    pre, suf = kvattn.split_block_table(pool.k, pool.v, blocks, lens, first, P)
+    q = randn(rng, (B, H, L, D), BF16)
+    ref = view.reference_attention(q, mask="causal", out=np.empty((B, H, L, D), F32)).astype(np.float64)
+
+    def dev(x):
+        if x is None:
+            return None
+        if isinstance(x, tuple):
+            return tuple(dev(a) for a in x)
+        x = np.ascontiguousarray(x)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+        return torch.from_numpy(x.view(np.int32) if x.dtype == np.uint32 else x).cuda()
+
+    out = kvattn.block_table_cascade_attention(dev(q), dev(pool.k), dev(pool.v), dev(pre), dev(suf), mask="causal")
+    torch.cuda.synchronize()
+    assert_close(out.float().cpu().numpy(), ref, "cuda block-table cascade", atol=2.0**-7)
+    view.release()
