@@ -10,12 +10,14 @@ Skipped when torch or the extension (make torch-ext) is missing."""
 import numpy as np
 import pytest
 
-import kvattn
-from kvref import (BF16, BF16_PRODUCTS_ATOL, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, randn, ref_attention,
-                   rng_for)
-
+# torch before kvattn: torch's loader then picks its own CUDA libraries even
+# where libkvattn.so was linked against another CUDA installation
 torch = pytest.importorskip("torch")
+
+import kvattn  # noqa: E402
 from kvattn import torch_ops  # noqa: E402
+from kvref import (BF16, BF16_PRODUCTS_ATOL, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, randn,  # noqa: E402
+                   ref_attention, rng_for)
 
 if not torch_ops.available():
     pytest.skip(torch_ops.load_error(), allow_module_level=True)
