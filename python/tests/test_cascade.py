@@ -122,7 +122,7 @@ def test_cascade_cuda_tensors(request, bits):
         if isinstance(x, tuple):
             return tuple(dev(a) for a in x)
         if x.dtype == BF16:
-            return torch.from_numpy(x.view(np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16).cuda()
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16).cuda()
         return torch.from_numpy(x.view(np.int32) if x.dtype == np.uint32 else x).cuda()
 
     out, lse = kvattn.cascade_attention(dev(q), dev(pk), dev(pv), dev(sk), dev(sv), mask="causal", bits=bits,
