@@ -30,8 +30,8 @@ if ! ls "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../inc
   nh=$("$PY" -c 'import nvidia.nccl as m, os; print(list(m.__path__)[0])' 2>/dev/null || true)
   [ -n "$nh" ] && [ -f "$nh/include/nccl.h" ] && NCCL_ARG=("NCCL_HOME=$nh")
 fi
-# the two objects whose code depends on KVA_HAVE_NCCL (make does not track flags)
-rm -f "$BUILD/src/core/cp_nccl.o" "$BUILD/tests/test_cp.o"
+# the objects whose code depends on KVA_HAVE_NCCL (make does not track flags)
+rm -f "$BUILD/src/core/cp_nccl.o" "$BUILD/src/cpu/attend.o" "$BUILD/tests/test_cp.o"
 run build make -j"$J" BUILD="$BUILD" "${NCCL_ARG[@]}" all "$BUILD/cascade_vs_batched"
 run ctests "$BUILD/kvattn_tests" cascade cp_ merge lse_ cuda_lse
 run pytests env PYTHONPATH=python KVATTN_LIB="$BUILD/libkvattn.so" "$PY" -m pytest -q \

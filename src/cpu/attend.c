@@ -200,6 +200,9 @@ const char *kva_build_info(void) {
 #else
          ", CUDA: not built"
 #endif
+#ifdef KVA_HAVE_NCCL
+         ", NCCL: yes"
+#endif
       ;
 }
 
