@@ -33,6 +33,7 @@ fi
 # the objects whose code depends on KVA_HAVE_NCCL (make does not track flags)
 rm -f "$BUILD/src/core/cp_nccl.o" "$BUILD/src/cpu/attend.o" "$BUILD/tests/test_cp.o"
 run build make -j"$J" BUILD="$BUILD" "${NCCL_ARG[@]}" all "$BUILD/cascade_vs_batched"
+run info "$BUILD/kvattn" info
 run ctests "$BUILD/kvattn_tests" cascade cp_ merge lse_ cuda_lse
 run pytests env PYTHONPATH=python KVATTN_LIB="$BUILD/libkvattn.so" "$PY" -m pytest -q \
   python/tests/test_cascade.py python/tests/test_cp.py python/tests/test_lse.py
