@@ -129,12 +129,62 @@ def causal_visible(n_keys, positions, window=None, seg=None, clamp=False):
     return vis
 
 
+def query_rounding_bits(kernel_name):
+    """N of a "q intN" item with N <= 8 in a kernel name's trailing bracket
+    (the query rounding the reference models: round_query), else 0."""
+    import re
+
+    m = re.search(r"\[([^\]]*)\]$", kernel_name)
+    for item in (m.group(1).split(", ") if m else []):
+        mm = re.fullmatch(r"q int(\d+)", item)
+        if mm and int(mm.group(1)) <= 8:
+            return int(mm.group(1))
+    return 0
+
+
+def round_query(q, group, bits):
+    """q rounded as docs/precision.md says ("q intN", kvattn.h
+    kva_ref_rounding), in float32 arithmetic on q as loaded, per group of
+    `group` dims: sigma = max|q| / (2^(bits-1) - 1), c = rint(q * (1 /
+    sigma)) clamped, q' = c * sigma (float64); a group holding a NaN or Inf,
+    or whose 1 / sigma overflows, stays as it is."""
+    x = np.asarray(q).astype(np.float32)
+    out = x.astype(np.float64)
+    lv = np.float32(2 ** (bits - 1) - 1)
+    D = x.shape[-1]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for g0 in range(0, D, group):
+            xg = x[..., g0:g0 + group]
+            amax = np.abs(xg).max(axis=-1, keepdims=True)
+            sig = (amax / lv).astype(np.float32)
+            inv = np.where(sig > 0, np.float32(1) / sig, np.float32(0)).astype(np.float32)
+            keep = np.isfinite(xg).all(axis=-1, keepdims=True) & np.isfinite(inv)
+            c = np.clip(np.rint((xg * inv).astype(np.float32)), -lv, lv)
+            out[..., g0:g0 + group] = np.where(keep, c.astype(np.float64) * sig.astype(np.float64),
+                                                 xg.astype(np.float64))
+    return out
+
+
+def ref_for_kernel(q, k, v, threads=None, context=None, exact=False, **kw):
+    """ref_attention(q, k, v, **kw) with the query rounding of the kernel
+    kvattn.attention(q, k, v, threads=threads, context=context, exact=exact,
+    **kw) takes (its name's bracket: query_rounding_bits)."""
+    import kvattn
+
+    name = kvattn.attention_kernel(q, k, v, threads=threads, context=context, exact=exact, **kw)
+    kw.pop("out", None)
+    return ref_attention(q, k, v, q_int_bits=query_rounding_bits(name), **kw)
+
+
 def ref_attention(q, k, v, scale=None, mask=None, window=None, segments=None, clamp=False, softcap=None,
-                  sinks=None, seq_lens=None, group_size=64, bits=4, return_lse=False):
+                  sinks=None, seq_lens=None, group_size=64, bits=4, return_lse=False, q_int_bits=0):
     """Naive float64 attention. q [B, H, L, Dk]; k/v float arrays or quantized
     tuples; mask None / "causal" / array broadcastable to [B, H, L, N].
     return_lse: (out, lse), lse [B, H, L] = log of the softmax denominator
-    (sink included), -inf for a row that sees no key."""
+    (sink included), -inf for a row that sees no key. q_int_bits: the query
+    first rounded per K group (the whole row for float K) as round_query."""
+    if q_int_bits:
+        q = round_query(q, group_size if isinstance(k, tuple) else np.asarray(q).shape[-1], q_int_bits)
     q = as_f64(q)
     k = as_f64(k, group_size, bits)
     v = as_f64(v, group_size, bits)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F16, F32, assert_close, compute_atol, randn, ref_attention, rng_for
+from kvref import BF16, F16, F32, assert_close, compute_atol, randn, ref_attention, ref_for_kernel, rng_for
 
 
 def make_kv(rng, B, KVH, N, D, dtype, bits=0, group_size=64):
@@ -24,7 +24,7 @@ def run_case(request, B, H, KVH, L, N, Dk, Dv, kv_dtype, q_dtype, bits=0, group_
     v = make_kv(rng, B, KVH, N, Dv, kv_dtype, bits, group_size)
     out = kvattn.attention(q, k, v, group_size=group_size, bits=bits, threads=threads, **kw)
     assert out.shape == (B, H, L, Dv) and out.dtype == q.dtype
-    ref = ref_attention(q, k, v, group_size=group_size, bits=bits, **kw)
+    ref = ref_for_kernel(q, k, v, group_size=group_size, bits=bits, threads=threads, **kw)
     # f32 rounding in the logits grows with their size: scale the allowance by
     # how much an explicit scale enlarges them over the default 1/sqrt(Dk).
     growth = max(1.0, abs(kw["scale"]) * Dk ** 0.5) if kw.get("scale") is not None else 1.0
@@ -207,7 +207,7 @@ def test_views_into_larger_cache(request, bits):
         k = kc[:, 1:, :N]
         v = vt[:, :N].transpose(0, 2, 1, 3)
     out = kvattn.attention(q, k, v, mask="causal", bits=bits)
-    assert_close(out, ref_attention(q, k, v, mask="causal", bits=bits), "views", compute_atol(q, KVH))
+    assert_close(out, ref_for_kernel(q, k, v, mask="causal", bits=bits), "views", compute_atol(q, KVH))
 
 
 def test_noncontiguous_innermost_inputs_are_copied(request):
@@ -245,7 +245,7 @@ def test_threads_and_contexts(request):
     rng = rng_for(request)
     q = randn(rng, (2, 8, 2, 128))
     k, v = kvattn.quantize(randn(rng, (2, 2, 300, 128))), kvattn.quantize(randn(rng, (2, 2, 300, 128)))
-    ref = ref_attention(q, k, v, mask="causal")
+    ref = ref_for_kernel(q, k, v, mask="causal")
     assert_close(kvattn.attention(q, k, v, mask="causal", threads=1), ref, "threads=1")
     assert_close(kvattn.attention(q, k, v, mask="causal", threads=3), ref, "threads=3")
     assert kvattn.default_context(1) is kvattn.default_context(1)

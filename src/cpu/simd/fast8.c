@@ -6,10 +6,11 @@
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
- *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g), the codes converted to f32
- *   exactly (shift, and, convert; the same for every query dtype: 16-bit
- *   integer queries by vpmaddwd measured no faster and rounded q to 2^-15
- *   of its largest element, past the f32 tolerance at head dim 512).
+ *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g). At the avx2 level, 4-bit and
+ *   8-bit K outside exact mode: q rounded to s8 per (vector, group) and
+ *   q_g·c_g an exact integer dot product (kphase_i8: vpmaddubsw / vpmaddwd,
+ *   "[q int8]"); otherwise (exact mode, 2-bit K, the portable level) the
+ *   codes converted to f32 exactly (shift, and, convert) times f32 q.
  *   Quantized V: for <= 4 vectors, O += (P*s_g)*c per element with the
  *   codes decoded in registers and sum_t P*b_g kept per group (vweights8);
  *   for more vectors the tile's rows are dequantized once into L1 as
