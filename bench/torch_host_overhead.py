@@ -104,13 +104,13 @@ def main():
     if have_ops:
         ao = torch.ops.kvattn.attention_out.default
         aa = torch.ops.kvattn.attention.default
-        # positional: the schema's order (k_scales, k_biases, v_scales, v_biases, bits, group_size, scale, causal)
+        # positional: the schema's order (causal, k_scales, k_biases, v_scales, v_biases, bits, ...)
         add("torch.ops.kvattn.attention_out (out preallocated)",
-            [lambda: ao(out, q, k, v, None, None, None, None, 0, 64, None, True),
-             lambda: ao(out, q, kq[0], vq[0], kq[1], kq[2], vq[1], vq[2], 4, 64, None, True)])
+            [lambda: ao(out, q, k, v, True),
+             lambda: ao(out, q, kq[0], vq[0], True, kq[1], kq[2], vq[1], vq[2], 4)])
         add("torch.ops.kvattn.attention (allocating out)",
-            [lambda: aa(q, k, v, None, None, None, None, 0, 64, None, True),
-             lambda: aa(q, kq[0], vq[0], kq[1], kq[2], vq[1], vq[2], 4, 64, None, True)])
+            [lambda: aa(q, k, v, True),
+             lambda: aa(q, kq[0], vq[0], True, kq[1], kq[2], vq[1], vq[2], 4)])
         add("torch.ops.kvattn.attention_out, keyword options",
             [lambda: ao(out, q, k, v, causal=True),
              lambda: ao(out, q, kq[0], vq[0], k_scales=kq[1], k_biases=kq[2], v_scales=vq[1], v_biases=vq[2], bits=4,
@@ -118,8 +118,8 @@ def main():
         E = torch_ops.eager()
         if E is not None:
             # the eager entry points: the same call without the dispatcher's argument parsing
-            o_bf = (None, None, None, None, 0, 64, None, True, 0, None, False, None, None, None, False, None)
-            o_q4 = (kq[1], kq[2], vq[1], vq[2], 4, 64, None, True, 0, None, False, None, None, None, False, None)
+            o_bf = (True, None, None, None, None, 0, 64, 0, None, None, None, None, False, None, False, None)
+            o_q4 = (True, kq[1], kq[2], vq[1], vq[2], 4, 64, 0, None, None, None, None, False, None, False, None)
             add("kvattn.torch_ops.eager().attention_out (out preallocated)",
                 [lambda: E.attention_out(out, q, k, v, *o_bf), lambda: E.attention_out(out, q, kq[0], vq[0], *o_q4)])
             add("kvattn.torch_ops.eager().attention (allocating out)",

@@ -28,10 +28,12 @@ options after the tensors; see README "PyTorch"):
   merge_states(parts_o, parts_lse, base2=False, dtype=None) -> (out, lse)
   merge_states_out(out, lse, parts_o, parts_lse, base2=False)
 
-opts: k_scales, k_biases, v_scales, v_biases, bits (0 = float K/V), group_size,
-scale (None = 1/sqrt(Dk)), causal, window (0 = none), segments, clamp, mask
-(a bool or additive float tensor broadcastable to [B, H, L, N]), softcap,
-sinks (float32 [H]), exact. Errors raise ValueError with the library's message.
+opts, in the schemas' order (positional arguments parse faster than
+keywords): causal, k_scales, k_biases, v_scales, v_biases, bits (0 = float
+K/V), group_size, window (0 = none), scale (None = 1/sqrt(Dk)), softcap,
+sinks (float32 [H]), segments, clamp, mask (a bool or additive float tensor
+broadcastable to [B, H, L, N]), exact. Errors raise ValueError with the
+library's message.
 
 eager() gives the same attention calls as C entry points for plain eager
 tensors, without the dispatcher's argument parsing (the host time of a
@@ -124,8 +126,8 @@ def eager():
     argument parsing (positional arguments in the operators' schema order;
     NotImplemented where only the dispatcher can serve the call), or None:
 
-      eager().attention_out(out, q, k, v, k_scales, k_biases, v_scales, v_biases, bits, group_size, scale,
-                            causal, window, segments, clamp, mask, softcap, sinks, exact, seq_lens)
+      eager().attention_out(out, q, k, v, causal, k_scales, k_biases, v_scales, v_biases, bits, group_size,
+                            window, scale, softcap, sinks, segments, clamp, mask, exact, seq_lens)
       eager().attention(q, k, v, <the same options>, seq_lens) -> out
       eager().block_table_attention_out(out, q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>)
       eager().block_table_attention(q, k_pool, v_pool, block_table, seq_lens, first_offset, <options>) -> out
@@ -171,9 +173,9 @@ def _kv(x, bits):
 
 
 def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact):
-    """(k data, v data, the ops' options in schema order: k_scales, k_biases,
-    v_scales, v_biases, bits, group_size, scale, causal, window, segments,
-    clamp, mask, softcap, sinks, exact) from kvattn.attention's arguments;
+    """(k data, v data, the ops' options in schema order: causal, k_scales,
+    k_biases, v_scales, v_biases, bits, group_size, window, scale, softcap,
+    sinks, segments, clamp, mask, exact) from kvattn.attention's arguments;
     None if some argument is not for the ops. Positional arguments: the
     operators parse them faster than keywords."""
     kk, vv = _kv(k, bits), _kv(v, bits)
@@ -195,9 +197,9 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
         group_size = _check_i32(group_size, "group_size")
     if exact is not False and exact is not True:
         exact = bool(_flags(exact))
-    return kk[0], vv[0], (kk[1], kk[2], vv[1], vv[2], kk[3], group_size, scale, causal,
-                          0 if window is None else _window(window), segments, bool(clamp), marr, softcap, sinks,
-                          exact)
+    return kk[0], vv[0], (causal, kk[1], kk[2], vv[1], vv[2], kk[3], group_size,
+                          0 if window is None else _window(window), scale, softcap, sinks, segments, bool(clamp),
+                          marr, exact)
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,

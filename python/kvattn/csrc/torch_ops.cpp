@@ -296,19 +296,22 @@ void run(const at::Device &dev, Call call, Size size) {
 }
 
 /* ------------------------------------------------------------- attention */
-/* The options every attention op takes after its K/V arguments. */
+/* The options every attention op takes after its K/V arguments, the most
+ * used first: the dispatcher's parsing costs per argument passed, so a
+ * positional bf16 causal call passes five (out, q, k, v, causal). */
 #define KVA_OPT_PARAMS                                                                                          \
-  const OptTensor &k_scales, const OptTensor &k_biases, const OptTensor &v_scales, const OptTensor &v_biases,  \
-      int64_t bits, int64_t group_size, std::optional<double> scale, bool causal, int64_t window,              \
-      const OptTensor &segments, bool clamp, const OptTensor &mask, std::optional<double> softcap,             \
-      const OptTensor &sinks, bool exact
+  bool causal, const OptTensor &k_scales, const OptTensor &k_biases, const OptTensor &v_scales,                \
+      const OptTensor &v_biases, int64_t bits, int64_t group_size, int64_t window, std::optional<double> scale, \
+      std::optional<double> softcap, const OptTensor &sinks, const OptTensor &segments, bool clamp,            \
+      const OptTensor &mask, bool exact
 #define KVA_OPT_ARGS                                                                                            \
-  k_scales, k_biases, v_scales, v_biases, bits, group_size, scale, causal, window, segments, clamp, mask,      \
-      softcap, sinks, exact
+  causal, k_scales, k_biases, v_scales, v_biases, bits, group_size, window, scale, softcap, sinks, segments,  \
+      clamp, mask, exact
 #define KVA_OPT_SCHEMA                                                                                          \
-  "Tensor? k_scales=None, Tensor? k_biases=None, Tensor? v_scales=None, Tensor? v_biases=None, int bits=0, "   \
-  "int group_size=64, float? scale=None, bool causal=False, int window=0, Tensor? segments=None, "            \
-  "bool clamp=False, Tensor? mask=None, float? softcap=None, Tensor? sinks=None, bool exact=False"
+  "bool causal=False, Tensor? k_scales=None, Tensor? k_biases=None, Tensor? v_scales=None, "                   \
+  "Tensor? v_biases=None, int bits=0, int group_size=64, int window=0, float? scale=None, "                   \
+  "float? softcap=None, Tensor? sinks=None, Tensor? segments=None, bool clamp=False, Tensor? mask=None, "      \
+  "bool exact=False"
 
 /* A block table (KVA_LAYOUT_BLOCK_TABLE) or none (contiguous K/V). */
 struct TableArgs {
@@ -746,17 +749,17 @@ struct Opts {
   int64_t bits, group_size, window;
   std::optional<double> scale, softcap;
   bool causal, clamp, exact;
-  void read(Args &r, int i) {
-    k_scales = r.opt(i), k_biases = r.opt(i + 1), v_scales = r.opt(i + 2), v_biases = r.opt(i + 3);
-    bits = r.integer(i + 4), group_size = r.integer(i + 5), scale = r.real(i + 6), causal = r.boolean(i + 7);
-    window = r.integer(i + 8), segments = r.opt(i + 9), clamp = r.boolean(i + 10), mask = r.opt(i + 11);
-    softcap = r.real(i + 12), sinks = r.opt(i + 13), exact = r.boolean(i + 14);
+  void read(Args &r, int i) { /* KVA_OPT_PARAMS' order */
+    causal = r.boolean(i), k_scales = r.opt(i + 1), k_biases = r.opt(i + 2), v_scales = r.opt(i + 3);
+    v_biases = r.opt(i + 4), bits = r.integer(i + 5), group_size = r.integer(i + 6), window = r.integer(i + 7);
+    scale = r.real(i + 8), softcap = r.real(i + 9), sinks = r.opt(i + 10), segments = r.opt(i + 11);
+    clamp = r.boolean(i + 12), mask = r.opt(i + 13), exact = r.boolean(i + 14);
   }
 };
 constexpr int kOpts = 15;
 #define KVA_OPTS_OF(o)                                                                                          \
-  o.k_scales, o.k_biases, o.v_scales, o.v_biases, o.bits, o.group_size, o.scale, o.causal, o.window,           \
-      o.segments, o.clamp, o.mask, o.softcap, o.sinks, o.exact
+  o.causal, o.k_scales, o.k_biases, o.v_scales, o.v_biases, o.bits, o.group_size, o.window, o.scale, o.softcap,  \
+      o.sinks, o.segments, o.clamp, o.mask, o.exact
 
 /* Runs body() without the GIL; a library or binding error becomes a
  * Python ValueError (other torch errors RuntimeError). Returns false with
@@ -855,8 +858,8 @@ PyObject *py_block_table_attention(PyObject *, PyObject *const *args, Py_ssize_t
 
 PyMethodDef g_methods[] = {
     {"attention_out", (PyCFunction)(void (*)(void))py_attention_out, METH_FASTCALL,
-     "attention_out(out, q, k, v, k_scales, k_biases, v_scales, v_biases, bits, group_size, scale, causal, "
-     "window, segments, clamp, mask, softcap, sinks, exact, seq_lens): torch.ops.kvattn.attention_out for plain "
+     "attention_out(out, q, k, v, causal, k_scales, k_biases, v_scales, v_biases, bits, group_size, window, "
+     "scale, softcap, sinks, segments, clamp, mask, exact, seq_lens): torch.ops.kvattn.attention_out for plain "
      "eager tensors; NotImplemented where the dispatcher is needed"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(q, k, v, <options as attention_out>, seq_lens) -> out"},
