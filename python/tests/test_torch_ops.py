@@ -238,10 +238,12 @@ def test_block_table_attention(request, bits, dt):
     out = ops.block_table_attention(to_torch(q), kd, vd, to_torch(table), to_torch(lens - first), to_torch(first),
                                     causal=True, **kvkw)
     assert np.array_equal(to_numpy(out).view(np.uint8), want.view(np.uint8))
+    # the oracle's output in f32 (its rounding far below the allowance); the
+    # allowance of the kernel the same shape takes over contiguous K/V
     ref = kvattn.block_table_reference_attention(q, kp, vp, table, lens - first, first, mask="causal", group_size=g,
-                                                 bits=bits)
+                                                 bits=bits, out=np.empty((B, H, L, D), F32))
     kernel = kvattn.attention_kernel(q, k, v, mask="causal", group_size=g, bits=bits)
-    assert_close(to_numpy(out), ref.astype(np.float64), kernel, atol_of(kernel) + 4 * UNIT_ROUNDOFF[np.dtype(dt)])
+    assert_close(to_numpy(out), ref.astype(np.float64), kernel, atol_of(kernel))
     # out= form and the lse forms
     o2 = torch.empty_like(out)
     ops.block_table_attention_out(o2, to_torch(q), kd, vd, to_torch(table), to_torch(lens - first), to_torch(first),
