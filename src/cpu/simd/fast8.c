@@ -51,6 +51,7 @@ typedef struct fmt8 {
   int halves;                      /* two groups per chunk (4-bit codes in groups of 32) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
+  int gend[MAXCH];                 /* chunk c is the last of its group (8E <= G) */
   int full[MAXCH];                 /* all 8 words of the chunk are in the row */
   v8i chmask[MAXCH];               /* valid words (maskload) */
   v8i gidx[MAXCH];                 /* group - g0 of each lane (word) of the chunk */
@@ -84,6 +85,7 @@ static void plan8(const kva_rowfmt *f, fmt8 *fp) {
       idx[l] = (g < fp->ngroups ? g : fp->ngroups - 1) - fp->g0[c];
     }
     fp->full[c] = words - c * L8 >= L8;
+    fp->gend[c] = c + 1 == fp->nch || (c + 1) * L8 * fp->E / fp->G != fp->g0[c];
     fp->chmask[c] = v8i_load(m);
     fp->gidx[c] = v8i_load(idx);
   }
@@ -371,26 +373,29 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
     /* the block's 8 rows: per chunk the lane sums of each group (int32, exact),
      * chunks of one group added, then the group's term */
     const int64_t t0 = t - t % L8;
+    if (t % L8 != L8 - 1) /* the last, partial block: its missing rows add 0 */
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < nch; ++c)
+          for (int64_t r = t + 1; r < t0 + L8; ++r) part[j][c][r % L8] = z;
+    const float *ks = kst + t0, *kb = kbt + t0;
     for (int j = 0; j < J; ++j) {
       const float *sg = sgb + (int64_t)j * sgst, *beta = sg + fp->ngroups;
       __m256 sc = _mm256_setzero_ps();
       __m256i I = z;
       for (int c = 0; c < nch; ++c) {
-        for (int64_t r = t + 1; r < t0 + L8; ++r) part[j][c][r % L8] = z;
         __m256i lo, hi;
         reduce8_halves_i(part[j][c], &lo, &hi);
         if (fp->halves) {
           const int g = 2 * c;
-          sc = iq_group_term(lo, kst + g * KVA_TILE + t0, kbt + g * KVA_TILE + t0, sg + g, beta + g, sc);
+          sc = iq_group_term(lo, ks + g * KVA_TILE, kb + g * KVA_TILE, sg + g, beta + g, sc);
           if (g + 1 < fp->ngroups)
-            sc = iq_group_term(hi, kst + (g + 1) * KVA_TILE + t0, kbt + (g + 1) * KVA_TILE + t0, sg + g + 1,
-                               beta + g + 1, sc);
+            sc = iq_group_term(hi, ks + (g + 1) * KVA_TILE, kb + (g + 1) * KVA_TILE, sg + g + 1, beta + g + 1, sc);
           continue;
         }
         I = _mm256_add_epi32(I, _mm256_add_epi32(lo, hi));
+        if (!fp->gend[c]) continue; /* the group goes on in the next chunk */
         const int g = fp->g0[c];
-        if (c + 1 < nch && fp->g0[c + 1] == g) continue; /* the group goes on in the next chunk */
-        sc = iq_group_term(I, kst + g * KVA_TILE + t0, kbt + g * KVA_TILE + t0, sg + g, beta + g, sc);
+        sc = iq_group_term(I, ks + g * KVA_TILE, kb + g * KVA_TILE, sg + g, beta + g, sc);
         I = z;
       }
       _mm256_storeu_ps(S + j * KVA_TILE + t0, sc);
