@@ -922,3 +922,18 @@ TORCH_LIBRARY(kvattn, m) {
 TORCH_LIBRARY_IMPL(kvattn, CPU, m) { KVA_IMPLS(m, ); }
 TORCH_LIBRARY_IMPL(kvattn, CUDA, m) { KVA_IMPLS(m, ); }
 TORCH_LIBRARY_IMPL(kvattn, Meta, m) { KVA_IMPLS(m, _meta); }
+
+/* The operators have no derivative and track no views: the autograd and
+ * ADInplaceOrView keys are fallthroughs, so a call goes straight to its
+ * backend (or Python / meta) kernel, unboxed, instead of through the boxed
+ * autograd fallback, which re-boxes every argument (the larger part of the
+ * dispatcher's host time per call). Outputs do not require grad, and the
+ * _out forms do not bump the version counters of the tensors they write. */
+#define KVA_FALLTHROUGH(m)                                                                                      \
+  for (const char *name : {"attention", "attention_out", "attention_lse", "attention_lse_out",                 \
+                           "block_table_attention", "block_table_attention_out", "block_table_attention_lse",  \
+                           "block_table_attention_lse_out", "cache_write", "cache_write_quantized",            \
+                           "merge_states", "merge_states_out"})                                                \
+    m.impl(name, torch::CppFunction::makeFallthrough())
+TORCH_LIBRARY_IMPL(kvattn, Autograd, m) { KVA_FALLTHROUGH(m); }
+TORCH_LIBRARY_IMPL(kvattn, ADInplaceOrView, m) { KVA_FALLTHROUGH(m); }
