@@ -873,3 +873,63 @@ TEST(engine_layouts_cuda_graph) {
   att_free(&d);
 }
 #endif
+
+/* ------------------------------------------------ descriptors engines get wrong */
+/* An NHD pool passed without its axes permuted (shape [nb, bs, KVH, D]:
+ * block_size read as KVH), one whose head dim is not innermost, and K/V
+ * descriptors whose strides overlap: an error naming the operand and the
+ * rule, the output untouched. */
+TEST(engine_layouts_bad_descriptors) {
+  const att_case ac = {2, 8, 2, 1, 60, 64, 64, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0};
+  att_data d;
+  el_table tb;
+  el_pools p;
+  ASSERT_TRUE(att_make(&d, &ac) == 0);
+  ASSERT_TRUE(el_table_make(&tb, &d, 16, 0) == 0);
+  ASSERT_TRUE(el_pools_make(&p, EL_KV_FIRST, &d.k, tb.nb, 16, 0) == 0);
+  el_fill(&p, &tb, &d);
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  kva_kv k = p.k, v = p.v;
+  kva_kv_view view = kva_view_block_table(&k, &v, &tb.t);
+  ASSERT_OK(kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0));
+  att_poison(&d);
+  unsigned char *snap = (unsigned char *)malloc(d.out_bytes);
+  ASSERT_TRUE(snap != NULL);
+  memcpy(snap, d.out_buf, d.out_bytes);
+  /* unpermuted: [nb, bs, KVH, D] with its natural strides */
+  for (int i = 0; i < 2; ++i) {
+    kva_tensor *t = i ? &v.data : &k.data;
+    t->shape[1] = 16;
+    t->shape[2] = ac.KVH;
+    const int64_t s1 = t->stride[1];
+    t->stride[1] = t->stride[2];
+    t->stride[2] = s1;
+  }
+  view = kva_view_block_table(&k, &v, &tb.t);
+  ASSERT_ERR(kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0), KVA_ESHAPE,
+             "q heads H = 8 is not a multiple of KV heads KVH = 16 (k_pool.shape[1]: pools are [num_blocks, KVH, "
+             "block_size, D]; an NHD pool [num_blocks, block_size, KVH, D] is passed with axes 1 and 2 swapped");
+  k = p.k, v = p.v;
+  k.data.stride[3] = 2 * k.data.stride[3];
+  view = kva_view_block_table(&k, &v, &tb.t);
+  ASSERT_ERR(kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0), KVA_ESTRIDE,
+             "k_pool.data: innermost stride 4 must equal the element size 2");
+  k = p.k;
+  k.data.stride[2] = k.data.stride[1];
+  view = kva_view_block_table(&k, &v, &tb.t);
+  ASSERT_ERR(kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0), KVA_ESTRIDE,
+             "k_pool.data: stride[2] = 128 overlaps the inner dimensions");
+  /* cache_write names the same rules */
+  kva_tensor rows = kva_tensor_4d(d.q.data, F32, 2, ac.KVH, 64, 1);
+  rows.ndim = 3;
+  const int32_t slots[2] = {0, 1};
+  ASSERT_ERR(kva_cache_write(ctx, &k, &p.v, &rows, &rows, slots, 2), KVA_ESTRIDE,
+             "k_pool.data: stride[2] = 128 overlaps the inner dimensions");
+  ASSERT_TRUE(memcmp(snap, d.out_buf, d.out_bytes) == 0 && att_sentinel_ok(&d));
+  free(snap);
+  kva_context_destroy(ctx);
+  el_pools_free(&p);
+  el_table_free(&tb);
+  att_free(&d);
+}

@@ -175,8 +175,12 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
     return kva_seterr(KVA_ESHAPE, "q.shape[0] = %lld != batch B = %lld of the K/V view",
                       (long long)q->shape[0], (long long)B);
   if (p->H % KVH)
-    return kva_seterr(KVA_ESHAPE, "q heads H = %lld is not a multiple of KV heads KVH = %lld",
-                      (long long)p->H, (long long)KVH);
+    return kva_seterr(KVA_ESHAPE, "q heads H = %lld is not a multiple of KV heads KVH = %lld%s",
+                      (long long)p->H, (long long)KVH,
+                      kv->layout == KVA_LAYOUT_BLOCK_TABLE
+                          ? " (k_pool.shape[1]: pools are [num_blocks, KVH, block_size, D]; an NHD pool "
+                            "[num_blocks, block_size, KVH, D] is passed with axes 1 and 2 swapped, as strides)"
+                          : "");
   p->rep = p->H / KVH;
   if (q->shape[3] != Dk)
     return kva_seterr(KVA_ESHAPE, "q.shape[3] = %lld != K head dim %lld", (long long)q->shape[3],
