@@ -22,7 +22,7 @@ typedef struct cdata {
   kva_kv fk, fv, kp, vp, ks, vs;     /* full, prefix, suffix K/V (quantized when bits) */
   void *mem[48];
   int nmem;
-  int32_t full_len[8], suf_len[8];
+  int32_t full_len[16], suf_len[16]; /* B <= 16 (cz_make) */
   float *q, *out, *ref, *lse, *rlse, sinks[64];
 } cdata;
 
@@ -64,6 +64,8 @@ static int cz_kv(cdata *d, float *src, int64_t B, int64_t KVH, int64_t N, int64_
 
 static int cz_make(cdata *d, const cz *c) {
   memset(d, 0, sizeof *d);
+  if (c->B > (int64_t)(sizeof d->suf_len / sizeof d->suf_len[0]) || c->H > (int64_t)(sizeof d->sinks / sizeof d->sinks[0]))
+    return -1;
   const int64_t T = c->P + c->S, D = c->D;
   const size_t full = (size_t)(c->B * c->KVH * T * D), pre = (size_t)(c->KVH * c->P * D),
                suf = (size_t)(c->B * c->KVH * c->S * D);
@@ -649,7 +651,10 @@ static int cz_cuda_case(kva_context *ctx, const czc *cc) {
     void *qb = cz_alloc(&d, (size_t)n * 2);
     q.data = qb, q.dtype = cc->qdt;
     for (int k = 0; k < 4; ++k) q.stride[k] /= 2;
-    if (!qb || kva_convert(&qf, &q)) goto done;
+    if (!qb || kva_convert(&qf, &q)) {
+      FAIL_("%s: q to %s: %s", what, kva_dtype_name(cc->qdt), qb ? kva_last_error() : "out of memory");
+      goto done;
+    }
   }
   kva_tensor ref = kva_tensor_4d(d.ref, KVA_F32, c->B, c->H, c->L, c->D), rlse = cz_lse(c, d.rlse);
   const kva_kv_view full = kva_view_contiguous(&d.fk, &d.fv, d.full_len);
