@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 
 import kvattn  # noqa: E402
 from kvattn import torch_ops  # noqa: E402
-from kvref import (BF16, BF16_PRODUCTS_ATOL, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, randn,  # noqa: E402
-                   ref_attention, rng_for)
+from kvref import (BF16, BF16_PRODUCTS_ATOL, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close,  # noqa: E402
+                   query_rounding_bits, randn, ref_attention, rng_for)
 
 if not torch_ops.available():
     pytest.skip(torch_ops.load_error(), allow_module_level=True)
@@ -54,10 +54,18 @@ QINT21_ATOL = 3e-5
 
 def atol_of(kernel):
     """The arithmetic allowance of the kernel that ran, from its bracket
-    (kva_attention_kernel): f32 products ("[exact f32]"), integer q.k on
+    (kva_attention_kernel): f32 products ("[exact f32]", or a query rounding
+    of N <= 8 bits that the reference applies too: ref_of), integer q.k on
     21-bit queries ("[q int21]"), or 16-bit products (any bf16/f16 item)."""
     bracket = kernel[kernel.rindex("["):]
+    if query_rounding_bits(kernel) and "," not in bracket:
+        return COMPUTE_ATOL
     return {"[exact f32]": COMPUTE_ATOL, "[q int21]": QINT21_ATOL}.get(bracket, BF16_PRODUCTS_ATOL)
+
+
+def ref_of(kernel, q, k, v, **kw):
+    """The float64 reference with the query rounding the kernel's bracket names (kvref.round_query)."""
+    return ref_attention(q, k, v, q_int_bits=query_rounding_bits(kernel), **kw)
 
 
 def make_case(rng, B, H, KVH, L, N, Dk, Dv, kvdt, qdt, bits=0, g=64):
@@ -136,8 +144,8 @@ def test_attention_vs_reference(request, name):
     rng = rng_for(request)
     q, k, v = make_case(rng, B, H, KVH, L, N, Dk, Dv, kvdt, qdt, bits, g)
     kw = materialize(rng, kw, B, H, L, N)
-    ref = ref_attention(q, k, v, group_size=g, bits=bits, **{n: x for n, x in kw.items() if n != "exact"})
     kernel = kvattn.attention_kernel(q, k, v, group_size=g, bits=bits, **kw)
+    ref = ref_of(kernel, q, k, v, group_size=g, bits=bits, **{n: x for n, x in kw.items() if n != "exact"})
     kd, vd, kvkw = kv_kwargs(k, v, bits, g)
     out = ops.attention(to_torch(q), kd, vd, **kvkw, **op_options(kw))
     assert out.shape == (B, H, L, Dv) and out.dtype == to_torch(q).dtype and out.device.type == "cpu"
@@ -170,7 +178,7 @@ def test_attention_out_form(request):
     ops.attention_out(out, to_torch(q), kd, vd, causal=True, **kvkw)
     want = ops.attention(to_torch(q), kd, vd, causal=True, **kvkw)
     kernel = kvattn.attention_kernel(q, k, v, mask="causal", out=np.empty((B, H, L, D), F32))
-    assert_close(to_numpy(out), ref_attention(q, k, v, mask="causal"), kernel, atol_of(kernel))
+    assert_close(to_numpy(out), ref_of(kernel, q, k, v, mask="causal"), kernel, atol_of(kernel))
     assert torch.allclose(out, want.float(), atol=2 * UNIT_ROUNDOFF[BF16] * float(want.abs().max()), rtol=0)
     assert (big[..., :4] == 7).all() and (big[..., 4 + D:] == 7).all()
     # lse forms
@@ -238,12 +246,22 @@ def test_block_table_attention(request, bits, dt):
     out = ops.block_table_attention(to_torch(q), kd, vd, to_torch(table), to_torch(lens - first), to_torch(first),
                                     causal=True, **kvkw)
     assert np.array_equal(to_numpy(out).view(np.uint8), want.view(np.uint8))
-    # the oracle's output in f32 (its rounding far below the allowance); the
-    # allowance of the kernel the same shape takes over contiguous K/V
-    ref = kvattn.block_table_reference_attention(q, kp, vp, table, lens - first, first, mask="causal", group_size=g,
-                                                 bits=bits, out=np.empty((B, H, L, D), F32))
+    # the float64 reference per sequence over its rows first[b] .. lens[b] - 1
+    # of the contiguous cache, with the query rounding and allowance of the
+    # kernel the same shape takes over contiguous K/V
     kernel = kvattn.attention_kernel(q, k, v, mask="causal", group_size=g, bits=bits)
-    assert_close(to_numpy(out), ref.astype(np.float64), kernel, atol_of(kernel))
+
+    def rows(x, b):
+        return tuple(a[b:b + 1, :, first[b]:lens[b]] for a in x) if bits else x[b:b + 1, :, first[b]:lens[b]]
+
+    ref = np.concatenate([ref_of(kernel, q[b:b + 1], rows(k, b), rows(v, b), mask="causal", group_size=g, bits=bits)
+                          for b in range(B)])
+    assert_close(to_numpy(out), ref, kernel, atol_of(kernel))
+    oracle = kvattn.block_table_reference_attention(q, kp, vp, table, lens - first, first, mask="causal",
+                                                    group_size=g, bits=bits, out=np.empty((B, H, L, D), F32))
+    exact = np.concatenate([ref_attention(q[b:b + 1], rows(k, b), rows(v, b), mask="causal", group_size=g,
+                                          bits=bits) for b in range(B)])
+    assert_close(oracle, exact, "the oracle over the table", COMPUTE_ATOL)  # the table read as meant
     # out= form and the lse forms
     o2 = torch.empty_like(out)
     ops.block_table_attention_out(o2, to_torch(q), kd, vd, to_torch(table), to_torch(lens - first), to_torch(first),
