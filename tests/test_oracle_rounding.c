@@ -27,7 +27,8 @@ static float bf16_val(uint16_t b) {
 static int same_f32(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof *a) == 0; }
 
 /* q int8: one element of every group is +-127 2^-6 (sigma = 2^-6, 1 / sigma
- * exact), so rint(q 64) / 64 is the rounded query exactly in f32. */
+ * exact), so rint(q 64) / 64 is the rounded query exactly in f32; one group
+ * too small for 1 / sigma stays as it is. */
 TEST(oracle_rounding_query_int8) {
   const size_t nq = (size_t)RB * RH * RL * RD, nk = (size_t)RB * RKVH * RN * RD;
   float *q = malloc(nq * 4), *qr = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4);
@@ -37,6 +38,9 @@ TEST(oracle_rounding_query_int8) {
   for (size_t i = 0; i < nq; ++i) q[i] = test_randu(-1.9f, 1.9f);
   for (size_t g = 0; g < nq; g += RG) q[g + (g / RG) % RG] = (g / RG) % 2 ? 127.0f / 64 : -127.0f / 64;
   for (size_t i = 0; i < nq; ++i) qr[i] = rintf(q[i] * 64.0f) / 64.0f;
+  /* vector 0, group 0: max |q| 2^-125, too small for 1 / sigma (it would
+   * overflow to inf, and a zero element times it is NaN): left unrounded */
+  for (size_t i = 0; i < RG; ++i) q[i] = qr[i] = (i == 0 ? 1.0f : i == 1 ? 0.0f : test_randu(-1.0f, 1.0f)) * 0x1p-125f;
   kva_tensor tq = kva_tensor_4d(q, KVA_F32, RB, RH, RL, RD), tqr = kva_tensor_4d(qr, KVA_F32, RB, RH, RL, RD);
   kva_tensor t1 = kva_tensor_4d(o1, KVA_F32, RB, RH, RL, RD), t2 = kva_tensor_4d(o2, KVA_F32, RB, RH, RL, RD);
   kva_tensor t3 = kva_tensor_4d(o3, KVA_F32, RB, RH, RL, RD);
