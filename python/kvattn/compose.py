@@ -118,17 +118,9 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, scale=None, mas
     return (call.out_array, lse) if return_lse else call.out_array
 
 
-def _cascade_cuda(q, prefix_k, prefix_v, suffix_k, suffix_v, scale, mask, softcap, sinks, group_size, bits,
-                  suffix_lens, out, context, return_lse, lse_base2, exact):
-    from . import _flags
-
-    call = _cuda._Call(q, suffix_k, suffix_v, scale, mask, None, None, False, softcap, sinks, group_size, bits,
-                       suffix_lens, out)
-    call.params.flags = _flags(exact)
-    prefix = C.kva_kv_view()
-    prefix.layout = C.LAYOUT_CONTIGUOUS
-    prefix.k, _, _ = call._kv(prefix_k, "prefix_k", bits, group_size)
-    prefix.v, _, _ = call._kv(prefix_v, "prefix_v", bits, group_size)
+def _run_cascade_cuda(call, q, prefix, suffix, context, return_lse, lse_base2):
+    """kva_cascade_attention of a prepared CUDA call (q, params, out) over the prefix and suffix views, on the
+    call's stream under the context's lock; lse (PyTorch tensors only) allocated here when asked for."""
     lse = lt = None
     if return_lse:
         if not _cuda._is_torch(q):
@@ -143,11 +135,25 @@ def _cascade_cuda(q, prefix_k, prefix_v, suffix_k, suffix_v, scale, mask, softca
         if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
             stream = 0
         C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
-        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(prefix),
-                                          ctypes.byref(call.view), ctypes.byref(call.params), ctypes.byref(call.out),
+        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(prefix), ctypes.byref(suffix),
+                                          ctypes.byref(call.params), ctypes.byref(call.out),
                                           ctypes.byref(lt) if lt is not None else None,
                                           C.LSE_BASE2 if lse_base2 else 0, None, 0))
     return (call.out_array, lse) if return_lse else call.out_array
+
+
+def _cascade_cuda(q, prefix_k, prefix_v, suffix_k, suffix_v, scale, mask, softcap, sinks, group_size, bits,
+                  suffix_lens, out, context, return_lse, lse_base2, exact):
+    from . import _flags
+
+    call = _cuda._Call(q, suffix_k, suffix_v, scale, mask, None, None, False, softcap, sinks, group_size, bits,
+                       suffix_lens, out)
+    call.params.flags = _flags(exact)
+    prefix = C.kva_kv_view()
+    prefix.layout = C.LAYOUT_CONTIGUOUS
+    prefix.k, _, _ = call._kv(prefix_k, "prefix_k", bits, group_size)
+    prefix.v, _, _ = call._kv(prefix_v, "prefix_v", bits, group_size)
+    return _run_cascade_cuda(call, q, prefix, call.view, context, return_lse, lse_base2)
 
 
 # ------------------------------------------------ forks of a paged pool
@@ -564,22 +570,4 @@ def _table_cascade_cuda(q, k_pool, v_pool, prefix, suffix, scale, mask, softcap,
     ts = _cuda_table(call, *suffix, "suffix")
     pview = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(tp))
     sview = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(ts))
-    lse = lt = None
-    if return_lse:
-        if not _cuda._is_torch(q):
-            raise C.error(C.EINVAL, "return_lse on CUDA arrays other than PyTorch tensors is not supported")
-        import torch
-        lse = torch.empty(tuple(call.out_array.shape[:3]), dtype=torch.float32, device=q.device)
-        call.keep.append(lse)
-        lt, _, _, _ = _cuda._tensor(lse, "lse")
-    ctx = context if context is not None else _cuda._context(call.device)
-    with ctx.lock:
-        stream = call.stream
-        if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
-            stream = 0
-        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
-        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(pview), ctypes.byref(sview),
-                                          ctypes.byref(call.params), ctypes.byref(call.out),
-                                          ctypes.byref(lt) if lt is not None else None,
-                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
-    return (call.out_array, lse) if return_lse else call.out_array
+    return _run_cascade_cuda(call, q, pview, sview, context, return_lse, lse_base2)
