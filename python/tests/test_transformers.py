@@ -1,0 +1,431 @@
+"""kvattn.integrations.transformers on random-initialized tiny models built
+from configs (nothing downloaded), torch CPU tensors (CUDA too where a GPU
+is present), float32:
+
+- logits of attn_implementation="kvattn" against "sdpa" (eager in float64
+  where the model does not take sdpa: softcap, sinks) and "eager" over a
+  prefill with a padded batch (explicit mask) and a decode step with a
+  DynamicCache (no mask), within a bound set by the spread sdpa and eager
+  show against each other in the same test;
+- greedy generate: the same tokens as eager for a few steps;
+- KvattnQuantizedCache (4 and 8 bits): the cache holds MLX-packed K/V
+  (bit for bit kvattn.quantize of the rows) and the packed-cache logits
+  match eager attention over the dequantized cache (a reference
+  attention function that dequantizes the same packed buffers); generate
+  with the packed cache runs and decodes over it.
+
+Models, where the installed transformers has their configs: Llama (GQA),
+Gemma 2 (softcap + sliding window), Gemma 3 (local/global layers),
+Qwen 2, Qwen 3, gpt-oss (sinks, sliding window). Skipped when torch,
+transformers or the torch extension (make torch-ext) is missing."""
+import importlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvattn  # noqa: E402
+from kvattn import torch_ops  # noqa: E402
+from kvref import BF16_PRODUCTS_ATOL, COMPUTE_ATOL  # noqa: E402
+
+if not torch_ops.available():
+    pytest.skip(torch_ops.load_error(), allow_module_level=True)
+
+kt = importlib.import_module("kvattn.integrations.transformers")
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and kvattn.cuda_device_count() > 0 else [])
+
+# f32 models: sdpa and eager differ by summation order only (~1e-6 on these
+# logits); kvattn may round P or V differently, so the bound is the larger
+# of the measured spread times this factor and an absolute floor at the f32
+# arithmetic scale of logits of magnitude ~1.
+SPREAD_FACTOR = 20.0
+F32_FLOOR = 2e-4
+QINT21_ATOL = 3e-5  # test_torch_ops: integer q.k on queries rounded to 21 bits
+
+
+def _common(**kw):
+    d = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+             tie_word_embeddings=False)
+    d.update(kw)
+    return d
+
+
+def _config(name):
+    """(config class name, kwargs) of each model; None when the installed
+    transformers lacks it."""
+    specs = {
+        "llama": ("LlamaConfig", _common()),
+        "gemma2": ("Gemma2Config", _common(sliding_window=8, attn_logit_softcapping=50.0,
+                                             final_logit_softcapping=30.0, query_pre_attn_scalar=64,
+                                             layer_types=["sliding_attention", "full_attention"])),
+        "gemma3": ("Gemma3TextConfig", _common(sliding_window=8, query_pre_attn_scalar=64,
+                                                layer_types=["sliding_attention", "full_attention"])),
+        "qwen2": ("Qwen2Config", _common(use_sliding_window=False)),
+        "qwen3": ("Qwen3Config", _common()),
+        "gpt_oss": ("GptOssConfig", _common(sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                                            layer_types=["sliding_attention", "full_attention"])),
+    }
+    cls_name, kw = specs[name]
+    cls = getattr(transformers, cls_name, None)
+    if cls is None:
+        return None
+    return cls(**kw)
+
+
+MODELS = ["llama", "gemma2", "gemma3", "qwen2", "qwen3", "gpt_oss"]
+
+
+def _build(name, impl, device, seed=0):
+    cfg = _config(name)
+    if cfg is None:
+        pytest.skip("transformers %s has no config for %s" % (transformers.__version__, name))
+    torch.manual_seed(seed)
+    if name == "gemma3":
+        model = transformers.Gemma3ForCausalLM(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = model.to(device=device, dtype=torch.float32).eval()
+    model.set_attn_implementation(impl)
+    if name == "gpt_oss":  # sinks start at zero: give them weight
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
+def _register_eager64(model):
+    """AttentionInterface "eager64": the model's own eager attention on
+    float64 copies of q, K, V, the mask and the sinks, rounded back to the
+    query's dtype; rows that see no key (padding) give zeros."""
+    eager = _eager_fn(model)
+
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        d = torch.float64
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(d)
+        if "s_aux" in kwargs and kwargs["s_aux"] is not None:
+            kwargs["s_aux"] = kwargs["s_aux"].to(d)
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            module.sinks.data = sinks.data.to(d)
+        try:
+            o, w = eager(module, query.to(d), key.to(d), value.to(d), attention_mask, **kwargs)
+        finally:
+            if sinks is not None:
+                module.sinks.data = sinks.data.to(query.dtype)
+        return torch.nan_to_num(o, nan=0.0).to(query.dtype), None
+
+    AttentionInterface.register("eager64", fn)
+    AttentionMaskInterface.register("eager64", eager_mask)
+
+
+_models = {}
+
+
+def models(name, device):
+    """The same weights under the three attention implementations."""
+    key = (name, device)
+    if key not in _models:
+        base = _build(name, "eager", device)
+        state = base.state_dict()
+        out = {"eager": base}
+        # sdpa where the model takes it (not with softcap or sinks), else
+        # the model's eager attention computed in float64: the second
+        # reference that sets the spread
+        second = "sdpa" if type(base)._supports_sdpa else "eager64"
+        if second == "eager64":
+            _register_eager64(base)
+        for impl in (second, "kvattn"):
+            m = _build(name, impl, device, seed=1)
+            m.load_state_dict(state)
+            out[impl] = m
+        _models[key] = out
+    return _models[key]
+
+
+def _inputs(device, B=2, L=20, pad=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, :pad] = 0  # left padding in the second sequence
+    return ids.to(device), mask.to(device)
+
+
+def _logits(model, ids, mask, cache=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=cache is not None)
+
+
+def _maxdiff(a, b, mask=None):
+    d = (a.float() - b.float()).abs()
+    if mask is not None:
+        d = d[mask.bool()]
+    return d.max().item()
+
+
+def _bound(spread):
+    return max(SPREAD_FACTOR * spread, F32_FLOOR)
+
+
+@pytest.fixture(autouse=True)
+def no_fallback(request):
+    """Every kvattn attention call ran the kernel, not the torch fallback
+    (except in the tests that exercise it)."""
+    kt.fallbacks.clear()
+    yield
+    if "fallback" not in request.node.name:
+        assert not kt.fallbacks, dict(kt.fallbacks)
+
+
+def test_registered():
+    assert AttentionInterface._global_mapping["kvattn"] is kt.kvattn_attention_forward
+    assert AttentionMaskInterface._global_mapping["kvattn"] is sdpa_mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_prefill_and_decode(name, device):
+    """Prefill of a left-padded batch (explicit masks), then two decode steps
+    over a DynamicCache (mask None: kvattn's causal mask + the window) and an
+    unpadded prefill (mask None, L = N)."""
+    ms = models(name, device)
+    ids, mask = _inputs(device)
+    res = {}
+    for impl, m in ms.items():
+        cache = transformers.DynamicCache(config=m.config)
+        o = _logits(m, ids, mask, cache)
+        steps = [o.logits]
+        nxt = o.logits[:, -1:].argmax(-1)
+        mk = mask
+        for _ in range(2):
+            mk = torch.cat([mk, torch.ones_like(mk[:, :1])], dim=1)
+            with torch.no_grad():
+                o = m(input_ids=nxt, attention_mask=mk, past_key_values=cache, use_cache=True)
+            steps.append(o.logits)
+            nxt = o.logits[:, -1:].argmax(-1)
+        with torch.no_grad():
+            steps.append(m(input_ids=ids[:1]).logits)  # unpadded: no mask
+        res[impl] = steps
+    second = "sdpa" if "sdpa" in res else "eager64"
+    for i, (e, s, k) in enumerate(zip(res["eager"], res[second], res["kvattn"])):
+        valid = mask if i == 0 else None
+        spread = _maxdiff(e, s, valid)
+        d_e, d_s = _maxdiff(k, e, valid), _maxdiff(k, s, valid)
+        assert max(d_e, d_s) <= _bound(spread), (name, i, d_e, d_s, spread)
+        assert torch.isfinite(k if valid is None else k[valid.bool()]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_generate(name, device):
+    ms = models(name, device)
+    ids, mask = _inputs(device, L=12, pad=3)
+    toks = {}
+    for impl in ("eager", "kvattn"):
+        with torch.no_grad():
+            toks[impl] = ms[impl].generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                           pad_token_id=0)
+    assert torch.equal(toks["eager"], toks["kvattn"])
+
+
+# ------------------------------------------------------------------ packed cache
+def _eager_fn(model):
+    mod = importlib.import_module(type(model).__module__)
+    return mod.eager_attention_forward
+
+
+def _kernel_atol(kernel, device):
+    """The arithmetic allowance of the kernel that ran (test_torch_ops'
+    atol_of): f32 products ("[exact f32]"), integer q.k on 21-bit queries
+    ("[q int21]"), else 16-bit products; on CUDA the 16-bit allowance."""
+    if device != "cpu":
+        return BF16_PRODUCTS_ATOL
+    bracket = kernel[kernel.rindex("["):]
+    return {"[exact f32]": COMPUTE_ATOL, "[q int21]": QINT21_ATOL}.get(bracket, BF16_PRODUCTS_ATOL)
+
+
+class PackedOracle:
+    """AttentionInterface function that runs kvattn on the packed cache
+    (default kernels, then exact=True) and, on the same query and the same
+    packed buffers, the model's eager attention over the dequantized cache
+    in float32 and float64; each call asserts both kvattn outputs within
+    max(SPREAD_FACTOR * |eager32 - eager64|, the kernel's allowance) of the
+    float64 eager output, and returns the default kernel's output."""
+
+    def __init__(self, model, device):
+        self.eager, self.device, self.calls = _eager_fn(model), device, []
+
+    def _eager(self, module, q, k, v, mask, dtype, **kwargs):
+        if mask is not None:
+            mask = torch.where(mask, 0.0, float("-inf")).to(dtype) if mask.dtype == torch.bool else mask.to(dtype)
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            saved = sinks.data
+            sinks.data = saved.to(dtype)
+            if kwargs.get("s_aux") is not None:
+                kwargs["s_aux"] = sinks
+        try:
+            o, _ = self.eager(module, q.to(dtype), k.to(dtype), v.to(dtype), mask, **kwargs)
+        finally:
+            if sinks is not None:
+                sinks.data = saved
+        return o
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        assert isinstance(key, kt.PackedKV) and isinstance(value, kt.PackedKV)
+        got, _ = kt.kvattn_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        exact, _ = kt.kvattn_attention_forward(module, query, key, value, attention_mask, kvattn_exact=True, **kwargs)
+        kd, vd = key.dequantize(), value.dequantize()
+        w = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        if attention_mask is None:
+            # what transformers means by no mask: causal, rows at the end of
+            # the keys, the layer's window (spelled out for eager)
+            L, N = query.shape[2], key.shape[2]
+            pos = torch.arange(N - L, N, device=query.device)[:, None]
+            j = torch.arange(N, device=query.device)[None, :]
+            attention_mask = ((j <= pos) & ((j > pos - w) if w else True))[None, None]
+            self.calls.append((True, bool(w)))
+        else:
+            self.calls.append((False, bool(w)))
+        r32 = self._eager(module, query, kd, vd, attention_mask, torch.float32, **kwargs)
+        r64 = self._eager(module, query, kd, vd, attention_mask, torch.float64, **kwargs)
+        # rows that see no key (padding queries) are NaN in eager: not compared
+        rows = torch.isfinite(r64).all(-1)
+        spread = (r32.double() - r64).abs()[rows].max().item()
+        if self.device == "cpu":
+            q_np = query.detach().float().contiguous().numpy()
+            k_np = tuple(t.contiguous().numpy() for t in key.tuple())
+            v_np = tuple(t.contiguous().numpy() for t in value.tuple())
+            k_np = (k_np[0].view("uint32"),) + k_np[1:]
+            v_np = (v_np[0].view("uint32"),) + v_np[1:]
+            kernel = kvattn.attention_kernel(q_np, k_np, v_np, bits=key.bits, group_size=key.group_size)
+        else:
+            kernel = "[cuda]"
+        for out, atol in ((got, _kernel_atol(kernel, self.device)), (exact, COMPUTE_ATOL)):
+            d = (out.double() - r64).abs()[rows].max().item()
+            assert d <= max(SPREAD_FACTOR * spread, atol), (kernel, d, spread, atol)
+        return got, None
+
+
+def _oracle_model(name, device, bits):
+    ms = models(name, device)
+    oracle = PackedOracle(ms["kvattn"], device)
+    AttentionInterface.register("kvattn_oracle", oracle)
+    AttentionMaskInterface.register("kvattn_oracle", sdpa_mask)
+    m = _build(name, "kvattn_oracle", device, seed=1)
+    m.load_state_dict(ms["kvattn"].state_dict())
+    return m, oracle
+
+
+def test_dequantize_matches_kvattn():
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(5)
+    for bits in (4, 8):
+        x = torch.randn(2, 3, 7, 128, generator=g)
+        p, s, b = kvattn.quantize(x.numpy(), 64, bits)
+        got = kt.dequantize(torch.from_numpy(p.view(np.int32)), torch.from_numpy(s), torch.from_numpy(b), bits, 64)
+        assert np.array_equal(got.numpy(), kvattn.dequantize(p, s, b, 64, bits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_cache(name, bits, device):
+    """A padded prefill (explicit mask) and decode steps (no mask) over
+    KvattnQuantizedCache: every attention call checked by PackedOracle; the
+    packed words are kvattn.quantize of the layer's K/V rows bit for bit;
+    the cache is smaller than the float32 cache by the packing ratio."""
+    np = pytest.importorskip("numpy")
+    m, oracle = _oracle_model(name, device, bits)
+    ids, mask = _inputs(device)
+    cache = kt.KvattnQuantizedCache(m.config, bits=bits)
+    l0 = cache.layers[0]
+    seen = []
+    update = l0.update
+    l0.update = lambda k, v, *a, **kw: (seen.append(k.detach().clone()), update(k, v, *a, **kw))[1]
+    n_layers = m.config.num_hidden_layers
+    for c, (x, xm) in ((cache, (ids, mask)), (kt.KvattnQuantizedCache(m.config, bits=bits), (ids[:1], None))):
+        mk, step_ids = xm, x
+        oracle.calls.clear()
+        for _ in range(3):
+            with torch.no_grad():
+                logits = m(input_ids=step_ids, attention_mask=mk, past_key_values=c, use_cache=True).logits
+            assert torch.isfinite(logits[:, -1]).all()
+            step_ids = logits[:, -1:].argmax(-1)
+            if mk is not None:
+                mk = torch.cat([mk, torch.ones_like(mk[:, :1])], dim=1)
+        # padded batch: explicit masks throughout; unpadded: no mask on full
+        # layers (kvattn's causal mask), prefill and decode (sliding layers
+        # get transformers' mask once the keys reach the window)
+        assert len(oracle.calls) == 3 * n_layers
+        assert all(none == (xm is None) for none, sliding in oracle.calls if not sliding)
+    n = ids.shape[1] + 2
+    assert l0.length == n and cache.get_seq_length() == n
+    # layer 0's packed K: kvattn.quantize of the rows update() was given, bit for bit
+    rows = torch.cat(seen, dim=2).cpu().numpy()
+    want = kvattn.quantize(rows, 64, bits)
+    got = [t[:, :, :n].cpu().contiguous().numpy() for t in l0.k]
+    assert np.array_equal(got[0].view(np.uint32), want[0])
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2])
+    float_bytes = sum(2 * ly.length * ly.dims[0] * ly.dims[1] * (ly.dims[2] + ly.dims[3]) // 2 * 4
+                      for ly in cache.layers)
+    packed = sum(2 * ly.length * ly.dims[0] * ly.dims[1] * (ly.dims[2] + ly.dims[3]) // 2 * bits // 8
+                 + 4 * ly.length * ly.dims[0] * ly.dims[1] * (ly.dims[2] + ly.dims[3]) // 64 * 4 // 2
+                 for ly in cache.layers)
+    assert packed < float_bytes
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "gpt_oss"])
+def test_packed_cache_generate(name):
+    """model.generate(past_key_values=KvattnQuantizedCache) decodes over the
+    packed cache, every attention call checked by PackedOracle."""
+    device = DEVICES[-1]
+    m, oracle = _oracle_model(name, device, 4)
+    ids, mask = _inputs(device, L=12, pad=3)
+    cache = kt.KvattnQuantizedCache(m.config, bits=4)
+    with torch.no_grad():
+        toks = m.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                          do_sample=False, pad_token_id=0)
+    assert toks.shape == (2, 18)
+    assert cache.get_seq_length() == ids.shape[1] + 5
+    assert len(oracle.calls) == 6 * m.config.num_hidden_layers
+    # the same tokens from "kvattn" itself with a fresh packed cache
+    ms = models(name, device)
+    with torch.no_grad():
+        again = ms["kvattn"].generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0, past_key_values=kt.KvattnQuantizedCache(m.config, bits=4))
+    assert torch.equal(toks, again)
+
+
+def test_fallback_with_gradients():
+    """Gradients required: the torch fallback runs (same logits) and
+    backpropagates."""
+    ms = models("llama", "cpu")
+    ids, mask = _inputs("cpu")
+    m = ms["kvattn"]
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).logits
+    got = m(input_ids=ids, attention_mask=mask).logits
+    assert _maxdiff(got.detach(), want, mask) <= F32_FLOOR
+    assert kt.fallbacks and all(r.startswith("gradients") for r in kt.fallbacks)
+    got[mask.bool()].sum().backward()
+    assert m.model.layers[0].self_attn.q_proj.weight.grad is not None
+    m.zero_grad(set_to_none=True)
+
+
+def test_cache_errors():
+    with pytest.raises(ValueError, match="bits"):
+        kt.KvattnQuantizedCache(num_layers=1, bits=3)
+    c = kt.KvattnQuantizedCache(num_layers=1, bits=4, max_cache_len=4)
+    k = torch.randn(1, 2, 3, 64)
+    c.update(k, k, 0)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        c.update(k, k, 0)
+    assert c.get_seq_length() == 3
+    with pytest.raises(ValueError, match="group_size"):
+        kt.KvattnQuantizedCache(num_layers=1).update(torch.randn(1, 2, 3, 48), torch.randn(1, 2, 3, 48), 0)
