@@ -291,10 +291,11 @@ TEST(attention_unseen_nan) {
  * (the last key, causal, L > 1: a speculative token's) reaches that row
  * only, as in the oracle: the rows it is masked for skip it (0 times NaN
  * would not). Direct (<= 4 vectors) and L1-tile (> 4) V phases, float and
- * quantized rows, f32 queries, and bf16 queries with >= 6 vectors per KV
- * head (the AMX kernel where present: weights exactly 0 for masked keys on
+ * quantized rows, f32 queries, and bf16 queries (with >= 6 vectors per KV
+ * head the AMX kernel where present: weights exactly 0 for masked keys on
  * quantized V, f32 FMAs over the seen keys for a tile whose float V rows
- * hold such a value). */
+ * hold such a value; elsewhere an Inf V scale takes the exact code form,
+ * whose s c + b is the oracle's +-inf). */
 TEST(attention_masked_key_nan) {
   static const att_case mc[] = {
       {2, 8, 2, 2, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 1, 0},
@@ -305,6 +306,7 @@ TEST(attention_masked_key_nan) {
       {1, 4, 4, 3, 200, 64, 64, F32, F32, 2, 2, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {2, 8, 2, 4, 300, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
       {2, 16, 2, 4, 300, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {2, 4, 2, 2, 300, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, /* direct V, bf16 q */
       {1, 12, 2, 3, 200, 64, 128, BF16, F32, 8, 8, 32, F16, MASK_WINDOW, 40, 0, 0, 0, 1},
       {2, 8, 1, 8, 300, 256, 256, BF16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 1, 0},
   };

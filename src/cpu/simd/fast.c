@@ -213,11 +213,16 @@ static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const fl
 }
 
 /* ---- V phase ---- */
+#define FPCLASS_NONFINITE 0x99 /* QNaN | SNaN | +Inf | -Inf */
+/* A V scale that is not finite: mantissa placement (code_as_float) would
+ * turn s c + b into s' f + (b - s') = inf - inf = NaN for every code, where
+ * the oracle's s c + b is +-inf (NaN only for code 0), so such a row (or
+ * chunk) takes the exact form. */
+ALWAYS int v_scales_nonfinite(__m512 s) { return _mm512_fpclass_ps_mask(s, FPCLASS_NONFINITE) != 0; }
 /* Decodes the tile's V rows into vt[t][P] (codes, or values for float rows)
  * and, when quantized, per-token group scale/bias lanes svt/bvt[t][chunk].
  * Returns whether any value (float rows) or scale/bias lane (quantized: the
  * codes are finite) is NaN or Inf, so that vphase takes its masked form. */
-#define FPCLASS_NONFINITE 0x99 /* QNaN | SNaN | +Inf | -Inf */
 static int decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *vt, float *svt,
                          float *bvt, const kva_prefetch *pf) {
   __mmask16 bad = 0;
@@ -248,12 +253,13 @@ static int decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, fl
     const char *row = rows[t].v;
     const __m512 Sv = load_groups(rows[t].vs, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].vb, fp->sdt, fp->ngroups);
+    const int ex = fp->exact || v_scales_nonfinite(Sv); /* the row in the exact form (v_scales_nonfinite) */
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], row + c * 64);
       for (int k = 0; k < fp->E; ++k)
-        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES, code_as_float(x, k, fp->bits, fp->exact));
+        _mm512_storeu_ps(vt + t * fp->P + (int64_t)(c * fp->E + k) * LANES, code_as_float(x, k, fp->bits, ex));
       __m512 sv = _mm512_permutexvar_ps(fp->gidx[c], Sv), bv = _mm512_permutexvar_ps(fp->gidx[c], Bv);
-      affine_for(&sv, &bv, fp->bits, fp->exact);
+      affine_for(&sv, &bv, fp->bits, ex);
       bad |= _mm512_fpclass_ps_mask(sv, FPCLASS_NONFINITE) | _mm512_fpclass_ps_mask(bv, FPCLASS_NONFINITE);
       _mm512_storeu_ps(svt + (t * fp->nch + c) * LANES, sv);
       _mm512_storeu_ps(bvt + (t * fp->nch + c) * LANES, bv);
@@ -368,7 +374,8 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
         if (!live) continue;                                                                          \
         const __m512i x = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);                 \
         __m512 sv = chunk_groups(fp, rows[t].vs, c), bv = chunk_groups(fp, rows[t].vb, c);            \
-        affine_for(&sv, &bv, BITS, EXACT);                                                            \
+        const int ex = EXACT || v_scales_nonfinite(sv); /* the exact form (v_scales_nonfinite) */      \
+        affine_for(&sv, &bv, BITS, ex);                                                               \
         __m512 w[J];                                                                                  \
         for (int j = 0; j < J; ++j) {                                                                 \
           const __m512 pj = _mm512_set1_ps(P[j * KVA_TILE + t]);                                      \
@@ -376,7 +383,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
           bacc[j] = _mm512_mask3_fmadd_ps(pj, bv, bacc[j], pm[j]);                                    \
         }                                                                                             \
         for (int k = 0; k < E; ++k) {                                                                 \
-          const __m512 code = code_as_float(x, k, BITS, EXACT);                                       \
+          const __m512 code = code_as_float(x, k, BITS, ex);                                          \
           for (int j = 0; j < J; ++j) acc[j][k] = _mm512_fmadd_ps(w[j], code, acc[j][k]);             \
         }                                                                                             \
       }                                                                                               \
