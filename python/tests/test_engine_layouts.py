@@ -259,3 +259,17 @@ def test_torch_engine_pools(request, layout, fmt, device):
     ref = ref_attention(q, kc, vc, seq_lens=lens, mask="causal", **kw)
     bound = 2 * UNIT_ROUNDOFF[np.dtype(qdt)] * np.abs(ref) + 2 * BF16_PRODUCTS_ATOL * np.abs(ref).max()
     assert (np.abs(res - ref) <= bound).all(), float(np.abs(res - ref).max())
+    # the ctypes CUDA path (kvattn.cuda: descriptors from the tensors' strides) on the same views
+    tb2 = [torch.full_like(t, -1) if t.dtype == torch.int32 else torch.full_like(t, float("nan")) for t in tbufs]
+    k2 = tuple(view(t, 0) for t in tb2) if bits else view(tb2[0], 0)
+    v2 = tuple(view(t, 1) for t in tb2) if bits else view(tb2[0], 1)
+    kvattn.cuda.cache_write(k2, v2, qkv_t[:, H:H + KVH], qkv_t[:, H + KVH:], to_torch(slots, torch, device), **kw)
+    torch.cuda.synchronize()
+    for t, b in zip(tb2, bufs):
+        assert bits_equal(to_numpy(t, torch).view(b.dtype) if b.dtype == np.uint32 else to_numpy(t, torch), b)
+    out2 = torch.full_like(out, float("nan"))
+    kvattn.cuda.block_table_attention(to_torch(q, torch, device), k2, v2, to_torch(blocks, torch, device),
+                                      to_torch(lens, torch, device), mask="causal", out=out2, **kw)
+    torch.cuda.synchronize()
+    res2 = to_numpy(out2, torch).astype(np.float64)
+    assert (np.abs(res2 - ref) <= bound).all(), float(np.abs(res2 - ref).max())
