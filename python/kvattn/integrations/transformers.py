@@ -7,8 +7,10 @@
 
 Importing this module imports torch and transformers and registers
 kvattn_attention_forward as the AttentionInterface function "kvattn", with
-transformers' sdpa mask builder as its mask function (the mask is None where
-the pattern is plain causal attention, a bool [B, 1, L, N] tensor otherwise).
+kvattn_mask as its mask function: transformers' sdpa mask builder, whose
+mask is None where the pattern is plain causal attention (no padding; for
+sliding layers too, the window then applied by the kernel), a bool
+[B, 1, L, N] tensor otherwise.
 
 kvattn_attention_forward(module, query [B, H, L, D], key, value
 [B, KVH, N, D], attention_mask, dropout, scaling, is_causal, **kwargs) ->
@@ -47,7 +49,7 @@ from .. import torch_ops
 from .._capi import KvaError
 
 __all__ = ["KvattnQuantizedCache", "KvattnQuantizedLayer", "PackedKV", "dequantize", "fallbacks",
-           "kvattn_attention_forward", "register"]
+           "kvattn_attention_forward", "kvattn_mask", "register"]
 
 logger = logging.get_logger(__name__)
 
@@ -378,13 +380,47 @@ def kvattn_attention_forward(module, query, key, value, attention_mask, dropout=
     return o.transpose(1, 2).contiguous(), None
 
 
+def _sliding_causal(mask_function, window):
+    """Whether mask_function(b, h, q, kv) is causal attention limited to
+    `window` keys (kv <= q and kv > q - window), probed on rows 0, 1,
+    window, window + 1 over the keys each row could see: a chunked mask of
+    chunk `window` differs from it on one of the two consecutive rows, a
+    plain causal one on row window + 1."""
+    if mask_function is None or not isinstance(window, int) or window <= 0:
+        return False
+    try:
+        for q in (0, 1, window, window + 1):
+            kv = torch.arange(max(0, q - window - 1), q + 2)
+            got = mask_function(torch.tensor(0), torch.tensor(0), torch.tensor(q), kv)
+            want = (kv <= q) & (kv > q - window)
+            if not torch.equal(torch.as_tensor(got, dtype=torch.bool).expand(want.shape), want):
+                return False
+    except Exception:  # a mask function that cannot be probed this way: keep its mask
+        return False
+    return True
+
+
+def kvattn_mask(*args, **kwargs):
+    """The "kvattn" mask function: transformers' sdpa mask (None where the
+    pattern is plain causal attention over unpadded keys), also None for a
+    sliding-window causal pattern (checked by probing the mask function)
+    where it would be None without the window: kvattn_attention_forward
+    then applies the layer's window itself (kwargs "sliding_window" or
+    module.sliding_window), so sliding layers decode without a mask tensor."""
+    local = kwargs.get("local_size")
+    if local is not None and kwargs.get("allow_is_causal_skip", True) and \
+            _sliding_causal(kwargs.get("mask_function"), local):
+        kwargs = dict(kwargs, local_size=None)
+    return sdpa_mask(*args, **kwargs)
+
+
 def register(name="kvattn", exact=False):
     """Registers kvattn_attention_forward as AttentionInterface `name` and
-    transformers' sdpa mask builder as its mask function (done on import
-    for "kvattn"); exact=True registers the "[exact f32]" kernels only."""
+    kvattn_mask as its mask function (done on import for "kvattn");
+    exact=True registers the "[exact f32]" kernels only."""
     fn = functools.partial(kvattn_attention_forward, kvattn_exact=True) if exact else kvattn_attention_forward
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, kvattn_mask)
 
 
 register()
