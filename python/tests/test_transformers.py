@@ -225,6 +225,47 @@ def test_static_cache(name):
         assert _maxdiff(a, b) <= F32_FLOOR
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bf16_logits(name, device):
+    """bf16 models, the default kernels: logits within twice the spread
+    between bf16 eager and bf16 sdpa (prefill of a padded batch, then a
+    decode step)."""
+    ms = models(name, device)
+    ids, mask = _inputs(device)
+    res = {}
+    for impl in ("eager", "sdpa", "kvattn"):
+        m = _build(name, impl, device, seed=1)
+        m.load_state_dict(ms["eager"].state_dict())
+        m = m.to(torch.bfloat16)
+        cache = transformers.DynamicCache(config=m.config)
+        with torch.no_grad():
+            a = m(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            mk = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            b = m(input_ids=a[:, -1:].argmax(-1) if impl == "eager" else res["eager"][2], attention_mask=mk,
+                  past_key_values=cache, use_cache=True).logits
+        res[impl] = (a.float(), b.float(), a[:, -1:].argmax(-1) if impl == "eager" else None)
+    for i, valid in ((0, mask), (1, None)):
+        e, s, k = res["eager"][i], res["sdpa"][i], res["kvattn"][i]
+        spread = _maxdiff(e, s, valid)
+        assert spread > 0
+        assert max(_maxdiff(k, e, valid), _maxdiff(k, s, valid)) <= 2 * spread, (i, spread)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_cache_beam_search(bits):
+    """num_beams=2 over KvattnQuantizedCache (beam reordering of the packed
+    words) through Oracle: generate runs and every call is checked."""
+    device = DEVICES[-1]
+    m, oracle = _oracle_model("llama", device)
+    ids, mask = _inputs(device, L=12, pad=3)
+    cache = kt.KvattnQuantizedCache(m.config, bits=bits)
+    with torch.no_grad():
+        toks = m.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, num_beams=2,
+                          do_sample=False, pad_token_id=0)
+    assert toks.shape == (2, 17) and len(oracle.calls) == 5 * m.config.num_hidden_layers
+
+
 def test_sliding_mask_probe():
     mu = importlib.import_module("transformers.masking_utils")
     assert kt._sliding_causal(mu.sliding_window_causal_mask_function(8), 8)
