@@ -528,6 +528,17 @@ def test_fallback_with_gradients():
     m.zero_grad(set_to_none=True)
 
 
+def test_packed_cache_with_other_attention():
+    """A packed cache under another attention function: an error naming
+    attn_implementation="kvattn", not a crash."""
+    ms = models("llama", "cpu")
+    ids, mask = _inputs("cpu")
+    with pytest.raises((TypeError, AttributeError), match="kvattn"):
+        with torch.no_grad():
+            ms["eager"](input_ids=ids, attention_mask=mask, past_key_values=kt.KvattnQuantizedCache(bits=4),
+                        use_cache=True)
+
+
 def test_cache_errors():
     with pytest.raises(ValueError, match="bits"):
         kt.KvattnQuantizedCache(num_layers=1, bits=3)

@@ -93,6 +93,15 @@ class PackedKV:
         tests use it, the kernel path never does."""
         return dequantize(self.data, self.scales, self.biases, self.bits, self.group_size)
 
+    def __getattr__(self, name):
+        # a tensor method or attribute asked by another attention function
+        raise AttributeError("PackedKV (KvattnQuantizedCache's packed K/V) has no %r: the cache is read only by "
+                             "attn_implementation=\"kvattn\"" % name)
+
+    def __getitem__(self, index):
+        raise TypeError("PackedKV (KvattnQuantizedCache's packed K/V) cannot be indexed: the cache is read only "
+                        "by attn_implementation=\"kvattn\"")
+
     def __repr__(self):
         return "PackedKV(shape=%s, bits=%d, group_size=%d, dtype=%s, device=%s)" % (
             list(self.shape), self.bits, self.group_size, self.dtype, self.device)
