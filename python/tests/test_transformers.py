@@ -539,6 +539,29 @@ def test_packed_cache_with_other_attention():
                         use_cache=True)
 
 
+def test_cache_growth():
+    """Appends past the initial capacity: the buffers grow, the words of
+    every token stay kvattn.quantize of its row; beam reordering moves the
+    packed rows."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(9)
+    c = kt.KvattnQuantizedCache(num_layers=1, bits=4)
+    ks = [torch.randn(2, 2, n, 64, generator=g) for n in (200, 1, 99, 7)]
+    for k in ks:
+        pk, pv = c.update(k, -k, 0)
+    rows = torch.cat(ks, dim=2)
+    layer = c.layers[0]
+    assert layer.capacity >= 307 and pk.shape == (2, 2, 307, 64) and c.get_seq_length() == 307
+    want = kvattn.quantize(rows.numpy(), 64, 4)
+    assert np.array_equal(pk.data.contiguous().numpy().view(np.uint32), want[0])
+    assert np.array_equal(pk.scales.contiguous().numpy(), want[1])
+    assert np.array_equal(pv.dequantize().numpy(), kvattn.dequantize(*kvattn.quantize((-rows).numpy(), 64, 4), 64, 4))
+    layer.reorder_cache(torch.tensor([1, 0]))
+    pk2 = layer._marker(layer.k, 64)
+    assert np.array_equal(pk2.data[0].contiguous().numpy().view(np.uint32), want[0][1])
+    assert np.array_equal(pk2.data[1].contiguous().numpy().view(np.uint32), want[0][0])
+
+
 def test_cache_errors():
     with pytest.raises(ValueError, match="bits"):
         kt.KvattnQuantizedCache(num_layers=1, bits=3)
