@@ -560,6 +560,11 @@ def test_cache_growth():
     pk2 = layer._marker(layer.k, 64)
     assert np.array_equal(pk2.data[0].contiguous().numpy().view(np.uint32), want[0][1])
     assert np.array_equal(pk2.data[1].contiguous().numpy().view(np.uint32), want[0][0])
+    layer.batch_repeat_interleave(2)  # batch [1, 1, 0, 0]
+    layer.batch_select_indices(torch.tensor([0, 2]))  # batch [1, 0]
+    pk3, _ = layer.update(rows[:, :, :1], rows[:, :, :1])
+    assert pk3.shape == (2, 2, 308, 64)
+    assert np.array_equal(pk3.data[:, :, :307].contiguous().numpy().view(np.uint32), want[0][[1, 0]])
 
 
 def test_cache_errors():
