@@ -196,6 +196,12 @@ def no_fallback(request):
         assert not kt.fallbacks, dict(kt.fallbacks)
 
 
+def _next(res, impl, steps):
+    """The next input tokens: eager's greedy choice at this step, so that
+    every implementation decodes the same tokens."""
+    return (steps if impl == "eager" else res["eager"])[len(steps) - 1][:, -1:].argmax(-1)
+
+
 def test_registered():
     assert AttentionInterface._global_mapping["kvattn"] is kt.kvattn_attention_forward
     assert AttentionMaskInterface._global_mapping["kvattn"] is kt.kvattn_mask
@@ -300,16 +306,23 @@ def test_logits_prefill_and_decode(name, device):
         cache = transformers.DynamicCache(config=m.config)
         o = _logits(m, ids, mask, cache)
         steps = [o.logits]
-        nxt = o.logits[:, -1:].argmax(-1)
+        nxt = _next(res, impl, steps)
         mk = mask
         for _ in range(2):
             mk = torch.cat([mk, torch.ones_like(mk[:, :1])], dim=1)
             with torch.no_grad():
                 o = m(input_ids=nxt, attention_mask=mk, past_key_values=cache, use_cache=True)
             steps.append(o.logits)
-            nxt = o.logits[:, -1:].argmax(-1)
-        with torch.no_grad():
-            steps.append(m(input_ids=ids[:1]).logits)  # unpadded: no mask
+            nxt = _next(res, impl, steps)
+        # unpadded, sequence 0 after the padding (longer than the window):
+        # no mask, prefill and decode
+        cache = transformers.DynamicCache(config=m.config)
+        x = ids[:1]
+        for _ in range(3):
+            with torch.no_grad():
+                lg = m(input_ids=x, past_key_values=cache, use_cache=True).logits
+            steps.append(lg)
+            x = _next(res, impl, steps)
         res[impl] = steps
     for i, (e, s, k) in enumerate(zip(res["eager"], res[second], res["kvattn_exact"])):
         valid = mask if i == 0 else None
@@ -321,7 +334,7 @@ def test_logits_prefill_and_decode(name, device):
     calls = ms["oracle_fn"].calls
     # the decode steps over the cache and the prefills: every layer checked;
     # the unpadded prefill ran without a mask (sliding layers: kvattn's window)
-    assert len(calls) == 4 * n_layers
+    assert len(calls) == 6 * n_layers
     assert all(none for none, sliding in calls[3 * n_layers:])
 
 
