@@ -147,6 +147,7 @@ class KvattnQuantizedLayer(CacheLayerMixin):
         self.length = 0
         self.capacity = 0
         self.k = self.v = None  # [data, scales, biases]
+        self._base = None  # slot of each sequence's first row (cleared when the capacity or batch changes)
 
     def _alloc(self, B, KVH, cap, d, dtype, device):
         return [torch.zeros(B, KVH, cap, d * self.bits // 32, dtype=torch.int32, device=device),
@@ -168,6 +169,7 @@ class KvattnQuantizedLayer(CacheLayerMixin):
         self.v = self._alloc(B, KVH, cap, dv, self.dtype, self.device)
         self.capacity = cap
         self.length = 0
+        self._base = None
         self.is_initialized = True
 
     def _grow(self, need):
@@ -182,6 +184,7 @@ class KvattnQuantizedLayer(CacheLayerMixin):
                 n[:, :, :self.length].copy_(o[:, :, :self.length])
             old[:] = new
         self.capacity = cap
+        self._base = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -196,8 +199,9 @@ class KvattnQuantizedLayer(CacheLayerMixin):
         # block pool of B blocks of `capacity` rows)
         k = key_states.to(self.dtype).transpose(1, 2).reshape(B * L, KVH, dk)
         v = value_states.to(self.dtype).transpose(1, 2).reshape(B * L, KVH, -1)
-        slots = (torch.arange(B, device=self.device, dtype=torch.int32)[:, None] * self.capacity
-                 + torch.arange(self.length, self.length + L, device=self.device, dtype=torch.int32)[None, :])
+        if self._base is None or self._base.shape[0] != B:  # b * capacity, [B, 1] int32
+            self._base = torch.arange(B, device=self.device, dtype=torch.int32)[:, None] * self.capacity
+        slots = self._base + torch.arange(self.length, self.length + L, device=self.device, dtype=torch.int32)
         torch_ops.load().cache_write_quantized(*self.k, *self.v, k, v, slots.reshape(-1), bits=self.bits,
                                                group_size=self.group_size)
         self.length += L
@@ -235,6 +239,7 @@ class KvattnQuantizedLayer(CacheLayerMixin):
             for bufs in (self.k, self.v):
                 bufs[:] = [fn(t).contiguous() for t in bufs]
             self.dims = (self.k[0].shape[0],) + self.dims[1:]
+            self._base = None
 
     def reorder_cache(self, beam_idx):
         self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
