@@ -209,7 +209,7 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     if opts is None or not _tensors(seq_lens, out):
         return NotImplemented
     kd, vd, o = opts
-    ops = torch.ops.kvattn
+    ops = load()
     try:
         if return_lse:
             if out is None:
@@ -236,7 +236,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
         return NotImplemented
     kd, vd, o = opts
-    ops = torch.ops.kvattn
+    ops = load()
     try:
         eager = _state["eager"] if not torch.compiler.is_compiling() else None
         if out is None:
@@ -258,13 +258,13 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4):
     kp, vp = _kv(k_pool, bits), _kv(v_pool, bits)
     if kp is None or vp is None or not _tensors(k, v, slots):
         return NotImplemented
+    ops = load()
     try:
         if kp[3] == 0 and vp[3] == 0:
-            torch.ops.kvattn.cache_write(kp[0], vp[0], k, v, slots)
+            ops.cache_write(kp[0], vp[0], k, v, slots)
         elif kp[3] and vp[3]:
-            torch.ops.kvattn.cache_write_quantized(kp[0], kp[1], kp[2], vp[0], vp[1], vp[2], k, v, slots,
-                                                   bits=_check_i32(bits, "bits"),
-                                                   group_size=_check_i32(group_size, "group_size"))
+            ops.cache_write_quantized(kp[0], kp[1], kp[2], vp[0], vp[1], vp[2], k, v, slots,
+                                      bits=_check_i32(bits, "bits"), group_size=_check_i32(group_size, "group_size"))
         else:
             raise C.error(C.EINVAL, "k_pool and v_pool must both be tensors or both (packed, scales, biases) tuples")
     except ValueError as e:
@@ -282,11 +282,12 @@ def merge_states(parts, *, base2=False, out=None, dtype=None):
     if dtype is not None and not isinstance(dtype, torch.dtype):
         return NotImplemented
     os_, ls_ = [p[0] for p in parts], [p[1] for p in parts]
+    ops = load()
     try:
         if out is None:
-            return torch.ops.kvattn.merge_states(os_, ls_, base2=bool(base2), dtype=dtype)
+            return ops.merge_states(os_, ls_, base2=bool(base2), dtype=dtype)
         lse = torch.empty(ls_[0].shape, dtype=torch.float32, device=ls_[0].device)
-        torch.ops.kvattn.merge_states_out(out, lse, os_, ls_, base2=bool(base2))
+        ops.merge_states_out(out, lse, os_, ls_, base2=bool(base2))
         return out, lse
     except ValueError as e:
         raise _kva_error(e) from None
