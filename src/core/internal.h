@@ -55,6 +55,16 @@ int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int
                      bool allow_broadcast);
 /* Checks a K/V operand: returns its logical head dim in *dim. */
 int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim);
+/* Row format of one K/V operand: what a kernel needs to read its rows. */
+typedef struct kva_rowfmt {
+  int bits;          /* 0 = float rows */
+  int group;         /* group size when quantized */
+  kva_dtype dtype;   /* float rows: element dtype */
+  kva_dtype sdtype;  /* quantized: scales/biases dtype */
+  int64_t D;         /* logical elements per row */
+} kva_rowfmt;
+/* Row format of a kva_kv. */
+kva_rowfmt kva_rowfmt_of(const kva_kv *kv);
 /* Do [a, a+an) and [b, b+bn) byte ranges of two tensors overlap? */
 bool kva_tensors_overlap(const kva_tensor *a, const kva_tensor *b);
 

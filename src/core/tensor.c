@@ -181,6 +181,16 @@ int64_t kva_kv_dim(const kva_kv *kv) {
   return D > 0 ? D : 0;
 }
 
+kva_rowfmt kva_rowfmt_of(const kva_kv *kv) {
+  kva_rowfmt f;
+  f.bits = kv->bits;
+  f.group = kv->group_size;
+  f.dtype = kv->data.dtype;
+  f.sdtype = kv->bits ? kv->scales.dtype : kv->data.dtype;
+  f.D = kva_kv_dim(kv);
+  return f;
+}
+
 int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim) {
   char nm[64];
   if (!kv) return kva_seterr(KVA_EINVAL, "%s is NULL", name);

@@ -23,16 +23,6 @@
 #define KVA_MAX_CHUNK 4096
 #define KVA_ALIGN 64
 
-kva_rowfmt kva_rowfmt_of(const kva_kv *kv) {
-  kva_rowfmt f;
-  f.bits = kv->bits;
-  f.group = kv->group_size;
-  f.dtype = kv->data.dtype;
-  f.sdtype = kv->bits ? kv->scales.dtype : kv->data.dtype;
-  f.D = kva_kv_dim(kv);
-  return f;
-}
-
 static void contiguous_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t t, int64_t t_end,
                                kva_span *sp) {
   const kva_kv_view *v = (const kva_kv_view *)src->impl;

@@ -11,15 +11,6 @@
 
 #include "core/problem.h"
 
-/* Row format of one operand (K or V). */
-typedef struct kva_rowfmt {
-  int bits;          /* 0 = float rows */
-  int group;         /* group size when quantized */
-  kva_dtype dtype;   /* float rows: element dtype */
-  kva_dtype sdtype;  /* quantized: scales/biases dtype */
-  int64_t D;         /* logical elements per row */
-} kva_rowfmt;
-
 typedef struct kva_span {
   const char *k, *ks, *kb; /* first row of K data / scales / biases (ks, kb NULL if float) */
   const char *v, *vs, *vb; /* first row of V */
@@ -64,6 +55,4 @@ void kva_source_contiguous(kva_source *src, const kva_kv_view *view);
 void kva_source_paged(kva_source *src, const kva_kv_view *view);
 /* A source over caller pools addressed by a block table (src/paged/). */
 void kva_source_block_table(kva_source *src, const kva_kv_view *view);
-/* Row format of a kva_kv. */
-kva_rowfmt kva_rowfmt_of(const kva_kv *kv);
 #endif
