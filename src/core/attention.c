@@ -4,6 +4,7 @@
 #include "core/backend.h"
 #include "cpu/threadpool.h"
 #include "paged/paged.h"
+#include "paged/source.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -22,12 +23,6 @@ kva_attn_params kva_attn_defaults(void) {
   kva_attn_params p;
   memset(&p, 0, sizeof p);
   return p;
-}
-
-int64_t kva_problem_len(const kva_problem *p, int64_t b) {
-  if (p->kv->layout == KVA_LAYOUT_PAGED) return kva_paged_view_len(p->kv, b);
-  if (p->kv->layout == KVA_LAYOUT_BLOCK_TABLE) return kva_block_table_len(p->kv, b);
-  return p->seq_lens ? p->seq_lens[b] : p->N;
 }
 
 static int check_mask(kva_problem *p, kva_backend backend) {

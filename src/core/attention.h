@@ -22,9 +22,4 @@ kva_path kva_select_path(const kva_problem *p);
 
 /* Head dims the fused paths are built for. */
 int kva_head_dim_supported(int64_t d);
-
-/* Paged views (src/paged/): validation and per-sequence lengths. */
-int kva_paged_view_check(const kva_kv_view *view, int64_t *B, int64_t *KVH, int64_t *Dk, int64_t *Dv,
-                         int64_t *max_len);
-int64_t kva_paged_view_len(const kva_kv_view *view, int64_t b);
 #endif

@@ -29,9 +29,6 @@ typedef struct kva_problem {
   kva_path path;
 } kva_problem;
 
-/* Cache length of sequence b (host-side views only). */
-int64_t kva_problem_len(const kva_problem *p, int64_t b);
-
 /* Visibility of key t for query row i of a sequence of length len, for the
  * causal family (CAUSAL with window / segments); `seg` is that sequence's
  * segment row or NULL. Positions are view indices: p = len - L + i. */

@@ -23,61 +23,6 @@
 #define KVA_MAX_CHUNK 4096
 #define KVA_ALIGN 64
 
-static void contiguous_span_at(const kva_source *src, int64_t b, int64_t hk, int64_t t, int64_t t_end,
-                               kva_span *sp) {
-  const kva_kv_view *v = (const kva_kv_view *)src->impl;
-  const kva_kv *K = &v->k, *V = &v->v;
-  memset(sp, 0, sizeof *sp);
-  sp->k = kva_at4(&K->data, b, hk, t, 0);
-  sp->k_rs = K->data.stride[2];
-  if (K->bits) {
-    sp->ks = kva_at4(&K->scales, b, hk, t, 0);
-    sp->kb = kva_at4(&K->biases, b, hk, t, 0);
-    sp->ks_rs = K->scales.stride[2];
-    sp->kb_rs = K->biases.stride[2];
-  }
-  sp->v = kva_at4(&V->data, b, hk, t, 0);
-  sp->v_rs = V->data.stride[2];
-  if (V->bits) {
-    sp->vs = kva_at4(&V->scales, b, hk, t, 0);
-    sp->vb = kva_at4(&V->biases, b, hk, t, 0);
-    sp->vs_rs = V->scales.stride[2];
-    sp->vb_rs = V->biases.stride[2];
-  }
-  sp->t0 = t;
-  sp->n = t_end - t;
-}
-
-/* One array's base at (b, hk, token 0) and row stride; NULL when unused. */
-static void contiguous_array(const kva_tensor *t, int used, int64_t b, int64_t hk, kva_seqmap *m, int a) {
-  m->base[a] = used ? kva_at4(t, b, hk, 0, 0) : NULL;
-  m->rstride[a] = used ? t->stride[2] : 0;
-  m->bstride[a] = 0;
-}
-
-static void contiguous_seqmap(const kva_source *src, int64_t b, int64_t hk, kva_seqmap *m) {
-  const kva_kv_view *v = (const kva_kv_view *)src->impl;
-  const kva_kv *K = &v->k, *V = &v->v;
-  m->ids = NULL;
-  m->first = 0;
-  m->bs = 0;
-  m->shift = -1;
-  contiguous_array(&K->data, 1, b, hk, m, KVA_ARR_K);
-  contiguous_array(&K->scales, K->bits != 0, b, hk, m, KVA_ARR_KS);
-  contiguous_array(&K->biases, K->bits != 0, b, hk, m, KVA_ARR_KB);
-  contiguous_array(&V->data, 1, b, hk, m, KVA_ARR_V);
-  contiguous_array(&V->scales, V->bits != 0, b, hk, m, KVA_ARR_VS);
-  contiguous_array(&V->biases, V->bits != 0, b, hk, m, KVA_ARR_VB);
-}
-
-void kva_source_contiguous(kva_source *src, const kva_kv_view *view) {
-  src->kf = kva_rowfmt_of(&view->k);
-  src->vf = kva_rowfmt_of(&view->v);
-  src->span_at = contiguous_span_at;
-  src->seqmap = contiguous_seqmap;
-  src->impl = view;
-}
-
 /* ---- SIMD level ---- */
 /* Which levels are built follows the target (the Makefile's SIMD_LEVELS):
  * x86 builds all three and picks by cpuid; other architectures build the

@@ -7,7 +7,7 @@
 #define KVA_CPU_KERNEL_H
 
 #include "core/softmax_state.h"
-#include "cpu/source.h"
+#include "paged/source.h"
 
 /* Tokens per tile: K/V rows dequantized/converted into an L1-resident tile. */
 #define KVA_TILE 32

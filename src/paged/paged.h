@@ -1,7 +1,7 @@
 /* Paged KV cache internals: the block pool, sequence state and the immutable
  * CSR views (src/paged/), and the block-table layout over caller pools.
  * Private to the library: the CPU driver and the oracle read views through
- * kva_source_paged / kva_source_block_table (src/cpu/source.h) and validate
+ * kva_source_paged / kva_source_block_table (src/paged/source.h) and validate
  * them with kva_paged_view_check / kva_block_table_check (+ _len).
  *
  * Token addressing: a sequence's tokens are the rows first_offset ..

@@ -11,8 +11,8 @@
  * the row map of (b, hk) once per item (seqmap: table row pointer, first
  * row, per-array bases and strides, log2 bs for power-of-two blocks) and
  * then one table load, a shift and two multiply-adds per array per block. */
-#include "cpu/source.h"
 #include "paged/paged.h"
+#include "paged/source.h"
 
 /* Row addresses of one array at (blk, hk, row), or NULL for an unused array. */
 static const char *row_or_null(const kva_tensor *t, int used, int64_t blk, int64_t hk, int64_t row) {

@@ -1,4 +1,6 @@
-/* Where K/V rows come from, kept apart from the attention math.
+/* Where K/V rows come from, kept apart from the attention math (the
+ * layouts layer: contiguous in src/paged/contiguous.c, paged views and
+ * block tables in src/paged/source.c).
  *
  * A kva_span is a run of consecutive tokens of one (sequence, KV head) whose
  * rows are equally strided in memory: a contiguous cache gives one span per
@@ -6,8 +8,8 @@
  * kernels consume spans; a kva_source produces them, one by one (span_at)
  * or as a row map of a whole (sequence, KV head) that a kernel's cursor
  * walks inline (seqmap). */
-#ifndef KVA_CPU_SOURCE_H
-#define KVA_CPU_SOURCE_H
+#ifndef KVA_PAGED_SOURCE_H
+#define KVA_PAGED_SOURCE_H
 
 #include "core/problem.h"
 
@@ -51,8 +53,11 @@ struct kva_source {
 
 /* A source over the contiguous layout of a view. */
 void kva_source_contiguous(kva_source *src, const kva_kv_view *view);
-/* A source over a paged view (src/paged/). */
+/* A source over a paged view. */
 void kva_source_paged(kva_source *src, const kva_kv_view *view);
-/* A source over caller pools addressed by a block table (src/paged/). */
+/* A source over caller pools addressed by a block table. */
 void kva_source_block_table(kva_source *src, const kva_kv_view *view);
+
+/* Cache length of sequence b (host-side views only). */
+int64_t kva_problem_len(const kva_problem *p, int64_t b);
 #endif
