@@ -148,7 +148,10 @@ def _imports():
     import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+    try:
+        import kvattn  # noqa: F401 - installed, or on PYTHONPATH
+    except ImportError:  # the source tree's package
+        sys.path.insert(0, os.path.join(HERE, "..", "python"))
     from kvattn import torch_ops
     if not torch_ops.available():
         raise ImportError("kvattn torch extension: %s" % torch_ops.load_error())
