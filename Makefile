@@ -12,7 +12,7 @@ LDLIBS    = -lm -pthread
 
 # Sources by layer. Kernel bodies under src/cpu/simd/ are compiled once per
 # SIMD level (portable, avx2, avx512) and chosen at run time.
-CORE_SRC  = $(wildcard src/core/*.c) $(wildcard src/ref/*.c) $(wildcard src/cpu/*.c) $(wildcard src/paged/*.c)
+CORE_SRC  = $(wildcard src/core/*.c) $(wildcard src/api/*.c) $(wildcard src/ref/*.c) $(wildcard src/cpu/*.c) $(wildcard src/paged/*.c)
 SIMD_SRC  = $(wildcard src/cpu/simd/*.c)
 CUDA_SRC  = $(wildcard src/cuda/*.cu)
 TOOL_SRC  = $(wildcard tools/*.c)
@@ -208,6 +208,20 @@ fuzz-regress: $(FUZZ_BIN)
 
 bench: $(BUILD)/kvattn
 	$(BUILD)/kvattn bench
+	@if $(TORCH_PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' > /dev/null 2>&1; \
+	then $(MAKE) bench-e2e; else echo "bench-e2e skipped: $(TORCH_PY) imports no torch with a CUDA device"; fi
+
+# The end-to-end decode benchmark (bench/e2e_decode.py; bench/README.md):
+# transformers models decoding over kvattn's packed caches against sdpa.
+# In `make bench` only where TORCH_PY imports torch with a CUDA device;
+# builds the torch extension first. Writes e2e_decode.{md,json,png} to E2E_OUT;
+# E2E_ARGS passes options (e.g. E2E_ARGS="--models llama3-8b --ctx 32768").
+E2E_OUT  ?= $(BUILD)/e2e
+E2E_ARGS ?=
+.PHONY: bench-e2e
+bench-e2e: $(BUILD)/libkvattn_torch.so
+	KVATTN_LIB=$(BUILD)/libkvattn.so KVATTN_TORCH_LIB=$(BUILD)/libkvattn_torch.so PYTHONPATH=python \
+	  $(TORCH_PY) bench/e2e_decode.py --out $(E2E_OUT) $(E2E_ARGS)
 
 # The aarch64 build (portable level, generic vectors on NEON), cross-compiled
 # and run under qemu-user: the C tests (quick) and the oracle-checked bench

@@ -186,7 +186,7 @@ def test_sdist_contents(tmp_path):
         rel = {n[len(base):] for n in names}
         for need in ("PKG-INFO", "pyproject.toml", "Makefile", "include/kvattn.h", "python/kvattn_build.py",
                      "python/kvattn/__init__.py", "python/kvattn/_capi.py", "python/_kvattn_cli.py",
-                     "tools/kvattn.c", "src/core/attention.c", "python/README.md"):
+                     "tools/kvattn.c", "src/api/attention.c", "python/README.md"):
             assert need in rel, need
         assert not [n for n in rel if n.startswith(("build/", "build-", "dist/", ".git/", "python/kvattn/_lib"))
                     or "__pycache__" in n or n.endswith((".pyc", ".o", ".so"))]

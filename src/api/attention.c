@@ -1,6 +1,6 @@
 /* kva_attention: argument validation into a kva_problem, the path selector,
  * workspace handling and backend dispatch; plus the context lifecycle. */
-#include "core/attention.h"
+#include "api/attention.h"
 #include "core/backend.h"
 #include "cpu/threadpool.h"
 #include "paged/paged.h"

@@ -8,7 +8,7 @@
  *     [B, H, L, Dv] f32, lse2 [B, H, L];
  *   merge: (o1 seen as [B, H, L, Dv], lse1) and (o2, lse2) into out, lse.
  * Workspace: o1, lse1, o2, lse2, then the larger of the two passes' own. */
-#include "core/attention.h"
+#include "api/attention.h"
 #include "core/backend.h"
 #include "core/internal.h"
 #include "paged/paged.h"

@@ -12,7 +12,7 @@
  *     recv_lse_offset: chunk s from rank s.
  * Traffic per rank: (R - 1) chunks of heads B L (Dv + 1) floats each way
  * (all-to-all), or R - 1 chunks of H B L (Dv + 1) received (all-gather). */
-#include "core/attention.h"
+#include "api/attention.h"
 #include "core/backend.h"
 #include "core/internal.h"
 

@@ -1,4 +1,4 @@
-/* The backends' entry points, called by src/core/attention.c after the
+/* The backends' entry points, called by src/api/attention.c after the
  * arguments are validated and a path selected. Each backend owns its folder:
  * src/cpu/ and src/cuda/ (built when nvcc is present: KVA_HAVE_CUDA). */
 #ifndef KVA_BACKEND_H
@@ -14,7 +14,7 @@ typedef struct kva_threadpool kva_threadpool;
  * workspace's growth and use, the pool, the stream): kva_attention,
  * kva_cache_write, kva_context_set_stream; calls on one context are
  * serialized, calls on different contexts run in parallel. next/prev link
- * the live contexts for the fork handlers (src/core/attention.c). */
+ * the live contexts for the fork handlers (src/api/attention.c). */
 struct kva_context {
   pthread_mutex_t mu;
   kva_context *next, *prev;
@@ -49,7 +49,7 @@ int kva_cpu_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t w
 void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size);
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size);
 
-/* A validated kva_merge_states call (src/core/merge.c). */
+/* A validated kva_merge_states call (src/api/merge.c). */
 typedef struct kva_merge_problem {
   int64_t R, B, H, L, Dv;
   const kva_tensor *o, *lse; /* [R] parts: o [B, H, L, Dv], lse [B, H, L] f32 */
@@ -66,7 +66,7 @@ void kva_cuda_context_free(kva_context *ctx);
 int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes);
 int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
 /* kva_cache_write on ctx's stream (src/cuda/cache_write.cu): arguments
- * validated by src/core/cache_write.c; slots out of range are skipped. */
+ * validated by src/api/cache_write.c; slots out of range are skipped. */
 int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                          const kva_tensor *v, const int32_t *slots, int64_t n);
 /* A context-parallel send buffer with no key (src/cuda/cp.cu): o_bytes of

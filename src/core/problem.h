@@ -1,5 +1,5 @@
 /* A validated attention call in normalized form: what every backend receives
- * after kva_attention has checked the arguments (src/core/attention.c). */
+ * after kva_attention has checked the arguments (src/api/attention.c). */
 #ifndef KVA_PROBLEM_H
 #define KVA_PROBLEM_H
 

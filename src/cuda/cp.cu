@@ -1,5 +1,5 @@
 /* Math: a context-parallel part with no key: o = 0, lse = -inf (the empty
- *   softmax state), src/core/cp.c's send layout.
+ *   softmax state), src/api/cp.c's send layout.
  * Traffic: writes o_bytes (cudaMemsetAsync) and lse_count floats.
  * Launch: cudaMemsetAsync, then ceil(lse_count / 256) blocks of 256 threads,
  *   one float each; ctx's stream, no allocation, no sync (graph-capturable). */

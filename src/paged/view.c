@@ -334,7 +334,7 @@ int kva_paged_view_gather(const kva_paged_view *v, int64_t b, kva_kv *k, kva_kv 
   return 0;
 }
 
-/* ---- for kva_attention (src/core/attention.c) */
+/* ---- for kva_attention (src/api/attention.c) */
 static int same_tensor(const kva_tensor *a, const kva_tensor *b) {
   if (a->data != b->data || a->dtype != b->dtype || a->ndim != b->ndim) return 0;
   for (int d = 0; d < a->ndim && d < KVA_MAX_DIMS; ++d)

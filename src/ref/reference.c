@@ -9,7 +9,7 @@
  * rule and the output rounding are this file's own. On request it applies
  * a kernel's documented roundings (kva_ref_rounding: the query to integers
  * per group, K or V elements to bf16 / f16), each from the exact value. */
-#include "core/attention.h"
+#include "api/attention.h"
 
 #include <math.h>
 #include <string.h>
