@@ -218,7 +218,8 @@ kva_kv_view kb_cacheset_view(const kb_cacheset *cs, int i);
 
 /* --------------------------------------------------------- the check */
 /* Is (sequence b, KV head hk) one of the pairs the check compares (first and
- * last KV head of the first and last sequence)? */
+ * last KV head of the first and last sequence)? In cases.c: the cache set
+ * (data.c) fills those pairs with their own values. */
 bool kb_is_sampled(const kb_case *c, int64_t b, int64_t hk);
 /* Overwrites the query vectors of the sampled heads with probes that make
  * a causal-mask error visible (see check.c), from the host master. */

@@ -112,6 +112,10 @@ bool kb_same_cache(const kb_case *a, const kb_case *b) {
          a->layout == b->layout && a->block == b->block && a->in_order == b->in_order;
 }
 
+bool kb_is_sampled(const kb_case *c, int64_t b, int64_t hk) {
+  return (b == 0 || b == c->B - 1) && (hk == 0 || hk == c->KVH - 1);
+}
+
 /* ------------------------------------------------------------ suites */
 static kb_kvfmt q(int bits, int group) { return (kb_kvfmt){bits, KVA_BF16, group}; }
 

@@ -34,10 +34,6 @@ typedef struct sample {
   int64_t b, hk;
 } sample;
 
-bool kb_is_sampled(const kb_case *c, int64_t b, int64_t hk) {
-  return (b == 0 || b == c->B - 1) && (hk == 0 || hk == c->KVH - 1);
-}
-
 /* First and last KV head of the first and last sequence, without repeats. */
 static int samples(const kb_case *c, sample *s) {
   int n = 0;
