@@ -49,6 +49,8 @@ attention share of the eager step (time inside the attention function,
 CUDA events around each call, over the eager step time; for graph rows: the
 same attention time over the graph step), KV-cache bytes of the measured
 stack and scaled to full depth, and the cache's ratio to sdpa-bf16's.
+Exit status 1 when a cell could not run (the table says why) or a check
+found different tokens.
 --check (on by default with --quick) also decodes with kvattn over a float
 cache ("[exact f32]" kernels) and checks its greedy tokens against sdpa's,
 and the graph path's cache against KvattnQuantizedCache's tokens.
@@ -602,7 +604,10 @@ def main(argv=None):
         with open(os.path.join(args.out, "e2e_decode.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         print(plot(rows, os.path.join(args.out, "e2e_decode.png")), file=sys.stderr)
-    failed = [c for c in checks if not c["ok"]]
+    failed = [c["text"] for c in checks if not c["ok"]] + \
+        ["%(model)s B=%(B)d ctx=%(ctx)d %(format)s %(mode)s: %(skipped)s" % r for r in rows if "skipped" in r]
+    for f in failed:
+        print("FAILED: " + f, file=sys.stderr)
     return result, 1 if failed else 0
 
 
