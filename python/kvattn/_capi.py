@@ -131,6 +131,17 @@ class kva_kv_view(ctypes.Structure):
     ]
 
 
+class kva_block_table(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("max_blocks", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("blocks", ctypes.POINTER(ctypes.c_int32)),
+        ("seq_lens", ctypes.POINTER(ctypes.c_int32)),
+        ("first_offset", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
 class kva_attn_params(ctypes.Structure):
     _fields_ = [
         ("scale", ctypes.c_float),
@@ -201,6 +212,7 @@ _proto("kva_merge_states", ctypes.c_int, _c_ctx, ctypes.c_int64, _P(kva_tensor),
        _P(kva_tensor), ctypes.c_uint)
 LSE_BASE2 = 1
 MERGE_MAX_PARTS = 32
+_proto("kva_view_block_table", kva_kv_view, _P(kva_kv), _P(kva_kv), _P(kva_block_table))
 _proto("kva_cpu_simd", ctypes.c_char_p)
 _proto("kva_cpu_set_simd", ctypes.c_int, ctypes.c_char_p)
 _proto("kva_cuda_device_count", ctypes.c_int)

@@ -201,7 +201,6 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     the device a bad length or block id is clamped, never a fault. exact: as
     attention()."""
     from . import _flags
-    from .paged import kva_block_table
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
                  out)
@@ -214,7 +213,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     sl, sshape = _int32_device(call, seq_lens, "seq_lens", 1)
     if sshape != (B,):
         raise C.error(C.ESHAPE, "seq_lens must have shape [B] = [%d] (the rows of blocks)" % B)
-    t = kva_block_table()
+    t = C.kva_block_table()
     t.batch, t.max_blocks, t.row_stride = B, mb, (bl.stride[0] // 4 if B > 1 else 0)
     t.blocks = ctypes.cast(bl.data, ctypes.POINTER(ctypes.c_int32))
     t.seq_lens = ctypes.cast(sl.data, ctypes.POINTER(ctypes.c_int32))
@@ -224,8 +223,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
             raise C.error(C.ESHAPE, "first_offset must have shape [B] = [%d]" % B)
         t.first_offset = ctypes.cast(fo.data, ctypes.POINTER(ctypes.c_int32))
     call.keep.append(t)
-    from .paged import lib as plib
-    call.view = plib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
+    call.view = C.lib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
     return _run(call, context)
 
 

@@ -27,7 +27,7 @@ import ctypes
 import numpy as np
 
 from . import _capi as C
-from ._capi import lib
+from ._capi import kva_block_table, lib  # kva_block_table: the struct, used by cuda.py too
 
 __all__ = ["Pool", "Sequence", "PagedView", "block_table_attention", "block_table_reference_attention",
            "paged_attention"]
@@ -75,17 +75,6 @@ class kva_paged_csr(ctypes.Structure):
     ]
 
 
-class kva_block_table(ctypes.Structure):
-    _fields_ = [
-        ("batch", ctypes.c_int64),
-        ("max_blocks", ctypes.c_int64),
-        ("row_stride", ctypes.c_int64),
-        ("blocks", _i32p),
-        ("seq_lens", _i32p),
-        ("first_offset", _i32p),
-    ]
-
-
 def _proto(name, restype, *argtypes):
     fn = getattr(lib, name)
     fn.restype = restype
@@ -121,7 +110,6 @@ _proto("kva_view_paged", C.kva_kv_view, _vp)
 _proto("kva_paged_view_csr", ctypes.c_int, _vp, _P(kva_paged_csr))
 _proto("kva_paged_view_gather", ctypes.c_int, _vp, ctypes.c_int64, _P(C.kva_kv), _P(C.kva_kv))
 _proto("kva_paged_view_block_table", ctypes.c_int, _vp, ctypes.c_int64, _i32p, _i32p, _i32p)
-_proto("kva_view_block_table", C.kva_kv_view, _P(C.kva_kv), _P(C.kva_kv), _P(kva_block_table))
 
 
 def _int(value, name):
