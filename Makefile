@@ -144,9 +144,13 @@ $(VENV_OK):
 	$(PY) -m pip install -q 'mlx[cpu]' || echo "mlx unavailable: MLX cross-check tests will be skipped"
 	touch $@
 
-test:
+test: check-layers
 	$(MAKE) test-c
 	$(MAKE) test-py
+# Dependencies one way (docs/design.md, "Layers"): fails on an upward include.
+.PHONY: check-layers
+check-layers:
+	sh tools/check_layers.sh
 test-c: $(BUILD)/kvattn_tests $(ASAN_DIR)/kvattn_tests $(BUILD)/kvattn
 	$(BUILD)/kvattn_tests
 	$(BUILD)/kvattn bench --quick
