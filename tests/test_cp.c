@@ -339,6 +339,11 @@ static void cpd_free(cpd *d) {
 /* One case for R = 1..8, both exchange modes; dev: the ranks on ctx's
  * device (contiguous and block-table layouts), the reference the unsharded
  * call there. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__aarch64__)
+/* GCC 12 for aarch64 stops with an internal compiler error
+ * (vect_transform_reduction) vectorizing this function at -O3 */
+__attribute__((optimize("no-tree-vectorize")))
+#endif
 static int cp_case(kva_context *ctx, const cpc *c, int dev) {
   cpm m = {{0}, 0};
   cpd dm = {{0}, 0};
