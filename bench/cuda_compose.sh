@@ -31,7 +31,7 @@ if ! ls "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../inc
   [ -n "$nh" ] && [ -f "$nh/include/nccl.h" ] && NCCL_ARG=("NCCL_HOME=$nh")
 fi
 # the objects whose code depends on KVA_HAVE_NCCL (make does not track flags)
-rm -f "$BUILD/src/core/cp_nccl.o" "$BUILD/src/cpu/attend.o" "$BUILD/tests/test_cp.o"
+rm -f "$BUILD/src/api/cp_nccl.o" "$BUILD/src/cpu/attend.o" "$BUILD/tests/test_cp.o"
 run build make -j"$J" BUILD="$BUILD" "${NCCL_ARG[@]}" all "$BUILD/cascade_vs_batched"
 run info "$BUILD/kvattn" info
 run ctests "$BUILD/kvattn_tests" cascade cp_ merge lse_ cuda_lse
