@@ -15,7 +15,14 @@ Models (attention heads / KV heads / head dim):
 
 Cache formats, each decoding the same prefilled context:
   sdpa-bf16   attn_implementation="sdpa", transformers' StaticCache in bf16
-              (sliding layers keep their window only, as StaticCache does)
+              (sliding layers keep their window only, as StaticCache does).
+              transformers then passes sdpa a mask, so on CUDA it repeats
+              K/V per query head (repeat_kv: GQA x the layer's cache copied
+              every step) and torch cannot take its flash kernel
+  sdpa-bf16-dyn  the same over a DynamicCache: no mask, so sdpa runs with
+              enable_gqa (flash), but every step concatenates the new row
+              onto the layer's cache (a copy of it); eager only (its shapes
+              change every step, so no graph)
   kvattn-q8 / kvattn-q4  attn_implementation="kvattn" with
               kvattn.integrations.transformers.KvattnQuantizedCache (MLX
               affine, group 64, bf16 scales), every layer keeps every token
@@ -48,7 +55,11 @@ stack (B tokens per step), estimated full-depth tok/s, step time, the
 attention share of the eager step (time inside the attention function,
 CUDA events around each call, over the eager step time; for graph rows: the
 same attention time over the graph step), KV-cache bytes of the measured
-stack and scaled to full depth, and the cache's ratio to sdpa-bf16's.
+stack and scaled to full depth, and the bytes of a float cache (the model's
+dtype: bf16, f32 with --quick) of the same tokens (every layer, the same
+capacity; DynamicCache holds only the tokens so far) over the cache's bytes (q4 at group
+64 with bf16 scales: 2 / (0.5 + 4/64) = 3.56; StaticCache's sliding layers
+hold their window only, so gemma3-4b's sdpa-bf16 shows more than 1).
 Exit status 1 when a cell could not run (the table says why) or a check
 found different tokens.
 --check (on by default with --quick) also decodes with kvattn over a float
@@ -94,7 +105,7 @@ QUICK = {
                        initializer_range=INIT,
                        head_dim=64, vocab_size=128),
 }
-FORMATS = ["sdpa-bf16", "kvattn-q8", "kvattn-q4"]
+FORMATS = ["sdpa-bf16", "sdpa-bf16-dyn", "kvattn-q8", "kvattn-q4"]
 CHUNK = 4096  # prefill rows per update() call
 
 
@@ -220,9 +231,11 @@ def auto_layers(name, args, device, dtype):
     attn_w = h * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     weights = 2 * (attn_w + 3 * h * f)
     head = 2 * cfg.vocab_size * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
-    # the float cache of the sdpa run plus a packed one of the next format
-    # (freed between runs) and the decode activations: 1.5 caches per layer
-    fit = int((args.mem_frac * free - head - 4 * 2**30) // (1.5 * cache + weights))
+    # per layer: the bf16 cache, and the transients of one layer at a time:
+    # sdpa over StaticCache repeats K/V per query head (GQA x the cache),
+    # DynamicCache's concatenation holds the old and the new cache (2x)
+    gqa = cfg.num_attention_heads // cfg.num_key_value_heads
+    fit = int((args.mem_frac * free - head - 4 * 2**30 - max(gqa, 2) * cache) // (cache + weights))
     layers = max(1, min(full, fit))
     if name == "gemma3-4b" and layers >= 6:
         layers -= layers % 6  # whole 5:1 groups
@@ -298,6 +311,8 @@ def _register_static():
 
 
 def make_cache(fmt, mode, cfg, max_len):
+    if fmt == "sdpa-bf16-dyn":
+        return transformers.DynamicCache(config=cfg)
     if fmt in ("sdpa-bf16", "kvattn-f32"):
         return transformers.StaticCache(config=cfg, max_cache_len=max_len)
     bits = 8 if fmt == "kvattn-q8" else 4
@@ -307,7 +322,7 @@ def make_cache(fmt, mode, cfg, max_len):
 
 
 def impl_of(fmt, mode):
-    if fmt == "sdpa-bf16":
+    if fmt in ("sdpa-bf16", "sdpa-bf16-dyn"):
         return "sdpa"
     if fmt == "kvattn-f32":
         return "kvattn_exact"
@@ -462,7 +477,7 @@ def fmt_bytes(n):
 
 def table(rows):
     head = ("| model | layers | B | ctx | cache | mode | tok/s | tok/s full depth (est.) | step ms | attn share "
-            "| KV cache (measured layers) | KV full depth | vs bf16 |")
+            "| KV cache (measured layers) | KV full depth | float bytes / cache bytes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "skipped" in r:
@@ -470,7 +485,7 @@ def table(rows):
                 r["model"], r.get("layers", "-"), r["B"], r["ctx"], r["format"], r["mode"], r["skipped"]))
             continue
         share = "-" if r.get("attn_share") is None else "%.0f %%" % (100 * r["attn_share"])
-        ratio = "-" if r.get("vs_bf16") is None else "%.2fx smaller" % r["vs_bf16"]
+        ratio = "-" if r.get("vs_bf16") is None else "%.2f" % r["vs_bf16"]
         lines.append("| %s | %d | %d | %d | %s | %s | %.1f | %.1f | %.3f | %s | %s | %s | %s |" % (
             r["model"], r["layers"], r["B"], r["ctx"], r["format"], r["mode"], r["tok_s"], r["tok_s_full"],
             1e3 * r["step_s"], share, fmt_bytes(r["cache_bytes"]), fmt_bytes(r["cache_bytes_full"]), ratio))
@@ -552,8 +567,8 @@ def main(argv=None):
                 cell = {}
                 for fmt in formats:
                     for mode in modes:
-                        if fmt in ("kvattn-f32", "sdpa-bf16") and mode == "static" or \
-                                fmt == "kvattn-f32" and mode == "graph":
+                        if fmt in ("kvattn-f32", "sdpa-bf16", "sdpa-bf16-dyn") and mode == "static" or \
+                                fmt in ("kvattn-f32", "sdpa-bf16-dyn") and mode == "graph":
                             continue
                         base = dict(model=name, layers=layers, B=B, ctx=ctx, format=fmt, mode=mode)
                         t0 = time.perf_counter()
@@ -579,10 +594,11 @@ def main(argv=None):
                         print("  %-10s B=%-3d ctx=%-7d %-10s %-5s %9.1f tok/s  %8.3f ms/step  (%.0f s)"
                               % (name, B, ctx, fmt, mode, r["tok_s"], 1e3 * r["step_s"], time.perf_counter() - t0),
                               file=sys.stderr)
-                ref = cell.get(("sdpa-bf16", "eager"))
+                # float K/V (the model's dtype) of the same tokens: every layer, the cache's capacity
+                cap = ctx + args.warmup + 2 * args.steps + 8
+                bf16 = kv_bytes_per_token_layer(cfg, torch.finfo(dtype).bits // 8) * B * cap * layers
                 for r in cell.values():
-                    if ref is not None and r["format"] != "sdpa-bf16":
-                        r["vs_bf16"] = ref["cache_bytes"] / r["cache_bytes"]
+                    r["vs_bf16"] = bf16 / r["cache_bytes"]
                 if args.check:
                     checks.extend(check_cell(cell, name, B, ctx))
         del model
@@ -612,11 +628,12 @@ def main(argv=None):
 
 
 def check_cell(cell, name, B, ctx):
-    """kvattn over a float cache (exact f32 kernels) against sdpa, and the
+    """kvattn over a float cache (exact f32 kernels) against sdpa, sdpa over
+    DynamicCache against sdpa over StaticCache, and the
     graph path's cache against KvattnQuantizedCache, on the greedy tokens
     of batch row 0 (warmup and timed steps)."""
     out = []
-    pairs = [(("kvattn-f32", "eager"), ("sdpa-bf16", "eager"))]
+    pairs = [(("kvattn-f32", "eager"), ("sdpa-bf16", "eager")), (("sdpa-bf16-dyn", "eager"), ("sdpa-bf16", "eager"))]
     for f in ("kvattn-q8", "kvattn-q4"):
         pairs.append(((f, "graph"), (f, "eager")))
         pairs.append(((f, "static"), (f, "eager")))

@@ -2,7 +2,8 @@
 Qwen3-shaped models decode over a prefilled random context; the run writes
 its table, JSON (and the PNG where matplotlib is importable), every format
 measures, and the greedy tokens agree: kvattn over a float cache ("[exact
-f32]" kernels) against sdpa, and the CUDA-graph path's StaticQuantCache
+f32]" kernels) against sdpa, sdpa over DynamicCache against sdpa over
+StaticCache, and the CUDA-graph path's StaticQuantCache
 (run eagerly here) against KvattnQuantizedCache at 4 and 8 bits. Skipped
 without torch, transformers or the torch extension (make torch-ext)."""
 import importlib.util
@@ -56,6 +57,9 @@ def test_outputs_written(run):
         q4 = [r for r in result["rows"] if r["model"] == name and r["format"] == "kvattn-q4"][0]
         q8 = [r for r in result["rows"] if r["model"] == name and r["format"] == "kvattn-q8"][0]
         assert q4["cache_bytes"] < q8["cache_bytes"]
+        # f32 model, group 64: an f32 scale and bias per 64 elements (8/64 bytes) beside 0.5 or 1 byte of codes
+        assert q4["vs_bf16"] == pytest.approx(4 / (0.5 + 8 / 64), rel=1e-6)
+        assert q8["vs_bf16"] == pytest.approx(4 / (1 + 8 / 64), rel=1e-6)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -71,6 +75,7 @@ def test_greedy_tokens_agree(run):
         mine = [c for c in checks if c["model"] == name]
         kinds = sorted((tuple(c["a"]), tuple(c["b"])) for c in mine)
         assert kinds == sorted([(("kvattn-f32", "eager"), ("sdpa-bf16", "eager")),
+                                (("sdpa-bf16-dyn", "eager"), ("sdpa-bf16", "eager")),
                                 (("kvattn-q8", "static"), ("kvattn-q8", "eager")),
                                 (("kvattn-q4", "static"), ("kvattn-q4", "eager"))]), kinds
         for c in mine:
