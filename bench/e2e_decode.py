@@ -106,7 +106,6 @@ QUICK = {
                        head_dim=64, vocab_size=128),
 }
 FORMATS = ["sdpa-bf16", "sdpa-bf16-dyn", "kvattn-q8", "kvattn-q4"]
-CHUNK = 4096  # prefill rows per update() call
 
 
 def parse_args(argv):
@@ -120,6 +119,7 @@ def parse_args(argv):
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the model's)")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list of %s" % ", ".join(FORMATS))
     p.add_argument("--modes", default="eager,graph", help="eager, graph (graph: CUDA only)")
+    p.add_argument("--chunk", type=int, default=4096, help="context rows per update() call of the prefill")
     p.add_argument("--mem-frac", type=float, default=0.8, help="share of free GPU memory the caches may use")
     p.add_argument("--out", default=None, help="folder for e2e_decode.{md,json,png}")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -149,7 +149,7 @@ def parse_args(argv):
     for m in a.modes:
         if m not in ("eager", "graph"):
             p.error("unknown mode %r (eager, graph)" % m)
-    if a.steps < 1 or a.layers < 0 or min(a.batch + a.ctx) < 1:
+    if a.steps < 1 or a.layers < 0 or a.chunk < 1 or min(a.batch + a.ctx) < 1:
         p.error("--steps, --batch and --ctx must be positive, --layers >= 0")
     return a
 
@@ -336,14 +336,14 @@ def cache_nbytes(cache):
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
-def prefill(cache, cfg, B, ctx, device, dtype, seed):
+def prefill(cache, cfg, B, ctx, device, dtype, seed, chunk):
     """Writes ctx random K/V rows per layer through update() (the same rows
     for every cache, from a generator seeded per layer and chunk)."""
     KVH, D = cfg.num_key_value_heads, cfg.head_dim
     g = torch.Generator(device=device)
     for li in range(cfg.num_hidden_layers):
-        for c0 in range(0, ctx, CHUNK):
-            n = min(CHUNK, ctx - c0)
+        for c0 in range(0, ctx, chunk):
+            n = min(chunk, ctx - c0)
             g.manual_seed(seed * 1000003 + li * 7919 + c0)
             k = torch.randn(B, KVH, n, D, generator=g, device=device, dtype=dtype)
             v = torch.randn(B, KVH, n, D, generator=g, device=device, dtype=dtype)
@@ -421,7 +421,7 @@ def run_cell(model, cfg, fmt, mode, B, ctx, args, device, dtype, timer, seed):
     max_len = ctx + args.warmup + 2 * args.steps + 8
     model.set_attn_implementation(impl_of(fmt, mode) + "_timed")
     cache = make_cache(fmt, mode, cfg, max_len)
-    prefill(cache, cfg, B, ctx, device, dtype, seed)
+    prefill(cache, cfg, B, ctx, device, dtype, seed, args.chunk)
     nbytes = cache_nbytes(cache)
     dec = Decoder(model, cache, B, ctx, first=1, device=device)
     toks = []

@@ -34,9 +34,10 @@ def _bench():
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     mod = _bench()
-    # ctx 100 > the quick Gemma window (16): sliding layers apply the window
+    # ctx 100 > the quick Gemma window (16): sliding layers apply the window;
+    # the prefill in 5 update() calls of up to 24 rows (more than the window)
     result, rc = mod.main(["--quick", "--device", "cpu", "--batch", "2", "--ctx", "100", "--steps", "3",
-                           "--out", str(out)])
+                           "--chunk", "24", "--out", str(out)])
     return mod, result, rc, out
 
 
