@@ -75,20 +75,20 @@ def test_greedy_tokens_agree(run):
     for name in mod.MODELS:
         mine = [c for c in checks if c["model"] == name]
         kinds = sorted((tuple(c["a"]), tuple(c["b"])) for c in mine)
-        assert kinds == sorted([(("kvattn-f32", "eager"), ("sdpa-bf16", "eager")),
+        assert kinds == sorted([(("kvattn-float", "eager"), ("sdpa-bf16", "eager")),
                                 (("sdpa-bf16-dyn", "eager"), ("sdpa-bf16", "eager")),
                                 (("kvattn-q8", "static"), ("kvattn-q8", "eager")),
                                 (("kvattn-q4", "static"), ("kvattn-q4", "eager"))]), kinds
         for c in mine:
-            assert c["ok"], c["text"]
+            assert c["ok"] and c["same"] and c["strict"], c["text"]
             assert len(c["tokens_a"]) == 1 + 3  # the warmup step and the timed ones
-        f32 = [c for c in mine if c["a"][0] == "kvattn-f32"][0]
+        f32 = [c for c in mine if c["a"][0] == "kvattn-float"][0]
         assert len(set(f32["tokens_a"])) > 1, "degenerate model: one token repeated %s" % f32["tokens_a"]
 
 
 def test_check_detects_a_difference():
     mod = _bench()
-    cell = {("kvattn-f32", "eager"): dict(format="kvattn-f32", tokens=[1, 2, 3]),
+    cell = {("kvattn-float", "eager"): dict(format="kvattn-float", tokens=[1, 2, 3]),
             ("sdpa-bf16", "eager"): dict(format="sdpa-bf16", tokens=[1, 2, 4])}
     (c,) = mod.check_cell(cell, "m", 1, 8)
     assert not c["ok"] and "DIFFER" in c["text"]
