@@ -53,15 +53,17 @@ Output (--out DIR): e2e_decode.md (the table, also printed), e2e_decode.json
 message where matplotlib is not importable). Columns: tok/s of the measured
 stack (B tokens per step), estimated full-depth tok/s, step time, the
 attention share of the eager step (time inside the attention function,
-CUDA events around each call, over the eager step time; for graph rows: the
-same attention time over the graph step), KV-cache bytes of the measured
+CUDA events around each call in a second pass of --steps steps, over the
+eager step time; it includes the GPU's idle time while the host runs the
+function; for graph rows: that eager attention time over the graph step, an
+upper bound where the eager step is host-bound), KV-cache bytes of the measured
 stack and scaled to full depth, and the bytes of a float cache (the model's
 dtype: bf16, f32 with --quick) of the same tokens (every layer, the same
 capacity; DynamicCache holds only the tokens so far) over the cache's bytes (q4 at group
 64 with bf16 scales: 2 / (0.5 + 4/64) = 3.56; StaticCache's sliding layers
 hold their window only, so gemma3-4b's sdpa-bf16 shows more than 1).
 Exit status 1 when a cell could not run (the table says why) or a check
-found different tokens.
+failed (see --check).
 --check (on by default with --quick) also decodes with kvattn over a float
 cache ("[exact f32]" kernels, format kvattn-float) and compares greedy
 tokens: kvattn-float and sdpa-bf16-dyn against sdpa-bf16 (a failure in
@@ -164,6 +166,7 @@ def _imports():
     global torch, transformers, kt, torch_ops, AttentionInterface, AttentionMaskInterface
     import torch
     import transformers
+    import transformers.cache_utils
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     try:
@@ -289,7 +292,7 @@ def _register_static():
             m.seq_lens = self.lens
             return m
 
-    class StaticQuantCache(kt.Cache):
+    class StaticQuantCache(transformers.cache_utils.Cache):
         def __init__(self, num_layers, bits, max_cache_len, group_size=64):
             super().__init__(layers=[StaticQuantLayer(bits=bits, group_size=group_size, max_cache_len=max_cache_len)
                                      for _ in range(num_layers)])
@@ -657,11 +660,12 @@ def check_cell(cell, name, B, ctx, exact_dtype=True):
         # near-tie of a random model: reported, not failed
         strict = exact_dtype or a[0] == b[0] == "sdpa-bf16"
         ok = same or not strict
-        out.append(dict(ok=ok, same=same, strict=strict, model=name, B=B, ctx=ctx, a=a, b=b, tokens_a=ra["tokens"][:n], tokens_b=rb["tokens"][:n],
+        ta, tb = ra["tokens"][:n], rb["tokens"][:n]
+        verdict = "same" if same else "DIFFER %s vs %s%s" % (
+            ta, tb, "" if strict else " (bf16 arithmetic of another path: not a failure)")
+        out.append(dict(ok=ok, same=same, strict=strict, model=name, B=B, ctx=ctx, a=a, b=b, tokens_a=ta, tokens_b=tb,
                         text="%s B=%d ctx=%d: %s %s vs %s %s, %d tokens: %s" % (
-                            name, B, ctx, a[0], a[1], b[0], b[1], n, "same" if same else
-                            "DIFFER %s vs %s%s" % (ra["tokens"][:n], rb["tokens"][:n],
-                                                   "" if strict else " (bf16 arithmetic of another path: not a failure)"))))
+                            name, B, ctx, a[0], a[1], b[0], b[1], n, verdict)))
     return out
 
 
