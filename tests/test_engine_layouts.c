@@ -329,6 +329,32 @@ static void el_writes_free(el_writes *w) {
   memset(w, 0, sizeof *w);
 }
 
+/* Write i of el_writes_make: token t of sequence b (float: d's row; packed:
+ * the raw f32 row) into w's k and v rows, its slot from the table. */
+static void el_put_token(el_writes *w, const att_data *d, const el_table *tb, const float *rawk, const float *rawv,
+                         int b, int64_t t, int64_t i) {
+  const att_case *c = &d->c;
+  const int64_t KVH = c->KVH, D = c->Dk;
+  const kva_dtype sdt = w->k.dtype;
+  const int64_t es = (int64_t)kva_dtype_size(sdt);
+  w->slots[i] = el_slot(tb, b, t);
+  for (int64_t h = 0; h < KVH; ++h)
+    for (int64_t e = 0; e < D; ++e) {
+      float kx, vx;
+      if (c->kbits) {
+        kx = rawk[((b * KVH + h) * c->N + t) * D + e];
+        vx = rawv[((b * KVH + h) * c->N + t) * D + e];
+      } else {
+        kx = test_load((const char *)d->k.data.data + b * d->k.data.stride[0] + h * d->k.data.stride[1] +
+                           t * d->k.data.stride[2] + e * d->k.data.stride[3], c->kvdt);
+        vx = test_load((const char *)d->v.data.data + b * d->v.data.stride[0] + h * d->v.data.stride[1] +
+                           t * d->v.data.stride[2] + e * d->v.data.stride[3], c->kvdt);
+      }
+      test_store((char *)w->k.data + i * w->k.stride[0] + h * w->k.stride[1] + e * es, sdt, kx);
+      test_store((char *)w->v.data + i * w->v.stride[0] + h * w->v.stride[1] + e * es, sdt, vx);
+    }
+}
+
 /* The writes that put d's tokens (float: its rows; packed: raw, the f32 rows
  * d's cache was quantized from) at the table's slots. */
 static int el_writes_make(el_writes *w, const att_data *d, const el_table *tb, const float *rawk, const float *rawv) {
@@ -359,23 +385,7 @@ static int el_writes_make(el_writes *w, const att_data *d, const el_table *tb, c
     for (int b = 0; b < c->B; ++b) {
       if (next[b] >= tb->lens[b] - 1) continue;
       const int64_t t = next[b]++;
-      w->slots[i] = el_slot(tb, b, t);
-      for (int64_t h = 0; h < KVH; ++h)
-        for (int64_t e = 0; e < D; ++e) {
-          float kx, vx;
-          if (c->kbits) {
-            kx = rawk[((b * KVH + h) * c->N + t) * D + e];
-            vx = rawv[((b * KVH + h) * c->N + t) * D + e];
-          } else {
-            kx = test_load((const char *)d->k.data.data + b * d->k.data.stride[0] + h * d->k.data.stride[1] +
-                               t * d->k.data.stride[2] + e * d->k.data.stride[3], c->kvdt);
-            vx = test_load((const char *)d->v.data.data + b * d->v.data.stride[0] + h * d->v.data.stride[1] +
-                               t * d->v.data.stride[2] + e * d->v.data.stride[3], c->kvdt);
-          }
-          test_store((char *)w->k.data + i * ts[0] + h * ts[1] + e * es, sdt, kx);
-          test_store((char *)w->v.data + i * ts[0] + h * ts[1] + e * es, sdt, vx);
-        }
-      ++i;
+      el_put_token(w, d, tb, rawk, rawv, b, t, i++);
       --left;
       if (pads_left > 0 && test_rand_u64() % 8 == 0) {
         w->slots[i++] = -1;
@@ -387,23 +397,7 @@ static int el_writes_make(el_writes *w, const att_data *d, const el_table *tb, c
   w->n1 = i;
   for (int b = 0; b < c->B; ++b) { /* the decode step */
     const int64_t t = tb->lens[b] - 1;
-    w->slots[i] = el_slot(tb, b, t);
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t e = 0; e < D; ++e) {
-        float kx, vx;
-        if (c->kbits) {
-          kx = rawk[((b * KVH + h) * c->N + t) * D + e];
-          vx = rawv[((b * KVH + h) * c->N + t) * D + e];
-        } else {
-          kx = test_load((const char *)d->k.data.data + b * d->k.data.stride[0] + h * d->k.data.stride[1] +
-                             t * d->k.data.stride[2] + e * d->k.data.stride[3], c->kvdt);
-          vx = test_load((const char *)d->v.data.data + b * d->v.data.stride[0] + h * d->v.data.stride[1] +
-                             t * d->v.data.stride[2] + e * d->v.data.stride[3], c->kvdt);
-        }
-        test_store((char *)w->k.data + i * ts[0] + h * ts[1] + e * es, sdt, kx);
-        test_store((char *)w->v.data + i * ts[0] + h * ts[1] + e * es, sdt, vx);
-      }
-    ++i;
+    el_put_token(w, d, tb, rawk, rawv, b, t, i++);
   }
   free(next);
   return i == w->n ? 0 : -1;
