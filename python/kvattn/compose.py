@@ -96,7 +96,7 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, scale=None, mas
     if _cuda.is_cuda_array(q):
         return _cascade_cuda(q, prefix_k, prefix_v, suffix_k, suffix_v, scale, mask, softcap, sinks, group_size,
                              bits, suffix_lens, out, context, return_lse, lse_base2, exact)
-    from . import _Call, _flags, _kv_operand, default_context
+    from . import _Call, _flags, _kv_operand
 
     call = _Call(q, suffix_k, suffix_v, scale, mask, None, None, False, softcap, sinks, group_size, bits,
                  suffix_lens, out)
@@ -105,6 +105,14 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, scale=None, mas
     prefix.layout = C.LAYOUT_CONTIGUOUS
     prefix.k, _, _ = _kv_operand(prefix_k, "prefix_k", bits, group_size, call.keep)
     prefix.v, _, _ = _kv_operand(prefix_v, "prefix_v", bits, group_size, call.keep)
+    return _run_cascade_host(call, prefix, context, threads, return_lse, lse_base2)
+
+
+def _run_cascade_host(call, prefix, context, threads, return_lse, lse_base2):
+    """kva_cascade_attention of a prepared CPU call (q, suffix view, params, out) over the prefix view, under the
+    context's lock; lse allocated here when asked for."""
+    from . import default_context
+
     lse = lt = None
     if return_lse:
         lse = np.empty(call.out_array.shape[:3], np.float32)
@@ -207,7 +215,7 @@ def paged_cascade_attention(q, prefix, suffix, scale=None, mask=None, softcap=No
     one sequence (the shared tokens), suffix a view of the B sequences' own
     tokens after them (split_view gives both); row i of sequence b at
     position P + s_b - L + i; the other arguments as cascade_attention."""
-    from . import _flags, default_context
+    from . import _flags
     from .paged import PagedView
 
     for name, x in (("prefix", prefix), ("suffix", suffix)):
@@ -219,17 +227,7 @@ def paged_cascade_attention(q, prefix, suffix, scale=None, mask=None, softcap=No
     call.params.flags = _flags(exact)
     call.keep.append(prefix)
     pview = lib.kva_view_paged(prefix.handle)
-    lse = lt = None
-    if return_lse:
-        lse = np.empty(call.out_array.shape[:3], np.float32)
-        lt = C.tensor(lse, "lse", output=True)
-    ctx = context if context is not None else default_context(threads)
-    with ctx.lock:
-        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(pview),
-                                          ctypes.byref(call.view), ctypes.byref(call.params), ctypes.byref(call.out),
-                                          ctypes.byref(lt) if lt is not None else None,
-                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
-    return (call.out_array, lse) if return_lse else call.out_array
+    return _run_cascade_host(call, pview, context, threads, return_lse, lse_base2)
 
 
 # ------------------------------------------------ context parallelism
