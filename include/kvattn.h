@@ -267,7 +267,8 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * "[P f16]"); 4-bit and 8-bit K with up to 8 query vectors per KV head take
  * exact integer q.k on the codes with the query rounded to 15 bits (two s8
  * parts, one scale per vector), with V dequantized to bf16 ("[q int15,
- * V,P bf16]", 4-bit narrow kernel) or P times the V scale in bf16, the
+ * V,P bf16]", 4-bit narrow kernel; at head dim 512 for any number of
+ * query vectors, in blocks of 8) or P times the V scale in bf16, the
  * codes exact ("[q int15, P bf16]": 8-bit, and the per-warp 4-bit kernel);
  * the per-warp 4-bit kernel at 9 to 16 query vectors per KV head rounds
  * the query to 8 bits with one scale per vector and K group, exact integer
