@@ -595,6 +595,17 @@ static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, u
   return t;
 }
 
+/* perm[0..n) = a uniformly random permutation of 0..n-1 (Fisher-Yates on the test generator). */
+void att_random_perm(int32_t *perm, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) perm[i] = (int32_t)i;
+  for (int64_t i = n - 1; i > 0; --i) {
+    const int64_t j = (int64_t)(test_rand_u64() % (uint64_t)(i + 1));
+    const int32_t x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+}
+
 /* Copies row (b, hk, t) of src into pool row (blk, hk, row). */
 static void pool_copy_row(const kva_tensor *dst, int64_t blk, int64_t row, const kva_tensor *src, int64_t b,
                           int64_t hk, int64_t t) {
@@ -647,13 +658,7 @@ int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char f
     free(perm);
     return -1;
   }
-  for (int64_t i = 0; i < tb->nblk; ++i) perm[i] = (int32_t)i;
-  for (int64_t i = tb->nblk - 1; i > 0; --i) {
-    const int64_t j = (int64_t)(test_rand_u64() % (uint64_t)(i + 1));
-    const int32_t x = perm[i];
-    perm[i] = perm[j];
-    perm[j] = x;
-  }
+  att_random_perm(perm, tb->nblk);
   int64_t next = 0;
   for (int b = 0; b < c->B; ++b) {
     int32_t *row = tb->blocks + b * mb;

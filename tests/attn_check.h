@@ -157,6 +157,8 @@ typedef struct att_table {
   kva_block_table t;
   kva_kv_view view;
 } att_table;
+/* perm = a random permutation of 0..n-1 (the test generator) */
+void att_random_perm(int32_t *perm, int64_t n);
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);
 void att_table_free(att_table *tb);
 

@@ -171,13 +171,7 @@ static int el_table_make(el_table *tb, const att_data *d, int64_t bs, int offset
     free(perm);
     return -1;
   }
-  for (int64_t i = 0; i < tb->nb; ++i) perm[i] = (int32_t)i;
-  for (int64_t i = tb->nb - 1; i > 0; --i) {
-    const int64_t j = (int64_t)(test_rand_u64() % (uint64_t)(i + 1));
-    const int32_t x = perm[i];
-    perm[i] = perm[j];
-    perm[j] = x;
-  }
+  att_random_perm(perm, tb->nb);
   int64_t next = 0;
   for (int b = 0; b < c->B; ++b) {
     const int64_t n = (tb->fo[b] + tb->lens[b] + bs - 1) / bs;

@@ -137,16 +137,9 @@ def _run_cascade_cuda(call, q, prefix, suffix, context, return_lse, lse_base2):
         lse = torch.empty(tuple(call.out_array.shape[:3]), dtype=torch.float32, device=q.device)
         call.keep.append(lse)
         lt, _, _, _ = _cuda._tensor(lse, "lse")
-    ctx = context if context is not None else _cuda._context(call.device)
-    with ctx.lock:
-        stream = call.stream
-        if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
-            stream = 0
-        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
-        C.check(lib.kva_cascade_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(prefix), ctypes.byref(suffix),
-                                          ctypes.byref(call.params), ctypes.byref(call.out),
-                                          ctypes.byref(lt) if lt is not None else None,
-                                          C.LSE_BASE2 if lse_base2 else 0, None, 0))
+    _cuda._on_stream(call, context, lambda h: lib.kva_cascade_attention(
+        h, ctypes.byref(call.q), ctypes.byref(prefix), ctypes.byref(suffix), ctypes.byref(call.params),
+        ctypes.byref(call.out), ctypes.byref(lt) if lt is not None else None, C.LSE_BASE2 if lse_base2 else 0, None, 0))
     return (call.out_array, lse) if return_lse else call.out_array
 
 
@@ -425,16 +418,10 @@ def cp_attention(plan, comm, q, k, v, scale=None, mask=None, window=None, softca
     lt = None
     if lse is not None:
         lt, _, _, _ = _cuda._tensor(lse, "lse")
-    ctx = context if context is not None else _cuda._context(call.device)
-    with ctx.lock:
-        stream = call.stream
-        if stream in (None, _cuda._LEGACY_DEFAULT_STREAM):
-            stream = 0
-        C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
-        C.check(lib.kva_cp_attention(ctx.handle, ctypes.c_void_p(ptr), ctypes.byref(p), ctypes.byref(call.q),
-                                     ctypes.byref(call.view) if shard else None, ctypes.byref(call.params),
-                                     ctypes.byref(call.out), ctypes.byref(lt) if lt is not None else None,
-                                     ctypes.c_void_p(send.data_ptr()), ctypes.c_void_p(recv.data_ptr()), None, 0))
+    _cuda._on_stream(call, context, lambda h: lib.kva_cp_attention(
+        h, ctypes.c_void_p(ptr), ctypes.byref(p), ctypes.byref(call.q), ctypes.byref(call.view) if shard else None,
+        ctypes.byref(call.params), ctypes.byref(call.out), ctypes.byref(lt) if lt is not None else None,
+        ctypes.c_void_p(send.data_ptr()), ctypes.c_void_p(recv.data_ptr()), None, 0))
     return (out, lse) if return_lse else out
 
 

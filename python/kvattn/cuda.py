@@ -159,15 +159,21 @@ class _Call:
         return kv, shape, (shape[-1] if shape else 0)
 
 
-def _run(call, context):
+def _on_stream(call, context, fn):
+    """fn(context handle), a library call, checked, under the lock of the CUDA
+    context (the given one, else the call's device's) with the call's stream set on it."""
     ctx = context if context is not None else _context(call.device)
     with ctx.lock:
         stream = call.stream
         if stream in (None, _LEGACY_DEFAULT_STREAM):
             stream = 0
         C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(stream)))
-        C.check(lib.kva_attention(ctx.handle, ctypes.byref(call.q), ctypes.byref(call.view),
-                                  ctypes.byref(call.params), ctypes.byref(call.out), None, 0))
+        C.check(fn(ctx.handle))
+
+
+def _run(call, context):
+    _on_stream(call, context, lambda h: lib.kva_attention(h, ctypes.byref(call.q), ctypes.byref(call.view),
+                                                          ctypes.byref(call.params), ctypes.byref(call.out), None, 0))
     return call.out_array
 
 
