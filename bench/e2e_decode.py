@@ -542,6 +542,8 @@ def main(argv=None):
     _imports()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, named by its index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = torch.float32 if args.quick else torch.bfloat16
     timer = Timer(device)
