@@ -22,11 +22,15 @@
  * Usage: cascade_vs_batched [--backend cpu|cuda] [--threads T = 0: all cores] [--shape 8/4/256|32/8/128|all]
  *          [--format q4|bf16|all] [--P 32768] [--S 1024] [--B 16] [--reps 5] [--hot]
  *          [--flush-mb MB] [--merge-only | --no-merge] [--merge-iters N] [--cp | --cp-only] [--cp-N 1048576]
+ *          [--lse | --lse-only]
  * Context parallelism (--cp): one sequence of --cp-N tokens, q4 8/4/256 and
  * 24/4/256, B = 1: the unsharded call, then for R = 2, 4, 8 one shard's
  * kva_cp_attend, the merge of R parts (kva_cp_merge), the bytes each rank
  * exchanges, and the speedup they imply (unsharded / (shard + merge); the
  * exchange is not timed).
+ * lse (--lse): kva_attention against kva_attention_lse, alternated, cold,
+ * L = 1 and 8, q4 and bf16: 8/4/256 over --cp-N / 8 tokens at B = 1 and
+ * 32/8/128 over --P tokens at B = --B; the outputs must be bit-identical.
  * Exit status 1 when a call fails or the outputs differ by more than 2^-6. */
 #include "kvattn.h"
 
@@ -66,6 +70,7 @@ typedef struct opts {
   int shapes, formats; /* bit masks: 1 = 8/4/256, 2 = 32/8/128; 1 = q4, 2 = bf16 */
   int cp;              /* also the context-parallel bench */
   int64_t cp_N;
+  int lse;             /* also the lse-overhead bench */
 } opts;
 
 /* ------------------------------------------------------------ memory */
@@ -515,15 +520,85 @@ done:
   return ok;
 }
 
+/* ------------------------------------------------------------- lse */
+/* kva_attention against kva_attention_lse (lse [B, H, L] f32) on one case,
+ * alternated, cold: the time the lse output costs. The outputs must be bit
+ * for bit the same (the same kernel runs). */
+static int run_lse(const opts *o, kva_context *ctx, int64_t H, int64_t KVH, int64_t D, int bits, int64_t N,
+                   int64_t B, int64_t L) {
+  cache ck, cv;
+  memset(&ck, 0, sizeof ck), memset(&cv, 0, sizeof cv);
+  kva_kv k, v;
+  void *dk[3] = {0}, *dv[3] = {0}, *dq = NULL, *do0 = NULL, *do1 = NULL, *dl = NULL;
+  const size_t nq = (size_t)(B * H * L * D), nl = (size_t)(B * H * L);
+  double *t0 = malloc(sizeof(double) * (size_t)o->reps), *t1 = malloc(sizeof(double) * (size_t)o->reps);
+  uint16_t *hq = malloc(nq * 2), *h0 = malloc(nq * 2), *h1 = malloc(nq * 2);
+  int ok = 0;
+  timer tm;
+  memset(&tm, 0, sizeof tm);
+  if (!t0 || !t1 || !hq || !h0 || !h1 || cache_alloc(&ck, B, KVH, N, D, bits) || cache_alloc(&cv, B, KVH, N, D, bits) ||
+      cache_fill(&ck, D) || cache_fill(&cv, D) || cache_place(o, &ck, &k, dk) || cache_place(o, &cv, &v, dv)) {
+    fprintf(stderr, "lse: operands: %s\n", kva_last_error());
+    goto done;
+  }
+  for (size_t i = 0; i < nq; ++i) hq[i] = kva_f32_to_bf16(rnd());
+  dq = buf_alloc(o, nq * 2), do0 = buf_alloc(o, nq * 2), do1 = buf_alloc(o, nq * 2), dl = buf_alloc(o, nl * 4);
+  if (!dq || !do0 || !do1 || !dl || buf_upload(o, dq, hq, nq * 2) || timer_init(&tm, o, ctx)) goto done;
+  const kva_tensor q = kva_tensor_4d(dq, KVA_BF16, B, H, L, D);
+  kva_tensor out0 = kva_tensor_4d(do0, KVA_BF16, B, H, L, D), out1 = kva_tensor_4d(do1, KVA_BF16, B, H, L, D);
+  kva_tensor lse = kva_tensor_4d(dl, KVA_F32, 1, B, H, L);
+  lse.ndim = 3;
+  for (int d = 0; d < 3; ++d) lse.shape[d] = lse.shape[d + 1], lse.stride[d] = lse.stride[d + 1];
+  kva_attn_params p = kva_attn_defaults();
+  p.mask.kind = KVA_MASK_CAUSAL;
+  const kva_kv_view view = kva_view_contiguous(&k, &v, NULL);
+  char kn[200] = "?";
+  kva_attention_kernel(ctx, &q, &view, &p, &out0, kn, sizeof kn);
+  for (int r = 0; r <= o->reps; ++r) { /* call 0: warm-up */
+    timer_start(&tm, (unsigned char)r);
+    if (kva_attention(ctx, &q, &view, &p, &out0, NULL, 0)) goto fail;
+    const double a = timer_stop(&tm);
+    timer_start(&tm, (unsigned char)(r + 1));
+    if (kva_attention_lse(ctx, &q, &view, &p, &out1, &lse, 0, NULL, 0)) goto fail;
+    const double b = timer_stop(&tm);
+    if (r) t0[r - 1] = a, t1[r - 1] = b;
+  }
+  const double m0 = median(t0, o->reps), m1 = median(t1, o->reps);
+  if (buf_download(o, h0, do0, nq * 2) || buf_download(o, h1, do1, nq * 2)) goto done;
+  const int same = !memcmp(h0, h1, nq * 2);
+  printf("%s lse %lld/%lld/%lld %s N=%lld B=%lld L=%lld, %s, median of %d: out %.1f us, out+lse %.1f us: %+.1f %% "
+         "(outputs %s)\n    kernel: %s\n",
+         o->cuda ? "cuda" : "cpu", (long long)H, (long long)KVH, (long long)D, bits ? "q4 g64" : "bf16", (long long)N,
+         (long long)B, (long long)L, o->hot ? "hot" : "cold", o->reps, m0 * 1e6, m1 * 1e6, 100.0 * (m1 / m0 - 1),
+         same ? "bit-identical" : "DIFFER", kn);
+  fflush(stdout);
+  ok = same;
+  goto done;
+fail:
+  fprintf(stderr, "lse: %s\n", kva_last_error());
+done:
+  timer_free(&tm, ctx);
+  for (int a = 0; a < 3; ++a) {
+    if (dk[a]) buf_free(o, dk[a]);
+    if (dv[a]) buf_free(o, dv[a]);
+  }
+  void *bufs[4] = {dq, do0, do1, dl};
+  for (int i = 0; i < 4; ++i)
+    if (bufs[i]) buf_free(o, bufs[i]);
+  cache_free(&ck), cache_free(&cv);
+  free(t0), free(t1), free(hq), free(h0), free(h1);
+  return ok;
+}
+
 static int usage(void) {
   fprintf(stderr, "usage: cascade_vs_batched [--backend cpu|cuda] [--threads T] [--shape 8/4/256|32/8/128|all] "
                   "[--format q4|bf16|all] [--P N] [--S N] [--B N] [--reps N] [--hot] [--flush-mb MB] "
-                  "[--merge-only | --no-merge] [--merge-iters N] [--cp | --cp-only] [--cp-N tokens]\n");
+                  "[--merge-only | --no-merge] [--merge-iters N] [--cp | --cp-only] [--cp-N tokens] [--lse | --lse-only]\n");
   return 2;
 }
 
 int main(int argc, char **argv) {
-  opts o = {0, 0, 0, 1, 1, 5, 2000, 32768, 1024, 16, (size_t)1024 << 20, 3, 3, 0, 1 << 20};
+  opts o = {0, 0, 0, 1, 1, 5, 2000, 32768, 1024, 16, (size_t)1024 << 20, 3, 3, 0, 1 << 20, 0};
   int flush_set = 0;
   for (int i = 1; i < argc; ++i) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -532,6 +607,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-merge")) o.merge = 0;
     else if (!strcmp(a, "--cp")) o.cp = 1;
     else if (!strcmp(a, "--cp-only")) o.cp = 1, o.cascade = 0, o.merge = 0;
+    else if (!strcmp(a, "--lse")) o.lse = 1;
+    else if (!strcmp(a, "--lse-only")) o.lse = 1, o.cascade = 0, o.merge = 0;
     else if (!v) return usage();
     else if (++i, !strcmp(a, "--backend")) {
       if (strcmp(v, "cpu") && strcmp(v, "cuda")) return usage();
@@ -576,6 +653,14 @@ int main(int argc, char **argv) {
   if (o.merge) ok &= run_merge(&o, ctx);
   static const int64_t cp_shapes[2][3] = {{8, 4, 256}, {24, 4, 256}};
   for (int s = 0; s < 2 && o.cp; ++s) ok &= run_cp(&o, ctx, cp_shapes[s][0], cp_shapes[s][1], cp_shapes[s][2]);
+  /* lse: decode and verify, q4 and bf16: 8/4/256 at --cp-N / 8 tokens (B = 1),
+   * 32/8/128 at --P tokens (B = --B) */
+  for (int s = 0; s < 2 && o.lse; ++s)
+    for (int f = 0; f < 2; ++f)
+      for (int64_t L = 1; L <= 8; L += 7)
+        if ((o.shapes >> s & 1) && (o.formats >> f & 1))
+          ok &= run_lse(&o, ctx, shapes[s][0], shapes[s][1], shapes[s][2], f == 0 ? 4 : 0, s ? o.P : o.cp_N / 8,
+                        s ? o.B : 1, L);
   kva_context_destroy(ctx);
   return ok ? 0 : 1;
 }
