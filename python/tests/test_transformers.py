@@ -592,3 +592,65 @@ def test_cache_errors():
     assert c.get_seq_length() == 3
     with pytest.raises(ValueError, match="group_size"):
         kt.KvattnQuantizedCache(num_layers=1).update(torch.randn(1, 2, 3, 48), torch.randn(1, 2, 3, 48), 0)
+
+
+def test_sliding_layer_trim():
+    """A sliding layer (window W) keeps the last W - 1 rows when an append
+    does not fit: those rows are the packed words of the last W - 1 tokens,
+    bit for bit; get_mask_sizes reports what the next update keeps and the
+    absolute position of its first row; get_seq_length counts every token."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(11)
+    W = 150
+    layer = kt.KvattnQuantizedLayer(bits=4, sliding_window=W)
+    ks = [torch.randn(2, 2, n, 64, generator=g) for n in (200, 1, 90, 30)]
+    total, rows = 0, []
+    for k in ks:
+        n = k.shape[2]
+        if layer.is_initialized:
+            kept, off = layer.get_mask_sizes(n)
+        pk, _ = layer.update(k, -k)
+        if rows:  # the mask sizes announced before the update describe what it returned
+            assert (kept, off) == (pk.shape[2], layer.dropped)
+        rows.append(k)
+        total += n
+        assert layer.get_seq_length() == total and layer.capacity == 2 * W
+    # buffers of 2 W = 300 rows: 200, 1 and 90 fit; 30 more do not: the last W - 1 = 149 stay
+    assert layer.dropped == total - (W - 1) - 30 and pk.shape[2] == W - 1 + 30
+    want = kvattn.quantize(torch.cat(rows, dim=2)[:, :, layer.dropped:].numpy(), 64, 4)
+    assert np.array_equal(pk.data.contiguous().numpy().view(np.uint32), want[0])
+    assert np.array_equal(pk.scales.contiguous().numpy(), want[1])
+    with pytest.raises(ValueError, match="sliding_window"):
+        kt.KvattnQuantizedLayer(sliding_window=0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_cache_trim_logits(padded):
+    """Gemma 3 (window 8 on layer 0) over KvattnQuantizedCache past the
+    sliding layer's buffer: the trimmed cache gives the logits of the same
+    cache keeping every token (exact kernels: the same keys seen, f32
+    summation order aside), with no mask and with a padded batch's masks
+    (kv_offset); the sliding layer's buffers stay at 256 rows."""
+    ms = models("gemma3", "cpu")
+    m = ms["kvattn_exact"]
+    ids, mask = _inputs("cpu", L=250, pad=5 if padded else 0)
+    if not padded:
+        mask = None
+    res = []
+    for trim in (True, False):
+        cache = kt.KvattnQuantizedCache(m.config, bits=4, trim_sliding=trim)
+        step_ids, mk, out = ids, mask, []
+        for _ in range(10):
+            logits = _logits(m, step_ids, mk, cache).logits
+            out.append(logits[:, -1])
+            step_ids = logits[:, -1:].argmax(-1) if not res else res[0][1][len(out) - 1]
+            if mk is not None:
+                mk = torch.cat([mk, torch.ones_like(mk[:, :1])], dim=1)
+        res.append((out, [o.argmax(-1)[:, None] for o in out], cache))
+    (a, _, ca), (b, _, cb) = res
+    assert ca.layers[0].is_sliding and ca.layers[0].dropped > 0 and ca.layers[0].capacity == 256
+    assert not ca.layers[1].is_sliding and ca.layers[1].length == 259 and cb.layers[0].length == 259
+    assert ca.get_seq_length() == cb.get_seq_length() == 259
+    assert ca.nbytes() < cb.nbytes()
+    for x, y in zip(a, b):
+        assert _maxdiff(x, y) <= F32_FLOOR

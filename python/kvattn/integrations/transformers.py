@@ -127,15 +127,21 @@ class KvattnQuantizedLayer(CacheLayerMixin):
     device, bit for bit kvattn.quantize) in contiguous per-layer buffers
     [B, KVH, capacity, ...] read by the kernel as they are. The capacity is
     max_cache_len when given (preallocated, an append past it raises
-    ValueError), else it grows by doubling (a copy of the packed words, not a
-    dequantization). Every layer keeps all its tokens; a sliding layer's
-    window is applied by the kernel (or by the mask transformers builds)."""
+    ValueError; a sliding layer's buffers at most that), else it grows by
+    doubling (a copy of the packed words, not a
+    dequantization). A full-attention layer keeps all its tokens. A sliding
+    layer (sliding_window W) keeps what its window can still see: when an
+    append would not fit, the last W - 1 rows move to the front of the
+    buffers (a copy of W - 1 packed rows) and the older ones are dropped, so
+    its buffers stay near max(256, 2 W) rows however long the sequence
+    grows; get_mask_sizes reports the rows kept and the absolute position
+    of the first (kv_offset), get_seq_length every token seen. The window
+    itself is applied by the kernel (or by the mask transformers builds)."""
 
     is_compileable = False
     is_croppable = False
-    is_sliding = False
 
-    def __init__(self, bits=4, group_size=64, max_cache_len=None, **kwargs):
+    def __init__(self, bits=4, group_size=64, max_cache_len=None, sliding_window=None, **kwargs):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError("bits = %r: KvattnQuantizedCache stores 4 or 8 bits" % (bits,))
@@ -143,8 +149,13 @@ class KvattnQuantizedLayer(CacheLayerMixin):
             raise ValueError("group_size = %r must be 32, 64 or 128" % (group_size,))
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len <= 0):
             raise ValueError("max_cache_len = %r must be a positive int or None" % (max_cache_len,))
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError("sliding_window = %r must be a positive int or None" % (sliding_window,))
         self.bits, self.group_size, self.max_cache_len = bits, group_size, max_cache_len
-        self.length = 0
+        self.window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.dropped = 0  # tokens before the first row kept (sliding layers)
+        self.length = 0  # rows kept
         self.capacity = 0
         self.k = self.v = None  # [data, scales, biases]
         self._base = None  # slot of each sequence's first row (cleared when the capacity or batch changes)
@@ -164,19 +175,42 @@ class KvattnQuantizedLayer(CacheLayerMixin):
             raise ValueError("key_states dtype %s: float32, float16 or bfloat16 expected" % key_states.dtype)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.dims = (B, KVH, dk, dv)
-        cap = self.max_cache_len if self.max_cache_len is not None else max(256, 1 << (L - 1).bit_length())
+        cap = max(256, 1 << (L - 1).bit_length())
+        if self.window is not None:
+            cap = max(cap, 2 * self.window)
+        if self.max_cache_len is not None:
+            cap = self.max_cache_len if self.window is None else min(cap, self.max_cache_len)
         self.k = self._alloc(B, KVH, cap, dk, self.dtype, self.device)
         self.v = self._alloc(B, KVH, cap, dv, self.dtype, self.device)
         self.capacity = cap
         self.length = 0
+        self.dropped = 0
         self._base = None
         self.is_initialized = True
 
+    def _keep_from(self, L):
+        """The first row an append of L tokens keeps: a sliding layer whose
+        buffers cannot take the L rows drops all but the last W - 1."""
+        if self.window is not None and self.length + L > self.capacity and self.length > self.window - 1:
+            return self.length - (self.window - 1)
+        return 0
+
+    def _trim(self, first):
+        """Moves rows [first, length) to the front of every buffer."""
+        n = self.length - first
+        for bufs in (self.k, self.v):
+            for t in bufs:
+                t[:, :, :n] = t[:, :, first:self.length].clone()
+        self.dropped += first
+        self.length = n
+
     def _grow(self, need):
-        if self.max_cache_len is not None:
+        if self.max_cache_len is not None and (self.window is None or need > self.max_cache_len):
             raise ValueError("KvattnQuantizedCache: %d tokens do not fit max_cache_len = %d"
                              % (need, self.max_cache_len))
         cap = max(need, 2 * self.capacity)
+        if self.max_cache_len is not None:
+            cap = min(cap, self.max_cache_len)
         B, KVH, dk, dv = self.dims
         for old, d in ((self.k, dk), (self.v, dv)):
             new = self._alloc(B, KVH, cap, d, self.dtype, self.device)
@@ -193,6 +227,9 @@ class KvattnQuantizedLayer(CacheLayerMixin):
         if (B, KVH, dk, value_states.shape[-1]) != self.dims or value_states.shape[:3] != key_states.shape[:3]:
             raise ValueError("KvattnQuantizedCache: key/value states %s / %s do not match the cache's "
                              "[B, KVH, D] = %s" % (list(key_states.shape), list(value_states.shape), self.dims))
+        first = self._keep_from(L)
+        if first:
+            self._trim(first)
         if self.length + L > self.capacity:
             self._grow(self.length + L)
         # rows [B*L, KVH, D] at slots b * capacity + position (the buffers as a
@@ -214,10 +251,11 @@ class KvattnQuantizedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length):
         if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position
             query_length = query_length.shape[0]
-        return self.length + query_length, 0
+        first = self._keep_from(query_length) if self.is_initialized else 0
+        return self.length - first + query_length, self.dropped + first
 
     def get_seq_length(self):
-        return self.length
+        return self.dropped + self.length
 
     def get_max_length(self):
         return -1 if self.max_cache_len is None else self.max_cache_len
@@ -227,6 +265,7 @@ class KvattnQuantizedLayer(CacheLayerMixin):
 
     def reset(self):
         self.length = 0
+        self.dropped = 0
 
     def offload(self):
         raise NotImplementedError("KvattnQuantizedCache does not offload")
@@ -251,6 +290,20 @@ class KvattnQuantizedLayer(CacheLayerMixin):
         self._select(lambda t: t[indices])
 
 
+def _sliding_windows(text, num_layers):
+    """Each layer's sliding window (None: full attention) as transformers
+    builds its caches: layer_types "sliding_attention" take the config's
+    sliding_window; without layer_types every layer does when it is set."""
+    w = getattr(text, "sliding_window", None)
+    w = int(w) if w else None
+    types = getattr(text, "layer_types", None)
+    if w is None:
+        return [None] * num_layers
+    if types is None:
+        return [w] * num_layers
+    return [w if t == "sliding_attention" else None for t in list(types)[:num_layers]]
+
+
 class KvattnQuantizedCache(Cache):
     """A transformers Cache whose layers keep K/V MLX-packed (bits 4 or 8,
     group_size 32/64/128, scales and biases in the model's dtype) on the
@@ -261,16 +314,25 @@ class KvattnQuantizedCache(Cache):
 
     config: the model's config (one layer per num_hidden_layers) or None
     (layers created as update() reaches them). max_cache_len: preallocate
-    that many tokens per layer (else the buffers grow by doubling)."""
+    that many tokens per layer (else the buffers grow by doubling).
+    trim_sliding: the config's sliding-window layers (layer_types
+    "sliding_attention", or every layer when the config has a
+    sliding_window and no layer_types, as transformers reads it) keep only
+    the rows their window can still see (KvattnQuantizedLayer); False keeps
+    every token in every layer."""
 
-    def __init__(self, config=None, bits=4, group_size=64, max_cache_len=None, num_layers=None):
+    def __init__(self, config=None, bits=4, group_size=64, max_cache_len=None, num_layers=None, trim_sliding=True):
         make = functools.partial(KvattnQuantizedLayer, bits=bits, group_size=group_size,
                                  max_cache_len=max_cache_len)
-        if num_layers is None and config is not None:
+        windows = []
+        if config is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            num_layers = text.num_hidden_layers
+            if num_layers is None:
+                num_layers = text.num_hidden_layers
+            windows = _sliding_windows(text, num_layers) if trim_sliding else []
         if num_layers is not None:
-            super().__init__(layers=[make() for _ in range(num_layers)])
+            windows = windows or [None] * num_layers
+            super().__init__(layers=[make(sliding_window=w) for w in windows])
         else:
             super().__init__(layer_class_to_replicate=make)
         self.bits, self.group_size = bits, group_size
