@@ -239,6 +239,19 @@ static int make_tree(att_data *d) {
   return 0;
 }
 
+void att_tree_random_bits(att_data *d) {
+  const kva_tensor *t = &d->params.mask.array;
+  for (int64_t b = 0; b < t->shape[0]; ++b)
+    for (int64_t i = 0; i < t->shape[1]; ++i) {
+      uint32_t *row = (uint32_t *)((char *)t->data + b * t->stride[0] + i * t->stride[1]);
+      const int empty = test_rand_u64() % 4 == 0;
+      for (int64_t j = 0; j < d->c.L; ++j) {
+        if (j % 32 == 0) row[j / 32] = 0;
+        if (!empty && test_rand_u64() % 3 == 0) row[j / 32] |= 1u << (j % 32);
+      }
+    }
+}
+
 /* Bit j of the TREE row i of sequence b (d's mask). */
 static int tree_bit(const att_data *d, int b, int i, int64_t j) {
   const kva_tensor *t = &d->params.mask.array;

@@ -169,6 +169,10 @@ void att_random_tree(int L, int depth, int *parent);
 /* Its KVA_MASK_TREE rows: row i sees itself and its ancestors; row i at
  * bits + i * row_words (ceil(L / 32) words written). */
 void att_tree_bits(int L, const int *parent, uint32_t *bits, int64_t row_words);
+/* Random bits in place of a MASK_TREE case's trees: a quarter of the rows
+ * see no new token, the others each new token (earlier or later) with
+ * probability 1/3; with window 1 a row without bits sees no key at all. */
+void att_tree_random_bits(att_data *d);
 /* perm = a random permutation of 0..n-1 (the test generator) */
 void att_random_perm(int32_t *perm, int64_t n);
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);

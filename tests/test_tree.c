@@ -84,21 +84,6 @@ static kva_tensor tree_as_array(att_data *d, unsigned char *a) {
   return kva_tensor_4d(a, KVA_BOOL, c->B, 1, c->L, c->N);
 }
 
-/* Random bits in place of the trees (a row may see no new token, or later
- * ones): with window 1 a row without bits sees no key at all (zeros). */
-static void random_bits(att_data *d) {
-  const kva_tensor *t = &d->params.mask.array;
-  for (int64_t b = 0; b < t->shape[0]; ++b)
-    for (int64_t i = 0; i < t->shape[1]; ++i) {
-      uint32_t *row = (uint32_t *)((char *)t->data + b * t->stride[0] + i * t->stride[1]);
-      const int empty = test_rand_u64() % 4 == 0;
-      for (int64_t j = 0; j < d->c.L; ++j) {
-        if (j % 32 == 0) row[j / 32] = 0;
-        if (!empty && test_rand_u64() % 3 == 0) row[j / 32] |= 1u << (j % 32);
-      }
-    }
-}
-
 /* One TREE call against the oracle (the kernel's modelled roundings) and
  * against the ARRAY call's output arr_out (both allowances summed). */
 static int run_tree(const char *name, kva_context *ctx, att_data *d, const kva_kv_view *view, const kva_tensor *exact,
@@ -175,7 +160,7 @@ static int run_case(kva_context *ctx1, kva_context *ctx2, const att_case *c, int
     FAIL_("%s: could not build operands", name);
     goto done;
   }
-  if (variant) random_bits(&d);
+  if (variant) att_tree_random_bits(&d);
   abuf = (unsigned char *)malloc((size_t)(c->B * c->L * c->N));
   if (!abuf) goto done;
   kva_attn_params ap = d.params; /* the same call with the explicit mask */
