@@ -46,6 +46,7 @@ TEST(cuda_lse_merge) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_exact_mode) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree_high_bits_ignored) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_tree_wg) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1664,6 +1665,40 @@ TEST(cuda_tree) {
     }
 done:
   kva_context_destroy(ctx);
+}
+
+/* KVA_MASK_TREE on the warpgroup q4 kernel (sm_90: the row's bits in a
+ * register pair), every case forced there (KVA_CUDA_WG_MIN_Q = 1), then the
+ * same cases with it off (the narrow / wide kernels): trees and random bits,
+ * windows, softcap, sinks, ragged, strided (a broadcast tree), block tables. */
+TEST(cuda_tree_wg) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case wc[] = {
+      {3, 32, 8, 16, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 100, 0, 0, 1, 0},
+      {2, 16, 4, 33, 700, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_TREE, 0, 20.0f, 1, 1, 0},
+      {1, 8, 4, 7, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 1, 0, 0},
+      {3, 16, 4, 17, 600, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 3, 0, 0, 1, 1},
+      {1, 32, 8, 64, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 0, 0},
+  };
+  const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
+  for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
+    setenv("KVA_CUDA_WG_MIN_Q", mins[pass], 1);
+    kva_context *ctx;
+    const int made = make_cuda_ctx(&ctx, NULL);
+    unsetenv("KVA_CUDA_WG_MIN_Q");
+    if (!made) return;
+    for (size_t ci = 0; ci < sizeof wc / sizeof wc[0]; ++ci) {
+      int ok = 1;
+      for (int variant = 0; variant < 2 && ok; ++variant) ok = run_case_want(ctx, &wc[ci], tree_bits, variant, wants[pass]);
+      if (ok && wc[ci].N > 64) ok = run_table_case(ctx, &wc[ci], ci % 2 ? 16 : 24, 71 + ci, wants[pass]);
+      if (!ok) {
+        FAIL_("tree %s case %zu", wants[pass], ci);
+        break;
+      }
+    }
+    kva_context_destroy(ctx);
+  }
 }
 
 /* On CUDA the bits are device memory: bits at j >= L (the last word's high

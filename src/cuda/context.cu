@@ -398,9 +398,9 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     return pl;
   }
   if (di >= 0 && tcf == KVC_Q4 && p->Dk <= 256 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
-      (p->mask.kind == KVA_MASK_CAUSAL || p->mask.kind == KVA_MASK_NONE) && !p->mask.segments.data) {
-    /* q4 verify-sized calls (and wide GQA, cascade prefixes) on Hopper, causal without image segments or no mask
-     * (TREE goes on to the narrow / wide kernels below):
+      p->mask.kind != KVA_MASK_ARRAY && !p->mask.segments.data) {
+    /* q4 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree without image
+     * segments, or no mask:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
      * 64 query vectors per block) when its shared memory fits */
     const int smem = kvc_wg_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size));
