@@ -238,9 +238,10 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None, window=None,
                           segments=None, softcap=None, sinks=None, group_size=64, bits=4, *, clamp=False, out=None,
-                          exact=False):
+                          exact=False, tree_mask=None):
     """kvattn.block_table_attention on torch tensors through the ops."""
-    opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
+    opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact,
+                    tree_mask)
     if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
         return NotImplemented
     kd, vd, o = opts

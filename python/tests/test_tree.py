@@ -215,3 +215,50 @@ def test_cuda_tensors(request):
     torch.cuda.synchronize()
     got = out.float().cpu().numpy()
     assert_close(got.astype(F32), ref, "cuda tree", atol=2.0**-7)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4"])
+def test_tree_paged_and_block_table(request, fmt):
+    """PagedView.attention and block_table_attention with tree_mask: bit for
+    bit equal to each other (the same rows through one kernel) and to the
+    oracle at the kernel's allowance."""
+    from kvattn.paged import Pool
+
+    rng = rng_for(request)
+    B, H, KVH, L, N, D = 3, 8, 4, 33, 300, 64
+    q = randn(rng, (B, H, L, D))
+    k, v, kw = make_kv(rng, fmt, B, KVH, N, D)
+    lens = np.array([N, 200, 77], np.int32)
+    bits = kvattn.tree_bits([random_tree(rng, L, d) for d in (L, 1, 7)])
+    pool, seqs = Pool.from_contiguous(k, v, 16, seq_lens=lens, shuffle_seed=5, **kw)
+    view = pool.view(seqs)
+    out_p = view.attention(q, tree_mask=bits, window=50)
+    blocks, sl, fo = view.block_table()
+    out_t = kvattn.block_table_attention(q, pool.k, pool.v, blocks, sl, fo, tree_mask=bits, window=50, **kw)
+    np.testing.assert_array_equal(out_t, out_p)
+    ref = ref_attention(q, k, v, mask=explicit(B, L, N, lens, bits, window=50), seq_lens=lens, **kw)
+    assert_close(out_p, ref, "paged tree", atol=compute_atol(q, KVH))
+    np.testing.assert_array_equal(view.reference_attention(q, tree_mask=bits, window=50),
+                                  kvattn.reference_attention(q, k, v, tree_mask=bits, window=50, seq_lens=lens, **kw))
+    assert view.path(q, tree_mask=bits) == "fused"
+
+
+def test_torch_block_table(request):
+    """block_table_attention on CPU torch tensors with a torch tree_mask (the
+    compiled ops when built): equal to the numpy call."""
+    torch = _torch()
+    from kvattn.paged import Pool
+
+    rng = rng_for(request)
+    B, H, KVH, L, N, D = 2, 8, 4, 17, 120, 64
+    q = randn(rng, (B, H, L, D))
+    k, v = randn(rng, (B, KVH, N, D)), randn(rng, (B, KVH, N, D))
+    bits = kvattn.tree_bits([random_tree(rng, L, 3), random_tree(rng, L, 17)])
+    pool, seqs = Pool.from_contiguous(k, v, 16, shuffle_seed=3)
+    view = pool.view(seqs)
+    blocks, sl, fo = view.block_table()
+    want = kvattn.block_table_attention(q, pool.k, pool.v, blocks, sl, fo, tree_mask=bits)
+    t = torch.from_numpy
+    got = kvattn.block_table_attention(t(q), t(pool.k), t(pool.v), t(blocks), t(sl), t(fo),
+                                       tree_mask=t(bits.view(np.int32)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6)
