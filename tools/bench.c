@@ -392,7 +392,9 @@ static void print_ratios(const kb_case *cs, const kb_result *rs, int n) {
       head = true;
       char label[128];
       kb_case_label(&cs[i], label, sizeof label);
-      printf("  %s: %.1f us / L=1 %.1f us = %.2fx\n", label, rs[i].us, rs[j].us, rs[i].us / rs[j].us);
+      printf("  %s: %.1f us / L=1 %.1f us = %.2fx", label, rs[i].us, rs[j].us, rs[i].us / rs[j].us);
+      if (cs[i].tree) printf("  (%s / %s)", rs[i].kernel, rs[j].kernel); /* which kernels the tree and decode ran */
+      printf("\n");
       break;
     }
   }
