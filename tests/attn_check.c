@@ -114,8 +114,6 @@ static float kv_elem(const kva_kv *kv, int64_t b, int64_t hk, int64_t t, int64_t
   return sc * (float)code + bi;
 }
 
-static int tree_bit(const att_data *d, int b, int i, int64_t j);
-
 /* The probe queries of att_make (attn_check.h). */
 static void write_probes(att_data *d) {
   const att_case *c = &d->c;
@@ -137,7 +135,7 @@ static void write_probes(att_data *d) {
           const int64_t n0 = len - c->L, plo = lo < n0 ? lo : n0;
           int64_t seen[KVA_TREE_MAX_ROWS], hidden[KVA_TREE_MAX_ROWS], ns = 0, nh = 0;
           for (int64_t jn = 0; jn < c->L; ++jn) {
-            if (tree_bit(d, b, i, jn)) seen[ns++] = n0 + jn;
+            if (att_tree_bit(&d->params.mask.array, b, i, jn)) seen[ns++] = n0 + jn;
             else hidden[nh++] = n0 + jn;
           }
           nvis = n0 - plo + ns;
@@ -252,9 +250,40 @@ void att_tree_random_bits(att_data *d) {
     }
 }
 
-/* Bit j of the TREE row i of sequence b (d's mask). */
-static int tree_bit(const att_data *d, int b, int i, int64_t j) {
-  const kva_tensor *t = &d->params.mask.array;
+/* The rule of docs/semantics.md written out per key (the causal prefix with
+ * window and segments, the bits on the last L keys). */
+kva_tensor att_tree_array(att_data *d) {
+  const att_case *c = &d->c;
+  const kva_mask *m = &d->params.mask;
+  unsigned char *a = (unsigned char *)keep(d, (size_t)(c->B * c->L * c->N));
+  if (!a) return kva_tensor_4d(NULL, KVA_BOOL, c->B, 1, c->L, c->N);
+  for (int b = 0; b < c->B; ++b) {
+    const int64_t len = d->lens ? d->lens[b] : c->N, n0 = len - c->L;
+    const char *seg = m->segments.data ? (const char *)m->segments.data + b * m->segments.stride[0] : NULL;
+    for (int i = 0; i < c->L; ++i) {
+      const int64_t p = n0 + i;
+      for (int64_t t = 0; t < c->N; ++t) {
+        int v = 0;
+        if (t >= len) v = 0;
+        else if (t >= n0) v = att_tree_bit(&m->array, b, i, t - n0);
+        else {
+          const int win = m->window == 0 || t > p - m->window;
+          v = t <= p && win;
+          if (!v && seg) {
+            int32_t st, sp;
+            memcpy(&st, seg + t * 4, 4);
+            memcpy(&sp, seg + p * 4, 4);
+            v = st != 0 && st == sp && (!m->segments_clamp || win);
+          }
+        }
+        a[((int64_t)b * c->L + i) * c->N + t] = (unsigned char)v;
+      }
+    }
+  }
+  return kva_tensor_4d(a, KVA_BOOL, c->B, 1, c->L, c->N);
+}
+
+int att_tree_bit(const kva_tensor *t, int64_t b, int64_t i, int64_t j) {
   uint32_t w;
   memcpy(&w, (const char *)t->data + (t->shape[0] == 1 ? 0 : b) * t->stride[0] + i * t->stride[1] + (j / 32) * 4, 4);
   return (int)(w >> (j % 32) & 1u);

@@ -173,6 +173,15 @@ void att_tree_bits(int L, const int *parent, uint32_t *bits, int64_t row_words);
  * see no new token, the others each new token (earlier or later) with
  * probability 1/3; with window 1 a row without bits sees no key at all. */
 void att_tree_random_bits(att_data *d);
+/* Bit j of row i of sequence b of KVA_MASK_TREE bits t ([B or 1, L, W] u32). */
+int att_tree_bit(const kva_tensor *t, int64_t b, int64_t i, int64_t j);
+/* The explicit mask equal to a MASK_TREE case's mask (d->params, TREE):
+ * bool [B, 1, L, N] (broadcast over heads; memory owned by d), row i of
+ * sequence b at p = len - L + i seeing key t < len - L iff t <= p inside
+ * the window, or by its image segment (clamped to the window with the
+ * clamp), and key len - L + j iff bit j of its row is set. data NULL when
+ * out of memory. */
+kva_tensor att_tree_array(att_data *d);
 /* perm = a random permutation of 0..n-1 (the test generator) */
 void att_random_perm(int32_t *perm, int64_t n);
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);

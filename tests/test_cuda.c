@@ -1578,9 +1578,17 @@ TEST(cuda_exact_mode) {
 
 /* ---------------------------------------------------------- tree verify */
 /* Variant 0: the case's trees (attn_check.c, MASK_TREE: depth L, 1 or random
- * per sequence); 1: random bits (rows that see no new token, or later ones). */
+ * per sequence); 1: random bits (rows that see no new token, or later ones);
+ * 2: the trees as the explicit bool mask of the same rule (att_tree_array:
+ * the same call through the general kernel). */
 static void tree_bits(att_data *d, int variant) {
-  if (variant) att_tree_random_bits(d);
+  if (variant == 1) att_tree_random_bits(d);
+  if (variant == 2) {
+    kva_mask m = {0};
+    m.kind = KVA_MASK_ARRAY;
+    m.array = att_tree_array(d);
+    d->params.mask = m;
+  }
 }
 
 /* KVA_MASK_TREE on the device against the oracle (whose TREE result the CPU
@@ -1641,8 +1649,8 @@ TEST(cuda_tree) {
     att_case_str(&tc[ci].c, cs, sizeof cs);
     printf("  tree case %2zu %s\n", ci, cs);
     fflush(stdout);
-    for (int variant = 0; variant < 2; ++variant)
-      if (!run_case_want(ctx, &tc[ci].c, tree_bits, variant, tc[ci].want)) {
+    for (int variant = 0; variant < 3; ++variant)
+      if (!run_case_want(ctx, &tc[ci].c, tree_bits, variant, variant == 2 ? "general" : tc[ci].want)) {
         FAIL_("tree case %zu, variant %d", ci, variant);
         goto done;
       }

@@ -44,46 +44,6 @@ static const att_case cases[] = {
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 
-/* Bit j of TREE row i of sequence b (the mask's own array). */
-static int bit_of(const kva_tensor *t, int64_t b, int64_t i, int64_t j) {
-  uint32_t w;
-  memcpy(&w, (const char *)t->data + (t->shape[0] == 1 ? 0 : b) * t->stride[0] + i * t->stride[1] + (j / 32) * 4, 4);
-  return (int)(w >> (j % 32) & 1u);
-}
-
-/* The explicit mask of a TREE call: bool [B, 1, L, N] (broadcast over heads),
- * row i of sequence b at p = len - L + i sees key t < len - L iff t <= p and
- * inside the window, or its image id equals p's (non-zero; with the clamp
- * also inside the window), and key len - L + j iff bit j is set. */
-static kva_tensor tree_as_array(att_data *d, unsigned char *a) {
-  const att_case *c = &d->c;
-  const kva_mask *m = &d->params.mask;
-  for (int b = 0; b < c->B; ++b) {
-    const int64_t len = d->lens ? d->lens[b] : c->N, n0 = len - c->L;
-    const char *seg = m->segments.data ? (const char *)m->segments.data + b * m->segments.stride[0] : NULL;
-    for (int i = 0; i < c->L; ++i) {
-      const int64_t p = n0 + i;
-      for (int64_t t = 0; t < c->N; ++t) {
-        int v = 0;
-        if (t >= len) v = 0;
-        else if (t >= n0) v = bit_of(&m->array, b, i, t - n0);
-        else {
-          const int win = m->window == 0 || t > p - m->window;
-          v = t <= p && win;
-          if (!v && seg) {
-            int32_t st, sp;
-            memcpy(&st, seg + t * 4, 4);
-            memcpy(&sp, seg + p * 4, 4);
-            v = st != 0 && st == sp && (!m->segments_clamp || win);
-          }
-        }
-        a[((int64_t)b * c->L + i) * c->N + t] = (unsigned char)v;
-      }
-    }
-  }
-  return kva_tensor_4d(a, KVA_BOOL, c->B, 1, c->L, c->N);
-}
-
 /* One TREE call against the oracle (the kernel's modelled roundings) and
  * against the ARRAY call's output arr_out (both allowances summed). */
 static int run_tree(const char *name, kva_context *ctx, att_data *d, const kva_kv_view *view, const kva_tensor *exact,
@@ -153,7 +113,6 @@ static int run_case(kva_context *ctx1, kva_context *ctx2, const att_case *c, int
   kva_paged_view *pv = NULL;
   att_table tb;
   int have_tb = 0, ok = 0;
-  unsigned char *abuf = NULL;
   int32_t *sbuf = NULL;
   kva_tensor tseg;
   if (att_make_q(&d, c, pr)) {
@@ -161,14 +120,13 @@ static int run_case(kva_context *ctx1, kva_context *ctx2, const att_case *c, int
     goto done;
   }
   if (variant) att_tree_random_bits(&d);
-  abuf = (unsigned char *)malloc((size_t)(c->B * c->L * c->N));
-  if (!abuf) goto done;
   kva_attn_params ap = d.params; /* the same call with the explicit mask */
   ap.mask.kind = KVA_MASK_ARRAY;
   ap.mask.window = 0;
   ap.mask.segments = (kva_tensor){0};
   ap.mask.segments_clamp = 0;
-  ap.mask.array = tree_as_array(&d, abuf);
+  ap.mask.array = att_tree_array(&d);
+  if (!ap.mask.array.data) goto done;
   kva_tensor ref = att_alloc_like(&d, &d.out), ref_a = att_alloc_like(&d, &d.out);
   kva_tensor scratch = att_alloc_like(&d, &d.out), arr_out = att_alloc_like(&d, &d.out), ref_r = att_alloc_like(&d, &d.out);
   if (kva_reference_attention(&d.q, &d.view, &d.params, &ref) || kva_reference_attention(&d.q, &d.view, &ap, &ref_a)) {
@@ -183,7 +141,7 @@ static int run_case(kva_context *ctx1, kva_context *ctx2, const att_case *c, int
     for (int b = 0; b < c->B; ++b)
       for (int i = 0; i < c->L; ++i) {
         int any = 0;
-        for (int j = 0; j < c->L; ++j) any |= bit_of(&d.params.mask.array, b, i, j);
+        for (int j = 0; j < c->L; ++j) any |= att_tree_bit(&d.params.mask.array, b, i, j);
         for (int h = 0; h < c->H && !any; ++h)
           for (int e = 0; e < c->Dv; ++e)
             if (test_load((const char *)ref.data + b * ref.stride[0] + h * ref.stride[1] + i * ref.stride[2] +
@@ -247,7 +205,6 @@ done:
   if (have_tb) att_table_free(&tb);
   kva_paged_view_release(pv);
   kva_pool_destroy(pool);
-  free(abuf);
   free(sbuf);
   att_free(&d);
   return ok;
