@@ -1605,6 +1605,8 @@ TEST(cuda_tree) {
     att_case c;
     const char *want;
   } tc[] = {
+      /* a window starting inside a split that ends before the new keys */
+      {{2, 16, 4, 33, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 1501, 0, 0, 1, 0}, NULL},
       /* the bench's shapes, smaller caches */
       {{3, 32, 8, 16, 1500, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
       {{3, 32, 8, 33, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
@@ -1688,6 +1690,9 @@ TEST(cuda_tree_wg) {
       {1, 8, 4, 7, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 1, 0, 0},
       {3, 16, 4, 17, 600, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 3, 0, 0, 1, 1},
       {1, 32, 8, 64, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 0, 0},
+      /* a window that starts inside a split ending before the new keys: that split's last stage is partial */
+      {2, 16, 4, 33, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 1501, 0, 0, 1, 0},
+      {1, 8, 4, 17, 4000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 999, 0, 0, 0, 0},
   };
   const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
   for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {

@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
                   (the selector sends no other mask here) */
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const long long h = min(tree && pos[r] >= 0 ? n0 : t_hi, pos[r] + 1);
+        const long long h = min(tree ? min(t_hi, n0) : t_hi, pos[r] + 1);
         const long long o = a.window > 0 && a.mask_kind != KVA_MASK_NONE ? pos[r] - a.window + 1 : t0;
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
