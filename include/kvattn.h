@@ -145,21 +145,43 @@ typedef enum kva_mask_kind {
   KVA_MASK_NONE = 0,   /* every key visible */
   KVA_MASK_CAUSAL = 1, /* key j visible iff j <= p; p = len - L + i (row i) */
   KVA_MASK_ARRAY = 2,  /* explicit array (bool: visible iff != 0; float: added to the logit) */
+  KVA_MASK_TREE = 3,   /* speculative tree verify: CAUSAL on the prefix, packed bits on the L new keys */
 } kva_mask_kind;
+
+/* KVA_MASK_TREE (tree-shaped speculative verify of L <= KVA_TREE_MAX_ROWS
+ * new tokens, e.g. EAGLE / Medusa draft trees): the last L keys of each
+ * sequence are the L query rows' own tokens (key len - L + j is new token
+ * j). mask.array holds the tree as packed bits: u32 [B, L, W] with
+ * W = ceil(L / 32) (shape[0] = 1 or stride[0] = 0 broadcasts one tree to
+ * every sequence; the innermost dim contiguous); row i sees new token j iff
+ * bit j % 32 of word j / 32 of row i is set (lowest bit first; set bit i
+ * for a row to see itself). Every row sees the committed prefix (keys
+ * t < len - L) by the CAUSAL rules: mask.window and mask.segments (with
+ * segments_clamp) apply there exactly as for KVA_MASK_CAUSAL, with p =
+ * len - L + i; no other rule applies to the new keys. L above
+ * KVA_TREE_MAX_ROWS is KVA_EUNSUPPORTED; a wrong dtype KVA_EDTYPE, a wrong
+ * shape KVA_ESHAPE. Bits at j >= L (the last word's high bits): KVA_EINVAL
+ * naming the row on the CPU; on CUDA the bits are device memory, not read by
+ * the host, and bits >= L are ignored. The fused kernels take it (every K/V
+ * row of the prefix read once per KV head for the query vectors a kernel
+ * block holds, as for a causal verify); the result equals the same call
+ * with an explicit KVA_MASK_ARRAY bool mask built from the rule. */
+#define KVA_TREE_MAX_ROWS 64
 
 typedef struct kva_mask {
   kva_mask_kind kind;
-  /* CAUSAL only. window > 0: also require j > p - window (window 1 sees only
-   * itself); 0: no window. */
+  /* CAUSAL and TREE (its prefix keys). window > 0: also require j > p - window
+   * (window 1 sees only itself); 0: no window. */
   int32_t window;
-  /* CAUSAL only, optional (data NULL = none): i32 [B, N] per-token segment ids,
+  /* CAUSAL and TREE (its prefix keys), optional (data NULL = none): i32 [B, N] per-token segment ids,
    * 0 = text, k > 0 = image k. Adds: visible if seg[p] == seg[j] != 0 (an image
    * attends to itself both ways, never to another image). A negative id is
    * KVA_EINVAL on the CPU; on CUDA the ids are device memory, not checked. */
   kva_tensor segments;
   /* With segments and a window: the image exception also requires j > p - window. */
   int segments_clamp;
-  /* ARRAY only: [B, H, L, N] bool or f32/f16/bf16 additive; stride 0 broadcasts. */
+  /* ARRAY: [B, H, L, N] bool or f32/f16/bf16 additive; stride 0 broadcasts.
+   * TREE: u32 [B, L, ceil(L / 32)] packed bits (see KVA_MASK_TREE). */
   kva_tensor array;
 } kva_mask;
 

@@ -3,7 +3,7 @@
 
 #include "cpu/kernel.h" /* kva_cpu_general_only */
 
-const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp", "bool", "add"};
+const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp", "bool", "add", "tree", "tree-seg"};
 
 #define SENTINEL_BYTES 64
 #define SENTINEL_BYTE 0xA5
@@ -128,15 +128,34 @@ static void write_probes(att_data *d) {
         const int64_t lo = c->mask == MASK_NONE ? 0 : c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
         const int64_t hi = c->mask == MASK_NONE ? len - 1 : p; /* the causal window [lo, hi] */
         const int kind = (int)(test_rand_u64() % 3);
-        int64_t j = p;
-        if (kind == 1) j = lo + (int64_t)(test_rand_u64() % (uint64_t)(hi - lo + 1));
-        else if (kind == 2 && p + 1 < len) j = p + 1;
+        int64_t j = p, nvis = hi - lo + 1;
+        if (c->mask == MASK_TREE || c->mask == MASK_TREE_SEG) {
+          /* tree: the own key, a random visible key (prefix window or a
+           * visible new token), or a random new token the row does not see */
+          const int64_t n0 = len - c->L, plo = lo < n0 ? lo : n0;
+          int64_t seen[KVA_TREE_MAX_ROWS], hidden[KVA_TREE_MAX_ROWS], ns = 0, nh = 0;
+          for (int64_t jn = 0; jn < c->L; ++jn) {
+            if (att_tree_bit(&d->params.mask.array, b, i, jn)) seen[ns++] = n0 + jn;
+            else hidden[nh++] = n0 + jn;
+          }
+          nvis = n0 - plo + ns;
+          if (kind == 1) {
+            const int64_t r = (int64_t)(test_rand_u64() % (uint64_t)nvis);
+            j = r < n0 - plo ? plo + r : seen[r - (n0 - plo)];
+          } else if (kind == 2 && nh) {
+            j = hidden[test_rand_u64() % (uint64_t)nh];
+          }
+        } else if (kind == 1) {
+          j = lo + (int64_t)(test_rand_u64() % (uint64_t)(hi - lo + 1));
+        } else if (kind == 2 && p + 1 < len) {
+          j = p + 1;
+        }
         double norm2 = 0;
         for (int e = 0; e < c->Dk; ++e) {
           kj[e] = kv_elem(&d->k, b, h / rep, j, e);
           norm2 += (double)kj[e] * kj[e];
         }
-        const double ln9n = log(9.0 * (double)(hi - lo + 1)), disc = 1.0 - 2.0 * ln9n / c->Dk;
+        const double ln9n = log(9.0 * (double)nvis), disc = 1.0 - 2.0 * ln9n / c->Dk;
         const double T = disc > 0 ? c->Dk * (1.0 - sqrt(disc)) : (double)c->Dk;
         const double a = norm2 > 0 ? T / (scale * norm2) : 1.0;
         for (int e = 0; e < c->Dk; ++e) test_store(ptr4(&d->q, b, h, i, e), c->qdt, (float)(a * kj[e]));
@@ -145,6 +164,130 @@ static void write_probes(att_data *d) {
 }
 
 int att_make(att_data *d, const att_case *c) { return att_make_q(d, c, 0); }
+
+/* i32 [B, N] segment ids (row stride N + 7 when strided): text runs and
+ * image runs of random lengths 1..12, images numbered from 1 per sequence. */
+static int make_segments(att_data *d) {
+  const att_case *c = &d->c;
+  const int64_t pad = c->strided ? 7 : 0;
+  int32_t *s = (int32_t *)keep(d, sizeof(int32_t) * (size_t)(c->B * (c->N + pad)));
+  if (!s) return -1;
+  for (int b = 0; b < c->B; ++b) {
+    int32_t img = 0;
+    for (int64_t j = 0; j < c->N;) {
+      int64_t run = 1 + (int64_t)(test_rand_u64() % 12);
+      int is_img = (test_rand_u64() % 2) == 0;
+      if (is_img) img++;
+      for (int64_t e = 0; e < run && j < c->N; ++e, ++j) s[b * (c->N + pad) + j] = is_img ? img : 0;
+    }
+  }
+  d->params.mask.segments = kva_tensor_2d(s, KVA_I32, c->B, c->N);
+  d->params.mask.segments.stride[0] = (c->N + pad) * 4;
+  return 0;
+}
+
+void att_random_tree(int L, int depth, int *parent) {
+  int dep[KVA_TREE_MAX_ROWS], maxd = 0;
+  for (int j = 0; j < L; ++j) {
+    int cand[KVA_TREE_MAX_ROWS], nc = 0;
+    /* extend the deepest branch when the depth must still be reached (forced
+     * once the nodes left are just enough), else any node above the depth */
+    const int extend = maxd < depth && j > 0 && (test_rand_u64() % 2 == 0 || L - j == depth - maxd);
+    for (int k = 0; k < j; ++k)
+      if (extend ? dep[k] == maxd : dep[k] < depth) cand[nc++] = k;
+    parent[j] = nc ? cand[test_rand_u64() % (uint64_t)nc] : -1;
+    dep[j] = parent[j] < 0 ? 1 : dep[parent[j]] + 1;
+    if (dep[j] > maxd) maxd = dep[j];
+  }
+}
+
+void att_tree_bits(int L, const int *parent, uint32_t *bits, int64_t row_words) {
+  const int W = (L + 31) / 32;
+  for (int i = 0; i < L; ++i) {
+    uint32_t *r = bits + i * row_words;
+    for (int w = 0; w < W; ++w) r[w] = 0;
+    for (int a = i; a >= 0; a = parent[a]) r[a / 32] |= 1u << (a % 32);
+  }
+}
+
+/* The TREE bits of a case (attn_check.h, MASK_TREE): one random tree per
+ * sequence, depth L (a chain), 1 (no edges) or random by b % 3; strided:
+ * rows of W + 1 words, and for B > 1 one tree broadcast (shape[0] = 1). */
+static int make_tree(att_data *d) {
+  const att_case *c = &d->c;
+  const int W = (c->L + 31) / 32, rw = W + (c->strided ? 1 : 0);
+  const int nb = c->strided && c->B > 1 ? 1 : c->B;
+  uint32_t *bits = (uint32_t *)keep(d, sizeof(uint32_t) * (size_t)(nb * c->L * rw));
+  if (!bits || c->L > KVA_TREE_MAX_ROWS) return -1;
+  for (int b = 0; b < nb; ++b) {
+    int parent[KVA_TREE_MAX_ROWS];
+    const int depth = b % 3 == 0 ? c->L : b % 3 == 1 ? 1 : 1 + (int)(test_rand_u64() % (uint64_t)c->L);
+    att_random_tree(c->L, depth, parent);
+    att_tree_bits(c->L, parent, bits + (int64_t)b * c->L * rw, rw);
+  }
+  kva_tensor t = kva_tensor_2d(bits, KVA_U32, c->L, W);
+  t.ndim = 3;
+  t.shape[0] = nb;
+  t.shape[1] = c->L;
+  t.shape[2] = W;
+  t.stride[2] = 4;
+  t.stride[1] = 4 * rw;
+  t.stride[0] = (int64_t)c->L * t.stride[1];
+  d->params.mask.array = t;
+  return 0;
+}
+
+void att_tree_random_bits(att_data *d) {
+  const kva_tensor *t = &d->params.mask.array;
+  for (int64_t b = 0; b < t->shape[0]; ++b)
+    for (int64_t i = 0; i < t->shape[1]; ++i) {
+      uint32_t *row = (uint32_t *)((char *)t->data + b * t->stride[0] + i * t->stride[1]);
+      const int empty = test_rand_u64() % 4 == 0;
+      for (int64_t j = 0; j < d->c.L; ++j) {
+        if (j % 32 == 0) row[j / 32] = 0;
+        if (!empty && test_rand_u64() % 3 == 0) row[j / 32] |= 1u << (j % 32);
+      }
+    }
+}
+
+/* The rule of docs/semantics.md written out per key (the causal prefix with
+ * window and segments, the bits on the last L keys). */
+kva_tensor att_tree_array(att_data *d) {
+  const att_case *c = &d->c;
+  const kva_mask *m = &d->params.mask;
+  unsigned char *a = (unsigned char *)keep(d, (size_t)(c->B * c->L * c->N));
+  if (!a) return kva_tensor_4d(NULL, KVA_BOOL, c->B, 1, c->L, c->N);
+  for (int b = 0; b < c->B; ++b) {
+    const int64_t len = d->lens ? d->lens[b] : c->N, n0 = len - c->L;
+    const char *seg = m->segments.data ? (const char *)m->segments.data + b * m->segments.stride[0] : NULL;
+    for (int i = 0; i < c->L; ++i) {
+      const int64_t p = n0 + i;
+      for (int64_t t = 0; t < c->N; ++t) {
+        int v = 0;
+        if (t >= len) v = 0;
+        else if (t >= n0) v = att_tree_bit(&m->array, b, i, t - n0);
+        else {
+          const int win = m->window == 0 || t > p - m->window;
+          v = t <= p && win;
+          if (!v && seg) {
+            int32_t st, sp;
+            memcpy(&st, seg + t * 4, 4);
+            memcpy(&sp, seg + p * 4, 4);
+            v = st != 0 && st == sp && (!m->segments_clamp || win);
+          }
+        }
+        a[((int64_t)b * c->L + i) * c->N + t] = (unsigned char)v;
+      }
+    }
+  }
+  return kva_tensor_4d(a, KVA_BOOL, c->B, 1, c->L, c->N);
+}
+
+int att_tree_bit(const kva_tensor *t, int64_t b, int64_t i, int64_t j) {
+  uint32_t w;
+  memcpy(&w, (const char *)t->data + (t->shape[0] == 1 ? 0 : b) * t->stride[0] + i * t->stride[1] + (j / 32) * 4, 4);
+  return (int)(w >> (j % 32) & 1u);
+}
 
 int att_make_q(att_data *d, const att_case *c, int probe) {
   memset(d, 0, sizeof *d);
@@ -172,26 +315,22 @@ int att_make_q(att_data *d, const att_case *c, int probe) {
   case MASK_CAUSAL: m->kind = KVA_MASK_CAUSAL; break;
   case MASK_WINDOW: m->kind = KVA_MASK_CAUSAL; m->window = c->window; break;
   case MASK_SEG:
-  case MASK_SEG_CLAMP: {
+  case MASK_SEG_CLAMP:
     m->kind = KVA_MASK_CAUSAL;
     m->window = c->window;
     m->segments_clamp = c->mask == MASK_SEG_CLAMP;
-    int64_t pad = c->strided ? 7 : 0;
-    int32_t *s = (int32_t *)keep(d, sizeof(int32_t) * (size_t)(c->B * (c->N + pad)));
-    for (int b = 0; b < c->B; ++b) {
-      int32_t img = 0;
-      for (int64_t j = 0; j < c->N;) {
-        /* text runs and image runs of random lengths */
-        int64_t run = 1 + (int64_t)(test_rand_u64() % 12);
-        int is_img = (test_rand_u64() % 2) == 0;
-        if (is_img) img++;
-        for (int64_t e = 0; e < run && j < c->N; ++e, ++j) s[b * (c->N + pad) + j] = is_img ? img : 0;
-      }
-    }
-    m->segments = kva_tensor_2d(s, KVA_I32, c->B, c->N);
-    m->segments.stride[0] = (c->N + pad) * 4;
+    if (make_segments(d)) return -1;
     break;
-  }
+  case MASK_TREE:
+  case MASK_TREE_SEG:
+    m->kind = KVA_MASK_TREE;
+    m->window = c->window;
+    if (c->mask == MASK_TREE_SEG) {
+      m->segments_clamp = c->window > 0;
+      if (make_segments(d)) return -1;
+    }
+    if (make_tree(d)) return -1;
+    break;
   case MASK_BOOL:
   case MASK_ADD: {
     m->kind = KVA_MASK_ARRAY;
@@ -462,6 +601,24 @@ double att_case_atol(const att_case *c) {
     m->segments = kva_tensor_2d(mem[nm++], KVA_I32, c->B, c->N);
     m->segments_clamp = c->mask == MASK_SEG_CLAMP;
   }
+  if (c->mask == MASK_TREE || c->mask == MASK_TREE_SEG) {
+    m->kind = KVA_MASK_TREE;
+    m->window = c->window;
+    if (c->mask == MASK_TREE_SEG) {
+      mem[nm] = calloc(1, dense_bytes(KVA_I32, 1, 1, c->B, c->N));
+      m->segments = kva_tensor_2d(mem[nm++], KVA_I32, c->B, c->N);
+      m->segments_clamp = c->window > 0;
+    }
+    mem[nm] = calloc(1, dense_bytes(KVA_U32, 1, c->B, c->L, (c->L + 31) / 32)); /* no bit set */
+    m->array = kva_tensor_2d(mem[nm++], KVA_U32, c->L, (c->L + 31) / 32);
+    m->array.ndim = 3;
+    m->array.shape[0] = c->B;
+    m->array.shape[1] = c->L;
+    m->array.shape[2] = (c->L + 31) / 32;
+    m->array.stride[2] = 4;
+    m->array.stride[1] = 4 * m->array.shape[2];
+    m->array.stride[0] = c->L * m->array.stride[1];
+  }
   if (c->mask == MASK_BOOL || c->mask == MASK_ADD) {
     const kva_dtype dt = c->mask == MASK_BOOL ? KVA_BOOL : KVA_F32;
     m->kind = KVA_MASK_ARRAY;
@@ -549,7 +706,9 @@ void att_plant_unseen(att_data *d) {
   const kva_kv *ops[2] = {&d->k, &d->v};
   for (int b = 0; b < c->B; ++b) {
     const int64_t len = d->lens ? d->lens[b] : c->N;
-    const int64_t first = c->mask == MASK_WINDOW ? len - c->L - c->window + 1 : 0; /* row 0's first key */
+    const int64_t first = c->mask == MASK_WINDOW || (c->mask == MASK_TREE && c->window > 0)
+                              ? len - c->L - c->window + 1
+                              : 0; /* row 0's first key */
     for (int hk = 0; hk < c->KVH; ++hk)
       for (int64_t t = 0; t < c->N; ++t) {
         if (t >= first && t < len) continue;

@@ -7,7 +7,12 @@
 
 #include "test.h"
 
-enum { MASK_NONE, MASK_CAUSAL, MASK_WINDOW, MASK_SEG, MASK_SEG_CLAMP, MASK_BOOL, MASK_ADD };
+/* MASK_TREE: KVA_MASK_TREE with window c->window over random trees
+ * (att_random_tree: sequence b of depth L, 1 or random for b % 3 = 0, 1,
+ * 2; strided cases broadcast one tree over the batch and pad its rows);
+ * MASK_TREE_SEG: the same with segments on the prefix (clamped when
+ * c->window > 0). */
+enum { MASK_NONE, MASK_CAUSAL, MASK_WINDOW, MASK_SEG, MASK_SEG_CLAMP, MASK_BOOL, MASK_ADD, MASK_TREE, MASK_TREE_SEG };
 extern const char *const mask_names[];
 
 typedef struct att_case {
@@ -157,6 +162,26 @@ typedef struct att_table {
   kva_block_table t;
   kva_kv_view view;
 } att_table;
+/* A random tree of L <= KVA_TREE_MAX_ROWS nodes of exactly `depth` levels
+ * (1..L): node j's parent among 0..j-1 (-1: a root; depth 1 makes every node
+ * a root), drawn by the test generator. */
+void att_random_tree(int L, int depth, int *parent);
+/* Its KVA_MASK_TREE rows: row i sees itself and its ancestors; row i at
+ * bits + i * row_words (ceil(L / 32) words written). */
+void att_tree_bits(int L, const int *parent, uint32_t *bits, int64_t row_words);
+/* Random bits in place of a MASK_TREE case's trees: a quarter of the rows
+ * see no new token, the others each new token (earlier or later) with
+ * probability 1/3; with window 1 a row without bits sees no key at all. */
+void att_tree_random_bits(att_data *d);
+/* Bit j of row i of sequence b of KVA_MASK_TREE bits t ([B or 1, L, W] u32). */
+int att_tree_bit(const kva_tensor *t, int64_t b, int64_t i, int64_t j);
+/* The explicit mask equal to a MASK_TREE case's mask (d->params, TREE):
+ * bool [B, 1, L, N] (broadcast over heads; memory owned by d), row i of
+ * sequence b at p = len - L + i seeing key t < len - L iff t <= p inside
+ * the window, or by its image segment (clamped to the window with the
+ * clamp), and key len - L + j iff bit j of its row is set. data NULL when
+ * out of memory. */
+kva_tensor att_tree_array(att_data *d);
 /* perm = a random permutation of 0..n-1 (the test generator) */
 void att_random_perm(int32_t *perm, int64_t n);
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);

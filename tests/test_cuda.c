@@ -44,6 +44,9 @@ TEST(cuda_sinks_nonfinite) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_lse) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_lse_merge) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_exact_mode) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_tree) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_tree_high_bits_ignored) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_tree_wg) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -1569,6 +1572,194 @@ TEST(cuda_exact_mode) {
     else if (!att_name_exact(exact)) FAIL_("%s: KVA_ATTN_EXACT runs \"%s\"", cs, exact);
     else if (att_name_atol(exact) != ATT_ATOL_F32) FAIL_("%s: \"%s\" is not given the f32 allowance", cs, exact);
     else if (!run_case_want(ctx, &ec[ci], set_exact, 0, "[exact f32]")) FAIL_("%s: exact mode", cs);
+  }
+  kva_context_destroy(ctx);
+}
+
+/* ---------------------------------------------------------- tree verify */
+/* Variant 0: the case's trees (attn_check.c, MASK_TREE: depth L, 1 or random
+ * per sequence); 1: random bits (rows that see no new token, or later ones);
+ * 2: the trees as the explicit bool mask of the same rule (att_tree_array:
+ * the same call through the general kernel). */
+static void tree_bits(att_data *d, int variant) {
+  if (variant == 1) att_tree_random_bits(d);
+  if (variant == 2) {
+    kva_mask m = {0};
+    m.kind = KVA_MASK_ARRAY;
+    m.array = att_tree_array(d);
+    d->params.mask = m;
+  }
+}
+
+/* KVA_MASK_TREE on the device against the oracle (whose TREE result the CPU
+ * tests check equal to the explicit ARRAY mask's): odd L 1..64, B = 3 with
+ * different trees and lengths, windows and segments on the prefix, float
+ * and 4/8-bit K/V, contiguous and block-table rows; the bench's shapes
+ * (q4 8/4/256 and 32/8/128 at 16, 33 and 64 nodes) must run a tensor-core
+ * kernel, never the general one; the per-warp q4 kernel at up to 32 query
+ * vectors (KVA_CUDA_TCD_MIN_WORK = 0). */
+TEST(cuda_tree) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+#define TR MASK_TREE
+  static const struct {
+    att_case c;
+    const char *want;
+  } tc[] = {
+      /* a window starting inside a split that ends before the new keys */
+      {{2, 16, 4, 33, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 1501, 0, 0, 1, 0}, NULL},
+      /* the bench's shapes, smaller caches */
+      {{3, 32, 8, 16, 1500, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
+      {{3, 32, 8, 33, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
+      {{2, 32, 8, 64, 2000, 128, 128, BF16, F32, 4, 4, 64, BF16, TR, 0, 0, 1, 1, 0}, "tensor-core kernel"},
+      {{3, 8, 4, 16, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
+      {{1, 8, 4, 64, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 0, 0}, "tensor-core kernel"},
+      {{3, 8, 4, 33, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 1}, NULL},
+      /* odd L, windows, segments, other formats and kernels */
+      {{3, 8, 4, 1, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, NULL},
+      {{3, 8, 4, 7, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 50, 0, 0, 1, 0}, NULL},
+      {{2, 8, 4, 17, 800, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 1, 0, 0, 1, 0}, NULL},
+      {{2, 8, 4, 3, 600, 128, 128, BF16, F32, 4, 4, 32, F16, TR, 0, 10.0f, 1, 1, 0}, "fused"},
+      {{3, 8, 2, 17, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
+      {{2, 8, 4, 33, 500, 64, 64, F32, F32, 0, 0, 0, F32, TR, 20, 0, 0, 1, 0}, "fused"},
+      {{2, 6, 2, 17, 300, 128, 128, BF16, BF16, 8, 8, 64, BF16, TR, 0, 0, 0, 1, 0}, "tensor-core kernel"},
+      {{3, 4, 2, 12, 300, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_TREE_SEG, 0, 0, 0, 1, 0}, NULL},
+      {{2, 4, 2, 33, 400, 128, 128, F32, F32, 8, 8, 32, F32, MASK_TREE_SEG, 9, 0, 0, 1, 0}, "fused"},
+      {{1, 4, 2, 64, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 0, 0}, NULL},
+      {{2, 16, 4, 9, 700, 128, 128, F32, F32, 2, 2, 64, F32, TR, 0, 0, 0, 1, 0}, "fused"},
+  };
+  /* the per-warp q4 kernel (up to 32 query vectors) and block tables */
+  static const att_case wc[] = {
+      {2, 8, 4, 8, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0},
+      {1, 32, 8, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 0, 0},
+      {2, 8, 4, 16, 600, 256, 256, BF16, F32, 4, 4, 64, BF16, TR, 30, 0, 1, 1, 0},
+  };
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } bt[] = {
+      {{3, 32, 8, 16, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, 16},
+      {{2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 0, 0, 0, 1, 0}, 16},
+      {{3, 8, 4, 33, 900, 256, 256, BF16, BF16, 4, 4, 64, BF16, TR, 70, 0, 0, 1, 0}, 24},
+      {{2, 8, 2, 17, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, TR, 0, 0, 0, 1, 0}, 16},
+      {{2, 8, 4, 7, 500, 128, 128, F32, F32, 8, 8, 64, F16, TR, 0, 0, 0, 1, 0}, 8},
+  };
+#undef TR
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci) {
+    char cs[256];
+    att_case_str(&tc[ci].c, cs, sizeof cs);
+    printf("  tree case %2zu %s\n", ci, cs);
+    fflush(stdout);
+    for (int variant = 0; variant < 3; ++variant)
+      if (!run_case_want(ctx, &tc[ci].c, tree_bits, variant, variant == 2 ? "general" : tc[ci].want)) {
+        FAIL_("tree case %zu, variant %d", ci, variant);
+        goto done;
+      }
+  }
+  for (size_t ci = 0; ci < sizeof bt / sizeof bt[0]; ++ci)
+    if (!run_table_case(ctx, &bt[ci].c, bt[ci].bs, 51 + ci, NULL)) {
+      FAIL_("tree table case %zu", ci);
+      goto done;
+    }
+  kva_context_destroy(ctx);
+  setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  const int made = make_cuda_ctx(&ctx, NULL);
+  unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (!made) return;
+  for (size_t ci = 0; ci < sizeof wc / sizeof wc[0]; ++ci)
+    if (!run_case_want(ctx, &wc[ci], tree_bits, (int)(ci % 2), "per-warp,") ||
+        !run_table_case(ctx, &wc[ci], 16, 61 + ci, "per-warp,")) {
+      FAIL_("tree per-warp case %zu", ci);
+      break;
+    }
+done:
+  kva_context_destroy(ctx);
+}
+
+/* KVA_MASK_TREE on the warpgroup q4 kernel (sm_90: the row's bits in a
+ * register pair), every case forced there (KVA_CUDA_WG_MIN_Q = 1), then the
+ * same cases with it off (the narrow / wide kernels): trees and random bits,
+ * windows, softcap, sinks, ragged, strided (a broadcast tree), block tables. */
+TEST(cuda_tree_wg) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case wc[] = {
+      {3, 32, 8, 16, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 100, 0, 0, 1, 0},
+      {2, 16, 4, 33, 700, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_TREE, 0, 20.0f, 1, 1, 0},
+      {1, 8, 4, 7, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 1, 0, 0},
+      {3, 16, 4, 17, 600, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 3, 0, 0, 1, 1},
+      {1, 32, 8, 64, 64, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 0, 0},
+      /* a window that starts inside a split ending before the new keys: that split's last stage is partial */
+      {2, 16, 4, 33, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 1501, 0, 0, 1, 0},
+      {1, 8, 4, 17, 4000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 999, 0, 0, 0, 0},
+  };
+  const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
+  for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
+    setenv("KVA_CUDA_WG_MIN_Q", mins[pass], 1);
+    kva_context *ctx;
+    const int made = make_cuda_ctx(&ctx, NULL);
+    unsetenv("KVA_CUDA_WG_MIN_Q");
+    if (!made) return;
+    for (size_t ci = 0; ci < sizeof wc / sizeof wc[0]; ++ci) {
+      int ok = 1;
+      for (int variant = 0; variant < 2 && ok; ++variant) ok = run_case_want(ctx, &wc[ci], tree_bits, variant, wants[pass]);
+      if (ok && wc[ci].N > 64) ok = run_table_case(ctx, &wc[ci], ci % 2 ? 16 : 24, 71 + ci, wants[pass]);
+      if (!ok) {
+        FAIL_("tree %s case %zu", wants[pass], ci);
+        break;
+      }
+    }
+    kva_context_destroy(ctx);
+  }
+}
+
+/* On CUDA the bits are device memory: bits at j >= L (the last word's high
+ * bits) are ignored, so a tree with them set gives the same output bit for
+ * bit as without (the host checks only shapes: the call succeeds). */
+TEST(cuda_tree_high_bits_ignored) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case cs[] = {
+      {2, 32, 8, 17, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 8, 4, 7, 500, 64, 64, F32, F32, 0, 0, 0, F32, MASK_TREE, 0, 0, 0, 1, 0},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof cs / sizeof cs[0] && !test_failed_flag; ++ci) {
+    att_data hd;
+    dev_data dd;
+    memset(&dd, 0, sizeof dd);
+    if (att_make(&hd, &cs[ci]) || !dev_make(&dd, &hd)) {
+      FAIL_("case %zu: operands", ci);
+      att_free(&hd);
+      dev_free(&dd);
+      break;
+    }
+    unsigned char *clean = (unsigned char *)malloc(hd.out_bytes);
+    int ok = clean && dev_poison(&dd, 0) && kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0) == 0 &&
+             dev_fetch(&dd, &hd, "clean bits");
+    if (ok) memcpy(clean, hd.out_buf, hd.out_bytes);
+    /* the same bits with every bit j >= L of the last word set, on the device */
+    const kva_tensor *m = &hd.params.mask.array;
+    const int64_t W = m->shape[2];
+    for (int64_t b = 0; ok && b < m->shape[0]; ++b)
+      for (int64_t i = 0; i < m->shape[1]; ++i)
+        *(uint32_t *)((char *)m->data + b * m->stride[0] + i * m->stride[1] + (W - 1) * 4) |= ~0u << (cs[ci].L % 32);
+    ok = ok && cuda_ok(cudaMemcpy(dd.params.mask.array.data, m->data, extent(m), cudaMemcpyHostToDevice), "bits") &&
+         dev_poison(&dd, 0);
+    if (ok && kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
+      FAIL_("case %zu: high bits on CUDA: %s", ci, kva_last_error());
+      ok = 0;
+    }
+    ok = ok && dev_fetch(&dd, &hd, "high bits");
+    if (ok && memcmp(clean, hd.out_buf, hd.out_bytes)) {
+      FAIL_("case %zu: bits >= L changed the output", ci);
+      ok = 0;
+    }
+    free(clean);
+    if (!ok && !test_failed_flag) FAIL_("case %zu: a call failed", ci);
+    dev_free(&dd);
+    att_free(&hd);
   }
   kva_context_destroy(ctx);
 }

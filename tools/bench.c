@@ -109,8 +109,8 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   json_str(f, r->kernel);
   fprintf(f, ",\"kv\":\"%s\",\"group\":%d,\"kv_dtype\":\"%s\"", kb_kv_name(&c->kv), c->kv.group,
           kva_dtype_name(c->kv.dtype));
-  fprintf(f, ",\"qdtype\":\"%s\",\"odtype\":\"%s\",\"mask\":\"causal\"", kva_dtype_name(c->qdtype),
-          kva_dtype_name(c->odtype));
+  fprintf(f, ",\"qdtype\":\"%s\",\"odtype\":\"%s\",\"mask\":\"%s\",\"tree\":%lld", kva_dtype_name(c->qdtype),
+          kva_dtype_name(c->odtype), c->tree ? "tree" : "causal", (long long)c->tree);
   fprintf(f, ",\"heads\":%lld,\"kv_heads\":%lld,\"dim\":%lld,\"dim_v\":%lld", (long long)c->H,
           (long long)c->KVH, (long long)c->Dk, (long long)c->Dv);
   fprintf(f, ",\"ctx\":%lld,\"rows\":%lld,\"batch\":%lld,\"threads\":%d,\"simd\":\"%s\"",
@@ -312,6 +312,33 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
   p.flags = o->exact ? KVA_ATTN_EXACT : 0;
+  kva_attn_params p_host = p; /* the check's (host bits) */
+  uint32_t *tree_host = NULL;
+  void *tree_dev = NULL;
+  const size_t tree_bytes = c->tree ? sizeof(uint32_t) * (size_t)(c->L * ((c->L + 31) / 32)) : 0;
+  if (rc == 0 && c->tree) { /* one EAGLE-style tree (kb_tree_parents) broadcast over the batch: u32 [1, L, W] */
+    int parent[KVA_TREE_MAX_ROWS];
+    tree_host = malloc(tree_bytes);
+    if (!tree_host) {
+      rc = KVA_ENOMEM;
+      set_error(r, "tree", "out of memory");
+    } else {
+      kb_tree_parents(c->L, parent);
+      kb_tree_bits(c->L, parent, tree_host);
+      kva_tensor t = kva_tensor_2d(tree_host, KVA_U32, c->L, (c->L + 31) / 32);
+      t.ndim = 3;
+      t.shape[2] = t.shape[1], t.shape[1] = t.shape[0], t.shape[0] = 1;
+      t.stride[2] = t.stride[1], t.stride[1] = t.stride[0], t.stride[0] = (int64_t)tree_bytes;
+      p_host.mask.kind = p.mask.kind = KVA_MASK_TREE;
+      p_host.mask.array = p.mask.array = t;
+      if (!be->host_memory) {
+        tree_dev = be->alloc(be, tree_bytes);
+        rc = tree_dev ? be->copy_in(be, tree_dev, tree_host, tree_bytes) : KVA_ENOMEM;
+        if (rc < 0) set_error(r, "tree", "device copy");
+        p.mask.array.data = tree_dev;
+      }
+    }
+  }
   r->setup_s = kb_now() - t0;
 
   if (rc == 0) {
@@ -332,7 +359,7 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
     if (o->check) {
       prog_stage(pg, "checking against the oracle");
       t0 = kb_now();
-      rc = kb_check(c, cs, &cb.q_host, &cb.out_host, &p, be->host_threads, r, err, sizeof err);
+      rc = kb_check(c, cs, &cb.q_host, &cb.out_host, &p_host, be->host_threads, r, err, sizeof err);
       r->check_s = kb_now() - t0;
       if (rc < 0) {
         set_error(r, "check", err);
@@ -348,6 +375,8 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
     }
   }
   free_bufs(be, &cb);
+  free(tree_host);
+  if (tree_dev) be->release(be, tree_dev, tree_bytes);
 }
 
 /* --------------------------------------------------------------- run */
@@ -359,11 +388,13 @@ static void print_ratios(const kb_case *cs, const kb_result *rs, int n) {
       if (cs[j].L != 1 || rs[j].reps == 0 || !kb_same_cache(&cs[i], &cs[j]) ||
           cs[i].H != cs[j].H || cs[i].qdtype != cs[j].qdtype || cs[i].odtype != cs[j].odtype)
         continue;
-      if (!head) printf("\nverify / decode (same cache and heads):\n");
+      if (!head) printf("\nverify / decode (same cache and heads; tree=N: a tree verify of N nodes):\n");
       head = true;
       char label[128];
       kb_case_label(&cs[i], label, sizeof label);
-      printf("  %s: %.1f us / L=1 %.1f us = %.2fx\n", label, rs[i].us, rs[j].us, rs[i].us / rs[j].us);
+      printf("  %s: %.1f us / L=1 %.1f us = %.2fx", label, rs[i].us, rs[j].us, rs[i].us / rs[j].us);
+      if (cs[i].tree) printf("  (%s / %s)", rs[i].kernel, rs[j].kernel); /* which kernels the tree and decode ran */
+      printf("\n");
       break;
     }
   }
@@ -429,7 +460,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
       snprintf(rot, sizeof rot, "K/V rotated over >= %.2f GiB of copies", o->rotate_bytes / KB_GIB);
     else
       snprintf(rot, sizeof rot, "no K/V rotation (caches may be warm)");
-    printf("q %s, out %s, causal mask; median of >= %d timed call%s after %d warm-up%s; %s; "
+    printf("q %s, out %s, causal mask (tree=N: KVA_MASK_TREE, an EAGLE-style tree of N nodes); median of >= %d timed call%s after %d warm-up%s; %s; "
            "seed %llu\n",
            kva_dtype_name(cases[0].qdtype), kva_dtype_name(cases[0].odtype), o->min_reps,
            o->min_reps == 1 ? "" : "s", o->warmups, o->warmups == 1 ? "" : "s", rot,

@@ -35,6 +35,7 @@ typedef struct kb_case {
   int64_t H, KVH, Dk, Dv;   /* query heads, KV heads, head dims */
   int64_t N;                /* cache length of every sequence */
   int64_t L;                /* query rows per sequence (1 decode, > 1 causal verify) */
+  int64_t tree;             /* 0: causal rows; > 0: tree verify of L = tree nodes (kb_tree_parents) */
   int64_t B;                /* sequences */
   kb_kvfmt kv;
   kva_dtype qdtype, odtype; /* query / output dtype (bf16 in the suites) */
@@ -42,6 +43,18 @@ typedef struct kb_case {
   int64_t block;            /* paged: tokens per block; 0 for contiguous */
   bool in_order;            /* paged: each sequence's blocks in order in the pool (else shuffled) */
 } kb_case;
+
+/* The tree of a tree-verify case (--tree N, KVA_MASK_TREE), an EAGLE-style
+ * draft tree of n <= KVA_TREE_MAX_ROWS nodes in breadth-first order: node 0
+ * the root; level 1 its top-4 children; each next level takes up to
+ * max(4, n / 4) nodes, children of the previous level's nodes in rank order,
+ * 4 per parent (rank r's parent is rank r / 4 of the level above), until n
+ * nodes (16: levels 1/4/4/4/3, depth 5; 32: 1/4/8/8/8/3, depth 6; 64:
+ * 1/4/16/16/16/11, depth 6). parent[0] = -1. Returns the depth. */
+int kb_tree_parents(int64_t n, int *parent);
+/* Its KVA_MASK_TREE bits, u32 [n, ceil(n / 32)] (row i: itself and its
+ * ancestors). */
+void kb_tree_bits(int64_t n, const int *parent, uint32_t *bits);
 
 /* "q4" / "bf16" ... and "q4g64" / "bf16" (with the group). */
 const char *kb_kv_name(const kb_kvfmt *f);
@@ -81,8 +94,9 @@ typedef struct kb_axes {
   kb_preset preset[KB_MAX_AXIS];
   bool heads_set, dim_set;
   int64_t H, KVH, Dk, Dv;
-  int n_ctx, n_rows, n_batch, n_kv;
+  int n_ctx, n_rows, n_batch, n_kv, n_tree;
   int64_t ctx[KB_MAX_AXIS], rows[KB_MAX_AXIS], batch[KB_MAX_AXIS];
+  int64_t tree[KB_MAX_AXIS]; /* --tree: tree-verify cases of these node counts, after the rows' cases */
   kb_kvfmt kv[KB_MAX_AXIS];
   int group; /* 0 = default (64) */
   kva_dtype qdtype, odtype;

@@ -67,8 +67,32 @@ void kb_case_label(const kb_case *c, char *buf, size_t n) {
   char lay[32] = "";
   if (c->layout == KVA_LAYOUT_PAGED)
     snprintf(lay, sizeof lay, " paged/%lld%s", (long long)c->block, c->in_order ? " in-order" : "");
-  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld L=%lld B=%lld", c->preset, (long long)c->H,
-           (long long)c->KVH, dim, kv, lay, (long long)c->N, (long long)c->L, (long long)c->B);
+  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld %s=%lld B=%lld", c->preset, (long long)c->H,
+           (long long)c->KVH, dim, kv, lay, (long long)c->N, c->tree ? "tree" : "L", (long long)c->L,
+           (long long)c->B);
+}
+
+int kb_tree_parents(int64_t n, int *parent) {
+  const int64_t cap = n / 4 > 4 ? n / 4 : 4;
+  int64_t prev0 = 0, prevw = 1, next = 1; /* the previous level: nodes prev0 .. prev0 + prevw - 1 */
+  int depth = n > 0;
+  if (n > 0) parent[0] = -1;
+  while (next < n) {
+    int64_t w = 4 * prevw;
+    if (depth > 1 && w > cap) w = cap;
+    if (w > n - next) w = n - next;
+    for (int64_t r = 0; r < w; ++r) parent[next + r] = (int)(prev0 + r / 4);
+    prev0 = next, prevw = w, next += w;
+    ++depth;
+  }
+  return depth;
+}
+
+void kb_tree_bits(int64_t n, const int *parent, uint32_t *bits) {
+  const int64_t W = (n + 31) / 32;
+  memset(bits, 0, sizeof(uint32_t) * (size_t)(n * W));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t a = i; a >= 0; a = parent[a]) bits[i * W + a / 32] |= 1u << (a % 32);
 }
 
 /* ------------------------------------------------------------ costs */
@@ -101,7 +125,16 @@ double kb_case_qo_bytes(const kb_case *c) {
 double kb_case_flops(const kb_case *c) {
   const double flops_per_mac = 2.0;
   double keys = 0;
-  for (int64_t i = 0; i < c->L; ++i) keys += (double)row_visible(c, i);
+  int parent[KVA_TREE_MAX_ROWS];
+  if (c->tree && c->L <= KVA_TREE_MAX_ROWS) { /* row i: the prefix, itself and its ancestors */
+    kb_tree_parents(c->L, parent);
+    for (int64_t i = 0; i < c->L; ++i) {
+      keys += (double)(c->N - c->L);
+      for (int64_t a = i; a >= 0; a = parent[a]) keys += 1.0;
+    }
+  } else {
+    for (int64_t i = 0; i < c->L; ++i) keys += (double)row_visible(c, i);
+  }
   double rep = (double)(c->H / c->KVH);
   return flops_per_mac * (double)c->B * (double)c->KVH * rep * keys * (double)(c->Dk + c->Dv);
 }
@@ -209,7 +242,7 @@ static int from_table(const suite_entry *t, int n, const kb_axes *a, kb_case *ou
 
 bool kb_axes_explicit(const kb_axes *a) {
   return a->n_preset || a->heads_set || a->dim_set || a->n_ctx || a->n_rows || a->n_batch ||
-         a->n_kv || a->group;
+         a->n_kv || a->group || a->n_tree;
 }
 
 /* The grid of the explicit axes; an axis not given takes `full`'s set (the
@@ -251,7 +284,7 @@ static int grid(const kb_axes *a, bool full, kb_case *out, int cap, char *err, s
     for (int ib = 0; ib < nbatch; ++ib)
       for (int ik = 0; ik < nkv; ++ik)
         for (int ip = 0; ip < npre; ++ip)
-          for (int ir = 0; ir < nrows; ++ir) {
+          for (int ir = 0; ir < nrows + a->n_tree; ++ir) { /* the rows' cases, then the trees' */
             if (n == cap) {
               snprintf(err, errn, "more than %d cases", cap);
               return -1;
@@ -259,8 +292,9 @@ static int grid(const kb_axes *a, bool full, kb_case *out, int cap, char *err, s
             bool custom = a->heads_set || a->dim_set;
             int64_t H = a->heads_set ? a->H : pre[ip].H, KVH = a->heads_set ? a->KVH : pre[ip].KVH;
             int64_t Dk = a->dim_set ? a->Dk : pre[ip].D, Dv = a->dim_set ? a->Dv : pre[ip].D;
-            out[n++] = case_from(custom ? NULL : pre[ip].name, H, KVH, Dk, Dv, kv[ik], ctx[ic],
-                                 rows[ir], batch[ib], a);
+            const int64_t L = ir < nrows ? rows[ir] : a->tree[ir - nrows];
+            out[n] = case_from(custom ? NULL : pre[ip].name, H, KVH, Dk, Dv, kv[ik], ctx[ic], L, batch[ib], a);
+            out[n++].tree = ir < nrows ? 0 : L;
           }
   return n;
 }
@@ -271,6 +305,11 @@ static int validate(const kb_case *c, char *err, size_t errn) {
   if (c->H <= 0 || c->KVH <= 0 || c->H % c->KVH != 0) {
     snprintf(err, errn, "%s: heads %lld:%lld: H must be a positive multiple of KVH", label,
              (long long)c->H, (long long)c->KVH);
+    return -1;
+  }
+  if (c->tree && c->L > KVA_TREE_MAX_ROWS) {
+    snprintf(err, errn, "%s: --tree %lld exceeds %d nodes (KVA_TREE_MAX_ROWS)", label, (long long)c->L,
+             KVA_TREE_MAX_ROWS);
     return -1;
   }
   if (c->L > c->N) {

@@ -79,6 +79,10 @@ static void usage_bench(FILE *f) {
           "  --ctx N[,..]       cache lengths; suffix k = 1024 (4k, 32k, 128k)\n"
           "  --rows L[,..]      query rows per sequence (1 decode, > 1 causal verify)\n"
           "  --batch B[,..]     sequences\n"
+          "  --tree N[,..]      also a tree verify of N <= 64 nodes per case (KVA_MASK_TREE: an\n"
+          "                     EAGLE-style tree, top-4 children per node, levels of up to\n"
+          "                     max(4, N/4) nodes; 16: depth 5, 32 and 64: depth 6), printed\n"
+          "                     with its ratio to the case's L=1 decode (give --rows 1)\n"
           "  --kv F[,..]        f32 | f16 | bf16 | q8 | q4 | q2 (quantized: bf16 scales)\n"
           "  --group G          quantization group: 32, 64 (default) or 128\n"
           "  --qdtype T         query dtype f32 | f16 | bf16 (default bf16)\n"
@@ -340,6 +344,7 @@ static int cmd_bench(int argc, char **argv) {
     } else if (IS("--ctx")) { NEEDS_VALUE(); TRY(parse_list(opt, val, 1, MAX_CTX, true, a.ctx, &a.n_ctx)); }
     else if (IS("--rows")) { NEEDS_VALUE(); TRY(parse_list(opt, val, 1, MAX_CTX, false, a.rows, &a.n_rows)); }
     else if (IS("--batch")) { NEEDS_VALUE(); TRY(parse_list(opt, val, 1, MAX_CTX, false, a.batch, &a.n_batch)); }
+    else if (IS("--tree")) { NEEDS_VALUE(); TRY(parse_list(opt, val, 1, KVA_TREE_MAX_ROWS, false, a.tree, &a.n_tree)); }
     else if (IS("--kv")) { NEEDS_VALUE(); TRY(parse_kv(opt, val, a.kv, &a.n_kv)); }
     else if (IS("--group")) {
       NEEDS_VALUE();

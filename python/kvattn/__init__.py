@@ -34,7 +34,7 @@ from ._capi import KvaError, lib
 __all__ = [
     "Context", "KvaError", "attention", "attention_kernel", "attention_path", "bfloat16", "build_info", "cache_write",
     "causal_mask", "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
-    "reference_attention", "set_cpu_simd", "version",
+    "reference_attention", "set_cpu_simd", "tree_bits", "version",
 ]
 
 __version__ = lib.kva_version().decode()
@@ -373,11 +373,34 @@ def _kv_operand(x, name, bits, group_size, keep):
     return kv, a.shape, (a.shape[-1] if a.ndim else 0)
 
 
+def _tree_kind(mask, tree_mask):
+    """The mask kind of a call with a tree_mask: KVA_MASK_TREE, whose prefix
+    follows the causal rule (mask None or "causal")."""
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        raise C.error(C.EINVAL, "tree_mask: mask must be None or 'causal' (the prefix before the L new tokens "
+                      "is causal), got %r" % (mask if isinstance(mask, str) else type(mask).__name__))
+    return C.MASK_TREE
+
+
+def _tree_bits(tree_mask):
+    """The packed bits of tree_mask as uint32 [B or 1, L, ceil(L/32)]: a
+    numpy array (or anything np.asarray takes, e.g. a CPU torch tensor) of
+    uint32 or int32 (the same bits) [B, L, W], or [L, W] for one tree shared
+    by every sequence. Other dtypes and ranks go to the library, which names
+    them."""
+    a = np.asarray(tree_mask)
+    if a.dtype == np.int32:
+        a = a.view(np.uint32)
+    if a.ndim == 2:
+        a = a[None]
+    return C.prepare_input(a, "tree_mask")
+
+
 class _Call:
     """The descriptors of one attention call, and the arrays they point into."""
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
-                 seq_lens, out):
+                 seq_lens, out, tree_mask=None):
         group_size = _check_i32(group_size, "group_size")
         bits = _check_i32(bits, "bits")
         keep = self.keep = []
@@ -427,6 +450,12 @@ class _Call:
                 seg = seg.reshape(1, -1)
             keep.append(seg)
             m.segments = C.tensor(seg, "mask.segments")
+        if tree_mask is not None:
+            m.kind = _tree_kind(mask, tree_mask)
+            tb = _tree_bits(tree_mask)
+            keep.append(tb)
+            m.array = C.tensor(tb, "mask.array (tree bits)")
+            return
         m.kind = _mask_kind(mask)
         if m.kind == C.MASK_ARRAY:
             ma = self._mask_array(np.asarray(mask), (B, H, L, N))
@@ -461,7 +490,7 @@ class _Call:
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
-              return_lse=False, lse_base2=False, exact=False):
+              return_lse=False, lse_base2=False, exact=False, tree_mask=None):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
@@ -476,6 +505,14 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
       add seg[p] == seg[j] != 0, limited to the window when clamp; a bool
       array is one image per sequence), or an array
       broadcastable to [B, H, L, N]: bool (True = visible) or additive float.
+    tree_mask: tree speculative verify (KVA_MASK_TREE, L <= 64): packed bits
+      uint32 (or int32, the same bits) [B, L, ceil(L/32)], or [L, W] for one
+      tree shared by every sequence; row i sees new token j (key len - L + j)
+      iff bit j % 32 of word j // 32 of its row is set, and the prefix (keys
+      before len - L) by the causal rule with `window` / `segments`; mask must
+      be None or "causal". numpy, CPU torch and CUDA arrays (on CUDA the bits
+      are device memory and bits >= L are ignored; on the CPU they are an
+      error). tree_bits() builds the bits from parent indices.
     sinks: [H] per-head sink logits (join the softmax denominator only).
     A row that sees no key outputs zeros. Returns out [B, H, L, Dv] in q's
     dtype (or writes `out`). threads / context pick the CPU context.
@@ -494,7 +531,8 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     ops = _torch_ops(q, threads, context)
     if ops is not None:
         res = ops.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp=clamp,
-                            seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact)
+                            seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact,
+                            tree_mask=tree_mask)
         if res is not NotImplemented:
             return res
     if _cuda.is_cuda_array(q):
@@ -502,9 +540,10 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
             raise C.error(C.EUNSUPPORTED, "return_lse: not wired for CUDA arrays in the Python binding yet "
                           "(the C API kva_attention_lse supports CUDA)")
         return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
-                               clamp=clamp, seq_lens=seq_lens, out=out, context=context, exact=exact)
+                               clamp=clamp, seq_lens=seq_lens, out=out, context=context, exact=exact,
+                               tree_mask=tree_mask)
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+                 out, tree_mask)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     if return_lse:
@@ -559,20 +598,20 @@ def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, cont
 
 
 def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,
-                        sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None):
+                        sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, tree_mask=None):
     """The library's oracle (naive double-precision loops) on the same arguments as attention()."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+                 out, tree_mask)
     C.check(lib.kva_reference_attention(*call.refs()))
     return call.out_array
 
 
 def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                    group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
-                   context=None):
+                   context=None, tree_mask=None):
     """Validates like attention() and says which path would run: "fused" or "fallback"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+                 out, tree_mask)
     ctx = context if context is not None else default_context(threads)
     with ctx.lock:
         path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
@@ -581,20 +620,47 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
 
 def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
-                     context=None, exact=False):
+                     context=None, exact=False, tree_mask=None):
     """Validates like attention() and describes the kernel that would run, e.g.
     "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
     tiles) [K,V,P bf16]": words for reading (they may change), then the
     kernel's roundings in a stable trailing bracket (kvattn.h,
     kva_attention_kernel); with exact=True always "[exact f32]"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+                 out, tree_mask)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     name = ctypes.create_string_buffer(256)
     with ctx.lock:
         C.check(lib.kva_attention_kernel(ctx.handle, *call.refs(), name, len(name)))
     return name.value.decode()
+
+
+def tree_bits(parents):
+    """The tree_mask bits of a draft tree: parents[j] = the parent node of
+    node j (among 0..j-1), or -1 for a root; one tree (a sequence of ints,
+    [L, W] uint32 out) or one per sequence (a list of them, [B, L, W]). Row i
+    sees itself and its ancestors."""
+    trees = list(parents)
+    if trees and not isinstance(trees[0], (list, tuple, np.ndarray)):
+        return _tree_rows(trees)
+    return np.stack([_tree_rows(list(t)) for t in trees])
+
+
+def _tree_rows(par):
+    L = len(par)
+    if not 1 <= L <= C.TREE_MAX_ROWS:
+        raise C.error(C.EUNSUPPORTED, "a tree of %d nodes (1..%d)" % (L, C.TREE_MAX_ROWS))
+    bits = np.zeros((L, (L + 31) // 32), np.uint32)
+    for i in range(L):
+        a = i
+        while a >= 0:
+            bits[i, a // 32] |= np.uint32(1 << (a % 32))
+            p = int(par[a])
+            if not -1 <= p < a:
+                raise C.error(C.EINVAL, "tree parents[%d] = %d must be in -1..%d" % (a, p, a - 1))
+            a = p
+    return bits
 
 
 # ------------------------------------------------------------- cache write

@@ -104,7 +104,8 @@ class kva_kv(ctypes.Structure):
     ]
 
 
-MASK_NONE, MASK_CAUSAL, MASK_ARRAY = 0, 1, 2
+MASK_NONE, MASK_CAUSAL, MASK_ARRAY, MASK_TREE = 0, 1, 2, 3
+TREE_MAX_ROWS = 64  # KVA_TREE_MAX_ROWS
 
 
 class kva_mask(ctypes.Structure):

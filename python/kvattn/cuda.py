@@ -99,8 +99,8 @@ class _Call:
     """Descriptors of one attention call over CUDA arrays."""
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
-                 seq_lens, out):
-        from . import _check_i32, _mask_kind, _params, _window
+                 seq_lens, out, tree_mask=None):
+        from . import _check_i32, _mask_kind, _params, _tree_kind, _window
         group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
         self.keep = [q, k, v]
         self.q, qshape, dev, stream = _tensor(q, "q")
@@ -134,9 +134,22 @@ class _Call:
         m.segments_clamp = int(bool(clamp))
         if segments is not None:
             m.segments, _, _, _ = _tensor(self._device_array(segments, "mask.segments"), "mask.segments")
+        if tree_mask is not None:
+            m.kind = _tree_kind(mask, tree_mask)
+            m.array = self._tree(tree_mask)
+            return
         m.kind = _mask_kind(mask)
         if m.kind == C.MASK_ARRAY:
             m.array, _, _, _ = _tensor(self._device_array(mask, "mask.array"), "mask.array")
+
+    def _tree(self, x):
+        """The tree bits on the device: uint32 / int32 (read as uint32) [B, L, W], or [L, W] as [1, L, W]."""
+        t, shape, _, _ = _tensor(self._device_array(x, "tree_mask"), "mask.array (tree bits)", C.U32)
+        if len(shape) == 2:
+            t.ndim = 3
+            t.shape[2], t.shape[1], t.shape[0] = t.shape[1], t.shape[0], 1
+            t.stride[2], t.stride[1], t.stride[0] = t.stride[1], t.stride[0], 0
+        return t
 
     def _device_array(self, x, name):
         if not is_cuda_array(x):
@@ -178,14 +191,16 @@ def _run(call, context):
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False):
+              group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False,
+              tree_mask=None):
     """kvattn.attention on CUDA arrays (see its documentation); runs on the
     arrays' device and the producer's current stream, asynchronously.
-    exact: only the fused or general CUDA-core kernels ("[exact f32]")."""
+    exact: only the fused or general CUDA-core kernels ("[exact f32]").
+    tree_mask: the tree bits as a CUDA array (uint32 or int32)."""
     from . import _flags
 
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out)
+                 out, tree_mask)
     call.params.flags = _flags(exact)
     return _run(call, context)
 
@@ -199,7 +214,7 @@ def _int32_device(call, x, name, ndim):
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
-                          clamp=False, out=None, context=None, exact=False):
+                          clamp=False, out=None, context=None, exact=False, tree_mask=None):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
@@ -209,7 +224,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     from . import _flags
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
-                 out)
+                 out, tree_mask)
     call.params.flags = _flags(exact)
     bl, bshape = _int32_device(call, blocks, "blocks", 2)
     B, mb = bshape

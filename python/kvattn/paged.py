@@ -502,7 +502,7 @@ class PagedView:
         C.check(lib.kva_paged_view_gather(self.handle, b, ctypes.byref(kvs[0]), ctypes.byref(kvs[1])))
         return out[0], out[1]
 
-    def _call(self, q, scale, mask, window, segments, clamp, softcap, sinks, out):
+    def _call(self, q, scale, mask, window, segments, clamp, softcap, sinks, out, tree_mask=None):
         """The contiguous binding's call descriptors, with this view in place of K/V."""
         from . import _Call
 
@@ -514,18 +514,19 @@ class PagedView:
                      p.bits or 4, None, out)
         call.keep.append(self)
         call.view = lib.kva_view_paged(self.handle)
-        _set_mask(call, q, mask, int(lens.max()))
+        _set_mask(call, q, mask, int(lens.max()), tree_mask)
         return call
 
     def attention(self, q, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-                  threads=None, *, clamp=False, out=None, context=None, exact=False):
+                  threads=None, *, clamp=False, out=None, context=None, exact=False, tree_mask=None):
         """kvattn.attention over this view: q [B, H, L, Dk] (B = the view's
         sequences; row i of sequence b at position len_b - L + i, len_b its
-        window length), same masks / softcap / sinks / exact; segments [B,
-        max len] indexed by view index. Returns [B, H, L, Dv] in q's dtype."""
+        window length), same masks / softcap / sinks / exact / tree_mask;
+        segments [B, max len] indexed by view index. Returns [B, H, L, Dv] in
+        q's dtype."""
         from . import _flags, default_context
 
-        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out)
+        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out, tree_mask)
         call.params.flags = _flags(exact)
         ctx = context if context is not None else default_context(threads)
         with ctx.lock:
@@ -533,18 +534,18 @@ class PagedView:
         return call.out_array
 
     def reference_attention(self, q, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-                            *, clamp=False, out=None):
+                            *, clamp=False, out=None, tree_mask=None):
         """The library's double-precision oracle over this view."""
-        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out)
+        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out, tree_mask)
         C.check(lib.kva_reference_attention(*call.refs()))
         return call.out_array
 
     def path(self, q, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, threads=None,
-             *, clamp=False, out=None, context=None):
+             *, clamp=False, out=None, context=None, tree_mask=None):
         """"fused" or "fallback": the path attention() takes."""
         from . import default_context
 
-        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out)
+        call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out, tree_mask)
         ctx = context if context is not None else default_context(threads)
         with ctx.lock:
             path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
@@ -572,12 +573,19 @@ def _table_array(x, name, ndim):
     return arr
 
 
-def _set_mask(call, q, mask, N):
+def _set_mask(call, q, mask, N, tree_mask=None):
     """The mask of a paged call: None, "causal", or an array broadcast to
-    [B, H, L, N] with N the layout's longest sequence (set after the view)."""
-    from . import _mask_kind
+    [B, H, L, N] with N the layout's longest sequence (set after the view);
+    or a tree's bits (tree_mask, as kvattn.attention)."""
+    from . import _mask_kind, _tree_bits, _tree_kind
 
     m = call.params.mask
+    if tree_mask is not None:
+        m.kind = _tree_kind(mask, tree_mask)
+        tb = _tree_bits(tree_mask)
+        call.keep.append(tb)
+        m.array = C.tensor(tb, "mask.array (tree bits)")
+        return
     m.kind = _mask_kind(mask)
     if m.kind == C.MASK_ARRAY:
         qa = np.asarray(q)
@@ -588,7 +596,7 @@ def _set_mask(call, q, mask, N):
 
 
 def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp, softcap,
-                sinks, group_size, bits, out):
+                sinks, group_size, bits, out, tree_mask=None):
     """The contiguous binding's call descriptors, with the pools and a
     kva_block_table in place of K/V (layout BLOCK_TABLE)."""
     from . import _Call
@@ -617,13 +625,13 @@ def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, 
         t.first_offset = _i32(fo)
     call.view = lib.kva_view_block_table(ctypes.byref(call.view.k), ctypes.byref(call.view.v), ctypes.byref(t))
     kp = np.asarray(k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool)
-    _set_mask(call, q, mask, mb * (kp.shape[2] if kp.ndim == 4 else 1))  # N = max_blocks * block_size
+    _set_mask(call, q, mask, mb * (kp.shape[2] if kp.ndim == 4 else 1), tree_mask)  # N = max_blocks * block_size
     return call
 
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, threads=None,
-                          *, clamp=False, out=None, context=None, exact=False):
+                          *, clamp=False, out=None, context=None, exact=False, tree_mask=None):
     """Attention of q [B, H, L, Dk] over caller pools addressed by a block table.
 
     k_pool, v_pool: [num_blocks, KVH, block_size, D] float arrays or
@@ -647,17 +655,18 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     ops = _torch_ops(q, threads, context)
     if ops is not None:
         res = ops.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
-                                        segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact)
+                                        segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact,
+                                        tree_mask=tree_mask)
         if res is not NotImplemented:
             return res
     if cuda.is_cuda_array(q):
         return cuda.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                           segments, softcap, sinks, group_size, bits, clamp=clamp, out=out,
-                                          context=context, exact=exact)
+                                          context=context, exact=exact, tree_mask=tree_mask)
     from . import _flags
 
     call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
-                       softcap, sinks, group_size, bits, out)
+                       softcap, sinks, group_size, bits, out, tree_mask)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     with ctx.lock:
@@ -667,9 +676,9 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
 
 def block_table_reference_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                                     window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
-                                    clamp=False, out=None):
+                                    clamp=False, out=None, tree_mask=None):
     """The library's double-precision oracle on block_table_attention's arguments."""
     call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
-                       softcap, sinks, group_size, bits, out)
+                       softcap, sinks, group_size, bits, out, tree_mask)
     C.check(lib.kva_reference_attention(*call.refs()))
     return call.out_array

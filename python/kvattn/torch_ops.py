@@ -45,7 +45,7 @@ import os
 import torch
 
 from . import _capi as C
-from . import _check_i32, _flags, _mask_kind, _window
+from . import _check_i32, _flags, _mask_kind, _tree_kind, _window
 from ._capi import KvaError
 
 __all__ = ["attention", "available", "block_table_attention", "cache_write", "eager", "library_path", "load",
@@ -172,7 +172,7 @@ def _kv(x, bits):
     return None
 
 
-def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact):
+def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact, tree_mask=None):
     """(k data, v data, the ops' options in schema order: causal, k_scales,
     k_biases, v_scales, v_biases, bits, group_size, window, scale, softcap,
     sinks, segments, clamp, mask, exact) from kvattn.attention's arguments;
@@ -183,7 +183,14 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
         return None
     if not ((segments is None or isinstance(segments, _Tensor)) and (sinks is None or isinstance(sinks, _Tensor))):
         return None
-    if mask is None:
+    if tree_mask is not None:  # the ops take a tree's bits as an int32 / uint32 mask (the prefix causal)
+        if not isinstance(tree_mask, _Tensor):
+            return None
+        if tree_mask.dtype not in (torch.int32, torch.uint32):
+            raise C.error(C.EDTYPE, "tree_mask has dtype %s (int32 or uint32 packed bits expected)" % tree_mask.dtype)
+        _tree_kind(mask, tree_mask)
+        causal, marr = True, tree_mask
+    elif mask is None:
         causal, marr = False, None
     elif isinstance(mask, _Tensor):
         causal, marr = False, mask
@@ -203,9 +210,10 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
 
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,
-              bits=4, *, clamp=False, seq_lens=None, out=None, return_lse=False, lse_base2=False, exact=False):
+              bits=4, *, clamp=False, seq_lens=None, out=None, return_lse=False, lse_base2=False, exact=False,
+              tree_mask=None):
     """kvattn.attention on torch tensors through the ops (see its documentation)."""
-    opts = _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
+    opts = _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact, tree_mask)
     if opts is None or not _tensors(seq_lens, out):
         return NotImplemented
     kd, vd, o = opts
@@ -230,9 +238,10 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None, window=None,
                           segments=None, softcap=None, sinks=None, group_size=64, bits=4, *, clamp=False, out=None,
-                          exact=False):
+                          exact=False, tree_mask=None):
     """kvattn.block_table_attention on torch tensors through the ops."""
-    opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact)
+    opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact,
+                    tree_mask)
     if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
         return NotImplemented
     kd, vd, o = opts

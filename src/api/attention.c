@@ -25,17 +25,50 @@ kva_attn_params kva_attn_defaults(void) {
   return p;
 }
 
+/* KVA_MASK_TREE: mask.array is u32 [B or 1, L, ceil(L / 32)] packed bits
+ * (innermost contiguous), L <= KVA_TREE_MAX_ROWS; p->mask_stride[0..2] get
+ * its byte strides (0 for a broadcast batch dim). Host bits (CPU) at
+ * j >= L are KVA_EINVAL naming the row; device bits are not read. */
+static int check_tree(kva_problem *p, kva_backend backend) {
+  const kva_tensor *a = &p->mask.array;
+  if (p->L > KVA_TREE_MAX_ROWS)
+    return kva_seterr(KVA_EUNSUPPORTED, "mask.kind = KVA_MASK_TREE takes at most %d query rows, got L = %lld",
+                      KVA_TREE_MAX_ROWS, (long long)p->L);
+  int rc = kva_check_tensor(a, "mask.array (tree bits)", KVA_DT(KVA_U32), 3, true);
+  if (rc) return rc;
+  const int64_t W = (p->L + 31) / 32;
+  if ((a->shape[0] != p->B && a->shape[0] != 1) || a->shape[1] != p->L || a->shape[2] != W)
+    return kva_seterr(KVA_ESHAPE, "mask.array (tree bits) must be u32 [B or 1, L, ceil(L/32)] = [%lld, %lld, %lld], "
+                      "got [%lld, %lld, %lld]", (long long)p->B, (long long)p->L, (long long)W,
+                      (long long)a->shape[0], (long long)a->shape[1], (long long)a->shape[2]);
+  p->mask_stride[0] = a->shape[0] == 1 ? 0 : a->stride[0];
+  p->mask_stride[1] = a->stride[1];
+  p->mask_stride[2] = a->stride[2];
+  p->mask_stride[3] = 0;
+  if (backend != KVA_BACKEND_CPU || p->L % 32 == 0) return 0;
+  const uint32_t high = ~0u << (p->L % 32); /* bits of the last word at j >= L */
+  for (int64_t b = 0; b < a->shape[0]; ++b)
+    for (int64_t i = 0; i < p->L; ++i) {
+      const uint32_t w = *(const uint32_t *)((const char *)a->data + b * a->stride[0] + i * a->stride[1] +
+                                             (W - 1) * a->stride[2]);
+      if (w & high)
+        return kva_seterr(KVA_EINVAL, "mask.array (tree bits)[%lld][%lld][%lld] = 0x%08x sets bits of new tokens "
+                          "j >= L = %lld", (long long)b, (long long)i, (long long)(W - 1), w, (long long)p->L);
+    }
+  return 0;
+}
+
 static int check_mask(kva_problem *p, kva_backend backend) {
   const kva_mask *m = &p->mask;
-  if ((unsigned)m->kind > KVA_MASK_ARRAY)
+  if ((unsigned)m->kind > KVA_MASK_TREE)
     return kva_seterr(KVA_EINVAL, "mask.kind = %d is not a kva_mask_kind", (int)m->kind);
   if (m->window < 0)
     return kva_seterr(KVA_EINVAL, "mask.window = %d must be > 0 (or 0 for none)", m->window);
-  if (m->window > 0 && m->kind != KVA_MASK_CAUSAL)
-    return kva_seterr(KVA_EINVAL, "mask.window needs mask.kind = KVA_MASK_CAUSAL");
+  if (m->window > 0 && !kva_causal_family(m->kind))
+    return kva_seterr(KVA_EINVAL, "mask.window needs mask.kind = KVA_MASK_CAUSAL or KVA_MASK_TREE");
   if (m->segments.data) {
-    if (m->kind != KVA_MASK_CAUSAL)
-      return kva_seterr(KVA_EINVAL, "mask.segments needs mask.kind = KVA_MASK_CAUSAL");
+    if (!kva_causal_family(m->kind))
+      return kva_seterr(KVA_EINVAL, "mask.segments needs mask.kind = KVA_MASK_CAUSAL or KVA_MASK_TREE");
     int rc = kva_check_tensor(&m->segments, "mask.segments", KVA_DT(KVA_I32), 2, false);
     if (rc) return rc;
     if (m->segments.shape[0] != p->B || m->segments.shape[1] != p->N)
@@ -59,10 +92,13 @@ static int check_mask(kva_problem *p, kva_backend backend) {
         return kva_seterr(KVA_ESHAPE, "mask.array.shape[%d] = %lld must be %s = %lld%s", d,
                           (long long)a->shape[d], names[d], (long long)want[d], d != 3 ? " or 1" : "");
     }
+  } else if (m->kind == KVA_MASK_TREE) {
+    int rc = check_tree(p, backend);
+    if (rc) return rc;
   } else if (m->array.data) {
-    return kva_seterr(KVA_EINVAL, "mask.array is set but mask.kind is not KVA_MASK_ARRAY");
+    return kva_seterr(KVA_EINVAL, "mask.array is set but mask.kind is not KVA_MASK_ARRAY or KVA_MASK_TREE");
   }
-  if (p->out && m->kind == KVA_MASK_ARRAY && kva_tensors_overlap(p->out, &m->array))
+  if (p->out && (m->kind == KVA_MASK_ARRAY || m->kind == KVA_MASK_TREE) && kva_tensors_overlap(p->out, &m->array))
     return kva_seterr(KVA_EINVAL, "out overlaps mask.array");
   if (p->out && m->segments.data && kva_tensors_overlap(p->out, &m->segments))
     return kva_seterr(KVA_EINVAL, "out overlaps mask.segments");
@@ -263,6 +299,8 @@ int kva_problem_set_lse(kva_problem *p, const kva_tensor *lse, unsigned flags) {
 }
 
 kva_path kva_select_path(const kva_problem *p) {
+  /* tree verify (L <= KVA_TREE_MAX_ROWS, checked) runs fused at any L */
+  if (p->mask.kind == KVA_MASK_TREE) return KVA_PATH_FUSED;
   if (p->mask.kind == KVA_MASK_ARRAY || p->L > KVA_MAX_FUSED_ROWS) return KVA_PATH_FALLBACK;
   return KVA_PATH_FUSED;
 }

@@ -19,7 +19,7 @@ int kva_causal_mask(int64_t n, int64_t offset, int32_t window, kva_tensor *out) 
   for (int64_t r = 0; r < n; ++r)
     for (int64_t j = 0; j < offset + n; ++j)
       *((uint8_t *)out->data + r * out->stride[0] + j * out->stride[1]) =
-          (uint8_t)kva_causal_visible(j, offset + r, window, NULL, 0);
+          (uint8_t)kva_causal_visible(j, offset + r, window, NULL, 0, NULL, 0);
   return 0;
 }
 
@@ -51,7 +51,7 @@ int kva_image_mask(const kva_tensor *segments, int32_t window, int clamp, kva_te
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < n; ++j)
       *((uint8_t *)out->data + i * out->stride[0] + j * out->stride[1]) =
-          (uint8_t)kva_causal_visible(j, i, window, seg, clamp);
+          (uint8_t)kva_causal_visible(j, i, window, seg, clamp, NULL, 0);
   if (seg != stackbuf) free(seg);
   return 0;
 }

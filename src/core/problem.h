@@ -29,14 +29,40 @@ typedef struct kva_problem {
   kva_path path;
 } kva_problem;
 
+/* The causal family: CAUSAL, and TREE (CAUSAL on the prefix, bits on the
+ * L new keys). */
+static inline int kva_causal_family(kva_mask_kind k) { return k == KVA_MASK_CAUSAL || k == KVA_MASK_TREE; }
+
+/* TREE: the packed bit row of query row i of sequence b (ceil(L / 32)
+ * words; p->mask_stride[0] is 0 for a broadcast tree); NULL for other kinds. */
+static inline const uint32_t *kva_tree_row(const kva_problem *p, int64_t b, int64_t i) {
+  if (p->mask.kind != KVA_MASK_TREE) return NULL;
+  return (const uint32_t *)((const char *)p->mask.array.data + b * p->mask_stride[0] + i * p->mask_stride[1]);
+}
+
 /* Visibility of key t for query row i of a sequence of length len, for the
- * causal family (CAUSAL with window / segments); `seg` is that sequence's
- * segment row or NULL. Positions are view indices: p = len - L + i. */
-static inline int kva_causal_visible(int64_t t, int64_t p, int32_t window, const int32_t *seg,
-                                     int clamp) {
+ * causal family (CAUSAL with window / segments; TREE); `seg` is that
+ * sequence's segment row or NULL. Positions are view indices:
+ * p = len - L + i. TREE: tree = kva_tree_row of the row and n0 = len - L
+ * (the first new key): key t >= n0 is visible iff bit t - n0 is set, keys
+ * before it follow the causal rule; CAUSAL: tree = NULL (n0 unused). */
+static inline int kva_causal_visible(int64_t t, int64_t p, int32_t window, const int32_t *seg, int clamp,
+                                     const uint32_t *tree, int64_t n0) {
+  if (tree && t >= n0) {
+    const int64_t j = t - n0;
+    return (int)(tree[j >> 5] >> (j & 31) & 1u);
+  }
   int in_window = window <= 0 || t > p - window;
   if (t <= p && in_window) return 1;
   if (seg && seg[t] != 0 && seg[t] == seg[p] && (!clamp || in_window)) return 1;
   return 0;
+}
+
+/* The last key that every row at positions >= pmin sees by the causal
+ * triangle (windows aside): pmin for CAUSAL; for TREE the last prefix key
+ * len - L - 1 (the new keys follow the bits). For "whole tile visible"
+ * shortcuts. */
+static inline int64_t kva_causal_all_upto(const kva_problem *p, int64_t len, int64_t pmin) {
+  return p->mask.kind == KVA_MASK_TREE ? len - p->L - 1 : pmin;
 }
 #endif

@@ -22,6 +22,7 @@
 #define KVA_MIN_CHUNK 256
 #define KVA_MAX_CHUNK 4096
 #define KVA_ALIGN 64
+#define KVA_TREE_ITEM_VECTORS 256 /* tree verify: query vectors per item (rows of one group times rep) */
 
 /* ---- SIMD level ---- */
 /* Which levels are built follows the target (the Makefile's SIMD_LEVELS):
@@ -172,9 +173,10 @@ size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq, bool *ok) {
 }
 
 /* Visible token range [lo, len) of sequence b: with a causal sliding window
- * (no segments), keys older than the first row's window are never seen. */
+ * (no segments), keys older than the first row's window are never seen
+ * (TREE: the same on its prefix; the new keys are all at or after lo). */
 static int64_t visible_lo(const kva_problem *p, int64_t len) {
-  if (p->mask.kind == KVA_MASK_CAUSAL && p->mask.window > 0 && !p->mask.segments.data) {
+  if (kva_causal_family(p->mask.kind) && p->mask.window > 0 && !p->mask.segments.data) {
     int64_t lo = len - p->L - p->mask.window + 1;
     return lo > 0 ? lo : 0;
   }
@@ -185,9 +187,21 @@ static size_t align_up(size_t x) { return (x + KVA_ALIGN - 1) / KVA_ALIGN * KVA_
 
 /* The plan of a validated problem; KVA_ESHAPE when its sizes do not fit
  * (an absurd problem: B, H, L, N from the caller's descriptors). */
+static int64_t group_rows(const kva_problem *p) {
+  if (p->L <= KVA_MAX_FUSED_ROWS) return p->L;
+  if (p->mask.kind == KVA_MASK_TREE) {
+    /* tree verify (L <= 64): as many rows per item as keep rep * rows <=
+     * KVA_TREE_ITEM_VECTORS (at least KVA_MAX_FUSED_ROWS), so each K/V row
+     * is read once per KV head for up to that many query vectors */
+    const int64_t rows = KVA_TREE_ITEM_VECTORS / p->rep;
+    return rows >= p->L ? p->L : rows > KVA_MAX_FUSED_ROWS ? rows : KVA_MAX_FUSED_ROWS;
+  }
+  return KVA_MAX_FUSED_ROWS;
+}
+
 static int make_plan(const kva_problem *p, int threads, cpu_plan *pl) {
   bool ok = true;
-  pl->rows = p->L <= KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS;
+  pl->rows = group_rows(p);
   pl->ngroups = (p->L + pl->rows - 1) / pl->rows;
   pl->nq = kva_mul_chk(p->rep, pl->rows, &ok);
   int64_t work = 0; /* token-items */
@@ -290,7 +304,7 @@ static void run_item(void *arg, long task, int worker) {
   it.state = r->partials + (size_t)(r->item0[b] + (g * p->KVH + hk) * nchunks + c) * (size_t)r->pl.nq *
                                (size_t)KVA_STATE_FLOATS(p->Dv);
   it.scratch = r->scratch + (size_t)worker * r->pl.scratch_floats;
-  (r->fused && it.rows == p->L ? r->fused : r->generic)(&it);
+  (r->fused ? r->fused : r->generic)(&it); /* fused: the FUSED path (one group, or a tree's groups) */
 }
 
 /* Merge task = (sequence, group, KV head): merge chunk states in order. */

@@ -351,7 +351,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   }
 
   long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
-  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) /* keys before row 0's window */
+  if (kvc_causal_family(a) && a.window > 0 && !a.seg) /* keys before row 0's window (TREE: its prefix's) */
     t_lo = max(t_lo, len - a.L - a.window + 1);
 
   /* The affine map per row and query vector (2 operations per query and row)
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         bool v = st.valid[u] && qok[j];
-        if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, st.t[u], pos[j], segp[j]);
+        if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, st.t[u], pos[j], segp[j], len);
         const float xl = v ? kvc_logit(a, x[u][j]) * KVC_LOG2E : -INFINITY;
         if (xl == -INFINITY) v = false;
         vis[u][j] = v;

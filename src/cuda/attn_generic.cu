@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(GEN_THREADS) kvc_generic_kernel(const kvc_args
     const long long t = t0 + tid;
     float x = -INFINITY;
     bool vis = t < len;
-    if (vis && a.mask_kind == KVA_MASK_CAUSAL) vis = kvc_causal_visible(a, b, t, pos, segp);
+    if (vis && kvc_causal_family(a)) vis = kvc_causal_visible(a, b, t, pos, segp, len);
     float add = 0.0f;
     if (vis && a.mask_kind == KVA_MASK_ARRAY) {
       const char *e = kvc_mask_at(a, b, h, i, t);

@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
         if (!full) {
           const long long t = t0 + KVC_TC_SUB * warp + g + 8 * (e >> 1);
           v = v && t < t_hi;
-          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[nt][j], segp[nt][j]);
+          if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, t, pos[nt][j], segp[nt][j], len);
         }
         const float xl = v ? sc[nt][e] : -INFINITY;
         vis[nt][e] = v && xl != -INFINITY;
@@ -1056,7 +1056,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
         if (!full) {
           const long long t = t0 + 8 * warp + 2 * tq + (e & 1);
           v = v && t < t_hi;
-          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[mq][r], segp[mq][r]);
+          if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, t, pos[mq][r], segp[mq][r], len);
         }
         const float xl = v ? x : -INFINITY;
         vis[mq][e] = v && xl != -INFINITY;

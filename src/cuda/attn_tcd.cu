@@ -584,7 +584,7 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
         if (!full) {
           const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
           v = v && t < t_hi;
-          if (v && a.mask_kind == KVA_MASK_CAUSAL) v = kvc_causal_visible(a, b, t, pos[r], segp[r]);
+          if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, t, pos[r], segp[r], len);
         }
         const float xl = v ? sc[r][e] : -INFINITY;
         vis[r][e] = v && xl != -INFINITY;

@@ -4,7 +4,9 @@
  * to 64 query vectors per block (the selector, context.cu, sends q4 calls
  * with >= KVC_WG_MIN_Q query vectors per KV head here: speculative verify,
  * wide GQA, the stacked prefix rows of a cascade); the causal mask with or
- * without a window, or no mask (no image segments), softcap, sinks;
+ * without a window, the tree mask (KVA_MASK_TREE: the causal rule on the
+ * prefix, each row's bits held in a register pair for the L <= 64 new
+ * keys), or no mask (no image segments), softcap, sinks;
  * contiguous or BLOCK_TABLE rows.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
@@ -211,14 +213,22 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     *(uint4 *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
   }
 
-  /* this thread's query rows 16 warp + g + 8 r */
+  /* this thread's query rows 16 warp + g + 8 r; TREE: the row's bits (L <= 64: two words in a register pair) */
+  const bool tree = a.mask_kind == KVA_MASK_TREE;
+  const long long n0 = len - a.L; /* TREE: the first new key */
   long long pos[2];
+  uint64_t tbits[2];
   float m[2], l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int qv = q0 + 16 * warp + g + 8 * r;
     /* -1: no query vector, sees nothing (as any row before token 0); no mask: every key up to t_hi */
     pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
+    tbits[r] = 0;
+    if (tree && qv < Q) {
+      const uint32_t *row = (const uint32_t *)(a.tree + b * a.tree_s[0] + (qv % a.L) * a.tree_s[1]);
+      tbits[r] = (uint64_t)__ldg(row) | (a.L > 32 ? (uint64_t)__ldg(row + 1) << 32 : 0ull);
+    }
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
@@ -286,11 +296,15 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     const long long t0 = t_lo + (long long)s * KVC_TC_TOK;
     const bool full = kvc_tc_stage_full(a, t0, t_hi, len);
     int lo[2] = {0, 0}, hi[2] = {KVC_TC_TOK, KVC_TC_TOK};
-    if (!full) /* causal: t <= pos, t > pos - window; no mask: t < t_hi (the selector sends no other mask here) */
+    /* the stage's tokens [tb, tb + 64) that are new keys (TREE): from n0 on, below t_hi */
+    const int nlo = tree ? (int)min(max(n0 - t0, 0LL), (long long)KVC_TC_TOK) : KVC_TC_TOK;
+    const int nhi = tree ? (int)min(max(t_hi - t0, 0LL), (long long)KVC_TC_TOK) : 0;
+    if (!full) /* causal: t <= pos, t > pos - window; TREE: the same below n0, the bits from n0; no mask: t < t_hi
+                  (the selector sends no other mask here) */
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const long long h = min(t_hi, pos[r] + 1);
-        const long long o = a.window > 0 && a.mask_kind == KVA_MASK_CAUSAL ? pos[r] - a.window + 1 : t0;
+        const long long h = min(tree ? min(t_hi, n0) : t_hi, pos[r] + 1);
+        const long long o = a.window > 0 && a.mask_kind != KVA_MASK_NONE ? pos[r] - a.window + 1 : t0;
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
       }
@@ -302,7 +316,11 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
         float x = sacc[4 * j + e] * scl2;
         if (capped) x = cap2 * tanhf(x * cap2_inv);
-        if (!full) x = tok >= lo[r] && tok < hi[r] ? x : -INFINITY;
+        if (!full)
+          x = (tok >= lo[r] && tok < hi[r]) ||
+                      (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull))
+                  ? x
+                  : -INFINITY;
         sacc[4 * j + e] = x;
         mx[r] = kvc_max(mx[r], x);
       }

@@ -52,6 +52,8 @@ struct kvc_args {
   int mask_kind, window, clamp;
   const int32_t *seg;          /* [B, N] segment ids or NULL */
   long long seg_s[2];          /* byte strides */
+  const char *tree;            /* TREE bits u32 [B, L, ceil(L/32)] (device memory) */
+  long long tree_s[2];         /* its byte strides of dims b (0: one tree for all) and i */
   const char *mask_arr;        /* ARRAY mask [B, H, L, N] */
   int mask_dtype;
   long long mask_s[4];         /* byte strides, 0 where broadcast */
@@ -248,36 +250,52 @@ __device__ __forceinline__ long long kvc_seq_len(const kvc_args &a, int b) {
   return n < 0 ? 0 : (n > hi ? hi : n);
 }
 
+/* The causal family: CAUSAL, and TREE (CAUSAL on the prefix, bits on the
+ * L new keys). */
+__device__ __forceinline__ bool kvc_causal_family(const kvc_args &a) {
+  return a.mask_kind == KVA_MASK_CAUSAL || a.mask_kind == KVA_MASK_TREE;
+}
 /* The causal-family rule (docs/semantics.md): row at position p sees key t iff
  * t <= p and (no window or t > p - w), or seg[t] == seg[p] != 0 (and, with
- * clamp, t > p - w). segp = seg[p] (0 when there are no segments). */
+ * clamp, t > p - w). segp = seg[p] (0 when there are no segments). TREE: a
+ * new key t >= n0 = len - L is visible iff bit t - n0 of row i = p - n0 is
+ * set (bits >= L are never asked); the prefix follows the rule above. */
 __device__ __forceinline__ bool kvc_causal_visible(const kvc_args &a, int b, long long t, long long p,
-                                                   int32_t segp) {
+                                                   int32_t segp, long long len) {
+  const long long n0 = len - a.L;
+  if (a.mask_kind == KVA_MASK_TREE && t >= n0) {
+    const long long j = t - n0;
+    const uint32_t w = __ldg((const uint32_t *)(a.tree + b * a.tree_s[0] + (p - n0) * a.tree_s[1]) + (j >> 5));
+    return (w >> (j & 31)) & 1u;
+  }
   bool in_window = a.window <= 0 || t > p - a.window;
   if (t <= p && in_window) return true;
   if (segp != 0 && (!a.clamp || in_window) && kvc_seg_at(a, b, t) == segp) return true;
   return false;
 }
 __device__ __forceinline__ int32_t kvc_seg_of_row(const kvc_args &a, int b, long long p) {
-  return (a.mask_kind == KVA_MASK_CAUSAL && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
+  return (kvc_causal_family(a) && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
 }
 
 /* The token range [*t_lo, *t_hi) of a split of a.chunk tokens (keys before
- * row 0's sliding window skipped: no row sees them). */
+ * row 0's sliding window skipped: no row sees them; TREE: its prefix alike,
+ * the new keys all lie after that bound). */
 __device__ __forceinline__ void kvc_split_range(const kvc_args &a, int split, long long len, long long *t_lo,
                                                 long long *t_hi) {
   *t_lo = (long long)split * a.chunk;
   *t_hi = min(*t_lo + a.chunk, len);
-  if (a.mask_kind == KVA_MASK_CAUSAL && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
+  if (kvc_causal_family(a) && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
 }
 /* Are keys t0 .. t0 + n - 1 all inside the split (below t_hi) and visible
  * to every row (no mask, or causal without segments and inside each row's
- * window)? Then a kernel skips the per-key mask test (the common case). */
+ * window; TREE: prefix keys only, inside the windows)? Then a kernel skips
+ * the per-key mask test (the common case). */
 __device__ __forceinline__ bool kvc_keys_all_visible(const kvc_args &a, long long t0, int n, long long t_hi,
                                                      long long len) {
+  const long long upto = a.mask_kind == KVA_MASK_TREE ? len - a.L - 1 : len - a.L; /* kva_causal_all_upto */
   return t0 + n <= t_hi &&
          (a.mask_kind == KVA_MASK_NONE ||
-          (a.mask_kind == KVA_MASK_CAUSAL && !a.seg && t0 + n - 1 <= len - a.L && (a.window <= 0 || t0 > len - 1 - a.window)));
+          (kvc_causal_family(a) && !a.seg && t0 + n - 1 <= upto && (a.window <= 0 || t0 > len - 1 - a.window)));
 }
 
 /* scale, then softcap: the logit in natural units. */

@@ -398,8 +398,9 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     return pl;
   }
   if (di >= 0 && tcf == KVC_Q4 && p->Dk <= 256 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
-      (p->mask.kind == KVA_MASK_CAUSAL || p->mask.kind == KVA_MASK_NONE) && !p->mask.segments.data) {
-    /* q4 verify-sized calls (and wide GQA, cascade prefixes) on Hopper, causal without image segments or no mask:
+      p->mask.kind != KVA_MASK_ARRAY && !p->mask.segments.data) {
+    /* q4 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree without image
+     * segments, or no mask:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
      * 64 query vectors per block) when its shared memory fits */
     const int smem = kvc_wg_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size));
@@ -579,9 +580,14 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
   a->mask_kind = p->mask.kind;
   a->window = p->mask.window;
   a->clamp = p->mask.segments_clamp;
-  if (p->mask.kind == KVA_MASK_CAUSAL && p->mask.segments.data) {
+  if (kva_causal_family(p->mask.kind) && p->mask.segments.data) {
     a->seg = (const int32_t *)p->mask.segments.data;
     kvc_copy_strides(a->seg_s, &p->mask.segments, 2);
+  }
+  if (p->mask.kind == KVA_MASK_TREE) { /* device bits; mask_stride[0] = 0 broadcasts one tree */
+    a->tree = (const char *)p->mask.array.data;
+    a->tree_s[0] = p->mask_stride[0];
+    a->tree_s[1] = p->mask_stride[1];
   }
   if (p->mask.kind == KVA_MASK_ARRAY) {
     a->mask_arr = (const char *)p->mask.array.data;

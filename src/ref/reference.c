@@ -155,6 +155,15 @@ static int ref_visible(const kva_mask *m, int64_t L, int64_t b, int64_t i, int64
     return 1;
   }
   int64_t pos = len - L + i;
+  if (m->kind == KVA_MASK_TREE && j >= len - L) {
+    /* new token jn = j - (len - L): bit jn % 32 of word jn / 32 of row i */
+    const kva_tensor *a = &m->array;
+    const int64_t jn = j - (len - L);
+    uint32_t w;
+    memcpy(&w, (const char *)a->data + (a->shape[0] == 1 ? 0 : b) * a->stride[0] + i * a->stride[1] +
+                   (jn / 32) * a->stride[2], 4);
+    return (int)((w >> (jn % 32)) & 1u);
+  }
   int causal = j <= pos, inwin = m->window == 0 || j > pos - m->window;
   if (causal && inwin) return 1;
   if (m->segments.data) {

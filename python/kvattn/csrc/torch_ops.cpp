@@ -398,10 +398,18 @@ void build_call(AttnCall &c, const Tensor &q, const Tensor &k, const Tensor &v, 
       m.segments.stride[0] = m.segments.shape[1] * m.segments.stride[1];
     }
   }
-  if (causal && mask.has_value())
+  /* an int32 / uint32 mask is a tree's packed bits (KVA_MASK_TREE: [B, L, W], or [L, W] for one tree), whose
+   * prefix is causal (causal may be either) */
+  const bool tree = mask.has_value() && (mask->scalar_type() == at::kInt || mask->scalar_type() == at::kUInt32);
+  if (causal && mask.has_value() && !tree)
     fail(binding_error(KVA_EINVAL, "mask: causal=True and a mask array are exclusive"));
   m.kind = causal ? KVA_MASK_CAUSAL : KVA_MASK_NONE;
-  if (mask.has_value()) {
+  if (tree) {
+    same_device(*mask, dev, "mask.array (tree bits)");
+    c.mask_view = mask->dim() == 2 ? mask->unsqueeze(0) : *mask;
+    m.kind = KVA_MASK_TREE;
+    m.array = desc(c.mask_view, "mask.array (tree bits)", true); /* int32: the same bits as u32 */
+  } else if (mask.has_value()) {
     same_device(*mask, dev, "mask.array");
     m.kind = KVA_MASK_ARRAY;
     c.mask_view = *mask;

@@ -339,7 +339,8 @@ static void attend_amx(const kva_item *it) {
         _mm512_storeu_si512(vp + ((d / 16 + 1) * 16 + r / 2) * 32, _mm512_permutex2var_epi16(a, pair_hi, b));
       }
     }
-    const int full = p->mask.kind != KVA_MASK_CAUSAL || simd_tile_all_visible(tf, n, pmin, pmax, win);
+    const int full = !kva_causal_family(p->mask.kind) ||
+                     simd_tile_all_visible(tf, n, kva_causal_all_upto(p, it->len, pmin), pmax, win);
     for (int64_t blk = 0; blk < nqt; ++blk) {
       const uint16_t *qblk = qt + blk * ksteps * 16 * 32;
       /* Sᵀ for 32 keys: two 16-key halves. */
@@ -382,7 +383,8 @@ static void attend_amx(const kva_item *it) {
         for (int64_t r = 0; r < n; ++r)
           for (int q = 0; q < QT; ++q) {
             const int64_t j = blk * QT + q;
-            if (j < nq && !kva_causal_visible(tf + r, pmin + j % rows, win, seg, p->mask.segments_clamp))
+            if (j < nq && !kva_causal_visible(tf + r, pmin + j % rows, win, seg, p->mask.segments_clamp,
+                                              kva_tree_row(p, it->b, it->i0 + j % rows), pos0))
               st[r * QT + q] = -INFINITY;
           }
       __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -441,7 +443,9 @@ static void attend_amx(const kva_item *it) {
           load_row_f32(trow[r].v, vf.dt, Dv, vrow);
           for (int q = 0; q < QT; ++q) {
             const int64_t j = blk * QT + q;
-            if (j >= nq || !kva_causal_visible(tf + r, pmin + j % rows, win, seg, p->mask.segments_clamp)) continue;
+            if (j >= nq || !kva_causal_visible(tf + r, pmin + j % rows, win, seg, p->mask.segments_clamp,
+                                               kva_tree_row(p, it->b, it->i0 + j % rows), pos0))
+              continue;
             const __m512 pv = _mm512_set1_ps(st[r * QT + q]);
             float *orow = oblk + q * Dv;
             for (int64_t d = 0; d < Dv; d += LANES)

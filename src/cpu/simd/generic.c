@@ -86,7 +86,8 @@ static void KFN(attend_generic)(const kva_item *it) {
       /* Mask class of the tile: all visible, or per element. */
       int full = 1;
       if (p->mask.kind == KVA_MASK_ARRAY) full = 0;
-      else if (p->mask.kind == KVA_MASK_CAUSAL) full = simd_tile_all_visible(tf, n, pmin, pmax, win);
+      else if (kva_causal_family(p->mask.kind))
+        full = simd_tile_all_visible(tf, n, kva_causal_all_upto(p, it->len, pmin), pmax, win);
       for (int64_t r = 0; r < n; ++r) {
         int64_t rr = r0 + r;
         decode_row(&src->kf, sp.k + rr * sp.k_rs, sp.ks ? sp.ks + rr * sp.ks_rs : NULL,
@@ -111,7 +112,8 @@ static void KFN(attend_generic)(const kva_item *it) {
             if (p->mask.kind == KVA_MASK_ARRAY) {
               const float add = array_mask_add(p, it->b, h, i, tf + r);
               *s = add == -INFINITY ? -INFINITY : *s + add;
-            } else if (!kva_causal_visible(tf + r, pos0 + i, win, seg, p->mask.segments_clamp)) {
+            } else if (!kva_causal_visible(tf + r, pos0 + i, win, seg, p->mask.segments_clamp,
+                                           kva_tree_row(p, it->b, i), pos0)) {
               *s = -INFINITY;
             }
           }

@@ -123,9 +123,10 @@ static inline void kva_cursor_tile(kva_cursor *c, int64_t t, int64_t n, kva_rows
 }
 
 /* Causal family: are keys [tf, tf+n) visible to every row with positions
- * pmin..pmax? (Segments only add visibility, so this stays exact.) */
-static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t pmin, int64_t pmax, int32_t win) {
-  return tf + n - 1 <= pmin && (win <= 0 || tf > pmax - win);
+ * pmin..pmax? upto = kva_causal_all_upto (pmin for CAUSAL, the last prefix
+ * key for TREE). (Segments only add visibility, so this stays exact.) */
+static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t upto, int64_t pmax, int32_t win) {
+  return tf + n - 1 <= upto && (win <= 0 || tf > pmax - win);
 }
 
 /* Causal family for a fused kernel's tile: S[j][r] = -inf (row stride KVA_TILE)
@@ -135,14 +136,17 @@ static inline int simd_tile_all_visible(int64_t tf, int64_t n, int64_t pmin, int
 static inline void simd_mask_tile(const kva_item *it, const int32_t *seg, float *S, int64_t nq, int64_t tf,
                                   int64_t n) {
   const kva_problem *p = it->p;
-  if (p->mask.kind != KVA_MASK_CAUSAL) return;
-  const int64_t pmin = it->len - p->L + it->i0, pmax = pmin + it->rows - 1;
+  if (!kva_causal_family(p->mask.kind)) return;
+  const int64_t n0 = it->len - p->L, pmin = n0 + it->i0, pmax = pmin + it->rows - 1;
   const int32_t win = p->mask.window;
-  if (simd_tile_all_visible(tf, n, pmin, pmax, win)) return;
-  for (int64_t j = 0; j < nq; ++j)
+  if (simd_tile_all_visible(tf, n, kva_causal_all_upto(p, it->len, pmin), pmax, win)) return;
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t i = it->i0 + j % it->rows;
+    const uint32_t *tree = kva_tree_row(p, it->b, i);
     for (int64_t r = 0; r < n; ++r)
-      if (!kva_causal_visible(tf + r, pmin + j % it->rows, win, seg, p->mask.segments_clamp))
+      if (!kva_causal_visible(tf + r, n0 + i, win, seg, p->mask.segments_clamp, tree, n0))
         S[j * KVA_TILE + r] = -INFINITY;
+  }
 }
 
 /* S[j][r] = c * tanh(S[j][r] / c) for the n valid columns. */
