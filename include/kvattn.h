@@ -77,6 +77,15 @@ typedef enum kva_dtype {
   KVA_U32 = 3,  /* packed quantized words */
   KVA_I32 = 4,  /* segment ids, lengths */
   KVA_BOOL = 5, /* one byte, 0 or non-zero: explicit masks */
+  /* fp8 K/V elements (kva_kv with bits == 0 only; never q, out or masks):
+   * OCP e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits; no inf,
+   * 0x7f / 0xff are NaN, max 448, smallest subnormal 2^-9), the bits of
+   * PyTorch's torch.float8_e4m3fn and ml_dtypes' float8_e4m3fn. */
+  KVA_F8E4M3 = 6,
+  /* e5m2 (bias 15, 2 mantissa bits, IEEE-like: 0x7c inf, 0x7d..0x7f NaN,
+   * max 57344, smallest subnormal 2^-16): torch.float8_e5m2; the high byte
+   * of an f16. */
+  KVA_F8E5M2 = 7,
 } kva_dtype;
 
 /* Bytes of one element (0 for an unknown dtype). */
@@ -105,12 +114,30 @@ uint16_t kva_f32_to_f16(float x);
 float kva_f16_to_f32(uint16_t h);
 uint16_t kva_f32_to_bf16(float x);
 float kva_bf16_to_f32(uint16_t b);
+/* f32 <-> fp8, exact: round to nearest even, saturating: a finite value
+ * beyond the largest finite code, and +-inf, become +-max (448 for e4m3,
+ * 57344 for e5m2); NaN becomes a NaN code of its sign (0x7f / 0xff for
+ * both); -0 keeps its sign. For |x| up to the largest finite value plus
+ * half a step (464 / 61440) the bits are those of PyTorch's
+ * x.to(torch.float8_e4m3fn / float8_e5m2); beyond that torch gives NaN (e4m3)
+ * or inf (e5m2) where these saturate. fp8 -> f32 is exact. */
+uint8_t kva_f32_to_f8e4m3(float x);
+float kva_f8e4m3_to_f32(uint8_t c);
+uint8_t kva_f32_to_f8e5m2(float x);
+float kva_f8e5m2_to_f32(uint8_t c);
 /* Elementwise dtype conversion between same-shape f32/f16/bf16 tensors. */
 int kva_convert(const kva_tensor *src, kva_tensor *dst);
 
 /* ---------------------------------------------------- K/V cache operands */
-/* One K or V cache of a batch, float or MLX-affine quantized.
- *   bits == 0: data is f32/f16/bf16 [B, KVH, N, D].
+/* One K or V cache of a batch, float, fp8 or MLX-affine quantized.
+ *   bits == 0: data is f32/f16/bf16 [B, KVH, N, D] (scales, biases unused),
+ *   or fp8 (KVA_F8E4M3 / KVA_F8E5M2) [B, KVH, N, D] with scales f32
+ *   [B, KVH, N, 1]: one scale per (token, head), any strides, 0 to
+ *   broadcast (all strides 0: one per-tensor scale); scales.data NULL means
+ *   scale 1. The value is scale * fp8 (f32, exact); biases unused. Scales
+ *   must be finite and > 0: the CPU backend checks every scale a call reads
+ *   (KVA_EINVAL, nothing written); on CUDA they are device memory and not
+ *   checked (a bad scale gives meaningless output, not an error).
  *   bits in {2,4,8}: data is u32 [B, KVH, N, D*bits/32] (element k of a word
  *   at bits k*bits.., lowest first); scales and biases are f32/f16/bf16
  *   [B, KVH, N, D/group_size]; w = scale*q + bias.  */
@@ -128,6 +155,11 @@ int64_t kva_kv_dim(const kva_kv *kv);
 kva_kv kva_kv_float(void *data, kva_dtype dt, int64_t B, int64_t KVH, int64_t N, int64_t D);
 kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scale_dt, int bits,
                         int group_size, int64_t B, int64_t KVH, int64_t N, int64_t D);
+/* fp8 rows (dt KVA_F8E4M3 / KVA_F8E5M2) with f32 scales: per_token != 0,
+ * scales [B, KVH, N, 1] contiguous; 0, one float (all scale strides 0);
+ * scales NULL: scale 1. */
+kva_kv kva_kv_fp8(void *data, kva_dtype dt, const float *scales, int per_token, int64_t B, int64_t KVH, int64_t N,
+                  int64_t D);
 
 /* ------------------------------------------------------ quantization */
 /* MLX affine quantization along the last axis, bit for bit with MLX's CPU

@@ -658,6 +658,7 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   kva_rowfmt kf, vf;
   simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !fast_format_ok(&kf) || !fast_format_ok(&vf)) return NULL;
+  if (kva_is_fp8(kf.dtype) || kva_is_fp8(vf.dtype)) return NULL; /* fp8 rows: the general kernel */
   kva_item_fn amx = p->exact ? NULL : KFN(select_amx)(p, &kf, &vf); /* AMX rounds P to bf16 */
   return amx ? amx : attend_fast;
 }

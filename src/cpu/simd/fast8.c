@@ -991,6 +991,7 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
   kva_rowfmt kf, vf;
   simd_rowfmts(p, &kf, &vf);
   if (p->path != KVA_PATH_FUSED || !format_ok8(&kf) || !format_ok8(&vf)) return NULL;
+  if (kva_is_fp8(kf.dtype) || kva_is_fp8(vf.dtype)) return NULL; /* fp8 rows: the general kernel */
   return attend_fast8;
 }
 
