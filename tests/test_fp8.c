@@ -10,6 +10,8 @@
 #include "attn_check.h"
 #include "fp8_cases.h"
 
+#include <float.h>
+
 #define F32 KVA_F32
 #define F16 KVA_F16
 #define BF16 KVA_BF16
@@ -332,4 +334,268 @@ TEST(fp8_errors) {
   if (!att_out_untouched_ok(&d)) FAIL_("a failing call wrote around out");
   att_free(&d);
   kva_context_destroy(ctx);
+}
+
+/* ------------------------------------------------------------ cache write */
+static char *at4(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  return (char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + d * t->stride[3];
+}
+/* The spec of an fp8 pool row, written out here: scale = max |x| over the
+ * finite values / max_fp8, at least FLT_MIN, 1 for 0; code = RNE saturating
+ * fp8 of x / scale, NaN -> its sign's NaN code. */
+static float spec_scale(const float *x, int64_t D, kva_dtype f8) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d)
+    if (isfinite(x[d]) && fabsf(x[d]) > amax) amax = fabsf(x[d]);
+  if (amax == 0.0f) return 1.0f;
+  const float s = amax / (f8 == E4 ? 448.0f : 57344.0f);
+  return s < FLT_MIN ? FLT_MIN : s;
+}
+static uint8_t spec_code(float x, float s, kva_dtype f8) {
+  if (isnan(x)) return signbit(x) ? 0xff : 0x7f;
+  return f8 == E4 ? kva_f32_to_f8e4m3(x / s) : kva_f32_to_f8e5m2(x / s);
+}
+
+/* One fp8 pool [nblk, KVH, bs, D] (rows padded by 8 bytes) and its scales:
+ * ATT_FP8_TOKEN [nblk, KVH, bs, 1] (padded), ATT_FP8_TENSOR one float, or none. */
+typedef struct fp8_pool {
+  kva_kv kv;
+  uint8_t *mem;
+  float *smem;
+  size_t bytes, sbytes;
+} fp8_pool;
+static int fp8_pool_make(fp8_pool *p, kva_dtype dt, int sk, float fixed, int64_t nblk, int64_t KVH, int64_t bs,
+                         int64_t D) {
+  memset(p, 0, sizeof *p);
+  p->bytes = (size_t)(nblk * KVH * bs * (D + 8));
+  p->mem = (uint8_t *)malloc(p->bytes);
+  p->sbytes = sk == ATT_FP8_TOKEN ? (size_t)(nblk * KVH * (bs + 1)) * 4 : 4;
+  p->smem = (float *)malloc(p->sbytes);
+  if (!p->mem || !p->smem) return -1;
+  memset(p->mem, 0x5a, p->bytes);
+  memset(p->smem, 0x5a, p->sbytes);
+  p->smem[0] = fixed;
+  p->kv = kva_kv_fp8(p->mem, dt, sk == ATT_FP8_NONE ? NULL : p->smem, sk == ATT_FP8_TOKEN, nblk, KVH, bs, D);
+  p->kv.data.stride[2] = D + 8;
+  p->kv.data.stride[1] = bs * (D + 8);
+  p->kv.data.stride[0] = KVH * bs * (D + 8);
+  if (sk == ATT_FP8_TOKEN) {
+    p->kv.scales.stride[1] = (bs + 1) * 4;
+    p->kv.scales.stride[0] = KVH * (bs + 1) * 4;
+  }
+  return 0;
+}
+static void fp8_pool_free(fp8_pool *p) {
+  free(p->mem);
+  free(p->smem);
+}
+
+/* n tokens' rows [n, KVH, D] of dtype dt: random values of mixed amplitude,
+ * with special rows: token 0 head 0 all zero, token 1 head 0 a NaN, -NaN,
+ * +-inf and a value past max, token 2 head 0 f32-subnormal values (the
+ * FLT_MIN clamp; f32 sources only), token 3 head 0 a single nonzero. */
+static kva_tensor cw_rows(kva_dtype dt, int64_t n, int64_t KVH, int64_t D, void **mem) {
+  const size_t es = kva_dtype_size(dt);
+  *mem = malloc((size_t)(n * KVH * D) * es);
+  kva_tensor t = kva_tensor_4d(*mem, dt, 1, n, KVH, D);
+  t.ndim = 3;
+  for (int d = 0; d < 3; ++d) {
+    t.shape[d] = t.shape[d + 1];
+    t.stride[d] = t.stride[d + 1];
+  }
+  if (!*mem) return t;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float amp = ldexpf(1.0f, (int)(test_rand_u64() % 21) - 10);
+      for (int64_t e = 0; e < D; ++e) {
+        float x = amp * test_randn();
+        if (h == 0 && i == 0) x = 0.0f;
+        if (h == 0 && i == 1 && e < 5) {
+          const float sp[5] = {NAN, -NAN, INFINITY, -INFINITY, 1e30f};
+          x = sp[e];
+        }
+        if (h == 0 && i == 2 && dt == F32) x = 1e-40f * test_randn();
+        if (h == 0 && i == 3) x = e == 7 ? -3.0f : 0.0f;
+        test_store((char *)*mem + (size_t)((i * KVH + h) * D + e) * es, dt, x);
+      }
+    }
+  return t;
+}
+
+/* Pools written by kva_cache_write (CPU) equal the spec bit for bit:
+ * codes, per-row scales, a fixed scale left as it was, rows not named by a
+ * slot untouched; K e4m3 and V e5m2 (and the reverse), every source dtype,
+ * every scale kind. */
+TEST(fp8_cache_write_bits) {
+  kva_context *ctx;
+  kva_context_opts o = {KVA_BACKEND_CPU, 2, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  const int64_t nblk = 7, KVH = 3, bs = 8, n = 37, Dk = 128, Dv = 64;
+  const kva_dtype srcs[3] = {F32, BF16, F16};
+  for (int si = 0; si < 3 && !test_failed_flag; ++si)
+    for (int sk = 0; sk < 3 && !test_failed_flag; ++sk)
+      for (int swap = 0; swap < 2 && !test_failed_flag; ++swap) {
+        const kva_dtype kdt = swap ? E5 : E4, vdt = swap ? E4 : E5;
+        fp8_pool kp, vp;
+        void *km, *vm;
+        const float fk = 0.75f, fv = 3.0e-3f;
+        if (fp8_pool_make(&kp, kdt, sk, fk, nblk, KVH, bs, Dk) || fp8_pool_make(&vp, vdt, sk, fv, nblk, KVH, bs, Dv)) {
+          FAIL_("allocation");
+          break;
+        }
+        kva_tensor k = cw_rows(srcs[si], n, KVH, Dk, &km), v = cw_rows(srcs[si], n, KVH, Dv, &vm);
+        int32_t slots[37], perm[56];
+        att_random_perm(perm, nblk * bs);
+        for (int64_t i = 0; i < n; ++i) slots[i] = i % 9 == 4 ? -1 : perm[i];
+        if (!km || !vm) FAIL_("allocation");
+        else if (kva_cache_write(ctx, &kp.kv, &vp.kv, &k, &v, slots, n)) FAIL_("kva_cache_write: %s", kva_last_error());
+        for (int w = 0; w < 2 && !test_failed_flag; ++w) {
+          const fp8_pool *p = w ? &vp : &kp;
+          const kva_tensor *src = w ? &v : &k;
+          const int64_t D = w ? Dv : Dk;
+          const kva_dtype f8 = p->kv.data.dtype;
+          int written[56] = {0};
+          for (int64_t i = 0; i < n; ++i)
+            if (slots[i] >= 0) written[slots[i]] = 1;
+          for (int64_t slot = 0; slot < nblk * bs && !test_failed_flag; ++slot)
+            for (int64_t h = 0; h < KVH && !test_failed_flag; ++h) {
+              const uint8_t *row = (const uint8_t *)at4(&p->kv.data, slot / bs, h, slot % bs, 0);
+              const float *sp = p->kv.scales.data ? (const float *)at4(&p->kv.scales, slot / bs, h, slot % bs, 0) : NULL;
+              int64_t tok = -1;
+              for (int64_t i = 0; i < n; ++i)
+                if (slots[i] == slot) tok = i;
+              if (!written[slot]) {
+                for (int64_t e = 0; e < D + 8; ++e)
+                  if (row[e] != 0x5a) {
+                    FAIL_("%s: slot %lld (no token) written", w ? "v_pool" : "k_pool", (long long)slot);
+                    break;
+                  }
+                continue;
+              }
+              float x[512];
+              for (int64_t e = 0; e < D; ++e)
+                x[e] = test_load((const char *)src->data + tok * src->stride[0] + h * src->stride[1] +
+                                     e * src->stride[2],
+                                 src->dtype);
+              const float s = sk == ATT_FP8_TOKEN ? spec_scale(x, D, f8) : sk == ATT_FP8_TENSOR ? (w ? fv : fk) : 1.0f;
+              if (sp && memcmp(sp, &s, 4)) {
+                FAIL_("%s (src %s, %s): slot %lld head %lld scale %a, spec %a", w ? "v_pool" : "k_pool",
+                      kva_dtype_name(srcs[si]), kva_dtype_name(f8), (long long)slot, (long long)h, (double)*sp, (double)s);
+                break;
+              }
+              for (int64_t e = 0; e < D; ++e)
+                if (row[e] != spec_code(x[e], s, f8)) {
+                  FAIL_("%s (src %s, %s, scales %d): slot %lld head %lld elem %lld: 0x%02x, spec 0x%02x (x %a, scale %a)",
+                        w ? "v_pool" : "k_pool", kva_dtype_name(srcs[si]), kva_dtype_name(f8), sk, (long long)slot,
+                        (long long)h, (long long)e, row[e], spec_code(x[e], s, f8), (double)x[e], (double)s);
+                  break;
+                }
+              for (int64_t e = D; e < D + 8; ++e)
+                if (row[e] != 0x5a) {
+                  FAIL_("%s: padding after slot %lld written", w ? "v_pool" : "k_pool", (long long)slot);
+                  break;
+                }
+            }
+          if (sk == ATT_FP8_TENSOR && p->smem[0] != (w ? fv : fk)) FAIL_("the fixed scale was overwritten");
+        }
+        free(km);
+        free(vm);
+        fp8_pool_free(&kp);
+        fp8_pool_free(&vp);
+      }
+  kva_context_destroy(ctx);
+}
+
+/* Bad fp8 pools: an error naming the argument, nothing written. */
+TEST(fp8_cache_write_errors) {
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  fp8_pool kp, vp;
+  ASSERT_TRUE(fp8_pool_make(&kp, E4, ATT_FP8_TENSOR, 0.5f, 4, 2, 8, 64) == 0);
+  ASSERT_TRUE(fp8_pool_make(&vp, E5, ATT_FP8_TOKEN, 0.0f, 4, 2, 8, 64) == 0);
+  void *km, *vm;
+  kva_tensor k = cw_rows(F32, 5, 2, 64, &km), v = cw_rows(F32, 5, 2, 64, &vm);
+  ASSERT_TRUE(km && vm);
+  int32_t slots[5] = {3, 9, -1, 30, 0};
+  unsigned char *kimg = (unsigned char *)malloc(kp.bytes), *vimg = (unsigned char *)malloc(vp.bytes);
+  unsigned char *vsimg = (unsigned char *)malloc(vp.sbytes);
+  ASSERT_TRUE(kimg && vimg && vsimg);
+  memcpy(kimg, kp.mem, kp.bytes);
+  memcpy(vimg, vp.mem, vp.bytes);
+  memcpy(vsimg, vp.smem, vp.sbytes);
+  const float bad[] = {0.0f, -0.5f, NAN, INFINITY};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+    kp.smem[0] = bad[i];
+    ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &vp.kv, &k, &v, slots, 5), KVA_EINVAL, "k_pool.scales");
+  }
+  kp.smem[0] = 0.5f;
+  kva_kv kb = kp.kv;
+  kb.scales.dtype = BF16;
+  ASSERT_ERR(kva_cache_write(ctx, &kb, &vp.kv, &k, &v, slots, 5), KVA_EDTYPE, "k_pool.scales");
+  kb = vp.kv;
+  kb.scales.shape[3] = 4;
+  ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &kb, &k, &v, slots, 5), KVA_ESHAPE, "v_pool.scales");
+  kb = vp.kv;
+  kb.scales.stride[2] = 2; /* misaligned */
+  ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &kb, &k, &v, slots, 5), KVA_ESTRIDE, "v_pool.scales");
+  kb = vp.kv;
+  kb.scales.stride[1] = 4; /* written per-row scales of two heads that overlap */
+  ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &kb, &k, &v, slots, 5), KVA_ESTRIDE, "v_pool.scales");
+  kb = vp.kv;
+  kb.scales.data = (char *)km + 16; /* scales written over the input rows */
+  ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &kb, &k, &v, slots, 5), KVA_EINVAL, "v_pool.scales overlaps k");
+  kva_tensor k8 = k;
+  k8.dtype = E4; /* fp8 input rows are not a source format */
+  ASSERT_ERR(kva_cache_write(ctx, &kp.kv, &vp.kv, &k8, &v, slots, 5), KVA_EDTYPE, "k");
+  if (memcmp(kimg, kp.mem, kp.bytes) || memcmp(vimg, vp.mem, vp.bytes) || memcmp(vsimg, vp.smem, vp.sbytes))
+    FAIL_("a failing kva_cache_write wrote into a pool");
+  ASSERT_OK(kva_cache_write(ctx, &kp.kv, &vp.kv, &k, &v, slots, 5));
+  free(kimg);
+  free(vimg);
+  free(vsimg);
+  free(km);
+  free(vm);
+  fp8_pool_free(&kp);
+  fp8_pool_free(&vp);
+  kva_context_destroy(ctx);
+}
+
+/* kva_dequantize of fp8 rows: scale * code, rounded to out's dtype. */
+TEST(fp8_dequantize) {
+  const att_case c = {2, 4, 2, 1, 30, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_NONE, 0, 0, 0, 0, 1};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  float *out = (float *)malloc(sizeof(float) * 2 * 2 * 30 * 64);
+  uint16_t *ob = (uint16_t *)malloc(2 * 2 * 2 * 30 * 64);
+  ASSERT_TRUE(out && ob);
+  kva_tensor t = kva_tensor_4d(out, F32, 2, 2, 30, 64), tb = kva_tensor_4d(ob, BF16, 2, 2, 30, 64);
+  ASSERT_OK(kva_dequantize(&d.k, &t));
+  ASSERT_OK(kva_dequantize(&d.k, &tb));
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t n = 0; n < 30; ++n)
+        for (int64_t e = 0; e < 64; ++e) {
+          const float s = *(const float *)at4(&d.k.scales, b, h, n, 0);
+          const float want = s * kva_f8e5m2_to_f32(*(const uint8_t *)at4(&d.k.data, b, h, n, e));
+          const int64_t i = ((b * 2 + h) * 30 + n) * 64 + e;
+          if (memcmp(&out[i], &want, 4) || ob[i] != kva_f32_to_bf16(want)) {
+            FAIL_("dequantize [%lld,%lld,%lld,%lld]: %g, want %g", (long long)b, (long long)h, (long long)n,
+                  (long long)e, (double)out[i], (double)want);
+            goto done;
+          }
+        }
+  *(float *)at4(&d.k.scales, 1, 0, 3, 0) = -1.0f;
+  memset(out, 0x33, sizeof(float) * 2 * 2 * 30 * 64);
+  ASSERT_ERR(kva_dequantize(&d.k, &t), KVA_EINVAL, "q.scales");
+  for (int64_t i = 0; i < 2 * 2 * 30 * 64; ++i)
+    if (((const unsigned char *)out)[4 * i] != 0x33) {
+      FAIL_("a failing kva_dequantize wrote out");
+      break;
+    }
+  t.dtype = E4;
+  ASSERT_ERR(kva_dequantize(&d.k, &t), KVA_EDTYPE, "out");
+done:
+  free(out);
+  free(ob);
+  att_free(&d);
 }
