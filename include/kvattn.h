@@ -169,7 +169,10 @@ kva_kv kva_kv_fp8(void *data, kva_dtype dt, const float *scales, int per_token, 
 int kva_quantize(const kva_tensor *w, kva_kv *out);
 /* Inverse, as MLX computes it: out[..., d] = round_T(round_T(scale * q) + bias)
  * with T the scales' dtype (plain f32 arithmetic for f32 scales), then
- * converted to out's dtype. */
+ * converted to out's dtype. fp8 rows (bits 0, data KVA_F8E4M3 / KVA_F8E5M2,
+ * rank 4): out [B, KVH, N, D] f32/f16/bf16 = scale * code in f32, rounded to
+ * out's dtype; a scale that is not finite and > 0 is KVA_EINVAL (nothing
+ * written). */
 int kva_dequantize(const kva_kv *q, kva_tensor *out);
 
 /* ------------------------------------------------------------- masks */
@@ -306,6 +309,10 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * the query to 8 bits with one scale per vector and K group, exact integer
  * q.k on the codes ("[q int8, P bf16]", the rounding kva_ref_rounding
  * describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
+ * fp8 K/V rows (kva_kv_fp8) run the CPU fused vector kernel (not AMX) and
+ * the CUDA fused kernel's fp8 instances (decode and verify up to 16 rows),
+ * else the general kernels: codes converted to f32 exactly, the row's scale
+ * applied to q.codes and to p in f32, "[exact f32]".
  * The other kernels are "[exact f32]";
  * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array
@@ -752,7 +759,19 @@ int kva_block_table_split(const kva_kv_view *view, int64_t prefix_tokens, int32_
  * kva_view_block_table. Runs on ctx's backend: host memory on the CPU;
  * device memory and ctx's stream on CUDA (asynchronous, graph-capturable;
  * there an out-of-range slot is skipped, on the CPU it is an error). Two
- * tokens naming the same slot: one of them wins. */
+ * tokens naming the same slot: one of them wins.
+ * fp8 pools (data KVA_F8E4M3 / KVA_F8E5M2, bits 0) store round(x / scale)
+ * (f32 division, round to nearest even, saturating to +-max; NaN to the NaN
+ * code of its sign), bit for bit the same on CPU and CUDA, with scale
+ *   - per (token, head) when the pool's scales [num_blocks, KVH, block_size,
+ *     1] broadcast no dim (no zero stride on a dim of more than one
+ *     element): computed and stored, scale = max |x| over the row's finite
+ *     values / max_fp8 (448 or 57344) in f32, at least FLT_MIN, 1 for a row
+ *     of zeros (or of only NaN / inf);
+ *   - fixed when they broadcast (e.g. all strides 0: one per-tensor scale):
+ *     read, not written; the CPU checks each scale used is finite and > 0
+ *     (else KVA_EINVAL, nothing written), CUDA reads device memory unchecked;
+ *   - 1 without scales (scales.data NULL). */
 int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                     const kva_tensor *v, const int32_t *slots, int64_t n);
 /* ---- end paged ---- */

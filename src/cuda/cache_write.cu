@@ -9,8 +9,10 @@
  * Launch: one block per token (grid n), KVC_CW_WARPS warps; a warp per (K|V, KV head)
  *   row; no shared memory, no allocation, no sync (graph-capturable). Two tokens
  *   naming one slot: the later wins (each block scans the later slots). */
-#include "core/quant.h"
 #include "cuda/common.cuh"
+extern "C" {
+#include "core/quant.h" /* kva_fp8_scales_per_row */
+}
 
 #include <cuda_runtime.h>
 #include <string.h>

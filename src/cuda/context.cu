@@ -460,7 +460,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   /* 16 elements per lane for wide rows, and for small query tiles (fewer
    * lanes per row: per-row shuffles and softmax work amortized over more
    * rows); 8 otherwise (registers: QW * E q values and outputs per lane). */
-  const int E = dmax > 8 * KVC_WARP || (Q <= 2 && dmax >= 128) ? 16 : 8;
+  int E = dmax > 8 * KVC_WARP || (Q <= 2 && dmax >= 128) ? 16 : 8;
+  /* fp8 rows 8- but not 16-byte aligned (row strides of D + 8 bytes): 8 elements per lane */
+  if (E == 16 && dmax <= 8 * KVC_WARP && (fk == KVC_E4M3 || fk == KVC_E5M2) &&
+      (!kvc_rows_aligned(&kv->k, 16) || !kvc_rows_aligned(&kv->v, 16)))
+    E = 8;
   if (dmax > E * KVC_WARP || p->Dk % E || p->Dv % E) return pl;
   if (!kvc_rows_aligned(&kv->k, E) || !kvc_rows_aligned(&kv->v, E)) return pl;
   const int qw_max = E == 8 ? KVC_FUSED_QW_E8 : KVC_FUSED_QW_E16;
