@@ -573,8 +573,10 @@ typedef struct kva_pool_desc {
   int64_t block_size; /* tokens per block, KVA_BLOCK_SIZE_MIN..KVA_BLOCK_SIZE_MAX */
   int64_t kv_heads;   /* KVH */
   int64_t dk, dv;     /* head dims of K and V (may differ) */
-  kva_dtype dtype;    /* float pools: f32/f16/bf16 elements; quantized: scales/biases dtype */
-  int bits;           /* 0 = float; 2, 4, 8 = MLX affine */
+  kva_dtype dtype;    /* float pools: f32/f16/bf16 elements, or fp8 (KVA_F8E4M3 / KVA_F8E5M2: one f32
+                         scale per (token, head) in the scales arrays, computed on append as
+                         kva_cache_write does); quantized: scales/biases dtype */
+  int bits;           /* 0 = float (or fp8); 2, 4, 8 = MLX affine */
   int group_size;     /* quantized: 32, 64 or 128 (divides dk and dv) */
 } kva_pool_desc;
 

@@ -599,3 +599,131 @@ done:
   free(ob);
   att_free(&d);
 }
+
+/* The library pool with fp8 rows (desc.dtype fp8, bits 0: one f32 scale per
+ * (token, head), computed on append): kva_seq_append's rows equal
+ * kva_cache_write's bit for bit (codes and scales), kva_pool_from_contiguous
+ * copies an fp8 cache (per-token or one shared scale) bit for bit, and
+ * attention over the paged views, forks and trims matches the oracle. */
+TEST(fp8_library_pool) {
+  kva_context *ctx;
+  ASSERT_OK(kva_context_create(&ctx, NULL));
+  const int64_t KVH = 2, D = 128, T = 45;
+  for (int fi = 0; fi < 2 && !test_failed_flag; ++fi) {
+    const kva_dtype f8 = fi ? E5 : E4;
+    kva_pool_desc desc = {.num_blocks = 20, .block_size = 16, .kv_heads = KVH, .dk = D, .dv = D, .dtype = f8};
+    kva_pool *pool;
+    ASSERT_OK(kva_pool_create(&pool, &desc, NULL));
+    const kva_kv pk = kva_pool_k(pool), pv = kva_pool_v(pool);
+    ASSERT_TRUE(pk.data.dtype == f8 && pk.scales.data && pk.scales.dtype == F32 && pk.scales.shape[3] == 1);
+    /* rows [KVH, T, D] bf16 appended; the same rows [T, KVH, D] through kva_cache_write into caller pools */
+    void *km, *vm;
+    kva_tensor kr = cw_rows(BF16, T, KVH, D, &km), vr = cw_rows(BF16, T, KVH, D, &vm);
+    ASSERT_TRUE(km && vm);
+    kva_tensor ka = kr, va = vr; /* [KVH, T, D] views of the same memory */
+    ka.shape[0] = KVH, ka.shape[1] = T, ka.stride[0] = kr.stride[1], ka.stride[1] = kr.stride[0];
+    va.shape[0] = KVH, va.shape[1] = T, va.stride[0] = vr.stride[1], va.stride[1] = vr.stride[0];
+    int32_t s;
+    ASSERT_OK(kva_seq_create(pool, &s));
+    ASSERT_OK(kva_seq_append(pool, s, &ka, &va));
+    fp8_pool ck, cv;
+    ASSERT_TRUE(fp8_pool_make(&ck, f8, ATT_FP8_TOKEN, 0, 4, KVH, 16, D) == 0);
+    ASSERT_TRUE(fp8_pool_make(&cv, f8, ATT_FP8_TOKEN, 0, 4, KVH, 16, D) == 0);
+    int32_t slots[45];
+    for (int i = 0; i < T; ++i) slots[i] = i;
+    ASSERT_OK(kva_cache_write(ctx, &ck.kv, &cv.kv, &kr, &vr, slots, T));
+    kva_paged_view *pvw;
+    ASSERT_OK(kva_paged_view_create(pool, &s, 1, &pvw));
+    kva_paged_csr csr;
+    ASSERT_OK(kva_paged_view_csr(pvw, &csr));
+    for (int64_t t = 0; t < T && !test_failed_flag; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int32_t blk = csr.indices[t / 16];
+        if (memcmp(at4(&pk.data, blk, h, t % 16, 0), at4(&ck.kv.data, t / 16, h, t % 16, 0), (size_t)D) ||
+            memcmp(at4(&pv.data, blk, h, t % 16, 0), at4(&cv.kv.data, t / 16, h, t % 16, 0), (size_t)D) ||
+            memcmp(at4(&pk.scales, blk, h, t % 16, 0), at4(&ck.kv.scales, t / 16, h, t % 16, 0), 4) ||
+            memcmp(at4(&pv.scales, blk, h, t % 16, 0), at4(&cv.kv.scales, t / 16, h, t % 16, 0), 4)) {
+          FAIL_("%s pool: token %lld head %lld differs from kva_cache_write", kva_dtype_name(f8), (long long)t,
+                (long long)h);
+          break;
+        }
+      }
+    kva_paged_view_release(pvw);
+    /* attention over a fork with its own tokens and a trim, against the oracle */
+    int32_t child;
+    ASSERT_OK(kva_seq_fork(pool, s, &child));
+    kva_tensor k2 = ka, v2 = va;
+    k2.shape[1] = v2.shape[1] = 7;
+    ASSERT_OK(kva_seq_append(pool, child, &k2, &v2));
+    ASSERT_OK(kva_seq_trim(pool, s, 30));
+    int32_t seqs[2] = {s, child};
+    ASSERT_OK(kva_paged_view_create(pool, seqs, 2, &pvw));
+    kva_kv_view view = kva_view_paged(pvw);
+    const int64_t H = 8, L = 3;
+    float *q = (float *)malloc(sizeof(float) * 2 * H * L * D), *o = (float *)malloc(sizeof(float) * 2 * H * L * D),
+          *r = (float *)malloc(sizeof(float) * 2 * H * L * D);
+    ASSERT_TRUE(q && o && r);
+    for (int64_t i = 0; i < 2 * H * L * D; ++i) q[i] = test_randn();
+    kva_tensor qt = kva_tensor_4d(q, F32, 2, H, L, D), ot = kva_tensor_4d(o, F32, 2, H, L, D),
+               rt = kva_tensor_4d(r, F32, 2, H, L, D);
+    kva_attn_params prm = kva_attn_defaults();
+    prm.mask.kind = KVA_MASK_CAUSAL;
+    ASSERT_OK(kva_reference_attention(&qt, &view, &prm, &rt));
+    for (int li = 0; li < ATT_PASSES; ++li) {
+      if (att_set_pass(li)) continue;
+      ASSERT_OK(kva_attention(ctx, &qt, &view, &prm, &ot, NULL, 0));
+      double me, l2;
+      if (!att_compare(&ot, &rt, ATT_ATOL_F32, att_rtol(F32), &me, &l2))
+        FAIL_("%s paged view [%s]: out differs from the oracle", kva_dtype_name(f8), att_pass_now());
+    }
+    att_end_passes();
+    kva_paged_view_release(pvw);
+    free(q);
+    free(o);
+    free(r);
+    fp8_pool_free(&ck);
+    fp8_pool_free(&cv);
+    free(km);
+    free(vm);
+    kva_pool_destroy(pool);
+  }
+  /* kva_pool_from_contiguous: the codes and scales (a shared scale: on every row) */
+  for (int sk = 0; sk < 2 && !test_failed_flag; ++sk) {
+    const att_case c = {2, 4, 2, 1, 50, 64, 64, F32, F32, 0, 0, sk ? ATT_FP8_TENSOR : ATT_FP8_TOKEN, E4,
+                        MASK_CAUSAL, 0, 0, 0, 0, 1};
+    att_data d;
+    ASSERT_TRUE(att_make(&d, &c) == 0);
+    kva_pool *pool;
+    int32_t seqs[2];
+    ASSERT_OK(kva_pool_from_contiguous(&pool, &d.view, 8, 1, 99, seqs));
+    kva_paged_view *pvw;
+    ASSERT_OK(kva_paged_view_create(pool, seqs, 2, &pvw));
+    kva_paged_csr csr;
+    ASSERT_OK(kva_paged_view_csr(pvw, &csr));
+    const kva_kv pk = kva_pool_k(pool);
+    for (int64_t b = 0; b < 2 && !test_failed_flag; ++b)
+      for (int64_t t = 0; t < 50; ++t)
+        for (int64_t h = 0; h < 2; ++h) {
+          const int32_t blk = csr.indices[csr.indptr[b] + t / 8];
+          if (memcmp(at4(&pk.data, blk, h, t % 8, 0), at4(&d.k.data, b, h, t, 0), 64) ||
+              memcmp(at4(&pk.scales, blk, h, t % 8, 0), at4(&d.k.scales, b, h, t, 0), 4)) {
+            FAIL_("kva_pool_from_contiguous (scales %d): [%lld, %lld, %lld] differs", sk, (long long)b, (long long)h,
+                  (long long)t);
+            goto next;
+          }
+        }
+    kva_kv_view view = kva_view_paged(pvw);
+    kva_tensor ref = att_alloc_like(&d, &d.out);
+    ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+    att_poison(&d);
+    ASSERT_OK(kva_attention(ctx, &d.q, &view, &d.params, &d.out, NULL, 0));
+    double me, l2;
+    if (!att_out_untouched_ok(&d) || !att_compare(&d.out, &ref, ATT_ATOL_F32, att_rtol(F32), &me, &l2))
+      FAIL_("paged copy of a contiguous fp8 cache (scales %d): out differs from the oracle", sk);
+  next:
+    kva_paged_view_release(pvw);
+    kva_pool_destroy(pool);
+    att_free(&d);
+  }
+  kva_context_destroy(ctx);
+}
