@@ -175,3 +175,51 @@ def test_fp8_errors(request):
     with pytest.raises(kvattn.KvaError, match="k_pool.scales"):
         kvattn.cache_write(kp, kp.copy(), x, x, np.arange(3, dtype=np.int32), k_scale=-2.0)
     assert not kp.view(np.uint8).any()
+
+
+def _cuda_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or kvattn.cuda_device_count() == 0:
+        pytest.skip("no CUDA device (or a CPU-only build)")
+    return torch
+
+
+@pytest.mark.parametrize("L", [1, 8])
+def test_fp8_cuda_torch_attention(request, L):
+    """torch CUDA fp8 tensors with device scales (per token, per tensor)
+    against the float64 reference; the kernel is the fp8 fused one."""
+    torch = _cuda_torch()
+    rng = rng_for(request)
+    B, H, KVH, N, D = 2, 8, 4, 700, 128
+    x = torch.from_numpy((rng.standard_normal((B, KVH, N, D)) * 2).astype(np.float32))
+    s = x.abs().amax(-1) / 448.0
+    k = (x / s[..., None]).to(torch.float8_e4m3fn)
+    v = (x / 0.01).to(torch.float8_e5m2)
+    q = torch.from_numpy(rng.standard_normal((B, H, L, D)).astype(np.float32)).to(torch.bfloat16)
+    out = kvattn.attention(q.cuda(), k.cuda(), v.cuda(), mask="causal", k_scale=s.cuda(), v_scale=0.01)
+    torch.cuda.synchronize()
+    kf = k.to(torch.float64) * s[..., None].to(torch.float64)
+    vf = v.to(torch.float64) * float(np.float32(0.01))
+    ref = ref_attention(q.to(torch.float32).numpy(), kf.numpy(), vf.numpy(), mask="causal")
+    assert_close(out.cpu().view(torch.int16).numpy().view(BF16), ref, "cuda fp8", compute_atol(q, KVH))
+
+
+def test_fp8_cuda_cache_write_bits(request):
+    """kvattn.cache_write of torch CUDA fp8 pools (per-row scales written on
+    the device) equals the CPU write bit for bit."""
+    torch = _cuda_torch()
+    rng = rng_for(request)
+    n, KVH, D, nblk, bs = 37, 4, 128, 5, 16
+    x = torch.from_numpy((rng.standard_normal((n, KVH, D)) * 2.0 ** rng.integers(-6, 6, (n, KVH, 1))).astype(
+        np.float32)).to(torch.bfloat16)
+    slots = torch.from_numpy(rng.permutation(nblk * bs)[:n].astype(np.int32))
+    pools = [torch.zeros((nblk, KVH, bs, D), dtype=dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    scales = torch.full((nblk, KVH, bs), -1.0)
+    kvattn.cache_write(pools[0], pools[1], x, x, slots, k_scale=scales, v_scale=0.5)
+    dpools = [torch.zeros_like(p).cuda() for p in pools]
+    dscales = torch.full((nblk, KVH, bs), -1.0, device="cuda")
+    kvattn.cache_write(dpools[0], dpools[1], x.cuda(), x.cuda(), slots.cuda(), k_scale=dscales, v_scale=0.5)
+    torch.cuda.synchronize()
+    for p, dp in zip(pools, dpools):
+        assert torch.equal(p.view(torch.uint8), dp.cpu().view(torch.uint8))
+    assert torch.equal(scales, dscales.cpu())
