@@ -4,7 +4,9 @@
  *         row is decoded once into registers and dotted with all of them
  *         (quantized, where QW * 2 <= E: q.k = scale * (q . codes) +
  *         bias * sum(q) and p * v = (p * scale) * codes + p * bias per
- *         lane's group; else dequantized per element);
+ *         lane's group; else dequantized per element; fp8 rows: codes to
+ *         f32 exactly, q.k = scale * (q . codes), p * v = (p * scale) * codes
+ *         with the row's f32 scale);
  *         s = softcap(scale * q.k) in log2 units, online softmax
  *         {m, l, o} per query vector, o += p * v with V decoded once.
  *         Splits write {m (natural log), l, o} to the workspace and a second

@@ -6,10 +6,10 @@
  *   codes plus 4 bytes of scales per operand (none when the scale is shared:
  *   strides 0, one cached float), read once for all rep * L query vectors:
  *   half the bytes of bf16 rows. FLOPs: 2 (Dk + Dv) per query vector and
- *   token, as for float rows: at rep * L <= 16 about 8-16 FLOPs per byte,
- *   far below the H200's ~70 f32 FLOPs per byte, so decode is bounded by
- *   HBM bandwidth (4.8 TB/s): e.g. 8/4/256 at 128k tokens, B = 1, reads
- *   4 * 131072 * (512 + 8) bytes = 273 MB, a floor of ~57 us.
+ *   token on CUDA cores, about 2 rep L FLOPs per byte at D 256 against the
+ *   H200's ~14 (67 TFLOPS f32 / 4.8 TB/s): decode at rep <= 4 is bounded by
+ *   HBM bandwidth (8/4/256 at 128k tokens, B = 1, reads 4 * 131072 *
+ *   (512 + 8) bytes = 273 MB: ~57 us), wide verify (rep L >= 8) by f32 FLOPs.
  * Launch: as attn_fused.cuh (grid (qtiles, nsplit, B * KVH)). */
 #include "cuda/attn_fused.cuh"
 
