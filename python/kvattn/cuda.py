@@ -232,7 +232,7 @@ def _int32_device(call, x, name, ndim):
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
-                          clamp=False, out=None, context=None, exact=False):
+                          clamp=False, out=None, context=None, exact=False, k_scale=None, v_scale=None):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
@@ -242,7 +242,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     from . import _flags
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
-                 out)
+                 out, k_scale, v_scale)
     call.params.flags = _flags(exact)
     bl, bshape = _int32_device(call, blocks, "blocks", 2)
     B, mb = bshape

@@ -223,3 +223,32 @@ def test_fp8_cuda_cache_write_bits(request):
     for p, dp in zip(pools, dpools):
         assert torch.equal(p.view(torch.uint8), dp.cpu().view(torch.uint8))
     assert torch.equal(scales, dscales.cpu())
+
+
+def test_fp8_block_table_pools(request):
+    """fp8 caller pools written by cache_write (per-row scales) read through a
+    shuffled block table equal attention over the contiguous cache."""
+    rng = rng_for(request)
+    B, H, KVH, N, D, bs = 2, 8, 2, 45, 64, 16
+    nb = (N + bs - 1) // bs
+    x = (rng.standard_normal((B, N, KVH, D)) * 2).astype(np.float32)
+    kp = np.zeros((B * nb + 1, KVH, bs, D), E4)
+    vp = np.zeros((B * nb + 1, KVH, bs, D), E5)
+    ks = np.ones((B * nb + 1, KVH, bs), np.float32)
+    vs = np.ones((B * nb + 1, KVH, bs), np.float32)
+    perm = rng.permutation(B * nb + 1)[: B * nb].astype(np.int32).reshape(B, nb)
+    for b in range(B):
+        slots = (perm[b][np.arange(N) // bs] * bs + np.arange(N) % bs).astype(np.int32)
+        kvattn.cache_write(kp, vp, x[b], x[b], slots, k_scale=ks, v_scale=vs)
+    q = randn(rng, (B, H, 1, D), F32)
+    lens = np.full(B, N, np.int32)
+    out = kvattn.block_table_attention(q, kp, vp, perm, lens, mask="causal", k_scale=ks, v_scale=vs)
+    kf = np.stack([kp[perm[b]].transpose(1, 0, 2, 3).reshape(KVH, nb * bs, D)[:, :N] for b in range(B)])
+    ksf = np.stack([ks[perm[b]].transpose(1, 0, 2).reshape(KVH, nb * bs)[:, :N] for b in range(B)])
+    vf = np.stack([vp[perm[b]].transpose(1, 0, 2, 3).reshape(KVH, nb * bs, D)[:, :N] for b in range(B)])
+    vsf = np.stack([vs[perm[b]].transpose(1, 0, 2).reshape(KVH, nb * bs)[:, :N] for b in range(B)])
+    ref = ref_attention(q, kf.astype(np.float64) * ksf[..., None], vf.astype(np.float64) * vsf[..., None],
+                        mask="causal")
+    assert_close(out, ref, "fp8 block table", compute_atol(q, KVH))
+    assert_close(kvattn.attention(q, kf, vf, mask="causal", k_scale=ksf, v_scale=vsf), ref, "contiguous",
+                 compute_atol(q, KVH))
