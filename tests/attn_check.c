@@ -634,7 +634,7 @@ static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, u
   t.shape[0] = nblk;
   t.shape[2] = bs;
   t.stride[3] = es;
-  t.stride[2] = (W + 4) * es;          /* padded rows */
+  t.stride[2] = (W + (es == 1 ? 16 : 4)) * es; /* padded rows (fp8: 16 bytes, keeping the rows 16-byte aligned) */
   t.stride[1] = (bs + 1) * t.stride[2]; /* a padding row after each head */
   t.stride[0] = KVH * t.stride[1] + 64;
   size_t bytes = (size_t)(nblk * t.stride[0]);
