@@ -77,6 +77,15 @@ typedef enum kva_dtype {
   KVA_U32 = 3,  /* packed quantized words */
   KVA_I32 = 4,  /* segment ids, lengths */
   KVA_BOOL = 5, /* one byte, 0 or non-zero: explicit masks */
+  /* fp8 K/V elements (kva_kv with bits == 0 only; never q, out or masks):
+   * OCP e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits; no inf,
+   * 0x7f / 0xff are NaN, max 448, smallest subnormal 2^-9), the bits of
+   * PyTorch's torch.float8_e4m3fn and ml_dtypes' float8_e4m3fn. */
+  KVA_F8E4M3 = 6,
+  /* e5m2 (bias 15, 2 mantissa bits, IEEE-like: 0x7c inf, 0x7d..0x7f NaN,
+   * max 57344, smallest subnormal 2^-16): torch.float8_e5m2; the high byte
+   * of an f16. */
+  KVA_F8E5M2 = 7,
 } kva_dtype;
 
 /* Bytes of one element (0 for an unknown dtype). */
@@ -105,12 +114,30 @@ uint16_t kva_f32_to_f16(float x);
 float kva_f16_to_f32(uint16_t h);
 uint16_t kva_f32_to_bf16(float x);
 float kva_bf16_to_f32(uint16_t b);
+/* f32 <-> fp8, exact: round to nearest even, saturating: a finite value
+ * beyond the largest finite code, and +-inf, become +-max (448 for e4m3,
+ * 57344 for e5m2); NaN becomes a NaN code of its sign (0x7f / 0xff for
+ * both); -0 keeps its sign. For |x| up to the largest finite value plus
+ * half a step (464 / 61440) the bits are those of PyTorch's
+ * x.to(torch.float8_e4m3fn / float8_e5m2); beyond that torch gives NaN (e4m3)
+ * or inf (e5m2) where these saturate. fp8 -> f32 is exact. */
+uint8_t kva_f32_to_f8e4m3(float x);
+float kva_f8e4m3_to_f32(uint8_t c);
+uint8_t kva_f32_to_f8e5m2(float x);
+float kva_f8e5m2_to_f32(uint8_t c);
 /* Elementwise dtype conversion between same-shape f32/f16/bf16 tensors. */
 int kva_convert(const kva_tensor *src, kva_tensor *dst);
 
 /* ---------------------------------------------------- K/V cache operands */
-/* One K or V cache of a batch, float or MLX-affine quantized.
- *   bits == 0: data is f32/f16/bf16 [B, KVH, N, D].
+/* One K or V cache of a batch, float, fp8 or MLX-affine quantized.
+ *   bits == 0: data is f32/f16/bf16 [B, KVH, N, D] (scales, biases unused),
+ *   or fp8 (KVA_F8E4M3 / KVA_F8E5M2) [B, KVH, N, D] with scales f32
+ *   [B, KVH, N, 1]: one scale per (token, head), any strides, 0 to
+ *   broadcast (all strides 0: one per-tensor scale); scales.data NULL means
+ *   scale 1. The value is scale * fp8 (f32, exact); biases unused. Scales
+ *   must be finite and > 0: the CPU backend checks every scale a call reads
+ *   (KVA_EINVAL, nothing written); on CUDA they are device memory and not
+ *   checked (a bad scale gives meaningless output, not an error).
  *   bits in {2,4,8}: data is u32 [B, KVH, N, D*bits/32] (element k of a word
  *   at bits k*bits.., lowest first); scales and biases are f32/f16/bf16
  *   [B, KVH, N, D/group_size]; w = scale*q + bias.  */
@@ -128,6 +155,11 @@ int64_t kva_kv_dim(const kva_kv *kv);
 kva_kv kva_kv_float(void *data, kva_dtype dt, int64_t B, int64_t KVH, int64_t N, int64_t D);
 kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scale_dt, int bits,
                         int group_size, int64_t B, int64_t KVH, int64_t N, int64_t D);
+/* fp8 rows (dt KVA_F8E4M3 / KVA_F8E5M2) with f32 scales: per_token != 0,
+ * scales [B, KVH, N, 1] contiguous; 0, one float (all scale strides 0);
+ * scales NULL: scale 1. */
+kva_kv kva_kv_fp8(void *data, kva_dtype dt, const float *scales, int per_token, int64_t B, int64_t KVH, int64_t N,
+                  int64_t D);
 
 /* ------------------------------------------------------ quantization */
 /* MLX affine quantization along the last axis, bit for bit with MLX's CPU
@@ -137,7 +169,10 @@ kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scal
 int kva_quantize(const kva_tensor *w, kva_kv *out);
 /* Inverse, as MLX computes it: out[..., d] = round_T(round_T(scale * q) + bias)
  * with T the scales' dtype (plain f32 arithmetic for f32 scales), then
- * converted to out's dtype. */
+ * converted to out's dtype. fp8 rows (bits 0, data KVA_F8E4M3 / KVA_F8E5M2,
+ * rank 4): out [B, KVH, N, D] f32/f16/bf16 = scale * code in f32, rounded to
+ * out's dtype; a scale that is not finite and > 0 is KVA_EINVAL (nothing
+ * written). */
 int kva_dequantize(const kva_kv *q, kva_tensor *out);
 
 /* ------------------------------------------------------------- masks */
@@ -296,6 +331,10 @@ int kva_context_set_stream(kva_context *ctx, void *stream);
  * the query to 8 bits with one scale per vector and K group, exact integer
  * q.k on the codes ("[q int8, P bf16]", the rounding kva_ref_rounding
  * describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
+ * fp8 K/V rows (kva_kv_fp8) run the CPU fused vector kernel (not AMX) and
+ * the CUDA fused kernel's fp8 instances (decode and verify up to 16 rows),
+ * else the general kernels: codes converted to f32 exactly, the row's scale
+ * applied to q.codes and to p in f32, "[exact f32]".
  * The other kernels are "[exact f32]";
  * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array
@@ -556,8 +595,10 @@ typedef struct kva_pool_desc {
   int64_t block_size; /* tokens per block, KVA_BLOCK_SIZE_MIN..KVA_BLOCK_SIZE_MAX */
   int64_t kv_heads;   /* KVH */
   int64_t dk, dv;     /* head dims of K and V (may differ) */
-  kva_dtype dtype;    /* float pools: f32/f16/bf16 elements; quantized: scales/biases dtype */
-  int bits;           /* 0 = float; 2, 4, 8 = MLX affine */
+  kva_dtype dtype;    /* float pools: f32/f16/bf16 elements, or fp8 (KVA_F8E4M3 / KVA_F8E5M2: one f32
+                         scale per (token, head) in the scales arrays, computed on append as
+                         kva_cache_write does); quantized: scales/biases dtype */
+  int bits;           /* 0 = float (or fp8); 2, 4, 8 = MLX affine */
   int group_size;     /* quantized: 32, 64 or 128 (divides dk and dv) */
 } kva_pool_desc;
 
@@ -742,7 +783,19 @@ int kva_block_table_split(const kva_kv_view *view, int64_t prefix_tokens, int32_
  * kva_view_block_table. Runs on ctx's backend: host memory on the CPU;
  * device memory and ctx's stream on CUDA (asynchronous, graph-capturable;
  * there an out-of-range slot is skipped, on the CPU it is an error). Two
- * tokens naming the same slot: one of them wins. */
+ * tokens naming the same slot: one of them wins.
+ * fp8 pools (data KVA_F8E4M3 / KVA_F8E5M2, bits 0) store round(x / scale)
+ * (f32 division, round to nearest even, saturating to +-max; NaN to the NaN
+ * code of its sign), bit for bit the same on CPU and CUDA, with scale
+ *   - per (token, head) when the pool's scales [num_blocks, KVH, block_size,
+ *     1] broadcast no dim (no zero stride on a dim of more than one
+ *     element): computed and stored, scale = max |x| over the row's finite
+ *     values / max_fp8 (448 or 57344) in f32, at least FLT_MIN, 1 for a row
+ *     of zeros (or of only NaN / inf);
+ *   - fixed when they broadcast (e.g. all strides 0: one per-tensor scale):
+ *     read, not written; the CPU checks each scale used is finite and > 0
+ *     (else KVA_EINVAL, nothing written), CUDA reads device memory unchecked;
+ *   - 1 without scales (scales.data NULL). */
 int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                     const kva_tensor *v, const int32_t *slots, int64_t n);
 /* ---- end paged ---- */

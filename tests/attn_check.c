@@ -12,8 +12,10 @@ const char *const mask_names[] = {"none", "causal", "window", "seg", "seg-clamp"
 
 void att_case_str(const att_case *c, char *buf, size_t n) {
   char kf[32], vf[32];
+  static const char *const fp8s[3] = {"/token", "/tensor", "/none"};
+  const int fp8 = !c->kbits && (c->kvdt == KVA_F8E4M3 || c->kvdt == KVA_F8E5M2);
   if (c->kbits) snprintf(kf, sizeof kf, "q%d/g%d/%s", c->kbits, c->group, kva_dtype_name(c->kvdt));
-  else snprintf(kf, sizeof kf, "%s", kva_dtype_name(c->kvdt));
+  else snprintf(kf, sizeof kf, "%s%s", kva_dtype_name(c->kvdt), fp8 ? fp8s[c->group % 3] : "");
   if (c->vbits) snprintf(vf, sizeof vf, "q%d/g%d", c->vbits, c->group);
   else snprintf(vf, sizeof vf, "%s", kva_dtype_name(c->kvdt));
   snprintf(buf, n, "B%d H%d/%d L%d N%lld D%d/%d q=%s out=%s K=%s V=%s mask=%s w=%d cap=%g sinks=%d ragged=%d strided=%d",
@@ -53,6 +55,11 @@ static kva_tensor make_view(att_data *d, kva_dtype dt, int64_t n0, int64_t n1, i
   return t;
 }
 
+/* Address of element [a, b, c, e] of t. */
+static char *ptr4(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t e) {
+  return (char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + e * t->stride[3];
+}
+
 static void fill_float(kva_tensor *t, float amp) {
   for (int64_t a = 0; a < t->shape[0]; ++a)
     for (int64_t b = 0; b < t->shape[1]; ++b)
@@ -68,9 +75,53 @@ static void fill_float(kva_tensor *t, float amp) {
         }
 }
 
+/* fp8 rows: per row, values amp * randn with a random amplitude (2^-2 ..
+ * 2^2: logits stay moderate, so no visible key's P underflows in f32) encoded
+ * at scale amax / max_fp8 (per token), or at one scale for the whole cache
+ * that fits the largest amplitude (per tensor: small rows use fewer codes,
+ * a few subnormal), or at scale 1 (none: values within range);
+ * codes by the library's conversion (the oracle decodes them on its own). */
+static int make_fp8_kv(att_data *d, kva_kv *kv, int D) {
+  const att_case *c = &d->c;
+  const float fmax = c->kvdt == KVA_F8E4M3 ? 448.0f : 57344.0f;
+  kv->data = make_view(d, c->kvdt, c->B, c->KVH, c->N, D, c->strided, NULL);
+  if (!kv->data.data) return -1;
+  float *one = NULL;
+  if (c->group == ATT_FP8_TOKEN) {
+    kv->scales = make_view(d, KVA_F32, c->B, c->KVH, c->N, 1, c->strided, NULL);
+    if (!kv->scales.data) return -1;
+  } else if (c->group == ATT_FP8_TENSOR) {
+    if (!(one = (float *)keep(d, sizeof(float)))) return -1;
+    *one = 4.0f * 5.0f / fmax; /* |x| up to 5 amp at amp 4 (beyond: saturated codes) */
+    kv->scales = kva_tensor_4d(one, KVA_F32, c->B, c->KVH, c->N, 1);
+    for (int e = 0; e < 4; ++e) kv->scales.stride[e] = 0;
+  }
+  float row[KVA_MAX_HEAD_DIM];
+  for (int64_t b = 0; b < c->B; ++b)
+    for (int64_t h = 0; h < c->KVH; ++h)
+      for (int64_t t = 0; t < c->N; ++t) {
+        const float amp = c->group == ATT_FP8_NONE ? 1.0f : ldexpf(1.0f, (int)(test_rand_u64() % 5) - 2);
+        float amax = 0.0f;
+        for (int e = 0; e < D; ++e) {
+          row[e] = amp * test_randn();
+          if (fabsf(row[e]) > amax) amax = fabsf(row[e]);
+        }
+        float s = 1.0f;
+        if (c->group == ATT_FP8_TOKEN) {
+          s = amax > 0 ? amax / fmax : 1.0f;
+          test_store(ptr4(&kv->scales, b, h, t, 0), KVA_F32, s);
+        } else if (one) {
+          s = *one;
+        }
+        for (int e = 0; e < D; ++e) test_store(ptr4(&kv->data, b, h, t, e), c->kvdt, row[e] / s);
+      }
+  return 0;
+}
+
 static int make_kv(att_data *d, kva_kv *kv, int bits, int D) {
   const att_case *c = &d->c;
   memset(kv, 0, sizeof *kv);
+  if (!bits && (c->kvdt == KVA_F8E4M3 || c->kvdt == KVA_F8E5M2)) return make_fp8_kv(d, kv, D);
   if (!bits) {
     kv->data = make_view(d, c->kvdt, c->B, c->KVH, c->N, D, c->strided, NULL);
     if (!kv->data.data) return -1;
@@ -96,14 +147,12 @@ static int make_kv(att_data *d, kva_kv *kv, int bits, int D) {
   return rc ? -1 : 0;
 }
 
-/* Address of element [a, b, c, e] of t. */
-static char *ptr4(const kva_tensor *t, int64_t a, int64_t b, int64_t c, int64_t e) {
-  return (char *)t->data + a * t->stride[0] + b * t->stride[1] + c * t->stride[2] + e * t->stride[3];
-}
 
 /* Element e of K/V row (b, hk, t) as the oracle sees it: the float value,
  * or s * code + b in f32 for quantized rows. */
 static float kv_elem(const kva_kv *kv, int64_t b, int64_t hk, int64_t t, int64_t e) {
+  if (!kv->bits && kv->scales.data) /* fp8 rows with scales */
+    return test_load(ptr4(&kv->scales, b, hk, t, 0), KVA_F32) * test_load(ptr4(&kv->data, b, hk, t, e), kv->data.dtype);
   if (!kv->bits) return test_load(ptr4(&kv->data, b, hk, t, e), kv->data.dtype);
   const int per = 32 / kv->bits;
   uint32_t w;
@@ -744,7 +793,7 @@ static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, u
   t.shape[0] = nblk;
   t.shape[2] = bs;
   t.stride[3] = es;
-  t.stride[2] = (W + 4) * es;          /* padded rows */
+  t.stride[2] = (W + (es == 1 ? 16 : 4)) * es; /* padded rows (fp8: 16 bytes, keeping the rows 16-byte aligned) */
   t.stride[1] = (bs + 1) * t.stride[2]; /* a padding row after each head */
   t.stride[0] = KVH * t.stride[1] + 64;
   size_t bytes = (size_t)(nblk * t.stride[0]);
@@ -776,6 +825,13 @@ static void pool_copy_row(const kva_tensor *dst, int64_t blk, int64_t row, const
 static int pool_kv_make(kva_kv *p, void **mem, const kva_kv *like, int64_t nblk, int64_t bs, unsigned char fill) {
   *p = *like;
   p->data = pool_array(&like->data, nblk, bs, fill, &mem[0]);
+  if (!like->bits && like->scales.data && like->scales.stride[2]) { /* fp8 per-token scales */
+    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1]);
+    if (!mem[1]) return -1;
+  } else if (!like->bits && like->scales.data) { /* one shared scale (strides 0): the pool's shape */
+    p->scales.shape[0] = nblk;
+    p->scales.shape[2] = bs;
+  }
   if (like->bits) {
     p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1]);
     p->biases = pool_array(&like->biases, nblk, bs, fill, &mem[2]);
@@ -786,6 +842,7 @@ static int pool_kv_make(kva_kv *p, void **mem, const kva_kv *like, int64_t nblk,
 
 static void pool_kv_write(kva_kv *p, int64_t blk, int64_t row, const kva_kv *src, int64_t b, int64_t hk, int64_t t) {
   pool_copy_row(&p->data, blk, row, &src->data, b, hk, t);
+  if (!src->bits && src->scales.data && src->scales.stride[2]) pool_copy_row(&p->scales, blk, row, &src->scales, b, hk, t);
   if (src->bits) {
     pool_copy_row(&p->scales, blk, row, &src->scales, b, hk, t);
     pool_copy_row(&p->biases, blk, row, &src->biases, b, hk, t);

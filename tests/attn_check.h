@@ -26,6 +26,12 @@ typedef struct att_case {
   float softcap;
   int sinks, ragged, strided;
 } att_case;
+/* kvdt fp8 (KVA_F8E4M3 / KVA_F8E5M2) with kbits = vbits = 0: K and V fp8
+ * rows, and `group` (unused by float rows) names their scales:
+ * ATT_FP8_TOKEN per-(token, head) scales [B, KVH, N, 1] (a strided view when
+ * strided), ATT_FP8_TENSOR one scale for all (strides 0), ATT_FP8_NONE
+ * none (scale 1). */
+enum { ATT_FP8_TOKEN, ATT_FP8_TENSOR, ATT_FP8_NONE };
 /* The query variants every oracle table runs each case with (att_make_q):
  * 0 random queries, 1 peaked probes. */
 #define ATT_PROBES 2

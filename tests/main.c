@@ -44,6 +44,8 @@ float test_load(const void *p, kva_dtype dt) {
   case KVA_F32: { float x; memcpy(&x, p, 4); return x; }
   case KVA_F16: memcpy(&h, p, 2); return kva_f16_to_f32(h);
   case KVA_BF16: memcpy(&h, p, 2); return kva_bf16_to_f32(h);
+  case KVA_F8E4M3: return kva_f8e4m3_to_f32(*(const uint8_t *)p);
+  case KVA_F8E5M2: return kva_f8e5m2_to_f32(*(const uint8_t *)p);
   default: return NAN;
   }
 }
@@ -53,6 +55,8 @@ void test_store(void *p, kva_dtype dt, float x) {
   case KVA_F32: memcpy(p, &x, 4); break;
   case KVA_F16: h = kva_f32_to_f16(x); memcpy(p, &h, 2); break;
   case KVA_BF16: h = kva_f32_to_bf16(x); memcpy(p, &h, 2); break;
+  case KVA_F8E4M3: *(uint8_t *)p = kva_f32_to_f8e4m3(x); break;
+  case KVA_F8E5M2: *(uint8_t *)p = kva_f32_to_f8e5m2(x); break;
   default: break;
   }
 }

@@ -47,6 +47,9 @@ TEST(cuda_exact_mode) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree_high_bits_ignored) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree_wg) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_fp8_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_fp8_block_table) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_fp8_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -221,6 +224,8 @@ static int mirror_tensor(dev_data *dd, const kva_tensor *h, kva_tensor *d) {
 
 static int mirror_kv(dev_data *dd, const kva_kv *h, kva_kv *d) {
   *d = *h;
+  if (!h->bits) /* float rows; fp8 rows with their scales (NULL: none) */
+    return mirror_tensor(dd, &h->data, &d->data) && mirror_tensor(dd, &h->scales, &d->scales);
   return mirror_tensor(dd, &h->data, &d->data) && (!h->bits || (mirror_tensor(dd, &h->scales, &d->scales) &&
                                                                  mirror_tensor(dd, &h->biases, &d->biases)));
 }
@@ -1677,6 +1682,149 @@ done:
   kva_context_destroy(ctx);
 }
 
+/* ------------------------------------------------------------------ fp8 */
+#define E4 KVA_F8E4M3
+#define E5 KVA_F8E5M2
+/* fp8 K/V (kvattn.h: e4m3 / e5m2 rows, f32 scales per (token, head), one
+ * shared scale, or none): the fused kernel's fp8 instances (decode and
+ * verify up to 16 rows, GQA, masks, softcap, sinks, ragged, strided) and the
+ * general kernel (array masks, long L), each asserted by its name, against
+ * the oracle at "[exact f32]" (the row scale applied to q . codes and to p:
+ * f32 rounding only), random and probe queries, NaN codes in the rows no
+ * query sees. */
+static const struct {
+  att_case c;
+  const char *want;
+} fp8_cases[] = {
+    {{1, 8, 4, 1, 1, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 1, 3001, 256, 256, BF16, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f8e5m2 fused"},
+    {{2, 32, 8, 1, 1000, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 1, 0}, "f8e4m3 fused"},
+    {{1, 24, 4, 1, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
+    {{1, 4, 2, 1, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_NONE, 0, 0, 0, 0, 1}, "f8e4m3 fused"},
+    {{1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
+    {{1, 4, 2, 1, 200, 512, 512, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 3, 500, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 8, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
+    {{2, 32, 8, 8, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 1}, "f8e5m2 fused"},
+    {{1, 8, 8, 16, 600, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f8e4m3 fused"},
+    {{1, 8, 4, 16, 40, 128, 128, BF16, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
+    {{3, 8, 4, 1, 1000, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 100, 0, 0, 1, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_WINDOW, 5, 0, 0, 0, 0}, "f8e5m2 fused"},
+    {{1, 8, 2, 4, 60, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_SEG, 0, 20.0f, 0, 0, 0}, "f8e4m3 fused"},
+    {{1, 8, 4, 1, 500, 256, 256, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 30.0f, 1, 0, 0}, "f8e4m3 fused"},
+    {{2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, "f8e5m2 fused"},
+    {{2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_BOOL, 0, 0, 0, 1, 0}, "general"},
+    {{1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "general"},
+};
+
+static void fp8_plant_unseen(att_data *d, int variant) {
+  (void)variant;
+  att_plant_unseen(d);
+}
+
+TEST(cuda_fp8_vs_oracle) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof fp8_cases / sizeof fp8_cases[0]; ++ci) {
+    const att_case *c = &fp8_cases[ci].c;
+    if (test_quick && c->N > 1000) continue;
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    printf("  case %2zu %s\n", ci, name);
+    fflush(stdout);
+    if (!run_case_want(ctx, c, fp8_plant_unseen, 0, fp8_cases[ci].want)) break;
+  }
+  kva_context_destroy(ctx);
+}
+
+/* Caller pools [blocks, KVH, bs, D] of fp8 rows and their scales (padded
+ * strides, unused rows 0xff: NaN codes and NaN scales), a shuffled block
+ * table with first offsets (att_table_make), mirrored to the device; the
+ * oracle over the host's contiguous cache (the same tokens). */
+static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, const char *want, int probe) {
+  char cs[256], name[300];
+  att_case_str(c, cs, sizeof cs);
+  snprintf(name, sizeof name, "%s q=%s block %lld", cs, att_query_names[probe], (long long)bs);
+  att_data hd;
+  att_table tb;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  memset(&tb, 0, sizeof tb);
+  int ok = 0;
+  if (att_make_q(&hd, c, probe) || att_table_make(&tb, &hd, bs, 0xff)) {
+    FAIL_("%s: could not build operands", name);
+    goto done;
+  }
+  kva_tensor ref = att_alloc_like(&hd, &hd.out);
+  kva_kv dk, dv;
+  void *dblocks, *dlens, *dfo;
+  if (!dev_make(&dd, &hd) || !mirror_kv(&dd, &tb.k, &dk) || !mirror_kv(&dd, &tb.v, &dv) ||
+      !mirror_array(&dd, tb.blocks, sizeof(int32_t) * (size_t)(c->B * tb.t.max_blocks), &dblocks) ||
+      !mirror_array(&dd, tb.lens, sizeof(int32_t) * (size_t)c->B, &dlens) ||
+      !mirror_array(&dd, tb.fo, sizeof(int32_t) * (size_t)c->B, &dfo)) {
+    FAIL_("%s: could not mirror the pools to the device", name);
+    goto done;
+  }
+  const kva_block_table dbt = {c->B, tb.t.max_blocks, 0, (const int32_t *)dblocks, (const int32_t *)dlens,
+                               (const int32_t *)dfo};
+  dd.view = kva_view_block_table(&dk, &dv, &dbt);
+  if (att_kernel_reference(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &hd.q, &hd.view, &hd.params, &ref)) {
+    FAIL_("%s: oracle: %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_poison(&dd, 0) || !runs_kernel(ctx, &dd, name, want)) goto done;
+  const double atol = att_kernel_atol(ctx, &dd.q, &dd.view, &dd.params, &dd.out);
+  if (kva_attention(ctx, &dd.q, &dd.view, &dd.params, &dd.out, NULL, 0)) {
+    FAIL_("%s: kva_attention(CUDA, BLOCK_TABLE): %s", name, kva_last_error());
+    goto done;
+  }
+  if (!dev_fetch(&dd, &hd, name)) goto done;
+  if (!att_out_padding_is(&hd, DEV_POISON_BYTE)) {
+    FAIL_("%s: CUDA wrote between the rows of out", name);
+    goto done;
+  }
+  double max_err = 0;
+  if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, NULL)) {
+    FAIL_("%s: CUDA over the fp8 block table differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
+          max_err, atol);
+    goto done;
+  }
+  ok = 1;
+done:
+  att_table_free(&tb);
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+
+TEST(cuda_fp8_block_table) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const struct {
+    att_case c;
+    int64_t bs;
+    const char *want;
+  } tc[] = {
+      {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "f8e4m3 fused"},
+      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64, "f8e5m2 fused"},
+      {{2, 8, 2, 3, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 50, 0, 0, 1, 0}, 8, "f8e4m3 fused"},
+      {{2, 32, 8, 1, 900, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24, "f8e4m3 fused"},
+      {{2, 8, 4, 16, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, "f8e5m2 fused"},
+      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "general"},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci) {
+    if (test_quick && tc[ci].c.N > 1000) continue;
+    for (int pr = 0; pr < ATT_PROBES; ++pr)
+      if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].want, pr)) goto done;
+  }
+done:
+  kva_context_destroy(ctx);
+}
+
 /* KVA_MASK_TREE on the warpgroup q4 kernel (sm_90: the row's bits in a
  * register pair), every case forced there (KVA_CUDA_WG_MIN_Q = 1), then the
  * same cases with it off (the narrow / wide kernels): trees and random bits,
@@ -1762,5 +1910,98 @@ TEST(cuda_tree_high_bits_ignored) {
     att_free(&hd);
   }
   kva_context_destroy(ctx);
+}
+
+/* kva_cache_write into fp8 pools on the device equals the CPU's write bit
+ * for bit (codes and per-row scales; the CPU's is checked against the
+ * written rule in test_fp8.c): e4m3 K / e5m2 V and the reverse, per-row,
+ * fixed and no scales, f32 / bf16 / f16 rows holding zeros, NaN, inf, values
+ * past max and f32 subnormals, skipped (-1) and repeated slots. */
+TEST(cuda_fp8_cache_write_bits) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  kva_context *cpu, *gpu;
+  ASSERT_OK(kva_context_create(&cpu, NULL));
+  if (!make_cuda_ctx(&gpu, NULL)) return;
+  const int64_t nblk = 9, KVH = 4, bs = 16, n = 61, D[2] = {256, 128};
+  const kva_dtype srcs[3] = {F32, BF16, F16};
+  for (int si = 0; si < 3 && !test_failed_flag; ++si)
+    for (int sk = 0; sk < 3 && !test_failed_flag; ++sk)
+      for (int swap = 0; swap < 2 && !test_failed_flag; ++swap) {
+        const kva_dtype f8[2] = {swap ? E5 : E4, swap ? E4 : E5};
+        dev_data dd;
+        memset(&dd, 0, sizeof dd);
+        void *hmem[2][2] = {{NULL, NULL}, {NULL, NULL}}, *rows[2] = {NULL, NULL};
+        kva_kv hp[2], dp[2];
+        kva_tensor hr[2], dr[2];
+        size_t bytes[2][2];
+        for (int w = 0; w < 2; ++w) { /* pools: data [nblk, KVH, bs, D] padded rows, scales per sk */
+          bytes[w][0] = (size_t)(nblk * KVH * bs * (D[w] + 16));
+          bytes[w][1] = sk == ATT_FP8_TOKEN ? (size_t)(nblk * KVH * bs) * 4 : 4;
+          hmem[w][0] = malloc(bytes[w][0]);
+          hmem[w][1] = malloc(bytes[w][1]);
+          memset(hmem[w][0], 0x5a, bytes[w][0]);
+          memset(hmem[w][1], 0x5a, bytes[w][1]);
+          ((float *)hmem[w][1])[0] = w ? 2.5e-3f : 0.6f;
+          hp[w] = kva_kv_fp8(hmem[w][0], f8[w], sk == ATT_FP8_NONE ? NULL : (float *)hmem[w][1], sk == ATT_FP8_TOKEN,
+                             nblk, KVH, bs, D[w]);
+          hp[w].data.stride[2] = D[w] + 16;
+          hp[w].data.stride[1] = bs * (D[w] + 16);
+          hp[w].data.stride[0] = KVH * bs * (D[w] + 16);
+          const size_t es = kva_dtype_size(srcs[si]);
+          rows[w] = malloc((size_t)(n * KVH * D[w]) * es);
+          for (int64_t i = 0; i < n * KVH; ++i)
+            for (int64_t e = 0; e < D[w]; ++e) {
+              float x = ldexpf(test_randn(), (int)(i % 17) - 8);
+              if (i == 0) x = 0.0f;
+              if (i == 1 && e < 5) x = (const float[5]){NAN, -NAN, INFINITY, -INFINITY, 1e30f}[e];
+              if (i == 2 && srcs[si] == F32) x = 1e-40f * test_randn();
+              test_store((char *)rows[w] + (size_t)(i * D[w] + e) * es, srcs[si], x);
+            }
+          hr[w] = kva_tensor_4d(rows[w], srcs[si], 1, n, KVH, D[w]);
+          hr[w].ndim = 3;
+          for (int d = 0; d < 3; ++d) {
+            hr[w].shape[d] = hr[w].shape[d + 1];
+            hr[w].stride[d] = hr[w].stride[d + 1];
+          }
+        }
+        int32_t slots[61], perm[144];
+        att_random_perm(perm, nblk * bs);
+        for (int64_t i = 0; i < n; ++i) slots[i] = i % 11 == 5 ? -1 : i % 13 == 7 ? perm[i - 1] : perm[i];
+        void *dslots;
+        int ok = mirror_kv(&dd, &hp[0], &dp[0]) && mirror_kv(&dd, &hp[1], &dp[1]) &&
+                 mirror_tensor(&dd, &hr[0], &dr[0]) && mirror_tensor(&dd, &hr[1], &dr[1]) &&
+                 mirror_array(&dd, slots, sizeof slots, &dslots);
+        if (!ok) FAIL_("could not mirror the pools");
+        else if (kva_cache_write(gpu, &dp[0], &dp[1], &dr[0], &dr[1], (const int32_t *)dslots, n))
+          FAIL_("kva_cache_write(CUDA): %s", kva_last_error());
+        else if (kva_cache_write(cpu, &hp[0], &hp[1], &hr[0], &hr[1], slots, n))
+          FAIL_("kva_cache_write(CPU): %s", kva_last_error());
+        else if (cuda_ok(cudaDeviceSynchronize(), "cache write"))
+          for (int w = 0; w < 2 && ok; ++w)
+            for (int a = 0; a < 2 && ok; ++a) {
+              const kva_tensor *dt = a ? &dp[w].scales : &dp[w].data;
+              if (a && sk == ATT_FP8_NONE) continue;
+              const size_t nb = extent(dt); /* the mirrored bytes (the last row's padding is not) */
+              unsigned char *got = (unsigned char *)malloc(nb);
+              ok = got && cuda_ok(cudaMemcpy(got, dt->data, nb, cudaMemcpyDeviceToHost), "fetch pool");
+              if (ok && memcmp(got, hmem[w][a], nb)) {
+                size_t i = 0;
+                while (((const unsigned char *)hmem[w][a])[i] == got[i]) ++i;
+                FAIL_("src %s, scales %d, %s pool (%s) %s: CUDA differs from the CPU at byte %zu (0x%02x, CPU 0x%02x)",
+                      kva_dtype_name(srcs[si]), sk, w ? "V" : "K", kva_dtype_name(f8[w]), a ? "scales" : "codes", i,
+                      got[i], ((const unsigned char *)hmem[w][a])[i]);
+                ok = 0;
+              }
+              free(got);
+            }
+        dev_free(&dd);
+        for (int w = 0; w < 2; ++w) {
+          free(hmem[w][0]);
+          free(hmem[w][1]);
+          free(rows[w]);
+        }
+      }
+  kva_context_destroy(gpu);
+  kva_context_destroy(cpu);
 }
 #endif

@@ -24,7 +24,7 @@ enum { KB_EXIT_OK = 0, KB_EXIT_FAIL = 1, KB_EXIT_USAGE = 2 };
 /* K/V storage format of a case. */
 typedef struct kb_kvfmt {
   int bits;        /* 0 = float rows; 2, 4, 8 = MLX affine quantized */
-  kva_dtype dtype; /* float rows: element dtype; quantized: scale/bias dtype */
+  kva_dtype dtype; /* float rows: element dtype (fp8: one f32 scale per row); quantized: scale/bias dtype */
   int group;       /* quantized: elements per scale/bias group; 0 for float */
 } kb_kvfmt;
 
@@ -278,6 +278,8 @@ static inline float kb_randn(uint64_t *s) {
               (float)(r >> 48);
   return (sum * inv_u16 - 2.0f) / irwin_hall4_sd;
 }
+/* fp8 rows (KVA_F8E4M3 / KVA_F8E5M2, with one f32 scale per (token, head))? */
+static inline bool kb_is_fp8(kva_dtype dt) { return dt == KVA_F8E4M3 || dt == KVA_F8E5M2; }
 /* Element load / store of a host float (f32/f16/bf16) through the public
  * conversions. */
 static inline float kb_load_f(const void *p, kva_dtype dt) {

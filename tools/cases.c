@@ -97,6 +97,7 @@ void kb_tree_bits(int64_t n, const int *parent, uint32_t *bits) {
 
 /* ------------------------------------------------------------ costs */
 double kb_row_bytes(const kb_kvfmt *f, int64_t D) {
+  if (f->bits == 0 && kb_is_fp8(f->dtype)) return (double)D + 4.0; /* codes + the row's f32 scale */
   if (f->bits == 0) return (double)D * (double)kva_dtype_size(f->dtype);
   double data = (double)D * f->bits / KB_BITS_PER_BYTE;
   double groups = (double)(D / f->group);

@@ -58,6 +58,7 @@ static kva_tensor sub_rows(const kva_tensor *t, int64_t b, int64_t hk, int64_t t
 static kva_kv sub_kv(const kva_kv *kv, int64_t b, int64_t hk, int64_t t0, int64_t n) {
   kva_kv s = *kv;
   s.data = sub_rows(&kv->data, b, hk, t0, n);
+  if (!kv->bits && kv->scales.data) s.scales = sub_rows(&kv->scales, b, hk, t0, n); /* fp8 rows */
   if (kv->bits) {
     s.scales = sub_rows(&kv->scales, b, hk, t0, n);
     s.biases = sub_rows(&kv->biases, b, hk, t0, n);
@@ -83,7 +84,7 @@ static char *at4(const kva_tensor *t, int64_t b, int64_t h, int64_t i, int64_t d
 static int last_keys(const kb_case *c, const kva_kv *k, int64_t b, int64_t hk, float *dst) {
   kva_kv s = sub_kv(k, b, hk, c->N - c->L, c->L);
   kva_tensor out = kva_tensor_4d(dst, KVA_F32, 1, 1, c->L, c->Dk);
-  if (k->bits) return kva_dequantize(&s, &out);
+  if (k->bits || kb_is_fp8(k->data.dtype)) return kva_dequantize(&s, &out);
   return kva_convert(&s.data, &out);
 }
 

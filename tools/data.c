@@ -28,7 +28,7 @@ static void part_sizes(const kb_case *c, int64_t D, size_t *data, size_t *aux) {
   size_t rows = (size_t)(c->B * c->KVH * c->N);
   if (c->kv.bits == 0) {
     *data = rows * (size_t)D * kva_dtype_size(c->kv.dtype);
-    *aux = 0;
+    *aux = kb_is_fp8(c->kv.dtype) ? rows * sizeof(float) : 0; /* fp8: one scale per row (the scale part) */
   } else {
     *data = rows * (size_t)(D * c->kv.bits / 32) * sizeof(uint32_t);
     *aux = rows * (size_t)(D / c->kv.group) * kva_dtype_size(c->kv.dtype);
@@ -39,7 +39,8 @@ static void layout(kb_cacheset *cs, const kb_case *c) {
   size_t dk, ak, dv, av;
   part_sizes(c, c->Dk, &dk, &ak);
   part_sizes(c, c->Dv, &dv, &av);
-  size_t sz[KB_NPARTS] = {dk, ak, ak, dv, av, av}, off = 0;
+  const bool fp8 = c->kv.bits == 0 && kb_is_fp8(c->kv.dtype); /* scales, no biases */
+  size_t sz[KB_NPARTS] = {dk, ak, fp8 ? 0 : ak, dv, av, fp8 ? 0 : av}, off = 0;
   for (int i = 0; i < KB_NPARTS; ++i) {
     cs->off[i] = off;
     cs->size[i] = sz[i];
@@ -52,6 +53,8 @@ static kva_kv operand(const kb_cacheset *cs, char *base, bool is_v) {
   const kb_case *c = &cs->key;
   int p = is_v ? KB_VD : KB_KD;
   int64_t D = is_v ? c->Dv : c->Dk;
+  if (c->kv.bits == 0 && kb_is_fp8(c->kv.dtype))
+    return kva_kv_fp8(base + cs->off[p], c->kv.dtype, (const float *)(base + cs->off[p + 1]), 1, c->B, c->KVH, c->N, D);
   if (c->kv.bits == 0) return kva_kv_float(base + cs->off[p], c->kv.dtype, c->B, c->KVH, c->N, D);
   return kva_kv_quantized(base + cs->off[p], base + cs->off[p + 1], base + cs->off[p + 2],
                           c->kv.dtype, c->kv.bits, c->kv.group, c->B, c->KVH, c->N, D);
@@ -123,6 +126,7 @@ static uint64_t chunk_seed(uint64_t seed, int part, int64_t chunk) {
 static size_t part_row_bytes(const kb_case *c, int p) {
   int64_t D = p >= KB_VD ? c->Dv : c->Dk;
   bool aux = p != KB_KD && p != KB_VD;
+  if (c->kv.bits == 0 && kb_is_fp8(c->kv.dtype)) return p == KB_KD || p == KB_VD ? (size_t)D : p == KB_KD + 1 || p == KB_VD + 1 ? sizeof(float) : 0;
   if (c->kv.bits == 0) return aux ? 0 : (size_t)D * kva_dtype_size(c->kv.dtype);
   if (aux) return (size_t)(D / c->kv.group) * kva_dtype_size(c->kv.dtype);
   return (size_t)(D * c->kv.bits / 32) * sizeof(uint32_t);
@@ -138,6 +142,24 @@ static int fill_rows(fill_job *j, bool is_v, int64_t r0, int64_t r1, uint16_t *t
   const kb_case *c = &j->cs->key;
   int p = is_v ? KB_VD : KB_KD;
   int64_t D = is_v ? c->Dv : c->Dk, n = r1 - r0;
+  if (c->kv.bits == 0 && kb_is_fp8(c->kv.dtype)) {
+    /* bf16 values, per row scale = max |x| / max_fp8 and codes of x / scale (kva_cache_write's rule) */
+    kb_fill_randn(tmp, KVA_BF16, (size_t)(n * D), seed);
+    const float fmax = c->kv.dtype == KVA_F8E4M3 ? 448.0f : 57344.0f;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t *x = tmp + r * D;
+      float amax = 0.0f;
+      for (int64_t d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(kva_bf16_to_f32(x[d])));
+      const float s = amax > 0.0f ? amax / fmax : 1.0f;
+      uint8_t *code = (uint8_t *)row_at(j, p, r0 + r);
+      memcpy(row_at(j, p + 1, r0 + r), &s, sizeof s);
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = kva_bf16_to_f32(x[d]) / s;
+        code[d] = c->kv.dtype == KVA_F8E4M3 ? kva_f32_to_f8e4m3(y) : kva_f32_to_f8e5m2(y);
+      }
+    }
+    return 0;
+  }
   if (c->kv.bits == 0) {
     kb_fill_randn(row_at(j, p, r0), c->kv.dtype, (size_t)(n * D), seed);
     return 0;
@@ -158,8 +180,9 @@ static void fill_thread(void *arg, int t) {
   fill_job *j = arg;
   const kb_case *c = &j->cs->key;
   int64_t Dmax = c->Dk > c->Dv ? c->Dk : c->Dv;
-  uint16_t *tmp = c->kv.bits ? malloc((size_t)(FILL_CHUNK_ROWS * Dmax) * sizeof(uint16_t)) : NULL;
-  if (c->kv.bits && !tmp) {
+  const bool staged = c->kv.bits || kb_is_fp8(c->kv.dtype); /* values drawn as bf16, then encoded */
+  uint16_t *tmp = staged ? malloc((size_t)(FILL_CHUNK_ROWS * Dmax) * sizeof(uint16_t)) : NULL;
+  if (staged && !tmp) {
     j->rc[t] = KVA_ENOMEM;
     snprintf(j->err[t], sizeof j->err[t], "out of memory filling K/V");
     return;

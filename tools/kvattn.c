@@ -83,7 +83,8 @@ static void usage_bench(FILE *f) {
           "                     EAGLE-style tree, top-4 children per node, levels of up to\n"
           "                     max(4, N/4) nodes; 16: depth 5, 32 and 64: depth 6), printed\n"
           "                     with its ratio to the case's L=1 decode (give --rows 1)\n"
-          "  --kv F[,..]        f32 | f16 | bf16 | q8 | q4 | q2 (quantized: bf16 scales)\n"
+          "  --kv F[,..]        f32 | f16 | bf16 | q8 | q4 | q2 (quantized: bf16 scales) | fp8 (= f8e4m3) | f8e5m2\n"
+          "                     (fp8: one f32 scale per (token, KV head))\n"
           "  --group G          quantization group: 32, 64 (default) or 128\n"
           "  --qdtype T         query dtype f32 | f16 | bf16 (default bf16)\n"
           "  --odtype T         output dtype f32 | f16 | bf16 (default bf16)\n"
@@ -264,8 +265,10 @@ static int parse_kv(const char *opt, const char *s, kb_kvfmt *vals, int *n) {
     if (!strcmp(tok, "q2")) f.bits = 2;
     else if (!strcmp(tok, "q4")) f.bits = 4;
     else if (!strcmp(tok, "q8")) f.bits = 8;
+    else if (!strcmp(tok, "fp8") || !strcmp(tok, "f8e4m3")) f.dtype = KVA_F8E4M3;
+    else if (!strcmp(tok, "fp8e5m2") || !strcmp(tok, "f8e5m2")) f.dtype = KVA_F8E5M2;
     else if (strcmp(tok, "f32") && strcmp(tok, "f16") && strcmp(tok, "bf16"))
-      return usage_error("%s: '%s' is not one of f32, f16, bf16, q8, q4, q2", opt, tok);
+      return usage_error("%s: '%s' is not one of f32, f16, bf16, q8, q4, q2, fp8 (f8e4m3), f8e5m2", opt, tok);
     else parse_float_dtype(opt, tok, &f.dtype);
     if (f.bits) f.group = 64;
     vals[(*n)++] = f;

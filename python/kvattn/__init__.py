@@ -350,9 +350,43 @@ def _mask_kind(mask):
     return C.MASK_ARRAY
 
 
-def _kv_operand(x, name, bits, group_size, keep):
-    """kva_kv of one K or V operand: an array [B, KVH, N, D] or a
-    (packed, scales, biases) tuple (mlx-lm's quantized cache layout)."""
+def _fp8_scales(scale, lead, name, keep, output=False):
+    """kva_tensor of the float32 scales of fp8 rows whose leading dims are
+    lead = (B, KVH, N) (pools: (num_blocks, KVH, block_size)): None = none
+    (scale 1); a number = one scale for every row (strides 0); an array of
+    shape lead or lead + (1,), or broadcastable to it (broadcast dims get
+    stride 0). output: the array is written in place (kvattn.cache_write's
+    per-row scales): a writeable float32 numpy array of shape lead [+ (1,)]."""
+    if scale is None:
+        return C.kva_tensor()
+    if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, (bool, np.bool_)):
+        a = np.full((1, 1, 1, 1), scale, np.float32)
+        keep.append(a)
+        return C.tensor(np.broadcast_to(a, tuple(lead) + (1,)) if len(lead) == 3 else a, name)
+    if output:
+        if not isinstance(scale, np.ndarray):
+            raise TypeError("%s must be a number or a numpy array, got %s" % (name, type(scale).__name__))
+        a = scale[..., None] if scale.ndim == 3 else scale
+        keep.append(a)
+        return C.tensor(a, name, output=True)
+    a = np.asarray(scale)
+    if a.dtype != np.float32 and a.dtype.kind == "f":
+        a = a.astype(np.float32)
+    if a.ndim == 3:
+        a = a[..., None]
+    if len(lead) == 3:
+        try:
+            a = np.broadcast_to(a, tuple(lead) + (1,))
+        except ValueError:
+            pass  # the library names the dimension
+    keep.append(a)
+    return C.tensor(C.prepare_input(a, name), name)
+
+
+def _kv_operand(x, name, bits, group_size, keep, scale=None):
+    """kva_kv of one K or V operand: an array [B, KVH, N, D] (float, or fp8
+    with its scales `scale`) or a (packed, scales, biases) tuple (mlx-lm's
+    quantized cache layout)."""
     kv = C.kva_kv()
     if isinstance(x, (tuple, list)):
         if len(x) != 3:
@@ -370,6 +404,11 @@ def _kv_operand(x, name, bits, group_size, keep):
     a = C.prepare_input(x, name)
     keep.append(a)
     kv.data = C.tensor(a, name + ".data")
+    if a.dtype in C.FP8_DTYPES:
+        kv.scales = _fp8_scales(scale, a.shape[:3] if a.ndim == 4 else (), name + ".scales", keep)
+    elif scale is not None:
+        raise C.error(C.EINVAL, "%s_scale is for fp8 %s (float8_e4m3fn / float8_e5m2); %s is %s"
+                      % (name, name.upper(), name, a.dtype))
     return kv, a.shape, (a.shape[-1] if a.ndim else 0)
 
 
@@ -400,15 +439,16 @@ class _Call:
     """The descriptors of one attention call, and the arrays they point into."""
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
-                 seq_lens, out, tree_mask=None):
+                 seq_lens, out, tree_mask=None, k_scale=None,
+        v_scale=None):
         group_size = _check_i32(group_size, "group_size")
         bits = _check_i32(bits, "bits")
         keep = self.keep = []
         q = C.prepare_input(q, "q")
         keep.append(q)
         self.q = C.tensor(q, "q")
-        kk, kshape, _ = _kv_operand(k, "k", bits, group_size, keep)
-        vv, _, dv = _kv_operand(v, "v", bits, group_size, keep)
+        kk, kshape, _ = _kv_operand(k, "k", bits, group_size, keep, k_scale)
+        vv, _, dv = _kv_operand(v, "v", bits, group_size, keep, v_scale)
         view = self.view = C.kva_kv_view()
         view.layout = C.LAYOUT_CONTIGUOUS
         view.k, view.v = kk, vv
@@ -488,15 +528,66 @@ class _Call:
                 ctypes.byref(self.out))
 
 
+def _is_torch_tensor(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_cpu_fp8(*xs):
+    """Is one of xs a torch CPU tensor of an fp8 dtype (which the compiled
+    operators do not take: the call goes through numpy views)?"""
+    for x in xs:
+        if _is_torch_tensor(x) and not x.is_cuda and str(x.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
+            return True
+    return False
+
+
+def _np_of_torch(x):
+    """A numpy view of a torch CPU tensor (same memory; bfloat16 and fp8
+    through ml_dtypes); anything else unchanged."""
+    if not _is_torch_tensor(x):
+        return x
+    import torch
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(C.BFLOAT16)
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.view(torch.uint8).numpy().view(C.FLOAT8_E4M3 if x.dtype == torch.float8_e4m3fn else C.FLOAT8_E5M2)
+    return x.numpy()
+
+
+def _torch_of_np(a):
+    """A torch CPU tensor on a numpy array's memory (bfloat16 included)."""
+    import torch
+    if a.dtype == C.BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _torch_cpu_call(fn, q, k, v, out, kw):
+    """fn (kvattn.attention) on numpy views of torch CPU tensors (fp8 K/V),
+    results as torch tensors (out, when given, written in place)."""
+    conv = {n: _np_of_torch(x) for n, x in kw.items()}
+    res = fn(_np_of_torch(q), _np_of_torch(k), _np_of_torch(v), out=None if out is None else _np_of_torch(out),
+             **conv)
+    if out is not None:
+        return (out, _torch_of_np(res[1])) if isinstance(res, tuple) else out
+    return tuple(_torch_of_np(r) for r in res) if isinstance(res, tuple) else _torch_of_np(res)
+
+
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
-              return_lse=False, lse_base2=False, exact=False, tree_mask=None):
+              return_lse=False, lse_base2=False, exact=False, tree_mask=None, k_scale=None,
+        v_scale=None):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
       tuples in MLX's affine format with `bits` / `group_size` (the same for
       both; mlx-lm's QuantizedKVCache layout); strided views (e.g.
-      cache[:, :, :n]) are read in place.
+      cache[:, :, :n]) are read in place. fp8 arrays (ml_dtypes
+      float8_e4m3fn / float8_e5m2, torch.float8_e4m3fn / float8_e5m2) with
+      k_scale / v_scale: None (scale 1), a number (per-tensor) or float32
+      scales [B, KVH, N] (per token and head; broadcastable); the value is
+      scale * fp8 (kvattn.h kva_kv_fp8). Scales must be finite and > 0.
     Row i of sequence b sits at position p = len_b - L + i (len_b = N, or
       seq_lens[b] when seq_lens ([B] int) is given).
     scale: logit scale, None = 1/sqrt(Dk). softcap: logit = c*tanh(logit/c).
@@ -528,7 +619,7 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     PyTorch tensors (CPU and CUDA) go through the compiled operators
     (kvattn.torch_ops) when that extension is built.
     """
-    ops = _torch_ops(q, threads, context)
+    ops = _torch_ops(q, threads, context) if k_scale is None and v_scale is None else None
     if ops is not None:
         res = ops.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp=clamp,
                             seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact,
@@ -541,9 +632,15 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
                           "(the C API kva_attention_lse supports CUDA)")
         return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
                                clamp=clamp, seq_lens=seq_lens, out=out, context=context, exact=exact,
-                               tree_mask=tree_mask)
+                               tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale)
+    if _torch_cpu_fp8(q, k, v):
+        return _torch_cpu_call(attention, q, k, v, out, dict(
+            scale=scale, mask=mask, window=window, segments=segments, softcap=softcap, sinks=sinks,
+            group_size=group_size, bits=bits, threads=threads, clamp=clamp, seq_lens=seq_lens, context=context,
+            return_lse=return_lse, lse_base2=lse_base2, exact=exact, tree_mask=tree_mask, k_scale=k_scale,
+            v_scale=v_scale))
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     if return_lse:
@@ -598,20 +695,22 @@ def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, cont
 
 
 def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,
-                        sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, tree_mask=None):
+                        sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, tree_mask=None, k_scale=None,
+        v_scale=None):
     """The library's oracle (naive double-precision loops) on the same arguments as attention()."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     C.check(lib.kva_reference_attention(*call.refs()))
     return call.out_array
 
 
 def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                    group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
-                   context=None, tree_mask=None):
+                   context=None, tree_mask=None, k_scale=None,
+        v_scale=None):
     """Validates like attention() and says which path would run: "fused" or "fallback"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     ctx = context if context is not None else default_context(threads)
     with ctx.lock:
         path = C.check(lib.kva_attention_path(ctx.handle, *call.refs()))
@@ -620,14 +719,15 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
 
 def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
-                     context=None, exact=False, tree_mask=None):
+                     context=None, exact=False, tree_mask=None, k_scale=None,
+        v_scale=None):
     """Validates like attention() and describes the kernel that would run, e.g.
     "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
     tiles) [K,V,P bf16]": words for reading (they may change), then the
     kernel's roundings in a stable trailing bracket (kvattn.h,
     kva_attention_kernel); with exact=True always "[exact f32]"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     name = ctypes.create_string_buffer(256)
@@ -672,9 +772,10 @@ _cache_write_c.argtypes = [ctypes.c_void_p, ctypes.POINTER(C.kva_kv), ctypes.POI
                            ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
 
 
-def _pool_operand(x, name, bits, group_size):
-    """kva_kv of a pool written in place: a float array [num_blocks, KVH,
-    block_size, D] or a (packed, scales, biases) tuple of arrays."""
+def _pool_operand(x, name, bits, group_size, scale=None, keep=None):
+    """kva_kv of a pool written in place: a float or fp8 array [num_blocks,
+    KVH, block_size, D] (fp8: with `scale`, see cache_write) or a (packed,
+    scales, biases) tuple of arrays."""
     parts = x if isinstance(x, (tuple, list)) else (x,)
     if len(parts) not in (1, 3):
         raise C.error(C.EINVAL, "%s must be an array or a (packed, scales, biases) tuple, got %d items"
@@ -684,6 +785,12 @@ def _pool_operand(x, name, bits, group_size):
             raise TypeError("%s must be numpy arrays (written in place), got %s" % (name, type(a).__name__))
     kv = C.kva_kv()
     kv.data = C.tensor(parts[0], name + ".data", output=True)
+    if len(parts) == 1 and parts[0].dtype in C.FP8_DTYPES:
+        lead = parts[0].shape[:3] if parts[0].ndim == 4 else ()
+        per_row = isinstance(scale, np.ndarray) and scale.shape in (tuple(lead), tuple(lead) + (1,))
+        kv.scales = _fp8_scales(scale, lead, name + ".scales", keep, output=per_row)
+    elif scale is not None:
+        raise C.error(C.EINVAL, "%s: a scale is for fp8 pools (float8_e4m3fn / float8_e5m2)" % name)
     if len(parts) == 3:
         kv.scales = C.tensor(parts[1], name + ".scales", output=True)
         kv.biases = C.tensor(parts[2], name + ".biases", output=True)
@@ -692,7 +799,8 @@ def _pool_operand(x, name, bits, group_size):
     return kv
 
 
-def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None, *, context=None):
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None, *, context=None, k_scale=None,
+                v_scale=None):
     """Writes n new tokens into caller-owned pools, in place (the engine's
     append step, kva_cache_write).
 
@@ -705,16 +813,27 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       each row, bit for bit. A slot past the pools raises KvaError (nothing
       is written then). CUDA arrays (pools, rows and slots on the device)
       run on the CUDA backend: kvattn.cuda.cache_write; torch tensors go
-      through the compiled operators (kvattn.torch_ops) when built."""
-    ops = _torch_ops(k, threads, context)
+      through the compiled operators (kvattn.torch_ops) when built.
+    fp8 pools (float8_e4m3fn / float8_e5m2 arrays; torch fp8 tensors) store
+      round(x / scale), nearest even, saturating (torch's
+      x.to(torch.float8_e4m3fn) bits in range), with k_scale / v_scale:
+      a float32 array [num_blocks, KVH, block_size] (or [..., 1]): each
+      written row's scale max|x| / max_fp8 is computed and stored there; a
+      number or a broadcast array: the fixed scale(s), read; None: scale 1."""
+    ops = _torch_ops(k, threads, context) if k_scale is None and v_scale is None else None
     if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits) is not NotImplemented:
         return None
     if _cuda.is_cuda_array(k):
-        return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context)
+        return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context, k_scale=k_scale,
+                                 v_scale=v_scale)
+    if _torch_cpu_fp8(k_pool, v_pool):
+        return cache_write(*(_np_of_torch(x) for x in (k_pool, v_pool, k, v, slots)), group_size, bits, threads,
+                           context=context, k_scale=_np_of_torch(k_scale), v_scale=_np_of_torch(v_scale))
     group_size = _check_i32(group_size, "group_size")
     bits = _check_i32(bits, "bits")
-    kp = _pool_operand(k_pool, "k_pool", bits, group_size)
-    vp = _pool_operand(v_pool, "v_pool", bits, group_size)
+    keep = []
+    kp = _pool_operand(k_pool, "k_pool", bits, group_size, k_scale, keep)
+    vp = _pool_operand(v_pool, "v_pool", bits, group_size, v_scale, keep)
     k = C.prepare_input(k, "k")
     v = C.prepare_input(v, "v")
     sl = np.ascontiguousarray(C.int32_array(slots, "slots"))

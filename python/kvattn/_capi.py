@@ -65,10 +65,12 @@ class KvaError(ValueError):
 
 
 # ------------------------------------------------------------------ dtypes
-F32, F16, BF16, U32, I32, BOOL = 0, 1, 2, 3, 4, 5
+F32, F16, BF16, U32, I32, BOOL, F8E4M3, F8E5M2 = 0, 1, 2, 3, 4, 5, 6, 7
 MAX_DIMS = 4  # KVA_MAX_DIMS
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)  # KVA_F8E4M3: torch.float8_e4m3fn's bits
+FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)    # KVA_F8E5M2
 NP_TO_KVA = {
     np.dtype(np.float32): F32,
     np.dtype(np.float16): F16,
@@ -76,9 +78,12 @@ NP_TO_KVA = {
     np.dtype(np.uint32): U32,
     np.dtype(np.int32): I32,
     np.dtype(np.bool_): BOOL,
+    FLOAT8_E4M3: F8E4M3,
+    FLOAT8_E5M2: F8E5M2,
 }
 KVA_TO_NP = {v: k for k, v in NP_TO_KVA.items()}
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+FP8_DTYPES = (FLOAT8_E4M3, FLOAT8_E5M2)  # K/V rows only (kvattn.h: kva_kv_fp8)
 
 # ------------------------------------------------------------------ structs
 c_int64_4 = ctypes.c_int64 * MAX_DIMS

@@ -23,9 +23,10 @@ lib = C.lib
 C._proto("kva_context_set_stream", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 _TORCH_DTYPES = {"torch.float32": C.F32, "torch.float16": C.F16, "torch.bfloat16": C.BF16,
-                 "torch.int32": C.I32, "torch.uint32": C.U32, "torch.bool": C.BOOL}
+                 "torch.int32": C.I32, "torch.uint32": C.U32, "torch.bool": C.BOOL,
+                 "torch.float8_e4m3fn": C.F8E4M3, "torch.float8_e5m2": C.F8E5M2}
 _CAI_DTYPES = {"<f4": C.F32, "<f2": C.F16, "<u4": C.U32, "<i4": C.I32, "|b1": C.BOOL, "<b1": C.BOOL}
-_ITEMSIZE = {C.F32: 4, C.F16: 2, C.BF16: 2, C.U32: 4, C.I32: 4, C.BOOL: 1}
+_ITEMSIZE = {C.F32: 4, C.F16: 2, C.BF16: 2, C.U32: 4, C.I32: 4, C.BOOL: 1, C.F8E4M3: 1, C.F8E5M2: 1}
 _LEGACY_DEFAULT_STREAM = 1  # __cuda_array_interface__ v3 code for the legacy default stream
 
 
@@ -99,7 +100,8 @@ class _Call:
     """Descriptors of one attention call over CUDA arrays."""
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
-                 seq_lens, out, tree_mask=None):
+                 seq_lens, out, tree_mask=None, k_scale=None,
+        v_scale=None):
         from . import _check_i32, _mask_kind, _params, _tree_kind, _window
         group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
         self.keep = [q, k, v]
@@ -108,8 +110,8 @@ class _Call:
         self.stream = stream
         view = self.view = C.kva_kv_view()
         view.layout = C.LAYOUT_CONTIGUOUS
-        view.k, _, _ = self._kv(k, "k", bits, group_size)
-        view.v, vshape, dv = self._kv(v, "v", bits, group_size)
+        view.k, _, _ = self._kv(k, "k", bits, group_size, k_scale)
+        view.v, vshape, dv = self._kv(v, "v", bits, group_size, v_scale)
         B, H, L = qshape[:3] if len(qshape) == 4 else (1, 1, 1)
         if out is None:
             if not _is_torch(q):
@@ -157,7 +159,32 @@ class _Call:
         self.keep.append(x)
         return x
 
-    def _kv(self, x, name, bits, group_size):
+    def _fp8_scales(self, scale, x, shape, name):
+        """Device f32 scales of fp8 rows of shape [B, KVH, N, D] (pools: [num_blocks,
+        KVH, block_size, D]): None = none (scale 1); a number = one device
+        float for all rows (a torch x; strides 0); a CUDA array [B, KVH, N]
+        or [B, KVH, N, 1] (torch: broadcastable, expanded by strides; written
+        in place by cache_write when it has the rows' shape)."""
+        if scale is None:
+            return C.kva_tensor()
+        lead = tuple(shape[:3]) if len(shape) == 4 else None
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            if not _is_torch(x):
+                raise C.error(C.EINVAL, "%s: a number needs torch tensors; pass a float32 CUDA array" % name)
+            import torch
+            scale = torch.full((1, 1, 1, 1), float(scale), dtype=torch.float32, device=x.device)
+        if _is_torch(scale):
+            if scale.dim() == 3:
+                scale = scale.unsqueeze(-1)
+            if lead is not None and scale.dim() == 4:
+                try:
+                    scale = scale.expand(*lead, 1)
+                except RuntimeError:
+                    pass  # the library names the dimension
+        t, _, _, _ = _tensor(self._device_array(scale, name), name)
+        return t
+
+    def _kv(self, x, name, bits, group_size, scale=None):
         kv = C.kva_kv()
         if isinstance(x, (tuple, list)):
             if len(x) != 3:
@@ -169,6 +196,10 @@ class _Call:
             kv.bits, kv.group_size = bits, group_size
             return kv, pshape, (pshape[-1] * 32 // bits if pshape and bits in (2, 4, 8) else 0)
         kv.data, shape, _, _ = _tensor(self._device_array(x, name), name)
+        if kv.data.dtype in (C.F8E4M3, C.F8E5M2):
+            kv.scales = self._fp8_scales(scale, x, shape, name + ".scales")
+        elif scale is not None:
+            raise C.error(C.EINVAL, "%s: a scale is for fp8 %s (float8_e4m3fn / float8_e5m2)" % (name, name))
         return kv, shape, (shape[-1] if shape else 0)
 
 
@@ -192,7 +223,8 @@ def _run(call, context):
 
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False,
-              tree_mask=None):
+              tree_mask=None, k_scale=None,
+        v_scale=None):
     """kvattn.attention on CUDA arrays (see its documentation); runs on the
     arrays' device and the producer's current stream, asynchronously.
     exact: only the fused or general CUDA-core kernels ("[exact f32]").
@@ -200,7 +232,7 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     from . import _flags
 
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     call.params.flags = _flags(exact)
     return _run(call, context)
 
@@ -214,7 +246,8 @@ def _int32_device(call, x, name, ndim):
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
-                          clamp=False, out=None, context=None, exact=False, tree_mask=None):
+                          clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
+        v_scale=None):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
@@ -224,7 +257,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     from . import _flags
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
-                 out, tree_mask)
+                 out, tree_mask, k_scale, v_scale)
     call.params.flags = _flags(exact)
     bl, bshape = _int32_device(call, blocks, "blocks", 2)
     B, mb = bshape
@@ -248,7 +281,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     return _run(call, context)
 
 
-def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=None):
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=None, k_scale=None, v_scale=None):
     """kvattn.cache_write on CUDA arrays: writes the rows k [n, KVH, Dk],
     v [n, KVH, Dv] into the device pools at slots [n] (int32, device), on the
     arrays' device and the producer's current stream; out-of-range slots are
@@ -260,8 +293,8 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=N
     call.keep = []
     kt, kshape, dev, stream = _tensor(call._device_array(k, "k"), "k")
     vt, _, _, _ = _tensor(call._device_array(v, "v"), "v")
-    kp, _, _ = call._kv(k_pool, "k_pool", bits, group_size)
-    vp, _, _ = call._kv(v_pool, "v_pool", bits, group_size)
+    kp, _, _ = call._kv(k_pool, "k_pool", bits, group_size, k_scale)
+    vp, _, _ = call._kv(v_pool, "v_pool", bits, group_size, v_scale)
     st, sshape = _int32_device(call, slots, "slots", 1)
     n = kshape[0] if kshape else 0
     if sshape != (n,):

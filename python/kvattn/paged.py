@@ -596,12 +596,14 @@ def _set_mask(call, q, mask, N, tree_mask=None):
 
 
 def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp, softcap,
-                sinks, group_size, bits, out, tree_mask=None):
+                sinks, group_size, bits, out, tree_mask=None, k_scale=None,
+        v_scale=None):
     """The contiguous binding's call descriptors, with the pools and a
     kva_block_table in place of K/V (layout BLOCK_TABLE)."""
     from . import _Call
 
-    call = _Call(q, k_pool, v_pool, scale, None, window, segments, clamp, softcap, sinks, group_size, bits, None, out)
+    call = _Call(q, k_pool, v_pool, scale, None, window, segments, clamp, softcap, sinks, group_size, bits, None, out,
+                 k_scale, v_scale)
     bl = _table_array(blocks, "blocks", 2)
     B, mb = bl.shape
     # Rows of blocks may be strided (e.g. table[:, :m] of a wider table):
@@ -631,12 +633,15 @@ def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, 
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, threads=None,
-                          *, clamp=False, out=None, context=None, exact=False, tree_mask=None):
+                          *, clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
+        v_scale=None):
     """Attention of q [B, H, L, Dk] over caller pools addressed by a block table.
 
     k_pool, v_pool: [num_blocks, KVH, block_size, D] float arrays or
       (packed, scales, biases) tuples with `bits` / `group_size` (e.g.
-      Pool.k / Pool.v), read in place.
+      Pool.k / Pool.v), read in place; fp8 pools with k_scale / v_scale
+      (a number, float32 [num_blocks, KVH, block_size], or None) as in
+      kvattn.attention and kvattn.cache_write.
     blocks [B, max_blocks] int32: sequence b's blocks in token order (entries
       past its last block are never read; a strided slice of a wider table
       is read in place); seq_lens [B]: tokens; first_offset [B] (None = 0):
@@ -650,9 +655,9 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     [B, H, L, Dv] in q's dtype.
     CUDA arrays (PyTorch tensors, __cuda_array_interface__) run on the CUDA
     backend: kvattn.cuda.block_table_attention."""
-    from . import _torch_ops, cuda, default_context
+    from . import _np_of_torch, _torch_cpu_fp8, _torch_of_np, _torch_ops, cuda, default_context
 
-    ops = _torch_ops(q, threads, context)
+    ops = _torch_ops(q, threads, context) if k_scale is None and v_scale is None else None
     if ops is not None:
         res = ops.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                         segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact,
@@ -662,11 +667,11 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     if cuda.is_cuda_array(q):
         return cuda.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                           segments, softcap, sinks, group_size, bits, clamp=clamp, out=out,
-                                          context=context, exact=exact, tree_mask=tree_mask)
+                                          context=context, exact=exact, tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale)
     from . import _flags
 
     call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
-                       softcap, sinks, group_size, bits, out, tree_mask)
+                       softcap, sinks, group_size, bits, out, tree_mask, k_scale, v_scale)
     call.params.flags = _flags(exact)
     ctx = context if context is not None else default_context(threads)
     with ctx.lock:

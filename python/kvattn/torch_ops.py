@@ -162,11 +162,15 @@ def _tensors(*xs):
     return all(x is None or isinstance(x, _Tensor) for x in xs)
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # not taken by the ops: kvattn.attention's ctypes paths
+
+
 def _kv(x, bits):
     """(data, scales, biases, bits) of a K/V operand: a tensor (float, bits 0)
-    or a (packed, scales, biases) tuple with `bits`; None when not tensors."""
+    or a (packed, scales, biases) tuple with `bits`; None when not tensors
+    (or fp8 tensors)."""
     if isinstance(x, _Tensor):
-        return x, None, None, 0
+        return None if x.dtype in _FP8 else (x, None, None, 0)
     if isinstance(x, (tuple, list)) and len(x) == 3 and _tensors(*x):
         return x[0], x[1], x[2], bits
     return None

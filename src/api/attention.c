@@ -163,6 +163,43 @@ static int check_arrays(const kva_problem *p, kva_backend backend, const kva_att
   return 0;
 }
 
+/* Host fp8 scales (CPU backend): every scale of the rows a call reads is
+ * finite and > 0, found through the layout's spans (one check per span
+ * when the scale row stride is 0: a broadcast scale). */
+static int check_fp8_scales(const kva_problem *p) {
+  const kva_kv_view *kv = p->kv;
+  const kva_kv *ops[2] = {&kv->k, &kv->v};
+  kva_source src;
+  if (kv->layout == KVA_LAYOUT_PAGED) kva_source_paged(&src, kv);
+  else if (kv->layout == KVA_LAYOUT_BLOCK_TABLE) kva_source_block_table(&src, kv);
+  else kva_source_contiguous(&src, kv);
+  for (int w = 0; w < 2; ++w) {
+    const kva_kv *op = ops[w];
+    if (op->bits || !kva_is_fp8(op->data.dtype) || !op->scales.data) continue;
+    const kva_tensor *st = &op->scales;
+    const bool one = st->stride[0] == 0 && st->stride[1] == 0 && st->stride[2] == 0;
+    for (int64_t b = 0; b < (one ? 1 : p->B); ++b) {
+      const int64_t len = one ? 1 : kva_problem_len(p, b);
+      for (int64_t hk = 0; hk < (one ? 1 : p->KVH); ++hk) {
+        kva_span sp;
+        for (int64_t t = 0; t < len; t += sp.n) {
+          src.span_at(&src, b, hk, t, len, &sp);
+          const char *sc = w ? sp.vs : sp.ks;
+          const int64_t rs = w ? sp.vs_rs : sp.ks_rs;
+          for (int64_t r = 0; r < (rs ? sp.n : 1); ++r) {
+            const float s = *(const float *)(sc + r * rs);
+            if (!(s > 0.0f) || s == INFINITY)
+              return kva_seterr(KVA_EINVAL, "%s.scales: the scale of sequence %lld, KV head %lld, token %lld is %g "
+                                "(fp8 scales must be finite and > 0)", w ? "v" : "k", (long long)b, (long long)hk,
+                                (long long)(sp.t0 + r), (double)s);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, const kva_kv_view *kv,
                      const kva_attn_params *params, const kva_tensor *out) {
   memset(p, 0, sizeof *p);
@@ -252,8 +289,8 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
                              &kv->v.scales, &kv->v.biases};
   static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases"};
   for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
-    if (i > 0 && (i == 2 || i == 3) && !kv->k.bits) continue;
-    if (i > 4 && !kv->v.bits) continue;
+    if ((i == 2 && !kva_kv_scaled(&kv->k)) || (i == 3 && !kv->k.bits)) continue;
+    if ((i == 5 && !kva_kv_scaled(&kv->v)) || (i == 6 && !kv->v.bits)) continue;
     if (out && kva_tensors_overlap(out, ins[i]))
       return kva_seterr(KVA_EINVAL, "out overlaps %s", in_names[i]);
   }
@@ -269,6 +306,7 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   p->sinks = params->sinks;
   p->mask = params->mask;
   if ((rc = check_mask(p, backend))) return rc;
+  if (backend == KVA_BACKEND_CPU && (rc = check_fp8_scales(p))) return rc;
   p->path = kva_select_path(p);
   return 0;
 }
@@ -290,8 +328,8 @@ int kva_problem_set_lse(kva_problem *p, const kva_tensor *lse, unsigned flags) {
                              &kv->v.biases, p->out};
   static const char *in_names[] = {"q", "k", "k.scales", "k.biases", "v", "v.scales", "v.biases", "out"};
   for (size_t i = 0; i < sizeof ins / sizeof ins[0]; ++i) {
-    if ((i == 2 || i == 3) && !kv->k.bits) continue;
-    if ((i == 5 || i == 6) && !kv->v.bits) continue;
+    if ((i == 2 && !kva_kv_scaled(&kv->k)) || (i == 3 && !kv->k.bits)) continue;
+    if ((i == 5 && !kva_kv_scaled(&kv->v)) || (i == 6 && !kv->v.bits)) continue;
     if (ins[i] && kva_tensors_overlap(lse, ins[i])) return kva_seterr(KVA_EINVAL, "lse overlaps %s", in_names[i]);
   }
   p->lse = lse;

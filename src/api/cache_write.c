@@ -9,7 +9,9 @@
 #include "core/quant.h"
 #include "cpu/threadpool.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 /* Below this many input elements the write runs on the calling thread (the
  * pool's wake-up costs more than the work). Tuning only. */
@@ -51,7 +53,7 @@ static int check_pool_apart(const kva_kv *pool, const char *pname, const kva_ten
                             const char *const *in_names, int nins) {
   const kva_tensor *parts[3] = {&pool->data, &pool->scales, &pool->biases};
   static const char *part_names[3] = {"data", "scales", "biases"};
-  const int nparts = pool->bits ? 3 : 1;
+  const int nparts = pool->bits ? 3 : kva_kv_scaled(pool) && kva_fp8_scales_per_row(&pool->scales) ? 2 : 1;
   for (int p = 0; p < nparts; ++p)
     for (int i = 0; i < nins; ++i)
       if (kva_tensors_overlap(parts[p], ins[i]))
@@ -69,6 +71,18 @@ static void write_row(const cw_operand *o, int64_t i, int64_t h, int64_t blk, in
     kva_quantize_row(s, src->dtype, o->D, pool->bits, pool->group_size,
                      (uint32_t *)kva_at4(&pool->data, blk, h, row, 0), kva_at4(&pool->scales, blk, h, row, 0),
                      kva_at4(&pool->biases, blk, h, row, 0), pool->scales.dtype);
+    return;
+  }
+  if (kva_is_fp8(pool->data.dtype)) { /* per-row scales computed and stored, or the fixed scale (1 without) */
+    float scale = 1.0f;
+    char *sp = pool->scales.data ? kva_at4(&pool->scales, blk, h, row, 0) : NULL;
+    if (sp && kva_fp8_scales_per_row(&pool->scales)) {
+      scale = kva_fp8_row_scale(s, src->dtype, o->D, pool->data.dtype);
+      memcpy(sp, &scale, 4);
+    } else if (sp) {
+      memcpy(&scale, sp, 4);
+    }
+    kva_fp8_quantize_row(s, src->dtype, o->D, pool->data.dtype, scale, (uint8_t *)kva_at4(&pool->data, blk, h, row, 0));
     return;
   }
   char *d = kva_at4(&pool->data, blk, h, row, 0);
@@ -97,6 +111,21 @@ static int cpu_cache_write(kva_context *ctx, const cw_job *j) {
     if (j->slots[i] >= nslots)
       return kva_seterr(KVA_EINVAL, "slots[%lld] = %d is out of range: the pools hold num_blocks * block_size = "
                         "%lld slots (negative = skip)", (long long)i, j->slots[i], (long long)nslots);
+  /* fp8 pools with fixed (read) scales: each one a written row uses is finite and > 0 */
+  for (int w = 0; w < 2; ++w) {
+    const kva_kv *pool = j->op[w].pool;
+    if (!kva_is_fp8(pool->data.dtype) || !pool->scales.data || kva_fp8_scales_per_row(&pool->scales)) continue;
+    for (int64_t i = 0; i < j->n; ++i) {
+      if (j->slots[i] < 0) continue;
+      for (int64_t h = 0; h < j->KVH; ++h) {
+        float s;
+        memcpy(&s, kva_at4(&pool->scales, j->slots[i] / j->block_size, h, j->slots[i] % j->block_size, 0), 4);
+        if (!(s > 0.0f) || s == INFINITY)
+          return kva_seterr(KVA_EINVAL, "%s.scales: the fixed scale of slot %d, KV head %lld is %g (fp8 scales must be "
+                            "finite and > 0)", w ? "v_pool" : "k_pool", j->slots[i], (long long)h, (double)s);
+      }
+    }
+  }
   const long ntasks = (long)(2 * j->KVH);
   const int64_t work = j->n * j->KVH * (j->op[0].D + j->op[1].D);
   if (ctx->pool && ctx->threads > 1 && work >= KVA_CACHE_WRITE_PARALLEL_MIN) {
@@ -129,6 +158,13 @@ int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool
   static const char *in_names[3] = {"k", "v", "slots"};
   if ((rc = check_pool_apart(k_pool, "k_pool", ins, in_names, 3)) ||
       (rc = check_pool_apart(v_pool, "v_pool", ins, in_names, 3)))
+    return rc;
+  /* per-row fp8 scales are written: they may not overlap themselves */
+  if (kva_is_fp8(k_pool->data.dtype) && kva_fp8_scales_per_row(&k_pool->scales) &&
+      (rc = kva_check_tensor(&k_pool->scales, "k_pool.scales", KVA_DT(KVA_F32), 4, false)))
+    return rc;
+  if (kva_is_fp8(v_pool->data.dtype) && kva_fp8_scales_per_row(&v_pool->scales) &&
+      (rc = kva_check_tensor(&v_pool->scales, "v_pool.scales", KVA_DT(KVA_F32), 4, false)))
     return rc;
   cw_job j = {{{k_pool, k, Dk}, {v_pool, v, Dv}}, slots, n, KVH, k_pool->data.shape[2]};
   pthread_mutex_lock(&ctx->mu); /* ctx's pool or stream (core/backend.h) */

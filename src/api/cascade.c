@@ -179,7 +179,7 @@ int kva_cascade_attention(kva_context *ctx, const kva_tensor *q, const kva_kv_vi
   const kva_kv *kvs[2] = {&prefix->k, &prefix->v};
   for (int i = 0; i < 2; ++i) {
     const kva_tensor *ts[3] = {&kvs[i]->data, &kvs[i]->scales, &kvs[i]->biases};
-    for (int j = 0; j < (kvs[i]->bits ? 3 : 1); ++j)
+    for (int j = 0; j < (kvs[i]->bits ? 3 : kva_kv_scaled(kvs[i]) ? 2 : 1); ++j)
       if (ts[j]->data && (kva_tensors_overlap(out, ts[j]) || (lse && kva_tensors_overlap(lse, ts[j]))))
         return kva_seterr(KVA_EINVAL, "out or lse overlaps the prefix's %s", i ? "V" : "K");
   }

@@ -18,12 +18,14 @@
 int kva_seterr(int status, const char *fmt, ...) KVA_PRINTF(2, 3);
 void kva_clearerr(void);
 
-/* Element loads (host). */
+/* Element loads (host); fp8 elements as codes (unscaled). */
 static inline float kva_load_f(const void *p, kva_dtype dt) {
   switch (dt) {
   case KVA_F32: return *(const float *)p;
   case KVA_F16: return kva_f16_to_f32(*(const uint16_t *)p);
   case KVA_BF16: return kva_bf16_to_f32(*(const uint16_t *)p);
+  case KVA_F8E4M3: return kva_f8e4m3_to_f32(*(const uint8_t *)p);
+  case KVA_F8E5M2: return kva_f8e5m2_to_f32(*(const uint8_t *)p);
   default: return 0.0f;
   }
 }
@@ -32,11 +34,21 @@ static inline void kva_store_f(void *p, kva_dtype dt, float x) {
   case KVA_F32: *(float *)p = x; break;
   case KVA_F16: *(uint16_t *)p = kva_f32_to_f16(x); break;
   case KVA_BF16: *(uint16_t *)p = kva_f32_to_bf16(x); break;
+  case KVA_F8E4M3: *(uint8_t *)p = kva_f32_to_f8e4m3(x); break;
+  case KVA_F8E5M2: *(uint8_t *)p = kva_f32_to_f8e5m2(x); break;
   default: break;
   }
 }
 static inline bool kva_is_float(kva_dtype dt) {
   return dt == KVA_F32 || dt == KVA_F16 || dt == KVA_BF16;
+}
+static inline bool kva_is_fp8(kva_dtype dt) { return dt == KVA_F8E4M3 || dt == KVA_F8E5M2; }
+/* Largest finite fp8 magnitude (448 / 57344). */
+static inline float kva_fp8_max(kva_dtype dt) { return dt == KVA_F8E4M3 ? 448.0f : 57344.0f; }
+/* Does the operand read its scales array? Quantized rows, and fp8 rows
+ * with scales (scales.data NULL: scale 1). */
+static inline bool kva_kv_scaled(const kva_kv *kv) {
+  return kv->bits != 0 || (kva_is_fp8(kv->data.dtype) && kv->scales.data != NULL);
 }
 /* Address of element (i0, i1, i2, i3) of a rank-4 tensor. */
 static inline char *kva_at4(const kva_tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
@@ -51,6 +63,7 @@ static inline char *kva_at4(const kva_tensor *t, int64_t i0, int64_t i1, int64_t
 #define KVA_DT(x) (1u << (x))
 #define KVA_MAX_SPAN ((int64_t)1 << 62) /* bytes a tensor view may span (kva_check_tensor) */
 #define KVA_DT_FLOAT (KVA_DT(KVA_F32) | KVA_DT(KVA_F16) | KVA_DT(KVA_BF16))
+#define KVA_DT_FP8 (KVA_DT(KVA_F8E4M3) | KVA_DT(KVA_F8E5M2))
 int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int ndim,
                      bool allow_broadcast);
 /* Checks a K/V operand: returns its logical head dim in *dim. */
@@ -59,9 +72,11 @@ int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim);
 typedef struct kva_rowfmt {
   int bits;          /* 0 = float rows */
   int group;         /* group size when quantized */
-  kva_dtype dtype;   /* float rows: element dtype */
-  kva_dtype sdtype;  /* quantized: scales/biases dtype */
+  kva_dtype dtype;   /* float rows: element dtype (f32/f16/bf16, or fp8) */
+  kva_dtype sdtype;  /* quantized: scales/biases dtype; fp8 rows: f32 (their scales) */
   int64_t D;         /* logical elements per row */
+  int scaled;        /* the scales array is read: quantized rows, fp8 rows with scales
+                        (fp8 rows without: scale 1) */
 } kva_rowfmt;
 /* Row format of a kva_kv. */
 kva_rowfmt kva_rowfmt_of(const kva_kv *kv);

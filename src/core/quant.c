@@ -4,6 +4,7 @@
 #include "internal.h"
 #include "quant.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -204,6 +205,61 @@ int kva_quantize(const kva_tensor *w, kva_kv *out) {
   return 0;
 }
 
+/* ---- fp8 rows ---- */
+float kva_fp8_row_scale(const void *w, kva_dtype wdt, int64_t D, kva_dtype f8) {
+  const int64_t es = (int64_t)kva_dtype_size(wdt);
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = fabsf(kva_load_f((const char *)w + d * es, wdt));
+    if (a <= FLT_MAX && a > amax) amax = a; /* finite values only (NaN compares false) */
+  }
+  if (amax == 0.0f) return 1.0f;
+  const float s = amax / kva_fp8_max(f8);
+  return s < FLT_MIN ? FLT_MIN : s;
+}
+
+void kva_fp8_quantize_row(const void *w, kva_dtype wdt, int64_t D, kva_dtype f8, float scale, uint8_t *q) {
+  const int64_t es = (int64_t)kva_dtype_size(wdt);
+  for (int64_t d = 0; d < D; ++d) {
+    const float x = kva_load_f((const char *)w + d * es, wdt);
+    if (isnan(x)) q[d] = signbit(x) ? 0xff : 0x7f;
+    else q[d] = f8 == KVA_F8E4M3 ? kva_f32_to_f8e4m3(x / scale) : kva_f32_to_f8e5m2(x / scale);
+  }
+}
+
+/* fp8 rows -> float: out = scale * code in f32, stored rounded to out's dtype. */
+static int dequantize_fp8(const kva_kv *q, kva_tensor *out) {
+  int64_t D;
+  int rc = kva_check_kv(q, "q", &D);
+  if (rc) return rc;
+  if ((rc = kva_check_tensor(out, "out", KVA_DT_FLOAT, 4, false))) return rc;
+  for (int d = 0; d < 4; ++d)
+    if (out->shape[d] != q->data.shape[d])
+      return kva_seterr(KVA_ESHAPE, "out.shape[%d] = %lld != q.data.shape[%d] = %lld", d, (long long)out->shape[d], d,
+                        (long long)q->data.shape[d]);
+  if ((rc = check_apart(out, "out", &q->data, "q.data")) ||
+      (q->scales.data && (rc = check_apart(out, "out", &q->scales, "q.scales"))))
+    return rc;
+  for (int64_t a = 0; a < q->data.shape[0] && q->scales.data; ++a)
+    for (int64_t b = 0; b < q->data.shape[1]; ++b)
+      for (int64_t c = 0; c < q->data.shape[2]; ++c) {
+        const float s = *(const float *)kva_at4(&q->scales, a, b, c, 0);
+        if (!(s > 0.0f) || s == INFINITY)
+          return kva_seterr(KVA_EINVAL, "q.scales[%lld, %lld, %lld] = %g (fp8 scales must be finite and > 0)",
+                            (long long)a, (long long)b, (long long)c, (double)s);
+      }
+  const int64_t osz = (int64_t)kva_dtype_size(out->dtype);
+  for (int64_t a = 0; a < q->data.shape[0]; ++a)
+    for (int64_t b = 0; b < q->data.shape[1]; ++b)
+      for (int64_t c = 0; c < q->data.shape[2]; ++c) {
+        const float s = q->scales.data ? *(const float *)kva_at4(&q->scales, a, b, c, 0) : 1.0f;
+        const char *row = kva_at4(&q->data, a, b, c, 0);
+        char *orow = kva_at4(out, a, b, c, 0);
+        for (int64_t d = 0; d < D; ++d) kva_store_f(orow + d * osz, out->dtype, s * kva_load_f(row + d, q->data.dtype));
+      }
+  return 0;
+}
+
 /* ---- dequantize ---- */
 
 static inline float round_to(kva_dtype dt, float x) {
@@ -228,6 +284,7 @@ int kva_dequantize(const kva_kv *q, kva_tensor *out) {
   kva_clearerr();
   if (!q) return kva_seterr(KVA_EINVAL, "q is NULL");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
+  if (q->bits == 0 && kva_is_fp8(q->data.dtype)) return dequantize_fp8(q, out);
   int rc = check_format(q, "q");
   if (rc) return rc;
   rc = kva_check_tensor(&q->data, "q.data", KVA_DT(KVA_U32), 0, false);

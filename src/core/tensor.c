@@ -10,7 +10,7 @@ size_t kva_dtype_size(kva_dtype dt) {
   switch (dt) {
   case KVA_F32: case KVA_U32: case KVA_I32: return 4;
   case KVA_F16: case KVA_BF16: return 2;
-  case KVA_BOOL: return 1;
+  case KVA_BOOL: case KVA_F8E4M3: case KVA_F8E5M2: return 1;
   }
   return 0;
 }
@@ -23,6 +23,8 @@ const char *kva_dtype_name(kva_dtype dt) {
   case KVA_U32: return "u32";
   case KVA_I32: return "i32";
   case KVA_BOOL: return "bool";
+  case KVA_F8E4M3: return "f8e4m3";
+  case KVA_F8E5M2: return "f8e5m2";
   }
   return "?";
 }
@@ -96,6 +98,40 @@ float kva_f16_to_f32(uint16_t h) {
   return u2f(sign | ((e + 112u) << 23) | (m << 13));
 }
 
+/* fp8 with M mantissa bits and exponent bias `bias`, largest finite
+ * magnitude code maxc: RNE, saturating, NaN -> sign | 0x7f. Normal results:
+ * the f16 method (rebias the exponent, round the mantissa 23 -> M bits by
+ * adding half an ulp minus one plus the kept lsb); below 2^(1-bias) the
+ * code is |x| / 2^(1-bias-M) rounded to an integer (the scaling is exact,
+ * nearbyintf rounds to even), which also yields the smallest normal code
+ * when a subnormal rounds up. */
+static uint8_t f32_to_f8(float x, int M, int bias, uint32_t maxc) {
+  const uint32_t u = f2u(x), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+  uint32_t c;
+  if (a < (uint32_t)(128 - bias) << 23) {
+    c = (uint32_t)nearbyintf(u2f(a) * u2f((uint32_t)(127 + bias - 1 + M) << 23));
+  } else {
+    const int sh = 23 - M;
+    const uint32_t m = a + ((1u << (sh - 1)) - 1u) + ((a >> sh) & 1u);
+    c = (m >> sh) - ((uint32_t)(127 - bias) << M);
+  }
+  return (uint8_t)(sign | (c > maxc ? maxc : c));
+}
+uint8_t kva_f32_to_f8e4m3(float x) { return f32_to_f8(x, 3, 7, 0x7eu); }
+uint8_t kva_f32_to_f8e5m2(float x) { return f32_to_f8(x, 2, 15, 0x7bu); }
+
+float kva_f8e4m3_to_f32(uint8_t c) {
+  const uint32_t sign = (uint32_t)(c & 0x80u) << 24, e = (c >> 3) & 15u, m = c & 7u;
+  if (e == 15 && m == 7) return u2f(sign | 0x7fc00000u);
+  if (e == 0) {
+    const float v = (float)m * 0x1p-9f; /* exact */
+    return sign ? -v : v;
+  }
+  return u2f(sign | ((e + 120u) << 23) | (m << 20));
+}
+float kva_f8e5m2_to_f32(uint8_t c) { return kva_f16_to_f32((uint16_t)((uint16_t)c << 8)); }
+
 /* ---- validation ---- */
 int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int ndim,
                      bool allow_broadcast) {
@@ -104,7 +140,7 @@ int kva_check_tensor(const kva_tensor *t, const char *name, unsigned dtypes, int
     return kva_seterr(KVA_ESHAPE, "%s must have rank %d, got %d", name, ndim, t->ndim);
   if (t->ndim < 1 || t->ndim > KVA_MAX_DIMS)
     return kva_seterr(KVA_ESHAPE, "%s has invalid rank %d", name, t->ndim);
-  if ((unsigned)t->dtype > KVA_BOOL || !(dtypes & KVA_DT(t->dtype)))
+  if ((unsigned)t->dtype > KVA_F8E5M2 || !(dtypes & KVA_DT(t->dtype)))
     return kva_seterr(KVA_EDTYPE, "%s has unsupported dtype %s", name, kva_dtype_name(t->dtype));
   int64_t es = (int64_t)kva_dtype_size(t->dtype);
   for (int d = 0; d < t->ndim; ++d)
@@ -186,8 +222,9 @@ kva_rowfmt kva_rowfmt_of(const kva_kv *kv) {
   f.bits = kv->bits;
   f.group = kv->group_size;
   f.dtype = kv->data.dtype;
-  f.sdtype = kv->bits ? kv->scales.dtype : kv->data.dtype;
+  f.sdtype = kv->bits ? kv->scales.dtype : kva_is_fp8(kv->data.dtype) ? KVA_F32 : kv->data.dtype;
   f.D = kva_kv_dim(kv);
+  f.scaled = kva_kv_scaled(kv);
   return f;
 }
 
@@ -196,8 +233,18 @@ int kva_check_kv(const kva_kv *kv, const char *name, int64_t *dim) {
   if (!kv) return kva_seterr(KVA_EINVAL, "%s is NULL", name);
   if (kv->bits == 0) {
     snprintf(nm, sizeof nm, "%s.data", name);
-    int rc = kva_check_tensor(&kv->data, nm, KVA_DT_FLOAT, 4, false);
+    int rc = kva_check_tensor(&kv->data, nm, KVA_DT_FLOAT | KVA_DT_FP8, 4, false);
     if (rc) return rc;
+    if (kva_is_fp8(kv->data.dtype) && kv->scales.data) {
+      /* [B, KVH, N, 1] f32, strides free (0 broadcasts) */
+      snprintf(nm, sizeof nm, "%s.scales", name);
+      if ((rc = kva_check_tensor(&kv->scales, nm, KVA_DT(KVA_F32), 4, true))) return rc;
+      for (int d = 0; d < 4; ++d)
+        if (kv->scales.shape[d] != (d < 3 ? kv->data.shape[d] : 1))
+          return kva_seterr(KVA_ESHAPE, "%s.scales.shape[%d] = %lld, expected %lld (fp8 scales are f32 [B, KVH, N, 1]; "
+                            "strides 0 broadcast)", name, d, (long long)kv->scales.shape[d],
+                            (long long)(d < 3 ? kv->data.shape[d] : 1));
+    }
     *dim = kv->data.shape[3];
     return 0;
   }
@@ -256,6 +303,17 @@ kva_kv kva_kv_quantized(void *packed, void *scales, void *biases, kva_dtype scal
   kv.data = kva_tensor_4d(packed, KVA_U32, B, KVH, N, words);
   kv.scales = kva_tensor_4d(scales, scale_dt, B, KVH, N, groups);
   kv.biases = kva_tensor_4d(biases, scale_dt, B, KVH, N, groups);
+  return kv;
+}
+
+kva_kv kva_kv_fp8(void *data, kva_dtype dt, const float *scales, int per_token, int64_t B, int64_t KVH, int64_t N,
+                  int64_t D) {
+  kva_kv kv = kva_kv_float(data, dt, B, KVH, N, D);
+  if (scales) {
+    kv.scales = kva_tensor_4d((void *)(uintptr_t)scales, KVA_F32, B, KVH, N, 1);
+    if (!per_token)
+      for (int d = 0; d < 4; ++d) kv.scales.stride[d] = 0;
+  }
   return kv;
 }
 

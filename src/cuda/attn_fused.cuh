@@ -4,7 +4,9 @@
  *         row is decoded once into registers and dotted with all of them
  *         (quantized, where QW * 2 <= E: q.k = scale * (q . codes) +
  *         bias * sum(q) and p * v = (p * scale) * codes + p * bias per
- *         lane's group; else dequantized per element);
+ *         lane's group; else dequantized per element; fp8 rows: codes to
+ *         f32 exactly, q.k = scale * (q . codes), p * v = (p * scale) * codes
+ *         with the row's f32 scale);
  *         s = softcap(scale * q.k) in log2 units, online softmax
  *         {m, l, o} per query vector, o += p * v with V decoded once.
  *         Splits write {m (natural log), l, o} to the workspace and a second
@@ -26,13 +28,17 @@
 #include "cuda/launch.cuh"
 
 /* ---- formats as data: bits per element, quantized or float ---- */
+/* FP8: fp8 codes with one f32 scale per row (applied to the row's dot
+ * product and to p, as the affine map of quantized rows without a bias). */
 template <int FMT> struct kvc_fmt_traits;
-template <> struct kvc_fmt_traits<KVC_F32> { static constexpr int BPE = 32, QBITS = 0; };
-template <> struct kvc_fmt_traits<KVC_F16> { static constexpr int BPE = 16, QBITS = 0; };
-template <> struct kvc_fmt_traits<KVC_BF16> { static constexpr int BPE = 16, QBITS = 0; };
-template <> struct kvc_fmt_traits<KVC_Q2> { static constexpr int BPE = 2, QBITS = 2; };
-template <> struct kvc_fmt_traits<KVC_Q4> { static constexpr int BPE = 4, QBITS = 4; };
-template <> struct kvc_fmt_traits<KVC_Q8> { static constexpr int BPE = 8, QBITS = 8; };
+template <> struct kvc_fmt_traits<KVC_F32> { static constexpr int BPE = 32, QBITS = 0, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_F16> { static constexpr int BPE = 16, QBITS = 0, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_BF16> { static constexpr int BPE = 16, QBITS = 0, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_Q2> { static constexpr int BPE = 2, QBITS = 2, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_Q4> { static constexpr int BPE = 4, QBITS = 4, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_Q8> { static constexpr int BPE = 8, QBITS = 8, FP8 = 0; };
+template <> struct kvc_fmt_traits<KVC_E4M3> { static constexpr int BPE = 8, QBITS = 0, FP8 = 1; };
+template <> struct kvc_fmt_traits<KVC_E5M2> { static constexpr int BPE = 8, QBITS = 0, FP8 = 1; };
 
 /* One lane's E elements of one row, as loaded: raw words and the raw bits
  * of its group's scale/bias (converted only when used, so the loads of a
@@ -41,7 +47,7 @@ template <int FMT, int E> struct kvc_chunk {
   static constexpr int BYTES = kvc_fmt_traits<FMT>::BPE * E / 8;
   static constexpr int WORDS = BYTES >= 4 ? BYTES / 4 : 1;
   uint32_t w[WORDS];
-  uint32_t s, z; /* scale, bias bits of the chunk's group (quantized) */
+  uint32_t s, z; /* scale, bias bits of the chunk's group (quantized); fp8: the row's scale (s) */
 };
 
 /* Compile-time layout tag of a token loop (BLOCK_TABLE or contiguous). */
@@ -76,6 +82,10 @@ __device__ __forceinline__ kvc_lane_rows kvc_lane_rows_of(const kvc_operand &op,
     r.bias = op.biases + ob * op.bs[0] + h * op.bs[1] + g * es;
     r.ss = op.ss[2];
     r.bs = op.bs[2];
+  }
+  if (kvc_fmt_traits<FMT>::FP8 && op.scales) { /* one f32 per (token, head); strides 0 broadcast */
+    r.scale = op.scales + ob * op.ss[0] + h * op.ss[1];
+    r.ss = op.ss[2];
   }
   return r;
 }
@@ -112,6 +122,8 @@ __device__ __forceinline__ void kvc_load_chunk(kvc_chunk<FMT, E> &ch, const kvc_
   } else {
     ch.w[0] = __ldg((const unsigned short *)p);
   }
+  if (kvc_fmt_traits<FMT>::FP8) /* the row's scale; 1.0f without scales */
+    ch.s = r.scale ? __ldg((const unsigned int *)(r.scale + os)) : 0x3f800000u;
   if (kvc_fmt_traits<FMT>::QBITS) {
     if (sdt == KVA_F32) {
       ch.s = __ldg((const unsigned int *)(r.scale + os));
@@ -151,7 +163,18 @@ __device__ __forceinline__ float kvc_byte_float(uint32_t w, int y) {
 template <int FMT, int E>
 __device__ __forceinline__ void kvc_decode_codes(const kvc_chunk<FMT, E> &ch, float (&x)[E]) {
   constexpr int QB = kvc_fmt_traits<FMT>::QBITS;
-  if constexpr (QB == 8 || QB == 4) {
+  if constexpr (kvc_fmt_traits<FMT>::FP8) {
+    /* two codes per conversion (cvt.rn.f16x2.e4m3x2 / e5m2x2 on sm_89+), then f16 -> f32 */
+#pragma unroll
+    for (int k = 0; k < kvc_chunk<FMT, E>::WORDS; ++k)
+#pragma unroll
+      for (int y = 0; y < 2; ++y) {
+        const uint32_t h2 = kvc_fp8x2_f16x2<FMT == KVC_E4M3>(ch.w[k] >> (16 * y));
+        const float2 f = __half22float2(*(const __half2 *)&h2);
+        x[4 * k + 2 * y] = f.x;
+        x[4 * k + 2 * y + 1] = f.y;
+      }
+  } else if constexpr (QB == 8 || QB == 4) {
     /* codes byte by byte: PRMT puts a code byte under the 2^23 exponent */
 #pragma unroll
     for (int k = 0; k < kvc_chunk<FMT, E>::WORDS; ++k) {
@@ -194,6 +217,7 @@ __device__ __forceinline__ void kvc_decode(const kvc_chunk<FMT, E> &ch, int sdt,
   constexpr int QB = kvc_fmt_traits<FMT>::QBITS;
   sc = 1.0f;
   bi = 0.0f;
+  if (kvc_fmt_traits<FMT>::FP8) sc = __uint_as_float(ch.s); /* applied per row by the caller */
   if (QB) {
     sc = kvc_scale_bits(ch.s, sdt);
     bi = kvc_scale_bits(ch.z, sdt);
@@ -357,6 +381,8 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   /* The affine map per row and query vector (2 operations per query and row)
    * instead of per element (2 per element) where that is fewer operations. */
   constexpr bool QUANT = kvc_fmt_traits<FMT>::QBITS != 0 && QW * 2 <= E;
+  /* fp8 rows: the row's scale times q . codes, and p times it for V */
+  constexpr bool FP8 = kvc_fmt_traits<FMT>::FP8 != 0;
   /* sum of this lane's q elements per query vector (the bias term of q.k) */
   float qsum[QW];
 #pragma unroll
@@ -410,7 +436,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) d = fmaf(qr[j][e], kf[e], d);
-        x[u][j] = QUANT ? fmaf(ks, d, kz * qsum[j]) : d;
+        x[u][j] = QUANT ? fmaf(ks, d, kz * qsum[j]) : FP8 ? ks * d : d;
       }
     }
     for (int off = P >> 1; off > 0; off >>= 1)
@@ -456,7 +482,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
 #pragma unroll
       for (int j = 0; j < QW; ++j)
         if (vis[u][j]) {
-          const float w = QUANT ? x[u][j] * vs : x[u][j];
+          const float w = QUANT || FP8 ? x[u][j] * vs : x[u][j];
           if (QUANT) oz[j] = fmaf(x[u][j], vz, oz[j]);
 #pragma unroll
           for (int e = 0; e < E; ++e) o[j][e] = fmaf(w, vf[e], o[j][e]);

@@ -1,12 +1,18 @@
 /* Math: kva_cache_write on the device: float pools store each row converted to the
  *   pool dtype; quantized pools store MLX's affine quantization of each row, the
  *   operations of src/core/quant.c in its order and rounding (no fma), so the bits
- *   equal the CPU's. Out-of-range slots (device memory: not validated) are skipped.
+ *   equal the CPU's; fp8 pools store round(x / scale) (RNE, saturating) with the
+ *   row's scale amax / max_fp8 computed and stored (per-row scales) or read (a
+ *   fixed scale), as src/core/quant.c does (exact f32 max, IEEE division: the
+ *   same bits). Out-of-range slots (device memory: not validated) are skipped.
  * Traffic: reads n*KVH*(Dk+Dv) input values once, writes those rows of the pools.
  * Launch: one block per token (grid n), KVC_CW_WARPS warps; a warp per (K|V, KV head)
  *   row; no shared memory, no allocation, no sync (graph-capturable). Two tokens
  *   naming one slot: the later wins (each block scans the later slots). */
 #include "cuda/common.cuh"
+extern "C" {
+#include "core/quant.h" /* kva_fp8_scales_per_row */
+}
 
 #include <cuda_runtime.h>
 #include <string.h>
@@ -23,6 +29,7 @@ struct kvc_cw_operand {
   int src_dtype, pool_dtype;       /* pool_dtype: float pools' element dtype */
   int sdtype;                      /* quantized: scales/biases dtype */
   int bits, group;                 /* 0 = float pool */
+  int fp8_scales;                  /* fp8 pools: 0 = none (scale 1), 1 = fixed (read), 2 = per row (written) */
   int D;
 };
 
@@ -72,6 +79,54 @@ __device__ __forceinline__ void kvc_cw_store(char *p, int dt, float x) {
   }
 }
 __device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
+
+/* f32 -> fp8 (M mantissa bits, exponent bias, largest finite code maxc),
+ * src/core/tensor.c's f32_to_f8 operation for operation: RNE, saturating,
+ * NaN -> sign | 0x7f. */
+__device__ __forceinline__ uint32_t kvc_cw_f32_to_f8(float x, int M, int bias, uint32_t maxc) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;
+  uint32_t c;
+  if (a < (uint32_t)(128 - bias) << 23) {
+    c = (uint32_t)rintf(__fmul_rn(__uint_as_float(a), __uint_as_float((uint32_t)(127 + bias - 1 + M) << 23)));
+  } else {
+    const int sh = 23 - M;
+    const uint32_t m = a + ((1u << (sh - 1)) - 1u) + ((a >> sh) & 1u);
+    c = (m >> sh) - ((uint32_t)(127 - bias) << M);
+  }
+  return sign | (c > maxc ? maxc : c);
+}
+
+/* An fp8 pool row (src/core/quant.c's kva_fp8_row_scale and
+ * kva_fp8_quantize_row): per-row scales from the warp's max |x| over the
+ * finite values (exact, any order), amax / max_fp8 (IEEE division), at
+ * least FLT_MIN, 1 for amax 0; codes of x / scale, NaN to its sign's NaN. */
+__device__ void kvc_cw_fp8_row(const kvc_cw_operand &o, const char *src, uint8_t *dst, char *srow, int lane) {
+  const int ss = kvc_cw_size(o.src_dtype);
+  const bool e4 = o.pool_dtype == KVA_F8E4M3;
+  float scale = 1.0f;
+  if (o.fp8_scales == 2) {
+    float amax = 0.0f;
+    for (int e = lane; e < o.D; e += KVC_WARP) {
+      const float a = fabsf(kvc_cw_load(src + e * ss, o.src_dtype));
+      if (a <= 3.402823466e38f && a > amax) amax = a;
+    }
+    for (int off = KVC_WARP / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(KVC_FULL_MASK, amax, off));
+    if (amax != 0.0f) {
+      scale = __fdiv_rn(amax, e4 ? 448.0f : 57344.0f);
+      if (scale < 1.175494351e-38f) scale = 1.175494351e-38f;
+    }
+    if (lane == 0) *(float *)srow = scale;
+  } else if (o.fp8_scales == 1) {
+    scale = *(const float *)srow;
+  }
+  for (int e = lane; e < o.D; e += KVC_WARP) {
+    const float x = kvc_cw_load(src + e * ss, o.src_dtype);
+    const float y = __fdiv_rn(x, scale);
+    dst[e] = (uint8_t)(isnan(x) ? (__float_as_uint(x) >> 24 & 0x80u) | 0x7fu
+                       : e4 ? kvc_cw_f32_to_f8(y, 3, 7, 0x7eu) : kvc_cw_f32_to_f8(y, 2, 15, 0x7bu));
+  }
+}
 
 /* ---- f32 operations with x86-64 SSE's NaN results. A group's scale is NaN
  * only for non-finite inputs (inf - inf, inf / inf); the CPU backend then
@@ -192,7 +247,10 @@ __global__ void __launch_bounds__(KVC_CW_THREADS) kvc_cache_write_kernel(const k
     const int which = (int)(r / a.KVH), h = (int)(r % a.KVH);                   /* KVH < 2^31: a pool dim */
     const kvc_cw_operand &o = a.op[which];
     const char *src = o.src + i * o.src_s[0] + (long long)h * o.src_s[1];
-    if (o.bits == 0) {
+    if (o.bits == 0 && (o.pool_dtype == KVA_F8E4M3 || o.pool_dtype == KVA_F8E5M2)) {
+      kvc_cw_fp8_row(o, src, (uint8_t *)kvc_cw_at(o.data, o.ds, blk, h, row),
+                     o.fp8_scales ? kvc_cw_at(o.scales, o.ss, blk, h, row) : NULL, lane);
+    } else if (o.bits == 0) {
       kvc_cw_float_row(o, src, kvc_cw_at(o.data, o.ds, blk, h, row), lane);
     } else {
       kvc_cw_quant_row(o, src, (uint32_t *)kvc_cw_at(o.data, o.ds, blk, h, row),
@@ -222,6 +280,10 @@ static kvc_cw_operand kvc_cw_operand_of(const kva_kv *pool, const kva_tensor *sr
     }
     o.sdtype = pool->scales.dtype;
     o.group = pool->group_size;
+  } else if (kva_kv_scaled(pool)) { /* fp8 rows with scales */
+    o.scales = (char *)pool->scales.data;
+    for (int d = 0; d < 3; ++d) o.ss[d] = pool->scales.stride[d];
+    o.fp8_scales = kva_fp8_scales_per_row(&pool->scales) ? 2 : 1;
   }
   return o;
 }

@@ -28,8 +28,8 @@ extern "C" {
 struct kvc_operand {
   const char *data, *scales, *biases;
   long long ds[3], ss[3], bs[3];
-  int dtype;  /* element dtype of float rows (bits == 0) */
-  int sdtype; /* scales/biases dtype (quantized) */
+  int dtype;  /* element dtype of float rows (bits == 0), fp8 included */
+  int sdtype; /* scales/biases dtype (quantized); fp8 rows: f32 scales (scales NULL: scale 1) */
   int bits;   /* 0, 2, 4, 8 */
   int group;  /* group size (quantized) */
   int vec;    /* rows aligned for the fused kernel's vector loads */
@@ -81,11 +81,49 @@ __device__ __forceinline__ float kvc_bf16_bits(uint32_t b) { return __uint_as_fl
 __device__ __forceinline__ float kvc_f16_bits(uint32_t h) {
   return __half2float(__ushort_as_half((unsigned short)h));
 }
+/* Two fp8 codes (low byte: element 0) -> two f16 (low half: element 0),
+ * exact: cvt.rn.f16x2.{e4m3x2,e5m2x2}, one instruction on sm_89 and later.
+ * Elsewhere by fields: e5m2 is the high byte of an f16; e4m3 moves its
+ * exponent and mantissa under the f16 ones (value / 2^8) and is scaled by
+ * 2^8 in f16 (exact), with 0x7f (NaN) kept NaN. */
+template <bool E4M3> __device__ __forceinline__ uint32_t kvc_fp8x2_f16x2(uint32_t two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t r;
+  const unsigned short v = (unsigned short)two;
+  if (E4M3) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+#else
+  uint32_t r = 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t c = (two >> (8 * i)) & 0xffu;
+    uint32_t h;
+    if (!E4M3) {
+      h = c << 8;
+    } else if ((c & 0x7fu) == 0x7fu) {
+      h = ((c & 0x80u) << 8) | 0x7e00u;
+    } else {
+      const __half x = __hmul(__ushort_as_half((unsigned short)(((c & 0x80u) << 8) | ((c & 0x7fu) << 7))),
+                              __ushort_as_half((unsigned short)0x5c00u)); /* 2^8 */
+      h = __half_as_ushort(x);
+    }
+    r |= h << (16 * i);
+  }
+  return r;
+#endif
+}
+__device__ __forceinline__ float kvc_fp8_code(uint32_t c, int dt) {
+  const uint32_t h = dt == KVA_F8E4M3 ? kvc_fp8x2_f16x2<true>(c) : kvc_fp8x2_f16x2<false>(c);
+  return kvc_f16_bits(h & 0xffffu);
+}
+/* One element; fp8 as its code's value (the row's scale applied by the caller). */
 __device__ __forceinline__ float kvc_load(const char *p, int dt) {
   switch (dt) {
   case KVA_F32: return *(const float *)p;
   case KVA_F16: return kvc_f16_bits(*(const unsigned short *)p);
   case KVA_BF16: return kvc_bf16_bits(*(const unsigned short *)p);
+  case KVA_F8E4M3: case KVA_F8E5M2: return kvc_fp8_code(*(const unsigned char *)p, dt);
   default: return 0.0f;
   }
 }
@@ -97,7 +135,9 @@ __device__ __forceinline__ void kvc_store(char *p, int dt, float x) {
   default: break;
   }
 }
-__device__ __forceinline__ int kvc_dtype_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
+__device__ __forceinline__ int kvc_dtype_size(int dt) {
+  return dt == KVA_F32 ? 4 : dt == KVA_F8E4M3 || dt == KVA_F8E5M2 ? 1 : 2;
+}
 
 /* ---- addressing: one helper per formula ---- */
 /* Rows of sequence b before its token 0 in its first table block (0 when
@@ -230,6 +270,8 @@ __device__ __forceinline__ const char *kvc_mask_at(const kvc_args &a, int b, int
 /* Element d of one K/V row (any format; the general path's load). */
 __device__ __forceinline__ float kvc_kv_elem(const kvc_operand &op, int b, int h, long long t, int d) {
   const char *row = kvc_row(op, b, h, t);
+  if (op.bits == 0 && op.scales) /* fp8 rows with scales: scale * code */
+    return *(const float *)kvc_srow(op, b, h, t) * kvc_load(row + d, op.dtype);
   if (op.bits == 0) return kvc_load(row + d * kvc_dtype_size(op.dtype), op.dtype);
   int per = 32 / op.bits;
   uint32_t w = *(const uint32_t *)(row + (d / per) * 4);

@@ -145,7 +145,14 @@ extern "C" void kva_cuda_workspace_free(kva_context *ctx, void *ptr) {
 /* ---- the selector and the plan ---- */
 static int kvc_fmt_of(const kva_kv *kv) {
   switch (kv->bits) {
-  case 0: return kv->data.dtype == KVA_F32 ? KVC_F32 : kv->data.dtype == KVA_F16 ? KVC_F16 : KVC_BF16;
+  case 0:
+    switch (kv->data.dtype) {
+    case KVA_F32: return KVC_F32;
+    case KVA_F16: return KVC_F16;
+    case KVA_F8E4M3: return KVC_E4M3;
+    case KVA_F8E5M2: return KVC_E5M2;
+    default: return KVC_BF16;
+    }
   case 2: return KVC_Q2;
   case 4: return KVC_Q4;
   case 8: return KVC_Q8;
@@ -153,7 +160,7 @@ static int kvc_fmt_of(const kva_kv *kv) {
   }
 }
 static int kvc_bits_per_elem(int fmt) {
-  static const int bpe[KVC_NFMT] = {32, 16, 16, 2, 4, 8};
+  static const int bpe[KVC_NFMT] = {32, 16, 16, 2, 4, 8, 8, 8};
   return bpe[fmt];
 }
 static int kvc_pow2_ceil(int x) {
@@ -186,6 +193,8 @@ static int kvc_fused_occupancy(int fmt, int E, int QW) {
   case KVC_Q2: return kvc_fused_occupancy_fmt<KVC_Q2>(E, QW);
   case KVC_Q4: return kvc_fused_occupancy_fmt<KVC_Q4>(E, QW);
   case KVC_Q8: return kvc_fused_occupancy_fmt<KVC_Q8>(E, QW);
+  case KVC_E4M3: return kvc_fused_occupancy_fmt<KVC_E4M3>(E, QW);
+  case KVC_E5M2: return kvc_fused_occupancy_fmt<KVC_E5M2>(E, QW);
   default: return 0;
   }
 }
@@ -452,7 +461,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   /* 16 elements per lane for wide rows, and for small query tiles (fewer
    * lanes per row: per-row shuffles and softmax work amortized over more
    * rows); 8 otherwise (registers: QW * E q values and outputs per lane). */
-  const int E = dmax > 8 * KVC_WARP || (Q <= 2 && dmax >= 128) ? 16 : 8;
+  int E = dmax > 8 * KVC_WARP || (Q <= 2 && dmax >= 128) ? 16 : 8;
+  /* fp8 rows 8- but not 16-byte aligned (row strides of D + 8 bytes): 8 elements per lane */
+  if (E == 16 && dmax <= 8 * KVC_WARP && (fk == KVC_E4M3 || fk == KVC_E5M2) &&
+      (!kvc_rows_aligned(&kv->k, 16) || !kvc_rows_aligned(&kv->v, 16)))
+    E = 8;
   if (dmax > E * KVC_WARP || p->Dk % E || p->Dv % E) return pl;
   if (!kvc_rows_aligned(&kv->k, E) || !kvc_rows_aligned(&kv->v, E)) return pl;
   const int qw_max = E == 8 ? KVC_FUSED_QW_E8 : KVC_FUSED_QW_E16;
@@ -510,7 +523,7 @@ static const char *kvc_roundings(const kvc_plan &pl) {
 }
 
 extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
-  static const char *const fmts[KVC_NFMT] = {"f32", "f16", "bf16", "q2", "q4", "q8"};
+  static const char *const fmts[KVC_NFMT] = {"f32", "f16", "bf16", "q2", "q4", "q8", "f8e4m3", "f8e5m2"};
   const int rc = kvc_check_limits(p);
   if (rc < 0) return rc;
   const kvc_plan pl = kvc_select(ctx, p);
@@ -559,6 +572,11 @@ static kvc_operand kvc_operand_of(const kva_kv *kv, int E) {
     kvc_copy_strides(op.bs, &kv->biases, 3);
     op.sdtype = kv->scales.dtype;
     op.group = kv->group_size;
+  } else if (kv->scales.data && (kv->data.dtype == KVA_F8E4M3 || kv->data.dtype == KVA_F8E5M2)) {
+    /* fp8 rows: one f32 scale per (token, head), strides 0 where broadcast */
+    op.scales = (const char *)kv->scales.data;
+    kvc_copy_strides(op.ss, &kv->scales, 3);
+    op.sdtype = KVA_F32;
   }
   op.vec = kvc_rows_aligned(kv, E);
   return op;
@@ -666,6 +684,8 @@ int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t strea
   case KVC_Q2: return kvc_launch_fused_fmt<KVC_Q2>(a, plan, stream);
   case KVC_Q4: return kvc_launch_fused_fmt<KVC_Q4>(a, plan, stream);
   case KVC_Q8: return kvc_launch_fused_fmt<KVC_Q8>(a, plan, stream);
+  case KVC_E4M3: return kvc_launch_fused_fmt<KVC_E4M3>(a, plan, stream);
+  case KVC_E5M2: return kvc_launch_fused_fmt<KVC_E5M2>(a, plan, stream);
   default: return kva_seterr(KVA_EINTERNAL, "CUDA fused kernel: format %d", plan.fmt);
   }
 }

@@ -55,7 +55,7 @@ struct kvc_plan {
 #define KVC_TCD_THREADS (KVC_TCD_WARPS * KVC_WARP)
 
 /* Formats with a fused instance (K and V share one). */
-enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_NFMT };
+enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_E4M3, KVC_E5M2, KVC_NFMT };
 
 int kvc_launch_generic(const kvc_args &a, cudaStream_t stream);
 int kvc_launch_fused(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);

@@ -21,18 +21,22 @@ static void contiguous_span_at(const kva_source *src, int64_t b, int64_t hk, int
   memset(sp, 0, sizeof *sp);
   sp->k = kva_at4(&K->data, b, hk, t, 0);
   sp->k_rs = K->data.stride[2];
-  if (K->bits) {
+  if (kva_kv_scaled(K)) { /* quantized rows, fp8 rows with scales */
     sp->ks = kva_at4(&K->scales, b, hk, t, 0);
-    sp->kb = kva_at4(&K->biases, b, hk, t, 0);
     sp->ks_rs = K->scales.stride[2];
+  }
+  if (K->bits) {
+    sp->kb = kva_at4(&K->biases, b, hk, t, 0);
     sp->kb_rs = K->biases.stride[2];
   }
   sp->v = kva_at4(&V->data, b, hk, t, 0);
   sp->v_rs = V->data.stride[2];
-  if (V->bits) {
+  if (kva_kv_scaled(V)) { /* quantized rows, fp8 rows with scales */
     sp->vs = kva_at4(&V->scales, b, hk, t, 0);
-    sp->vb = kva_at4(&V->biases, b, hk, t, 0);
     sp->vs_rs = V->scales.stride[2];
+  }
+  if (V->bits) {
+    sp->vb = kva_at4(&V->biases, b, hk, t, 0);
     sp->vb_rs = V->biases.stride[2];
   }
   sp->t0 = t;
@@ -54,10 +58,10 @@ static void contiguous_seqmap(const kva_source *src, int64_t b, int64_t hk, kva_
   m->bs = 0;
   m->shift = -1;
   contiguous_array(&K->data, 1, b, hk, m, KVA_ARR_K);
-  contiguous_array(&K->scales, K->bits != 0, b, hk, m, KVA_ARR_KS);
+  contiguous_array(&K->scales, kva_kv_scaled(K), b, hk, m, KVA_ARR_KS);
   contiguous_array(&K->biases, K->bits != 0, b, hk, m, KVA_ARR_KB);
   contiguous_array(&V->data, 1, b, hk, m, KVA_ARR_V);
-  contiguous_array(&V->scales, V->bits != 0, b, hk, m, KVA_ARR_VS);
+  contiguous_array(&V->scales, kva_kv_scaled(V), b, hk, m, KVA_ARR_VS);
   contiguous_array(&V->biases, V->bits != 0, b, hk, m, KVA_ARR_VB);
 }
 

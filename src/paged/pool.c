@@ -27,8 +27,9 @@ static int check_desc(const kva_pool_desc *d) {
   if (d->dk < 1 || d->dv < 1)
     return kva_seterr(KVA_EINVAL, "desc.dk = %lld / desc.dv = %lld must be >= 1", (long long)d->dk,
                       (long long)d->dv);
-  if (!kva_is_float(d->dtype))
-    return kva_seterr(KVA_EDTYPE, "desc.dtype = %s must be f32, f16 or bf16", kva_dtype_name(d->dtype));
+  if (!kva_is_float(d->dtype) && !(d->bits == 0 && kva_is_fp8(d->dtype)))
+    return kva_seterr(KVA_EDTYPE, "desc.dtype = %s must be f32, f16 or bf16 (or f8e4m3 / f8e5m2 with bits 0)",
+                      kva_dtype_name(d->dtype));
   if (d->bits == 0) return 0;
   if (d->bits != 2 && d->bits != 4 && d->bits != 8)
     return kva_seterr(KVA_EUNSUPPORTED, "desc.bits = %d (supported: 0 = float, 2, 4, 8)", d->bits);
@@ -40,12 +41,16 @@ static int check_desc(const kva_pool_desc *d) {
   return 0;
 }
 
-/* Elements per row and element dtype of array a. */
+/* Elements per row and element dtype of array a (fp8 pools: one f32 scale
+ * per (token, head) in the scale arrays, no biases). */
 static void array_row(const kva_pool_desc *d, int a, int64_t *elems, kva_dtype *dt) {
   int64_t D = (a == ARR_K || a == ARR_KS || a == ARR_KB) ? d->dk : d->dv;
   if (a == ARR_K || a == ARR_V) {
     *elems = d->bits ? kva_packed_words(D, d->bits) : D;
     *dt = d->bits ? KVA_U32 : d->dtype;
+  } else if (!d->bits && kva_is_fp8(d->dtype)) {
+    *elems = a == ARR_KS || a == ARR_VS ? 1 : 0;
+    *dt = KVA_F32;
   } else {
     *elems = d->bits ? D / d->group_size : 0;
     *dt = d->dtype;
@@ -142,6 +147,9 @@ int kva_pool_create(kva_pool **out, const kva_pool_desc *desc, void *memory) {
     p->v.biases = array_tensor(desc, p->mem, off, ARR_VB);
     p->k.bits = p->v.bits = desc->bits;
     p->k.group_size = p->v.group_size = desc->group_size;
+  } else if (kva_is_fp8(desc->dtype)) { /* per-(token, head) scales, computed on append */
+    p->k.scales = array_tensor(desc, p->mem, off, ARR_KS);
+    p->v.scales = array_tensor(desc, p->mem, off, ARR_VS);
   }
   /* Block 0 is popped first: a fresh pool hands out blocks in order. */
   for (size_t i = 0; i < nb; ++i) p->free_stack[i] = (int32_t)(nb - 1 - i);
@@ -218,7 +226,7 @@ kva_kv kva_pool_v(const kva_pool *p) {
 int kva_pool_same_format(const kva_kv *a, const kva_kv *b) {
   if (a->bits != b->bits || a->data.dtype != b->data.dtype) return 0;
   if (a->data.shape[3] != b->data.shape[3]) return 0;
-  if (!a->bits) return 1;
+  if (!a->bits) return kva_kv_scaled(a) == kva_kv_scaled(b); /* fp8: both with scales or both without */
   return a->group_size == b->group_size && a->scales.dtype == b->scales.dtype &&
          a->biases.dtype == b->biases.dtype;
 }
@@ -226,9 +234,9 @@ int kva_pool_same_format(const kva_kv *a, const kva_kv *b) {
 void kva_pool_copy_rows(kva_pool *p, int32_t dst, int32_t src, int64_t r0, int64_t n) {
   const kva_tensor *arrs[ARR_COUNT] = {&p->k.data, &p->v.data, &p->k.scales, &p->k.biases,
                                        &p->v.scales, &p->v.biases};
-  int narr = p->desc.bits ? ARR_COUNT : ARR_KS;
+  int narr = p->desc.bits || kva_is_fp8(p->desc.dtype) ? ARR_COUNT : ARR_KS;
   for (int a = 0; a < narr; ++a)
-    for (int64_t hk = 0; hk < p->desc.kv_heads; ++hk)
+    for (int64_t hk = 0; hk < p->desc.kv_heads && arrs[a]->data; ++hk) /* (fp8: no biases) */
       memcpy(kva_pool_row(arrs[a], dst, hk, r0), kva_pool_row(arrs[a], src, hk, r0),
              (size_t)(n * kva_pool_row_bytes(arrs[a])));
 }

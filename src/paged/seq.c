@@ -4,6 +4,7 @@
  * kva_pool_from_contiguous. Every public call locks the pool; an error leaves
  * the state as it was (blocks are taken and rows written first, the tables
  * and refcounts change only once nothing can fail). */
+#include "core/quant.h"
 #include "paged/paged.h"
 
 #include <stdlib.h>
@@ -106,15 +107,22 @@ static int write_operand(const kva_pool *p, const kva_kv *pool_kv, const kva_ten
   for (int64_t hk = 0; hk < p->desc.kv_heads; ++hk) {
     if (raw) {
       copy_raw(&raw->data, &pool_kv->data, blk, hk, row0, t0, n);
-      if (pool_kv->bits) {
+      if (pool_kv->bits || kva_kv_scaled(pool_kv)) /* fp8: a shared (stride 0) scale copied to each row */
         copy_raw(&raw->scales, &pool_kv->scales, blk, hk, row0, t0, n);
-        copy_raw(&raw->biases, &pool_kv->biases, blk, hk, row0, t0, n);
-      }
+      if (pool_kv->bits) copy_raw(&raw->biases, &pool_kv->biases, blk, hk, row0, t0, n);
       continue;
     }
     kva_tensor src = float_rows(f, hk, t0, n);
-    int rc;
-    if (pool_kv->bits) {
+    int rc = 0;
+    if (kva_is_fp8(pool_kv->data.dtype)) { /* per row: scale amax / max_fp8, codes (as kva_cache_write) */
+      for (int64_t i = 0; i < n; ++i) {
+        const char *w = (const char *)src.data + i * src.stride[0];
+        float *sp = (float *)kva_pool_row(&pool_kv->scales, blk, hk, row0 + i);
+        *sp = kva_fp8_row_scale(w, src.dtype, src.shape[1], pool_kv->data.dtype);
+        kva_fp8_quantize_row(w, src.dtype, src.shape[1], pool_kv->data.dtype, *sp,
+                             (uint8_t *)kva_pool_row(&pool_kv->data, blk, hk, row0 + i));
+      }
+    } else if (pool_kv->bits) {
       kva_kv dst = *pool_kv;
       dst.data = pool_rows(&pool_kv->data, blk, hk, row0, n);
       dst.scales = pool_rows(&pool_kv->scales, blk, hk, row0, n);
@@ -348,7 +356,7 @@ int64_t kva_seq_blocks(kva_pool *p, int32_t seq) { return seq_query(p, seq, SEQ_
 static kva_kv batch_slice(const kva_kv *kv, int64_t b, int64_t len) {
   kva_kv s = *kv;
   kva_tensor *ts[3] = {&s.data, &s.scales, &s.biases};
-  for (int i = 0; i < (kv->bits ? 3 : 1); ++i) {
+  for (int i = 0; i < (kv->bits ? 3 : kva_kv_scaled(kv) ? 2 : 1); ++i) {
     ts[i]->data = (char *)ts[i]->data + b * ts[i]->stride[0];
     ts[i]->shape[0] = 1;
     ts[i]->shape[2] = len;

@@ -23,18 +23,18 @@ static const char *row_or_null(const kva_tensor *t, int used, int64_t blk, int64
  * for view index t: up to the end of the block (bs rows) or t_end. */
 static void pool_span(const kva_kv *k, const kva_kv *v, int64_t bs, int64_t blk, int64_t hk, int64_t row, int64_t t,
                       int64_t t_end, kva_span *sp) {
-  const int kq = k->bits != 0, vq = v->bits != 0;
+  const int kq = k->bits != 0, vq = v->bits != 0, ksc = kva_kv_scaled(k), vsc = kva_kv_scaled(v);
   sp->k = kva_pool_row(&k->data, blk, hk, row);
-  sp->ks = row_or_null(&k->scales, kq, blk, hk, row);
+  sp->ks = row_or_null(&k->scales, ksc, blk, hk, row);
   sp->kb = row_or_null(&k->biases, kq, blk, hk, row);
   sp->v = kva_pool_row(&v->data, blk, hk, row);
-  sp->vs = row_or_null(&v->scales, vq, blk, hk, row);
+  sp->vs = row_or_null(&v->scales, vsc, blk, hk, row);
   sp->vb = row_or_null(&v->biases, vq, blk, hk, row);
   sp->k_rs = k->data.stride[2];
-  sp->ks_rs = kq ? k->scales.stride[2] : 0;
+  sp->ks_rs = ksc ? k->scales.stride[2] : 0;
   sp->kb_rs = kq ? k->biases.stride[2] : 0;
   sp->v_rs = v->data.stride[2];
-  sp->vs_rs = vq ? v->scales.stride[2] : 0;
+  sp->vs_rs = vsc ? v->scales.stride[2] : 0;
   sp->vb_rs = vq ? v->biases.stride[2] : 0;
   sp->t0 = t;
   sp->n = bs - row < t_end - t ? bs - row : t_end - t;
@@ -62,10 +62,10 @@ static void pool_seqmap(const kva_kv *k, const kva_kv *v, int64_t bs, int64_t hk
   for (int s = 0; s < 62 && m->shift < 0; ++s)
     if ((int64_t)1 << s == bs) m->shift = s;
   pool_array(&k->data, 1, hk, m, KVA_ARR_K);
-  pool_array(&k->scales, kq, hk, m, KVA_ARR_KS);
+  pool_array(&k->scales, kva_kv_scaled(k), hk, m, KVA_ARR_KS);
   pool_array(&k->biases, kq, hk, m, KVA_ARR_KB);
   pool_array(&v->data, 1, hk, m, KVA_ARR_V);
-  pool_array(&v->scales, vq, hk, m, KVA_ARR_VS);
+  pool_array(&v->scales, kva_kv_scaled(v), hk, m, KVA_ARR_VS);
   pool_array(&v->biases, vq, hk, m, KVA_ARR_VB);
 }
 

@@ -325,6 +325,10 @@ int kva_paged_view_gather(const kva_paged_view *v, int64_t b, kva_kv *k, kva_kv 
   if ((rc = check_gather_dst(v, vv, &v->v, v->lens[b], "v"))) return rc;
   gather_array(v, b, &v->k.data, &k->data);
   gather_array(v, b, &v->v.data, &vv->data);
+  if (!v->k.bits && kva_kv_scaled(&v->k)) { /* fp8 pools: the scale rows */
+    gather_array(v, b, &v->k.scales, &k->scales);
+    gather_array(v, b, &v->v.scales, &vv->scales);
+  }
   if (v->k.bits) {
     gather_array(v, b, &v->k.scales, &k->scales);
     gather_array(v, b, &v->k.biases, &k->biases);
@@ -343,7 +347,8 @@ static int same_tensor(const kva_tensor *a, const kva_tensor *b) {
 }
 static int same_kv(const kva_kv *a, const kva_kv *b) {
   if (a->bits != b->bits || !same_tensor(&a->data, &b->data)) return 0;
-  return !a->bits || (a->group_size == b->group_size && same_tensor(&a->scales, &b->scales) &&
+  if (!a->bits) return kva_kv_scaled(a) == kva_kv_scaled(b) && (!kva_kv_scaled(a) || same_tensor(&a->scales, &b->scales));
+  return (a->group_size == b->group_size && same_tensor(&a->scales, &b->scales) &&
                       same_tensor(&a->biases, &b->biases));
 }
 

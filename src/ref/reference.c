@@ -25,11 +25,24 @@ static double ref_bf16_to_double(uint16_t b) {
   memcpy(&f, &u, 4);
   return f;
 }
+/* fp8 codes, decoded from their fields: e4m3fn (bias 7, S.1111.111 NaN,
+ * no inf), e5m2 (bias 15, exponent 31: inf or NaN). */
+static double ref_fp8_to_double(uint8_t c, kva_dtype dt) {
+  const int M = dt == KVA_F8E4M3 ? 3 : 2, bias = dt == KVA_F8E4M3 ? 7 : 15;
+  const int e = (c & 0x7f) >> M, m = c & ((1 << M) - 1);
+  double v;
+  if (dt == KVA_F8E4M3 && (c & 0x7f) == 0x7f) v = NAN;
+  else if (dt == KVA_F8E5M2 && e == 31) v = m ? NAN : INFINITY;
+  else if (e == 0) v = ldexp(m, 1 - bias - M);
+  else v = ldexp(m + (1 << M), e - bias - M);
+  return (c & 0x80) ? -v : v;
+}
 static double ref_load(const char *p, kva_dtype dt) {
   switch (dt) {
   case KVA_F32: { float f; memcpy(&f, p, 4); return f; }
   case KVA_F16: { uint16_t h; memcpy(&h, p, 2); return ref_half_to_double(h); }
   case KVA_BF16: { uint16_t h; memcpy(&h, p, 2); return ref_bf16_to_double(h); }
+  case KVA_F8E4M3: case KVA_F8E5M2: return ref_fp8_to_double(*(const uint8_t *)p, dt);
   default: return NAN;
   }
 }
@@ -83,7 +96,11 @@ static int64_t ref_dim(const kva_kv *kv) { return kv->bits ? kv->data.shape[3] *
 
 /* Element d of one K/V row. row: data row, sc/bi: scales/biases rows. */
 static double ref_kv_elem(const kva_kv *kv, const char *row, const char *sc, const char *bi, int64_t d) {
-  if (kv->bits == 0) return ref_load(row + d * kv->data.stride[3], kv->data.dtype);
+  if (kv->bits == 0) {
+    const double x = ref_load(row + d * kv->data.stride[3], kv->data.dtype);
+    /* fp8 rows: scale * code (sc NULL: no scales, scale 1) */
+    return sc ? ref_load(sc, KVA_F32) * x : x;
+  }
   int per = 32 / kv->bits;
   uint32_t w;
   memcpy(&w, row + (d / per) * kv->data.stride[3], 4);
@@ -99,6 +116,8 @@ typedef struct { const char *row, *sc, *bi; } ref_row;
  * block, n2 the token or the row inside the block. */
 static ref_row ref_operand_row(const kva_kv *kv, int64_t n0, int64_t hk, int64_t n2) {
   ref_row r = {ref_at(&kv->data, n0, hk, n2, 0), NULL, NULL};
+  if (kv->bits == 0 && (kv->data.dtype == KVA_F8E4M3 || kv->data.dtype == KVA_F8E5M2) && kv->scales.data)
+    r.sc = ref_at(&kv->scales, n0, hk, n2, 0);
   if (kv->bits) {
     r.sc = ref_at(&kv->scales, n0, hk, n2, 0);
     r.bi = ref_at(&kv->biases, n0, hk, n2, 0);

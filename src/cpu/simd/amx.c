@@ -480,6 +480,7 @@ kva_item_fn KFN(select_amx)(const kva_problem *p, const kva_rowfmt *kf, const kv
   if (p->q->dtype != KVA_BF16 || p->rep * p->L < AMX_MIN_NQ || !amx_usable()) return NULL;
   if (p->Dk % 32 || p->Dv % 32 || p->Dk > AMX_MAX_D || p->Dv > AMX_MAX_D) return NULL;
   if ((kf->bits && kf->D / kf->group > MAXG) || (vf->bits && vf->D / vf->group > MAXG)) return NULL;
+  if (kva_is_fp8(kf->dtype) || kva_is_fp8(vf->dtype)) return NULL; /* fp8 rows: the vector kernel */
   return attend_amx;
 }
 

@@ -18,6 +18,8 @@ typedef struct fmt_plan {
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
+  int fp8;                        /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)
+                                     on its scores (K) and on P (V) */
   kva_dtype sdt;                  /* scales dtype (quantized) or element dtype (float) */
   __mmask16 chmask[MAXCH];        /* valid words of each chunk */
   __m512i gidx[MAXCH];            /* group of each lane of each chunk */
@@ -31,6 +33,7 @@ static inline void plan_format(const kva_rowfmt *f, fmt_plan *fp) {
   if (!f->bits) {
     fp->P = (int)f->D;
     fp->sdt = f->dtype;
+    fp->fp8 = kva_is_fp8(f->dtype);
     return;
   }
   const int words = (int)(f->D * f->bits / 32);
@@ -126,9 +129,23 @@ ALWAYS __m512 chunk_groups(const fmt_plan *fp, const char *p, int c) {
   return _mm512_permutexvar_ps(fp->gidx[c], load_groups(p, fp->sdt, fp->ngroups));
 }
 
-/* 16 float elements of a row as f32. */
+/* 16 fp8 codes as f32, exact: e5m2 is the high byte of an f16; e4m3's
+ * exponent and mantissa go under the f16 ones (the value / 2^8, exact in
+ * f16, subnormal codes as f16 subnormals), then times 2^8; 0x7f / 0xff NaN. */
+ALWAYS __m512 load_fp8x16(const char *p, kva_dtype dt) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+  if (dt == KVA_F8E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(em, 7));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  return _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(em, _mm256_set1_epi16(0x7f)), _mm512_set1_ps(NAN));
+}
+
+/* 16 float elements of a row as f32 (fp8: the codes' values). */
 ALWAYS __m512 load_f16x(const char *p, kva_dtype dt) {
   if (dt == KVA_F32) return _mm512_loadu_ps(p);
+  if (dt == KVA_F8E4M3 || dt == KVA_F8E5M2) return load_fp8x16(p, dt);
   __m256i h = _mm256_loadu_si256((const __m256i *)p);
   if (dt == KVA_F16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

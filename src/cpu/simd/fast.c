@@ -87,6 +87,8 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
       const __m512 kv = load_f16x(row + d * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
     }
+    if (fp->fp8 && rows[t].ks) /* the row's scale times q . codes */
+      for (int j = 0; j < J; ++j) acc[j] = _mm512_mul_ps(acc[j], _mm512_set1_ps(*(const float *)rows[t].ks));
     put_scores(part, acc, J, t, n, S, NULL);
   }
 }
@@ -240,8 +242,9 @@ static int decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, fl
           _mm512_storeu_ps(vt + t * fp->P + d, ve);
           _mm512_storeu_ps(vt + t * fp->P + d + LANES, vo);
         }
+      const __m512 vsc = _mm512_set1_ps(fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f); /* fp8 */
       for (; d < fp->P; d += LANES) {
-        const __m512 v = load_f16x(row + d * es, fp->sdt);
+        const __m512 v = fp->fp8 ? _mm512_mul_ps(load_f16x(row + d * es, fp->sdt), vsc) : load_f16x(row + d * es, fp->sdt);
         bad |= _mm512_fpclass_ps_mask(v, FPCLASS_NONFINITE);
         _mm512_storeu_ps(vt + t * fp->P + d, v);
       }
@@ -418,10 +421,11 @@ ALWAYS void vdirect_float_pass(const fmt_plan *fp, const kva_rows *rows, int64_t
     __mmask16 pm[2];
     __m512 w[2];
     int live = 0;
+    const float vsc = fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f; /* fp8: P times the row's scale */
     for (int j = 0; j < J; ++j) {
       pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0;
       live |= pm[j] != 0;
-      w[j] = _mm512_set1_ps(P[j * KVA_TILE + t]);
+      w[j] = _mm512_set1_ps(P[j * KVA_TILE + t] * vsc);
     }
     if (!live) continue;
     const char *row = rows[t].v + d0 * es;

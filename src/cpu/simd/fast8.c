@@ -47,6 +47,8 @@ typedef struct fmt8 {
   int one_group;                   /* every chunk lies in one group (8*E <= G) */
   int wpg;                         /* words per group, G/E: 2 or 4 unless one_group (v8f_groups) */
   int split;                       /* bf16 float rows in split order (full 16-element blocks) */
+  int fp8;                         /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)
+                                      on its scores (K) and on P (V) */
   int iq;                          /* K: the integer K phase (kphase_int8) runs */
   int halves;                      /* two groups per chunk (4-bit codes in groups of 32) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
@@ -64,6 +66,7 @@ static void plan8(const kva_rowfmt *f, fmt8 *fp) {
     fp->P = (int)f->D;
     fp->sdt = f->dtype;
     fp->split = f->dtype == KVA_BF16;
+    fp->fp8 = kva_is_fp8(f->dtype);
     return;
   }
   const int words = (int)(f->D * f->bits / 32);
@@ -126,6 +129,7 @@ static void unpermute8(const fmt8 *fp, int64_t D, const float *src, const float 
 ALWAYS v8f load8(const char *p, kva_dtype dt) {
   if (dt == KVA_F32) return v8f_load((const float *)p);
   if (dt == KVA_F16) return v8f_from_f16((const uint16_t *)p);
+  if (dt == KVA_F8E4M3 || dt == KVA_F8E5M2) return v8f_from_fp8((const uint8_t *)p, dt == KVA_F8E4M3);
   return v8f_from_bf16((const uint16_t *)p);
 }
 /* 16 bf16 elements as f32 in split order: even (shift) and odd (and). */
@@ -282,6 +286,8 @@ ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
     }
     v8f sc[KQB];
     for (int j = 0; j < J; ++j) sc[j] = v8f_add(acc[j][0], acc[j][1]);
+    if (fp->fp8 && rows[t].ks) /* the row's scale times q . codes */
+      for (int j = 0; j < J; ++j) sc[j] = v8f_mul(sc[j], v8f_bcast((const float *)rows[t].ks));
     put_scores8(part, sc, J, t, n, S);
   }
 }
@@ -618,7 +624,8 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
       if (split) load_bf16_split8(row + k * L8 * es, &v[k], &v[k + 1]);
       else v[k] = load8(row + k * L8 * es, fp->sdt);
     }
-    const v8f w0 = v8f_set1(p0), w1 = v8f_set1(p1);
+    const float vsc = fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f; /* fp8: P times the row's scale */
+    const v8f w0 = v8f_set1(p0 * vsc), w1 = v8f_set1(p1 * vsc);
     if (J == 1 || SAME || (p0 != 0.0f && p1 != 0.0f)) {
       for (int k = 0; k < NV; ++k) {
         acc[0][k] = v8f_fma(w0, v[k], acc[0][k]);
@@ -703,8 +710,9 @@ static int decode_v_tile8(const fmt8 *fp, const kva_rows *rows, int64_t n, const
           v8f_store(dst + d, ve);
           v8f_store(dst + d + L8, vo);
         }
+      const v8f vsc = v8f_set1(fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f); /* fp8: the row's scale */
       for (; d < fp->P; d += L8) {
-        const v8f v = load8(row + d * es, fp->sdt);
+        const v8f v = fp->fp8 ? v8f_mul(load8(row + d * es, fp->sdt), vsc) : load8(row + d * es, fp->sdt);
         bad = v8i_or(bad, NONFINITE(v));
         v8f_store(dst + d, v);
       }

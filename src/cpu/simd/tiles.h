@@ -28,10 +28,12 @@ typedef struct kva_prefetch {
   int64_t bytes[KVA_ARRS]; /* bytes of one row of each array (0: unused array) */
 } kva_prefetch;
 
-/* Bytes of one scale (or bias) row; 0 for float rows. */
+/* Bytes of one bias row; 0 for float rows. */
 static inline int64_t rowfmt_group_bytes(const kva_rowfmt *f) {
   return f->bits ? f->D / f->group * (int64_t)kva_dtype_size(f->sdtype) : 0;
 }
+/* Bytes of one scale row: as the biases; fp8 rows with scales: one f32; else 0. */
+static inline int64_t rowfmt_scale_bytes(const kva_rowfmt *f) { return f->bits ? rowfmt_group_bytes(f) : f->scaled ? 4 : 0; }
 /* Bytes of one data row. */
 static inline int64_t rowfmt_row_bytes(const kva_rowfmt *f) {
   return f->bits ? f->D * f->bits / 8 : f->D * (int64_t)kva_dtype_size(f->dtype);
@@ -40,9 +42,11 @@ static inline void prefetch_init(kva_prefetch *pf, const kva_rowfmt *kf, const k
   pf->rows = NULL;
   pf->n = 0;
   pf->bytes[KVA_ARR_K] = rowfmt_row_bytes(kf);
-  pf->bytes[KVA_ARR_KS] = pf->bytes[KVA_ARR_KB] = rowfmt_group_bytes(kf);
+  pf->bytes[KVA_ARR_KS] = rowfmt_scale_bytes(kf);
+  pf->bytes[KVA_ARR_KB] = rowfmt_group_bytes(kf);
   pf->bytes[KVA_ARR_V] = rowfmt_row_bytes(vf);
-  pf->bytes[KVA_ARR_VS] = pf->bytes[KVA_ARR_VB] = rowfmt_group_bytes(vf);
+  pf->bytes[KVA_ARR_VS] = rowfmt_scale_bytes(vf);
+  pf->bytes[KVA_ARR_VB] = rowfmt_group_bytes(vf);
 }
 
 /* Row r of the prefetch tile, arrays [a0, a1), into L2: the cache lines of

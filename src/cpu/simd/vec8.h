@@ -74,6 +74,18 @@ ALWAYS v8i v8f_to_i(v8f a) { return _mm256_cvtps_epi32(a); }
 
 /* 8 f16 / bf16 values as f32. */
 ALWAYS v8f v8f_from_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+/* 8 fp8 codes as f32, exact: e5m2 is the high byte of an f16; e4m3's
+ * exponent and mantissa go under the f16 ones (the value / 2^8, exact in
+ * f16, subnormal codes as f16 subnormals), then times 2^8; 0x7f / 0xff NaN. */
+ALWAYS v8f v8f_from_fp8(const uint8_t *p, int e4m3) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+  if (!e4m3) return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+  const __m128i em = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(em, 7));
+  const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f))));
+  return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan);
+}
 ALWAYS v8f v8f_from_bf16(const uint16_t *p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -234,6 +246,12 @@ ALWAYS v8i v8f_to_i(v8f a) {
 
 /* 8 f16 / bf16 values as f32 (f16: the target's half type where it has
  * one, aarch64's __fp16, exact; else lane by lane). */
+/* 8 fp8 codes as f32, exact (the library's conversions, one at a time). */
+ALWAYS v8f v8f_from_fp8(const uint8_t *p, int e4m3) {
+  float x[8];
+  for (int i = 0; i < 8; ++i) x[i] = e4m3 ? kva_f8e4m3_to_f32(p[i]) : kva_f8e5m2_to_f32(p[i]);
+  return v8f_load(x);
+}
 ALWAYS v8f v8f_from_f16(const uint16_t *p) {
   float r[8];
 #if defined(__aarch64__)
