@@ -67,8 +67,9 @@ void kb_case_label(const kb_case *c, char *buf, size_t n) {
   char lay[32] = "";
   if (c->layout == KVA_LAYOUT_PAGED)
     snprintf(lay, sizeof lay, " paged/%lld%s", (long long)c->block, c->in_order ? " in-order" : "");
-  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld L=%lld B=%lld", c->preset, (long long)c->H,
-           (long long)c->KVH, dim, kv, lay, (long long)c->N, (long long)c->L, (long long)c->B);
+  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld L=%lld B=%lld%s", c->preset, (long long)c->H,
+           (long long)c->KVH, dim, kv, lay, (long long)c->N, (long long)c->L, (long long)c->B,
+           c->hadamard ? " hadamard" : "");
 }
 
 /* ------------------------------------------------------------ costs */

@@ -95,6 +95,9 @@ static void usage_bench(FILE *f) {
           "                     (default: the best this CPU supports; `kvattn info` names it)\n"
           "  --exact            exact mode (KVA_ATTN_EXACT): only \"[exact f32]\" kernels, never\n"
           "                     AMX, integer-query or tensor-core ones (validation; slower)\n"
+          "  --hadamard H       off (default) | on: a Hadamard-rotated cache (KVA_ATTN_ROTATED_K\n"
+          "                     and _V: q rotated in, out rotated back) | both: each case\n"
+          "                     unrotated, then rotated, and the rotation's cost printed\n"
           "  --warmups N        untimed calls per case (default %d)\n"
           "  --reps N           at least N timed calls (default %d; fewer for huge cases)\n"
           "  --max-reps N       at most N timed calls (default %d)\n"
@@ -379,6 +382,13 @@ static int cmd_bench(int argc, char **argv) {
     else if (IS("--max-reps")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 1, MAX_REPS_LIMIT, false, &max_reps)); }
     else if (IS("--budget")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 3600, &budget)); }
     else if (IS("--rotate-gib")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 1024, &rotate)); }
+    else if (IS("--hadamard")) {
+      NEEDS_VALUE();
+      if (!strcmp(val, "off")) o.hadamard = 0;
+      else if (!strcmp(val, "on")) o.hadamard = 1;
+      else if (!strcmp(val, "both")) o.hadamard = 2;
+      else return usage_error("--hadamard: '%s' is not one of off, on, both", val), KB_EXIT_USAGE;
+    }
     else if (IS("--cuda-flush")) {
       NEEDS_VALUE();
       if (!strcmp(val, "read")) o.cuda_flush_memset = false;

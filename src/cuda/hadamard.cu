@@ -5,7 +5,9 @@
  * Traffic: reads every row of x once, writes every row of y once.
  * Launch: KVC_HD_WARPS warps per block, a warp per row (grid-stride over
  *   rows), a row staged in D floats of shared memory per warp (dynamic:
- *   KVC_HD_WARPS * D * 4 bytes); no allocation, no sync: graph-capturable.
+ *   KVC_HD_WARPS * D * 4 bytes); a programmatic dependent launch (sm_90: it
+ *   waits for the previous grid before reading); no allocation, no sync:
+ *   graph-capturable.
  *   In place (y == x) is safe: a warp reads its whole row before writing it. */
 #include "cuda/common.cuh"
 #include "cuda/rows.cuh"
@@ -33,6 +35,9 @@ __global__ void __launch_bounds__(KVC_HD_WARPS * KVC_WARP) kvc_hadamard_kernel(c
   const int warp = threadIdx.x / KVC_WARP, lane = threadIdx.x % KVC_WARP;
   float *u = kvc_hd_smem + warp * a.D;
   const int xs = kvc_cw_size(a.x_dtype), ys = kvc_cw_size(a.y_dtype);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize(); /* launched early (PDL): wait for the kernel before (x's writer) */
+#endif
   for (long long r = (long long)blockIdx.x * KVC_HD_WARPS + warp; r < a.rows; r += (long long)gridDim.x * KVC_HD_WARPS) {
     const long long c2 = r % a.n[2], c1 = r / a.n[2] % a.n[1], c0 = r / a.n[2] / a.n[1];
     const char *xr = a.x + c0 * a.sx[0] + c1 * a.sx[1] + c2 * a.sx[2];
@@ -76,8 +81,20 @@ extern "C" int kva_cuda_hadamard(kva_context *ctx, const kva_tensor *x, const kv
   const long long blocks_needed = (a.rows + KVC_HD_WARPS - 1) / KVC_HD_WARPS;
   const unsigned grid = (unsigned)(blocks_needed < 65535 ? blocks_needed : 65535);
   const size_t smem = (size_t)KVC_HD_WARPS * (size_t)a.D * sizeof(float);
-  kvc_hadamard_kernel<<<grid, KVC_HD_WARPS * KVC_WARP, smem, (cudaStream_t)ctx->stream>>>(a);
-  e = cudaGetLastError();
+  /* programmatic dependent launch: the launch overlaps the previous kernel's
+   * tail (the attention kernel before the rotated call's output pass) */
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(KVC_HD_WARPS * KVC_WARP);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)ctx->stream;
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, kvc_hadamard_kernel, a);
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "Hadamard kernel launch: %s", cudaGetErrorString(e));
   return 0;
 }
