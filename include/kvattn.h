@@ -474,7 +474,10 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * list of "OPERANDS TYPE" items: operands K, V, P (the softmax weights
  * before P.V) rounded to TYPE bf16 or f16, or q rounded to a signed integer
  * of N bits with one scale per query vector and group ("q int15", "q
- * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]".
+ * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]",
+ * or "q bf16" / "q f16" first: a rotated call's query H q rounded to that
+ * type (KVA_ATTN_ROTATED_K with a 16-bit q; "[exact f32]" then reads "[q
+ * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V).
  * Operands not named are not rounded below f32. name NULL or size 0:
  * KVA_EINVAL; on error name is not written. Returns a kva_path or a negative
  * status. */

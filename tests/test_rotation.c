@@ -819,6 +819,7 @@ TEST(rotation_cache_write_errors) {
 TEST(cuda_hadamard_bits) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rotation_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rotation_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_rotation_graph) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -942,6 +943,48 @@ TEST(cuda_rotation_cache_write_bits) {
   kva_context_destroy(cpu);
 }
 
+/* A host call's device mirror: each host array copied over its span. */
+typedef struct dcall {
+  kva_tensor q, out, lse;
+  kva_kv_view view;
+  kva_block_table tab;
+  kva_attn_params p;
+  size_t ob, lb; /* bytes of out, lse */
+} dcall;
+static int dcall_make(dcall *dc, dmem *m, const att_data *d, const kva_kv_view *hv, const att_table *tb) {
+  const att_case *c = &d->c;
+  dc->view = *hv;
+  kva_kv *ops[2] = {&dc->view.k, &dc->view.v};
+  const kva_kv *hops[2] = {&hv->k, &hv->v};
+  for (int o = 0; o < 2; ++o) {
+    const kva_tensor *ht[3] = {&hops[o]->data, &hops[o]->scales, &hops[o]->biases};
+    kva_tensor *dt[3] = {&ops[o]->data, &ops[o]->scales, &ops[o]->biases};
+    for (int t = 0; t < (hops[o]->bits ? 3 : 1); ++t) {
+      size_t span = kva_dtype_size(ht[t]->dtype);
+      for (int k = 0; k < 4; ++k) span += (size_t)((ht[t]->shape[k] - 1) * ht[t]->stride[k]);
+      *dt[t] = dview(m, ht[t], ht[t]->data, span);
+    }
+  }
+  if (tb) {
+    dc->tab = tb->t;
+    dc->tab.blocks = (const int32_t *)dcopy(m, tb->t.blocks, (size_t)(tb->t.batch * (tb->t.row_stride ? tb->t.row_stride : tb->t.max_blocks)) * 4);
+    dc->tab.seq_lens = (const int32_t *)dcopy(m, tb->t.seq_lens, (size_t)tb->t.batch * 4);
+    if (tb->t.first_offset) dc->tab.first_offset = (const int32_t *)dcopy(m, tb->t.first_offset, (size_t)tb->t.batch * 4);
+    dc->view.table = &dc->tab;
+  } else if (d->lens) {
+    dc->view.seq_lens = (const int32_t *)dcopy(m, d->lens, (size_t)c->B * 4);
+  }
+  dc->p = d->params;
+  if (d->sinks) dc->p.sinks = (const float *)dcopy(m, d->sinks, (size_t)c->H * 4);
+  dc->q = dview(m, &d->q, d->q.data, (size_t)(d->q.shape[0] * d->q.stride[0]));
+  dc->ob = (size_t)(c->B * c->H * c->L * c->Dv) * kva_dtype_size(c->odt);
+  dc->out = kva_tensor_4d(dcopy(m, NULL, dc->ob), c->odt, c->B, c->H, c->L, c->Dv);
+  dc->lb = (size_t)(c->B * c->H * c->L) * 4;
+  dc->lse = kva_tensor_4d(dcopy(m, NULL, dc->lb), F32, c->B, c->H, c->L, 1);
+  dc->lse.ndim = 3;
+  return dc->q.data && dc->out.data && dc->lse.data && dc->view.k.data.data && dc->view.v.data.data;
+}
+
 /* The rotated call on the device (contiguous and block table) against the
  * oracle's rotated call with the kernel's roundings, out and lse. */
 static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int probe, int table) {
@@ -962,53 +1005,26 @@ static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int
   if (table && att_table_make(&tb, &d, 16, 0xff)) table = 0;
   const kva_kv_view *hv = table ? &tb.view : &d.view;
   dmem m = {{0}, 0};
-  /* device mirrors: each host array copied over its whole buffer span */
-  kva_kv_view dv = *hv;
-  kva_kv *ops[2] = {&dv.k, &dv.v};
-  const kva_kv *hops[2] = {&hv->k, &hv->v};
-  for (int o = 0; o < 2; ++o) {
-    const kva_tensor *ht[3] = {&hops[o]->data, &hops[o]->scales, &hops[o]->biases};
-    kva_tensor *dt[3] = {&ops[o]->data, &ops[o]->scales, &ops[o]->biases};
-    for (int t = 0; t < (hops[o]->bits ? 3 : 1); ++t) {
-      size_t span = kva_dtype_size(ht[t]->dtype);
-      for (int k = 0; k < 4; ++k) span += (size_t)((ht[t]->shape[k] - 1) * ht[t]->stride[k]);
-      *dt[t] = dview(&m, ht[t], ht[t]->data, span);
-    }
-  }
-  kva_block_table dtab;
-  if (table) {
-    dtab = tb.t;
-    dtab.blocks = (const int32_t *)dcopy(&m, tb.t.blocks, (size_t)(tb.t.batch * (tb.t.row_stride ? tb.t.row_stride : tb.t.max_blocks)) * 4);
-    dtab.seq_lens = (const int32_t *)dcopy(&m, tb.t.seq_lens, (size_t)tb.t.batch * 4);
-    if (tb.t.first_offset) dtab.first_offset = (const int32_t *)dcopy(&m, tb.t.first_offset, (size_t)tb.t.batch * 4);
-    dv.table = &dtab;
-  } else if (d.lens) {
-    dv.seq_lens = (const int32_t *)dcopy(&m, d.lens, (size_t)c->B * 4);
-  }
-  kva_attn_params dp = d.params;
-  if (d.sinks) dp.sinks = (const float *)dcopy(&m, d.sinks, (size_t)c->H * 4);
-  kva_tensor dq = dview(&m, &d.q, d.q.data, (size_t)(d.q.shape[0] * d.q.stride[0]));
-  const size_t ob = (size_t)(c->B * c->H * c->L * c->Dv) * kva_dtype_size(c->odt);
-  kva_tensor out = kva_tensor_4d(malloc(ob), c->odt, c->B, c->H, c->L, c->Dv), dout = out;
-  dout.data = dcopy(&m, NULL, ob);
-  float *lh = (float *)malloc((size_t)(c->B * c->H * c->L) * 4);
-  kva_tensor lse = kva_tensor_4d(lh, F32, c->B, c->H, c->L, 1), dlse;
-  lse.ndim = 3;
-  dlse = lse;
-  dlse.data = dcopy(&m, NULL, (size_t)(c->B * c->H * c->L) * 4);
+  dcall dc;
+  int ok = dcall_make(&dc, &m, &d, hv, table ? &tb : NULL);
+  kva_tensor out = kva_tensor_4d(malloc(dc.ob), c->odt, c->B, c->H, c->L, c->Dv);
+  float *lh = (float *)malloc(dc.lb);
+  kva_tensor lse = dc.lse;
+  lse.data = lh;
   char kname[320] = "";
-  int ok = kva_attention_kernel(cu, &dq, &dv, &dp, &dout, kname, sizeof kname) > 0 && strstr(kname, "Hadamard-rotated");
+  ok = ok && kva_attention_kernel(cu, &dc.q, &dc.view, &dc.p, &dc.out, kname, sizeof kname) > 0 &&
+       strstr(kname, "Hadamard-rotated");
   kva_ref_rounding rr;
   att_name_rounding(kname, &rr);
   kva_tensor ref = att_alloc_like(&d, &out);
   lse_buf rl;
   ok = ok && lse_buf_make(&rl, c->B, c->H, c->L, 0) == 0;
   ok = ok && kva_reference_attention_rounded(&d.q, hv, &d.params, &ref, &rl.t, 0, &rr) == 0;
-  ok = ok && kva_attention_lse(cu, &dq, &dv, &dp, &dout, &dlse, 0, NULL, 0) == 0;
+  ok = ok && kva_attention_lse(cu, &dc.q, &dc.view, &dc.p, &dc.out, &dc.lse, 0, NULL, 0) == 0;
   if (!ok) fprintf(stderr, "    %s [%s]: %s\n", what, kname, kva_last_error());
   ok = ok && cudaDeviceSynchronize() == cudaSuccess;
-  cudaMemcpy(out.data, dout.data, ob, cudaMemcpyDeviceToHost);
-  cudaMemcpy(lh, dlse.data, (size_t)(c->B * c->H * c->L) * 4, cudaMemcpyDeviceToHost);
+  ok = ok && cudaMemcpy(out.data, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess &&
+       cudaMemcpy(lh, dc.lse.data, dc.lb, cudaMemcpyDeviceToHost) == cudaSuccess;
   const double atol = att_name_atol(kname);
   double err = 0;
   ok = ok && att_compare(&out, &ref, atol, att_rtol(c->odt), &err, NULL);
@@ -1023,6 +1039,47 @@ static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int
   att_free(&d);
   kva_context_destroy(cpu);
   return ok;
+}
+
+/* The rotated call captured in a CUDA graph (its q and output passes on the
+ * context's stream) replays to the eager call's bits. */
+TEST(cuda_rotation_graph) {
+  if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
+  const att_case c = {2, 8, 2, 1, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
+  att_data d;
+  ASSERT_TRUE(att_make(&d, &c) == 0);
+  d.params.flags = ROT_KV;
+  dmem m = {{0}, 0};
+  dcall dc;
+  cudaStream_t s = NULL;
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  kva_context *ctx = NULL;
+  int ok = dcall_make(&dc, &m, &d, &d.view, NULL) && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
+  kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, s};
+  ok = ok && kva_context_create(&ctx, &o) == 0;
+  unsigned char *eager = (unsigned char *)malloc(dc.ob), *replay = (unsigned char *)malloc(dc.ob);
+  ok = ok && kva_attention(ctx, &dc.q, &dc.view, &dc.p, &dc.out, NULL, 0) == 0 && cudaStreamSynchronize(s) == cudaSuccess;
+  ok = ok && cudaMemcpy(eager, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess;
+  ok = ok && cudaMemset(dc.out.data, 0xff, dc.ob) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+  ok = ok && cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess;
+  if (ok) {
+    const int rc = kva_attention(ctx, &dc.q, &dc.view, &dc.p, &dc.out, NULL, 0);
+    ok = cudaStreamEndCapture(s, &graph) == cudaSuccess && rc == 0;
+  }
+  ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess && cudaGraphLaunch(exec, s) == cudaSuccess &&
+       cudaStreamSynchronize(s) == cudaSuccess;
+  ok = ok && cudaMemcpy(replay, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess;
+  if (!ok) FAIL_("the rotated call under capture: %s", kva_last_error());
+  else if (memcmp(eager, replay, dc.ob)) FAIL_("the graph replay differs from the eager call");
+  free(eager);
+  free(replay);
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  kva_context_destroy(ctx);
+  if (s) cudaStreamDestroy(s);
+  dfree(&m);
+  att_free(&d);
 }
 
 TEST(cuda_rotation_vs_oracle) {
