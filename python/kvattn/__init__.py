@@ -353,11 +353,11 @@ def _flags(exact, rotated=None):
 
 
 def _no_torch_rotation(x, rotated, what):
-    """The torch operators take no rotation argument: a rotated call on CPU
-    torch tensors is refused (CUDA tensors run through kvattn.cuda)."""
+    """A rotated call on CPU torch tensors needs the compiled operators
+    (`make torch-ext`; CUDA tensors also run through kvattn.cuda)."""
     if rotated and type(x).__module__.startswith("torch") and not _cuda.is_cuda_array(x):
-        raise C.error(C.EUNSUPPORTED, "%s: a rotation on CPU torch tensors is not wired (the torch operators have "
-                      "no rotation argument): pass numpy arrays (tensor.numpy()) or CUDA tensors" % what)
+        raise C.error(C.EUNSUPPORTED, "%s: a rotation on CPU torch tensors runs through the torch operators "
+                      "(make torch-ext), which did not load: pass numpy arrays or CUDA tensors" % what)
 
 
 def hadamard(x, out=None, *, threads=None, context=None):
@@ -369,6 +369,11 @@ def hadamard(x, out=None, *, threads=None, context=None):
     (may be x itself: in place). numpy arrays on the CPU; CUDA arrays
     (PyTorch CUDA tensors, __cuda_array_interface__) on their device and
     stream (kvattn.cuda.hadamard). Returns out."""
+    ops = _torch_ops(x, threads, context)
+    if ops is not None:
+        res = ops.hadamard(x, out)
+        if res is not NotImplemented:
+            return res
     if _cuda.is_cuda_array(x):
         return _cuda.hadamard(x, out, context=context)
     _no_torch_rotation(x, True, "hadamard")
@@ -547,10 +552,11 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
     (kvattn.torch_ops) when that extension is built.
     """
     flags = _flags(exact, rotated)
-    ops = _torch_ops(q, threads, context) if not rotated else None
+    ops = _torch_ops(q, threads, context)
     if ops is not None:
         res = ops.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp=clamp,
-                            seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact)
+                            seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact,
+                            rotated=rotated)
         if res is not NotImplemented:
             return res
     if _cuda.is_cuda_array(q):
@@ -700,8 +706,9 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       and then stored or quantized once; attend with attention(...,
       rotated=...). numpy and CUDA arrays."""
     wflags = _rotation(rotate, "rotate", C.WRITE_ROTATE_K, C.WRITE_ROTATE_V)
-    ops = _torch_ops(k, threads, context) if not wflags else None
-    if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits) is not NotImplemented:
+    ops = _torch_ops(k, threads, context)
+    if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits,
+                                           wflags) is not NotImplemented:
         return None
     if _cuda.is_cuda_array(k):
         return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context, flags=wflags)

@@ -645,10 +645,11 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     backend: kvattn.cuda.block_table_attention."""
     from . import _torch_ops, cuda, default_context
 
-    ops = _torch_ops(q, threads, context) if not rotated else None
+    ops = _torch_ops(q, threads, context)
     if ops is not None:
         res = ops.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
-                                        segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact)
+                                        segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact,
+                                        rotated=rotated)
         if res is not NotImplemented:
             return res
     if cuda.is_cuda_array(q):
