@@ -105,7 +105,9 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   fprintf(f, ",\"block\":%lld,\"block_order\":\"%s\",\"preset\":", (long long)c->block,
           c->layout != KVA_LAYOUT_PAGED ? "none" : c->in_order ? "sequential" : "shuffled");
   json_str(f, c->preset);
-  fprintf(f, ",\"hadamard\":%s,\"kernel\":", c->hadamard ? "true" : "false");
+  fprintf(f, ",\"hadamard\":\"%s\",\"kernel\":",
+          c->hadamard == (KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V) ? "kv" : c->hadamard == KVA_ATTN_ROTATED_K ? "k"
+          : c->hadamard == KVA_ATTN_ROTATED_V ? "v" : "off");
   json_str(f, r->kernel);
   fprintf(f, ",\"kv\":\"%s\",\"group\":%d,\"kv_dtype\":\"%s\"", kb_kv_name(&c->kv), c->kv.group,
           kva_dtype_name(c->kv.dtype));
@@ -311,7 +313,7 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
                      (size_t)(c->B * c->H * c->L * c->Dk) * kva_dtype_size(c->qdtype));
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
-  p.flags = (o->exact ? KVA_ATTN_EXACT : 0) | (c->hadamard ? KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V : 0);
+  p.flags = (o->exact ? KVA_ATTN_EXACT : 0) | c->hadamard;
   r->setup_s = kb_now() - t0;
 
   if (rc == 0) {
@@ -393,7 +395,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
     for (int i = 0; i < n; ++i)
       for (int j = 0; j < per; ++j) {
         hc[i * per + j] = cases[i];
-        hc[i * per + j].hadamard = per == 1 || j == 1;
+        hc[i * per + j].hadamard = per == 1 || j == 1 ? o->hadamard_flags : 0;
       }
     free(cases);
     cases = hc;

@@ -69,7 +69,8 @@ void kb_case_label(const kb_case *c, char *buf, size_t n) {
     snprintf(lay, sizeof lay, " paged/%lld%s", (long long)c->block, c->in_order ? " in-order" : "");
   snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld L=%lld B=%lld%s", c->preset, (long long)c->H,
            (long long)c->KVH, dim, kv, lay, (long long)c->N, (long long)c->L, (long long)c->B,
-           c->hadamard ? " hadamard" : "");
+           c->hadamard == KVA_ATTN_ROTATED_K ? " hadamard-k" : c->hadamard == KVA_ATTN_ROTATED_V ? " hadamard-v"
+           : c->hadamard ? " hadamard" : "");
 }
 
 /* ------------------------------------------------------------ costs */
