@@ -4,7 +4,8 @@
  * the rotated call against the oracle's rotated call on every layout
  * (contiguous, block table, paged), float and quantized caches, decode and
  * verify, GQA, masks, softcap, sinks, lse, random and probe queries, and
- * against the unrotated call on the unrotated cache; the rotating cache
+ * against the unrotated call on the unrotated cache; cascade and context-
+ * parallel calls with the flags; the rotating cache
  * write against kva_hadamard + kva_cache_write; bad input. The cuda_*
  * tests repeat the transform, the write (bit for bit with the CPU) and the
  * rotated call on the device. */
@@ -596,6 +597,53 @@ TEST(rotation_cascade) {
   ASSERT_OK(kva_cascade_attention(ctx, &d.q, &pre, &suf, &d.params, &d.out, NULL, 0, NULL, 0));
   ASSERT_TRUE(att_out_untouched_ok(&d));
   ASSERT_TRUE(att_compare(&d.out, &ref, ATT_ATOL_F32, att_rtol(c.odt), NULL, NULL));
+  att_free(&d);
+  kva_context_destroy(ctx);
+}
+
+/* Context parallelism (all-gather, 2 simulated ranks: keys [0, P) with no
+ * mask, [P, N) with the causal mask) with the rotation flags on both ranks
+ * equals the oracle's rotated call over the whole cache. */
+TEST(rotation_cp) {
+  kva_context *ctx = cpu_ctx(2);
+  ASSERT_TRUE(ctx);
+  const att_case c = {1, 8, 2, 1, 400, 128, 128, F32, F32, 4, 4, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  att_data d;
+  ASSERT_TRUE(att_make_q(&d, &c, 1) == 0);
+  ASSERT_OK(rot_probe_q(ctx, &d));
+  d.params.flags = ROT_KV | KVA_ATTN_EXACT;
+  const int64_t P = 250;
+  kva_kv ks[2][2] = {{d.k, d.v}, {d.k, d.v}};
+  for (int r = 0; r < 2; ++r)
+    for (int o = 0; o < 2; ++o) {
+      kva_tensor *ts[3] = {&ks[r][o].data, &ks[r][o].scales, &ks[r][o].biases};
+      for (int t = 0; t < 3; ++t) {
+        ts[t]->data = (char *)ts[t]->data + (r ? P : 0) * ts[t]->stride[2];
+        ts[t]->shape[2] = r ? c.N - P : P;
+      }
+    }
+  kva_cp_plan plan[2];
+  char *send[2], *recv;
+  for (int r = 0; r < 2; ++r) ASSERT_OK(kva_cp_plan_init(&plan[r], 2, r, 0, c.B, c.H, c.L, c.Dv, 0));
+  for (int r = 0; r < 2; ++r) send[r] = (char *)malloc(plan[r].send_bytes);
+  recv = (char *)malloc(plan[0].recv_bytes);
+  for (int r = 0; r < 2; ++r) {
+    kva_kv_view shard = kva_view_contiguous(&ks[r][0], &ks[r][1], NULL);
+    kva_attn_params pr = d.params;
+    if (r == 0) pr.mask.kind = KVA_MASK_NONE; /* wholly before the query row */
+    ASSERT_OK(kva_cp_attend(ctx, &plan[r], &d.q, &shard, &pr, send[r], plan[r].send_bytes, NULL, 0));
+    memcpy(recv + r * plan[0].o_bytes, send[r], plan[0].o_bytes);
+    memcpy(recv + plan[0].recv_lse_offset + r * plan[0].lse_bytes, send[r] + plan[0].send_lse_offset,
+           plan[0].lse_bytes);
+  }
+  kva_tensor ref = att_alloc_like(&d, &d.out);
+  ASSERT_OK(kva_reference_attention(&d.q, &d.view, &d.params, &ref));
+  att_poison(&d);
+  ASSERT_OK(kva_cp_merge(ctx, &plan[0], recv, plan[0].recv_bytes, &d.out, NULL));
+  ASSERT_TRUE(att_out_untouched_ok(&d));
+  ASSERT_TRUE(att_compare(&d.out, &ref, ATT_ATOL_F32, att_rtol(c.odt), NULL, NULL));
+  for (int r = 0; r < 2; ++r) free(send[r]);
+  free(recv);
   att_free(&d);
   kva_context_destroy(ctx);
 }

@@ -409,10 +409,15 @@ static int rot_plan(const kva_context *ctx, const kva_problem *p, char *ws, rot_
   if (p->rotate & KVA_ATTN_ROTATED_V) r->p.out = &r->out;
   int rc = backend_workspace_size(ctx, &r->p, &r->inner);
   if (rc < 0) return rc;
-  /* q' and out' hold B H L D elements of at most 4 bytes: below 2^50 bytes
-   * for a problem the backend sized (its workspace holds as much and more) */
-  const size_t qb = (p->rotate & KVA_ATTN_ROTATED_K) ? (size_t)(p->B * p->H * p->L * p->Dk) * kva_dtype_size(qdt) : 0;
-  const size_t ob = (p->rotate & KVA_ATTN_ROTATED_V) ? (size_t)(p->B * p->H * p->L * p->Dv) * 4 : 0;
+  /* q' and out': B H L Dk elements of q's size, B H L Dv floats (checked products) */
+  bool ok = true;
+  const int64_t rows = kva_mul_chk(kva_mul_chk(p->B, p->H, &ok), p->L, &ok);
+  const int64_t qe = (p->rotate & KVA_ATTN_ROTATED_K) ? kva_mul_chk(rows, p->Dk * (int64_t)kva_dtype_size(qdt), &ok) : 0;
+  const int64_t oe = (p->rotate & KVA_ATTN_ROTATED_V) ? kva_mul_chk(rows, p->Dv * 4, &ok) : 0;
+  if (!ok || qe > (int64_t)KVA_MAX_WORKSPACE || oe > (int64_t)KVA_MAX_WORKSPACE)
+    return kva_seterr(KVA_ESHAPE, "the rotated query and output of B H L = %lld rows exceed the workspace limit "
+                      "(2^48 bytes)", (long long)rows);
+  const size_t qb = (size_t)qe, ob = (size_t)oe;
   r->total = r->inner + ROT_ALIGN + qb + ROT_ALIGN + ob;
   if (r->total > KVA_MAX_WORKSPACE)
     return kva_seterr(KVA_ESHAPE, "workspace of %zu bytes (rotated query and output) exceeds 2^48", r->total);
