@@ -84,18 +84,6 @@ int kva_cuda_cp_fill_empty(kva_context *ctx, void *send, size_t o_bytes, size_t 
   return no_cuda();
 }
 
-int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
-                         const kva_tensor *v, const int32_t *slots, int64_t n) {
-  (void)ctx;
-  (void)k_pool;
-  (void)v_pool;
-  (void)k;
-  (void)v;
-  (void)slots;
-  (void)n;
-  return no_cuda();
-}
-
 int kva_cuda_workspace_alloc(kva_context *ctx, size_t bytes, void **ptr) {
   (void)ctx;
   (void)bytes;

@@ -209,11 +209,6 @@ static kvc_cw_operand kvc_cw_operand_of(const kva_kv *pool, const kva_tensor *sr
   return o;
 }
 
-extern "C" int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
-                                    const kva_tensor *v, const int32_t *slots, int64_t n) {
-  return kva_cuda_cache_write_ex(ctx, k_pool, v_pool, k, v, slots, n, 0);
-}
-
 extern "C" int kva_cuda_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool,
                                        const kva_tensor *k, const kva_tensor *v, const int32_t *slots, int64_t n,
                                        unsigned flags) {
