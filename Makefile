@@ -87,7 +87,7 @@ $(foreach l,$(SIMD_LEVELS),$(eval SIMD_FLAGS_$(l) += -fno-sanitize-coverage=trac
 $(ASAN_DIR)/src/cpu/%.o: CFLAGS += -fno-sanitize-coverage=trace-cmp
 endif
 
-.PHONY: all lib test test-c test-py test-tsan test-seeds test-asan test-aarch64 fuzz fuzz-regress bench bench-paged bench-cascade install clean format FORCE
+.PHONY: all lib test test-c test-py test-tsan test-seeds test-asan test-aarch64 fuzz fuzz-regress bench bench-paged bench-cascade bench-rotation install clean format FORCE
 # A failed recipe removes its half-written target, so the next run redoes it.
 .DELETE_ON_ERROR:
 all: $(BUILD)/libkvattn.a $(BUILD)/libkvattn.so $(BUILD)/kvattn $(BUILD)/kvattn_tests $(BUILD)/kvattn.pc
@@ -243,6 +243,13 @@ $(BUILD)/paged_vs_contiguous: bench/paged_vs_contiguous.c $(BUILD)/libkvattn.a
 	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
 bench-paged: $(BUILD)/paged_vs_contiguous
 	$(BUILD)/paged_vs_contiguous
+
+# Attention-output error of 4-bit keys with outlier channels, with and
+# without the Hadamard rotation (CPU; the table of BENCHMARKS.md).
+$(BUILD)/rotation_error: bench/rotation_error.c $(BUILD)/libkvattn.a
+	$(CC) $(CFLAGS_BASE) -o $@ $< $(BUILD)/libkvattn.a $(LDLIBS)
+bench-rotation: $(BUILD)/rotation_error
+	$(BUILD)/rotation_error
 
 # Cascade (shared prefix) vs one batched call, side by side, and the merge
 # (CPU; CASCADE_ARGS="--backend cuda" for the GPU, see the program's usage).

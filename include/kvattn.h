@@ -260,7 +260,8 @@ typedef struct kva_attn_params {
   const float *sinks; /* optional [H] f32 per-head sink logits (join the denominator only). CPU:
                          each finite or -inf (no effect), else KVA_EINVAL; CUDA: device memory,
                          not checked (+inf or NaN: NaN outputs for the head's rows that see a key) */
-  unsigned flags;     /* 0 or KVA_ATTN_EXACT; any other bit is KVA_EINVAL */
+  unsigned flags;     /* KVA_ATTN_EXACT, KVA_ATTN_ROTATED_K, KVA_ATTN_ROTATED_V (any OR of them);
+                         any other bit is KVA_EINVAL */
 } kva_attn_params;
 
 /* Flags of kva_attn_params. KVA_ATTN_EXACT (for validation): the selector
@@ -269,6 +270,23 @@ typedef struct kva_attn_params {
  * V or P); without it the same call may take a faster kernel that rounds.
  * Results need not match the default call's bit for bit. */
 #define KVA_ATTN_EXACT 1u
+/* Hadamard-rotated caches (kva_hadamard, kva_cache_write_ex): K rows stored
+ * as k' = H_Dk k (KVA_ATTN_ROTATED_K) and/or V rows as v' = H_Dv v
+ * (KVA_ATTN_ROTATED_V). H is symmetric and orthonormal (H H = I), so
+ * q.k = (H q).k' and out = sum_j p_j v_j = H (sum_j p_j v'_j): the call
+ * rotates q on load (q' = H_Dk q, into the workspace) and, with ROTATED_V,
+ * has the kernel write its output in f32 into the workspace and stores
+ * out = H_Dv of it in out's dtype (one more pass over out, none over K/V).
+ * Results equal the unrotated call on the unrotated cache within rounding;
+ * lse is unchanged (the logits are). q' has q's dtype, so a 16-bit q is
+ * rounded once more after the rotation ("q bf16" / "q f16" in the kernel
+ * name's bracket; the oracle models it: kva_ref_rounding.q_dtype); f32
+ * queries and KVA_ATTN_EXACT keep q' in f32. Head dims as kva_hadamard
+ * (every attention head dim but 80): another is KVA_EUNSUPPORTED naming it.
+ * Cascade and context-parallel calls pass the flags to each part (the
+ * merge is linear, so merging un-rotated parts is exact). */
+#define KVA_ATTN_ROTATED_K 2u
+#define KVA_ATTN_ROTATED_V 4u
 
 /* scale 0 (default), no softcap, no mask, no sinks, flags 0. */
 kva_attn_params kva_attn_defaults(void);
@@ -301,6 +319,31 @@ int kva_context_threads(const kva_context *ctx);
  * order: before switching streams while earlier calls that used it may
  * still run, order the streams (an event) or pass caller workspaces. */
 int kva_context_set_stream(kva_context *ctx, void *stream);
+
+/* ---------------------------------------------------- Hadamard rotation */
+/* y = H_D x on the last dim (D = x->shape[last]): H_D the normalized
+ * Walsh-Hadamard matrix, symmetric and orthonormal (H H = I).
+ *   D = 2^k, 16 <= D <= 512: Sylvester order, H[a][b] = (-1)^popcount(a & b) / sqrt(D).
+ *   D = 3 * 2^k (48, 96, 192, 384): H_D = H_3 (x) H_m, m = D / 3, element
+ *     (i m + a, j m + b) = H_3[i][j] H_m[a][b], with the 3x3 Householder
+ *     reflection H_3 = (2/3) J - I (diagonal -1/3, elsewhere 2/3; J the all-ones
+ *     matrix): symmetric, orthogonal, H_3 H_3 = I.
+ *   any other D: KVA_EUNSUPPORTED naming it (kva_hadamard_dim_supported).
+ * Arithmetic (in f32, the same on every backend, bit for bit): the fast
+ * transform u = x; for h = 1, 2, 4, .., m/2: (u[i], u[i+h]) = (u[i] + u[i+h],
+ * u[i] - u[i+h]) for i % 2h < h; for D = 3m, per a < m with u_i = u[i m + a]:
+ * s = (u_0 + u_1) + u_2, u_i = (s + s) - ((u_i + u_i) + u_i); then
+ * y = u * c, c = (float)(1 / sqrt(D)) (2^k) or (float)(1 / (3 sqrt(m))) (3m),
+ * rounded once to y's dtype (no fma anywhere). NaN or Inf in a row: NaN or
+ * Inf in its outputs (payloads unspecified).
+ * x, y: f32/f16/bf16 (dtypes may differ), rank 1..4, the same shape, any
+ * strides (innermost contiguous); y == x (same data, dtype and strides) is
+ * in place, any other overlap KVA_EINVAL. Memory of ctx's backend: host on
+ * the CPU, device memory on ctx's stream on CUDA (asynchronous,
+ * graph-capturable, no allocation). Nothing is written on error. */
+int kva_hadamard(kva_context *ctx, const kva_tensor *x, kva_tensor *y);
+/* 1 when kva_hadamard supports head dim D, else 0. */
+int kva_hadamard_dim_supported(int64_t D);
 
 /* Attention: q [B, H, L, Dk] (f32/f16/bf16), out [B, H, L, Dv] (f32/f16/bf16).
  * Row i of sequence b sits at position p = len_b - L + i. A row that sees no
@@ -492,7 +535,10 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * list of "OPERANDS TYPE" items: operands K, V, P (the softmax weights
  * before P.V) rounded to TYPE bf16 or f16, or q rounded to a signed integer
  * of N bits with one scale per query vector and group ("q int15", "q
- * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]".
+ * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]",
+ * or "q bf16" / "q f16" first: a rotated call's query H q rounded to that
+ * type (KVA_ATTN_ROTATED_K with a 16-bit q; "[exact f32]" then reads "[q
+ * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V).
  * Operands not named are not rounded below f32. name NULL or size 0:
  * KVA_EINVAL; on error name is not written. Returns a kva_path or a negative
  * status. */
@@ -524,12 +570,20 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
  *   CPU kernel over 4-bit and 8-bit K.)
  * k_dtype, v_dtype: KVA_F32 = none; KVA_BF16 / KVA_F16 = each K (V)
  *   element, dequantized exactly, rounded once to that type (nearest even).
+ * q_dtype: KVA_F32 = none; KVA_BF16 / KVA_F16 = the query as a rotated call
+ *   (KVA_ATTN_ROTATED_K) hands it to its kernel: H q computed with
+ *   kva_hadamard's f32 arithmetic, rounded once to that type ("q bf16",
+ *   "q f16" in a kernel name's bracket); q_int_bits then rounds that query.
+ *   Unrotated calls: the query rounded to that type. A rotated query is H q
+ *   in double unless q_dtype or q_int_bits is set: then it is formed with
+ *   kva_hadamard's f32 arithmetic, as the kernel receives it.
  * P rounding depends on a kernel's running maximum and is not modelled: the
  * tests allow for it. */
 typedef struct kva_ref_rounding {
   int q_int_bits;
   kva_dtype k_dtype;
   kva_dtype v_dtype;
+  kva_dtype q_dtype;
 } kva_ref_rounding;
 /* kva_reference_attention_lse with the roundings r (NULL: none, the exact
  * oracle); a field out of range is KVA_EINVAL. */
@@ -798,6 +852,19 @@ int kva_block_table_split(const kva_kv_view *view, int64_t prefix_tokens, int32_
  *   - 1 without scales (scales.data NULL). */
 int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                     const kva_tensor *v, const int32_t *slots, int64_t n);
+/* Flags of kva_cache_write_ex. */
+#define KVA_WRITE_ROTATE_K 1u /* store H_Dk k (kva_hadamard) instead of k: a cache for KVA_ATTN_ROTATED_K */
+#define KVA_WRITE_ROTATE_V 2u /* store H_Dv v: a cache for KVA_ATTN_ROTATED_V */
+/* kva_cache_write with flags (0: kva_cache_write). A rotated row is
+ * computed in f32 with kva_hadamard's arithmetic and then stored as that
+ * f32 row would be (one rounding to a float pool's dtype, or kva_quantize
+ * of the f32 row): bit for bit kva_hadamard into an f32 tensor followed by
+ * kva_cache_write, on both backends (quantized pools equal CPU vs CUDA for
+ * finite rows). A rotated operand's head dim must be one kva_hadamard
+ * supports, else KVA_EUNSUPPORTED naming it; other flag bits KVA_EINVAL;
+ * nothing written on error. */
+int kva_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                       const kva_tensor *v, const int32_t *slots, int64_t n, unsigned flags);
 /* ---- end paged ---- */
 
 #ifdef __cplusplus

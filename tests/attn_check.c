@@ -517,7 +517,9 @@ static int atol_item(const char *item, const char *sp, const char *end, void *ar
   memcpy(type, sp, tl);
   type[tl] = '\0';
   double a;
-  if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
+  if ((!strcmp(type, "bf16") || !strcmp(type, "f16")) && item[0] == 'q' && item[1] == ' ')
+    a = ATT_ATOL_F32; /* a rotated call's q' rounded to 16 bits: the oracle applies it (q_dtype) */
+  else if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
   else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
     a = atoi(type + 3) >= ATT_QINT_EXACT_BITS || atoi(type + 3) <= ATT_QINT_ORACLE_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
   else return -1;
@@ -545,12 +547,13 @@ static int rounding_item(const char *item, const char *sp, const char *end, void
   }
   if (item[0] == 'q' && item[1] == ' ' && !strncmp(sp, "int", 3) && atoi(sp + 3) <= ATT_QINT_ORACLE_BITS)
     r->q_int_bits = atoi(sp + 3);
+  if (item[0] == 'q' && item[1] == ' ' && t != KVA_F32) r->q_dtype = t; /* "q bf16": the rotated query */
   return 0;
 }
 
 int att_name_rounding(const char *name, kva_ref_rounding *r) {
   r->q_int_bits = 0;
-  r->k_dtype = r->v_dtype = KVA_F32;
+  r->k_dtype = r->v_dtype = r->q_dtype = KVA_F32;
   return att_bracket_items(name, rounding_item, r) < 0 ? -1 : 0;
 }
 
@@ -579,7 +582,7 @@ const kva_tensor *att_oracle_for(kva_context *ctx, const kva_tensor *q, const kv
   }
   kva_ref_rounding r;
   att_name_rounding(name, &r);
-  if (r.q_int_bits == 0 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32) return exact;
+  if (r.q_int_bits == 0 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32 && r.q_dtype == KVA_F32) return exact;
   if (kva_reference_attention_rounded(q, kv, p, scratch, NULL, 0, &r) < 0) {
     fprintf(stderr, "    att_oracle_for: oracle: %s\n", kva_last_error());
     return NULL;

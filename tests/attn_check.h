@@ -123,8 +123,10 @@ double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
 /* The roundings of a kernel name's bracket that the oracle models
  * (kva_ref_rounding): "K ..."/"V ..." items of bf16 or f16 round K / V, "q
  * intN" with N <= ATT_QINT_ORACLE_BITS rounds the query per (vector, group);
- * q rounded to more bits (the two-part 15-bit queries: one scale per vector,
- * and the 21-bit ones) and P are left to the allowance. Returns 0, or -1 for
+ * "q bf16" / "q f16" (a rotated call's query H q rounded to 16 bits) sets
+ * q_dtype (the oracle applies it: the f32 allowance); q rounded to more bits
+ * (the two-part 15-bit queries: one scale per vector, and the 21-bit ones)
+ * and P are left to the allowance. Returns 0, or -1 for
  * a name without a bracket. */
 #define ATT_QINT_ORACLE_BITS 8
 int att_name_rounding(const char *name, kva_ref_rounding *r);

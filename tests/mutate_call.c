@@ -260,7 +260,7 @@ int mut_check_accepted(kva_context *ctx, const mut_call *c, const mut_base *m, d
   ref.data = malloc((size_t)mut_elems(&c->out) * kva_dtype_size(c->out.dtype));
   if (!ref.data) { FAIL_("iteration %d: out of memory", it); return -1; }
   int rc = 0;
-  kva_ref_rounding rr = {0, KVA_F32, KVA_F32};
+  kva_ref_rounding rr = {0, KVA_F32, KVA_F32, KVA_F32};
   char kname[256];
   if (ctx && kva_attention_kernel(ctx, &c->q, &c->view, &c->p, &c->out, kname, sizeof kname) >= 0)
     att_name_rounding(kname, &rr);

@@ -33,7 +33,7 @@ typedef struct cdata {
 static int cz_oracle(kva_context *ctx, const kva_tensor *q, const kva_kv_view *full, const kva_attn_params *p,
                      kva_tensor *ref, kva_tensor *rlse) {
   char name[256];
-  kva_ref_rounding r = {0, KVA_F32, KVA_F32};
+  kva_ref_rounding r = {0, KVA_F32, KVA_F32, KVA_F32};
   if (kva_attention_kernel(ctx, q, full, p, ref, name, sizeof name) < 0) return -1;
   att_name_rounding(name, &r);
   return kva_reference_attention_rounded(q, full, p, ref, rlse, 0, &r);

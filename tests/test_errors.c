@@ -156,17 +156,18 @@ TEST(errors_lengths_and_params) {
   bad_teardown(&c);
 }
 
-/* params->flags: only KVA_ATTN_EXACT is a flag; another bit fails every
- * entry point that validates params (the oracle included), out untouched. */
+/* params->flags: KVA_ATTN_EXACT, KVA_ATTN_ROTATED_K and _V are flags;
+ * another bit fails every entry point that validates params (the oracle
+ * included), out untouched. */
 TEST(errors_attn_flags) {
   bad_call c;
   ASSERT_TRUE(bad_setup(&c, &base_q4) == 0);
-  c.params.flags = 2;                    EXPECT_BAD(&c, KVA_EINVAL, "params->flags = 0x2");
+  c.params.flags = 8;                    EXPECT_BAD(&c, KVA_EINVAL, "params->flags = 0x8");
   c.params.flags = KVA_ATTN_EXACT | 8u;  EXPECT_BAD(&c, KVA_EINVAL, "params->flags = 0x9");
   c.params.flags = 1u << 31;             EXPECT_BAD(&c, KVA_EINVAL, "params->flags");
   size_t bytes = 0;
   char kname[64] = "x";
-  c.params.flags = 2;
+  c.params.flags = 8;
   ASSERT_ERR(kva_attention_workspace_size(c.ctx, &c.q, &c.view, &c.params, &bytes), KVA_EINVAL, "params->flags");
   ASSERT_ERR(kva_attention_kernel(c.ctx, &c.q, &c.view, &c.params, &c.out, kname, sizeof kname), KVA_EINVAL,
              "params->flags");

@@ -57,13 +57,13 @@ TEST(oracle_rounding_query_int8) {
   const kva_kv_view view = kva_view_contiguous(&K, &V, NULL);
   kva_attn_params p = kva_attn_defaults();
   p.scale = 0.3f;
-  const kva_ref_rounding r8 = {8, KVA_F32, KVA_F32};
+  const kva_ref_rounding r8 = {8, KVA_F32, KVA_F32, KVA_F32};
   ASSERT_OK(kva_reference_attention_rounded(&tq, &view, &p, &t1, NULL, 0, &r8));
   ASSERT_OK(kva_reference_attention(&tqr, &view, &p, &t2));
   ASSERT_OK(kva_reference_attention(&tq, &view, &p, &t3));
   if (!same_f32(o1, o2, nq)) FAIL_("q int8 rounding differs from the oracle on the rounded query");
   if (same_f32(o1, o3, nq)) FAIL_("q int8 rounding changed nothing");
-  const kva_ref_rounding bad = {1, KVA_F32, KVA_F32}, badk = {0, KVA_U32, KVA_F32};
+  const kva_ref_rounding bad = {1, KVA_F32, KVA_F32, KVA_F32}, badk = {0, KVA_U32, KVA_F32, KVA_F32};
   ASSERT_ERR(kva_reference_attention_rounded(&tq, &view, &p, &t1, NULL, 0, &bad), KVA_EINVAL, "q_int_bits");
   ASSERT_ERR(kva_reference_attention_rounded(&tq, &view, &p, &t1, NULL, 0, &badk), KVA_EINVAL, "k_dtype");
   free(q), free(qr), free(k), free(v), free(o1), free(o2), free(o3), free(kp), free(ks), free(kb);
@@ -86,7 +86,7 @@ TEST(oracle_rounding_kv_bf16) {
   const kva_kv Kh = kva_kv_float(kh, KVA_BF16, RB, RKVH, RN, RD), Vh = kva_kv_float(vh, KVA_BF16, RB, RKVH, RN, RD);
   const kva_kv_view view = kva_view_contiguous(&K, &V, NULL), hview = kva_view_contiguous(&Kh, &Vh, NULL);
   kva_attn_params p = kva_attn_defaults();
-  const kva_ref_rounding rkv = {0, KVA_BF16, KVA_BF16};
+  const kva_ref_rounding rkv = {0, KVA_BF16, KVA_BF16, KVA_F32};
   ASSERT_OK(kva_reference_attention_rounded(&tq, &view, &p, &t1, NULL, 0, &rkv));
   ASSERT_OK(kva_reference_attention(&tq, &hview, &p, &t2));
   if (!same_f32(o1, o2, nq)) FAIL_("K,V bf16 rounding differs from the oracle on bf16 rows");

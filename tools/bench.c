@@ -105,7 +105,9 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   fprintf(f, ",\"block\":%lld,\"block_order\":\"%s\",\"preset\":", (long long)c->block,
           c->layout != KVA_LAYOUT_PAGED ? "none" : c->in_order ? "sequential" : "shuffled");
   json_str(f, c->preset);
-  fprintf(f, ",\"kernel\":");
+  fprintf(f, ",\"hadamard\":\"%s\",\"kernel\":",
+          c->hadamard == (KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V) ? "kv" : c->hadamard == KVA_ATTN_ROTATED_K ? "k"
+          : c->hadamard == KVA_ATTN_ROTATED_V ? "v" : "off");
   json_str(f, r->kernel);
   fprintf(f, ",\"kv\":\"%s\",\"group\":%d,\"kv_dtype\":\"%s\"", kb_kv_name(&c->kv), c->kv.group,
           kva_dtype_name(c->kv.dtype));
@@ -311,7 +313,7 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
                      (size_t)(c->B * c->H * c->L * c->Dk) * kva_dtype_size(c->qdtype));
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
-  p.flags = o->exact ? KVA_ATTN_EXACT : 0;
+  p.flags = (o->exact ? KVA_ATTN_EXACT : 0) | c->hadamard;
   kva_attn_params p_host = p; /* the check's (host bits) */
   uint32_t *tree_host = NULL;
   void *tree_dev = NULL;
@@ -412,6 +414,23 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
     fprintf(stderr, "kvattn bench: no cases selected\n");
     free(cases);
     return KB_EXIT_USAGE;
+  }
+  if (o->hadamard) { /* on: every case rotated; both: each case unrotated, then rotated (same cache) */
+    const int per = o->hadamard == 2 ? 2 : 1;
+    kb_case *hc = calloc((size_t)(n * per), sizeof *hc);
+    if (!hc) {
+      fprintf(stderr, "kvattn bench: out of memory\n");
+      free(cases);
+      return KB_EXIT_FAIL;
+    }
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < per; ++j) {
+        hc[i * per + j] = cases[i];
+        hc[i * per + j].hadamard = per == 1 || j == 1 ? o->hadamard_flags : 0;
+      }
+    free(cases);
+    cases = hc;
+    n *= per;
   }
   if (o->list) {
     printf("%-52s %12s %12s %10s\n", "case", "kv_bytes", "qo_bytes", "GFLOP");
@@ -531,6 +550,13 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
         }
     }
     print_ratios(cases, res, n);
+    for (int i = 1; i < n && o->hadamard == 2; i += 2) {
+      if (res[i].reps == 0 || res[i - 1].reps == 0) continue;
+      char label[128];
+      kb_case_label(&cases[i - 1], label, sizeof label);
+      printf("%s hadamard %s: %+.1f %% of the unrotated call's time (%.1f us vs %.1f us)\n",
+             i == 1 ? "\n" : "", label, 100.0 * (res[i].us / res[i - 1].us - 1.0), res[i].us, res[i - 1].us);
+    }
     printf("\n");
   }
   if (bw_end > 0) {

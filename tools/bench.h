@@ -42,6 +42,7 @@ typedef struct kb_case {
   kva_layout layout;        /* contiguous now; paged when the paged API lands */
   int64_t block;            /* paged: tokens per block; 0 for contiguous */
   bool in_order;            /* paged: each sequence's blocks in order in the pool (else shuffled) */
+  unsigned hadamard;        /* --hadamard: params.flags |= these (KVA_ATTN_ROTATED_K | _V: a rotated cache) */
 } kb_case;
 
 /* The tree of a tree-verify case (--tree N, KVA_MASK_TREE), an EAGLE-style
@@ -120,6 +121,8 @@ typedef struct kb_opts {
   bool json, quick, full, check, quiet;
   bool list;            /* print the cases and their costs, run nothing */
   bool exact;           /* --exact: params.flags = KVA_ATTN_EXACT ("[exact f32]" kernels only) */
+  int hadamard;         /* --hadamard: 0 off, 1 on (every case rotated), 2 both (each case twice) */
+  unsigned hadamard_flags; /* --hadamard-of: the rotation flags (default KVA_ATTN_ROTATED_K | _V) */
   int warmups;          /* untimed calls before timing */
   int min_reps;         /* timed calls at least (fewer only for huge cases) */
   int max_reps;         /* timed calls at most */

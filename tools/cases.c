@@ -67,9 +67,10 @@ void kb_case_label(const kb_case *c, char *buf, size_t n) {
   char lay[32] = "";
   if (c->layout == KVA_LAYOUT_PAGED)
     snprintf(lay, sizeof lay, " paged/%lld%s", (long long)c->block, c->in_order ? " in-order" : "");
-  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld %s=%lld B=%lld", c->preset, (long long)c->H,
+  snprintf(buf, n, "%s %lld/%lld/%s %s%s N=%lld %s=%lld B=%lld%s", c->preset, (long long)c->H,
            (long long)c->KVH, dim, kv, lay, (long long)c->N, c->tree ? "tree" : "L", (long long)c->L,
-           (long long)c->B);
+           (long long)c->B, c->hadamard == KVA_ATTN_ROTATED_K ? " hadamard-k" : c->hadamard == KVA_ATTN_ROTATED_V ? " hadamard-v"
+           : c->hadamard ? " hadamard" : "");
 }
 
 int kb_tree_parents(int64_t n, int *parent) {

@@ -100,6 +100,11 @@ static void usage_bench(FILE *f) {
           "                     (default: the best this CPU supports; `kvattn info` names it)\n"
           "  --exact            exact mode (KVA_ATTN_EXACT): only \"[exact f32]\" kernels, never\n"
           "                     AMX, integer-query or tensor-core ones (validation; slower)\n"
+          "  --hadamard H       off (default) | on: a Hadamard-rotated cache (KVA_ATTN_ROTATED_K\n"
+          "                     and _V: q rotated in, out rotated back) | both: each case\n"
+          "                     unrotated, then rotated, and the rotation's cost printed\n"
+          "  --hadamard-of R    what --hadamard rotates: kv (default) | k (K only: the q pass\n"
+          "                     alone) | v (V only: the output pass alone)\n"
           "  --warmups N        untimed calls per case (default %d)\n"
           "  --reps N           at least N timed calls (default %d; fewer for huge cases)\n"
           "  --max-reps N       at most N timed calls (default %d)\n"
@@ -293,6 +298,7 @@ static int cmd_bench(int argc, char **argv) {
   memset(&o, 0, sizeof o);
   o.backend = KVA_BACKEND_CPU;
   o.check = true;
+  o.hadamard_flags = KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V;
   o.seed = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
   kb_axes a;
   memset(&a, 0, sizeof a);
@@ -387,6 +393,19 @@ static int cmd_bench(int argc, char **argv) {
     else if (IS("--max-reps")) { NEEDS_VALUE(); TRY(parse_i64(opt, val, 1, MAX_REPS_LIMIT, false, &max_reps)); }
     else if (IS("--budget")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 3600, &budget)); }
     else if (IS("--rotate-gib")) { NEEDS_VALUE(); TRY(parse_f64(opt, val, 0, 1024, &rotate)); }
+    else if (IS("--hadamard")) {
+      NEEDS_VALUE();
+      if (!strcmp(val, "off")) o.hadamard = 0;
+      else if (!strcmp(val, "on")) o.hadamard = 1;
+      else if (!strcmp(val, "both")) o.hadamard = 2;
+      else return usage_error("--hadamard: '%s' is not one of off, on, both", val), KB_EXIT_USAGE;
+    } else if (IS("--hadamard-of")) {
+      NEEDS_VALUE();
+      if (!strcmp(val, "kv")) o.hadamard_flags = KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V;
+      else if (!strcmp(val, "k")) o.hadamard_flags = KVA_ATTN_ROTATED_K;
+      else if (!strcmp(val, "v")) o.hadamard_flags = KVA_ATTN_ROTATED_V;
+      else return usage_error("--hadamard-of: '%s' is not one of kv, k, v", val), KB_EXIT_USAGE;
+    }
     else if (IS("--cuda-flush")) {
       NEEDS_VALUE();
       if (!strcmp(val, "read")) o.cuda_flush_memset = false;

@@ -33,8 +33,8 @@ from ._capi import KvaError, lib
 
 __all__ = [
     "Context", "KvaError", "attention", "attention_kernel", "attention_path", "bfloat16", "build_info", "cache_write",
-    "causal_mask", "cpu_simd", "cuda_device_count", "default_context", "dequantize", "image_mask", "quantize",
-    "reference_attention", "set_cpu_simd", "tree_bits", "version",
+    "causal_mask", "cpu_simd", "cuda_device_count", "default_context", "dequantize", "hadamard",
+    "hadamard_dim_supported", "image_mask", "quantize", "reference_attention", "set_cpu_simd", "tree_bits", "version",
 ]
 
 __version__ = lib.kva_version().decode()
@@ -332,11 +332,67 @@ def _params(scale, softcap):
     return p
 
 
-def _flags(exact):
-    """kva_attn_params.flags of the `exact` argument (a bool)."""
+def _rotation(rotated, name, k_bit, v_bit):
+    """The flag bits of a rotation argument: None / False = none, True or
+    "kv" = K and V, "k" = K only, "v" = V only."""
+    if rotated is None or rotated is False:
+        return 0
+    if rotated is True:
+        return k_bit | v_bit
+    bits = {"kv": k_bit | v_bit, "k": k_bit, "v": v_bit}.get(rotated) if isinstance(rotated, str) else None
+    if bits is None:
+        raise C.error(C.EINVAL, "%s = %r: None, True (K and V), 'kv', 'k' or 'v'" % (name, rotated))
+    return bits
+
+
+def _flags(exact, rotated=None):
+    """kva_attn_params.flags of the `exact` (a bool) and `rotated` arguments."""
     if not isinstance(exact, (bool, np.bool_)):
         raise TypeError("exact must be a bool, got %r" % (exact,))
-    return C.ATTN_EXACT if exact else 0
+    return (C.ATTN_EXACT if exact else 0) | _rotation(rotated, "rotated", C.ATTN_ROTATED_K, C.ATTN_ROTATED_V)
+
+
+def _no_torch_rotation(x, rotated, what):
+    """A rotated call on CPU torch tensors needs the compiled operators
+    (`make torch-ext`; CUDA tensors also run through kvattn.cuda)."""
+    if rotated and type(x).__module__.startswith("torch") and not _cuda.is_cuda_array(x):
+        raise C.error(C.EUNSUPPORTED, "%s: a rotation on CPU torch tensors runs through the torch operators "
+                      "(make torch-ext), which did not load: pass numpy arrays or CUDA tensors" % what)
+
+
+def hadamard(x, out=None, *, threads=None, context=None):
+    """y = H_D x on the last dim (kva_hadamard): H_D the normalized
+    Walsh-Hadamard matrix (symmetric, orthonormal, H H = I), D a power of two
+    16..512 or 3 * 2^k (48, 96, 192, 384; kvattn.h gives the 3x3 block);
+    computed in f32, rounded once to out's dtype. x: float32/float16/bfloat16,
+    rank 1..4; out: None (a new array of x's dtype), an array of x's shape
+    (may be x itself: in place). numpy arrays on the CPU; CUDA arrays
+    (PyTorch CUDA tensors, __cuda_array_interface__) on their device and
+    stream (kvattn.cuda.hadamard). Returns out."""
+    ops = _torch_ops(x, threads, context)
+    if ops is not None:
+        res = ops.hadamard(x, out)
+        if res is not NotImplemented:
+            return res
+    if _cuda.is_cuda_array(x):
+        return _cuda.hadamard(x, out, context=context)
+    _no_torch_rotation(x, True, "hadamard")
+    x = C.prepare_input(x, "x")
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError("out must be a numpy array, got %s" % type(out).__name__)
+    tx = C.tensor(x, "x")
+    ty = C.tensor(out, "y", output=True)
+    ctx = context if context is not None else default_context(threads)
+    with ctx.lock:
+        C.check(lib.kva_hadamard(ctx.handle, ctypes.byref(tx), ctypes.byref(ty)))
+    return out
+
+
+def hadamard_dim_supported(d):
+    """True when hadamard() (and the rotated attention) support head dim d."""
+    return bool(lib.kva_hadamard_dim_supported(_check_int(d, "d")))
 
 
 def _mask_kind(mask):
@@ -577,7 +633,7 @@ def _torch_cpu_call(fn, q, k, v, out, kw):
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
               return_lse=False, lse_base2=False, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
@@ -614,16 +670,21 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
       ("[exact f32]": no rounding of q, K, V or P below f32; KVA_ATTN_EXACT),
       never the AMX, integer-query or tensor-core kernels; slower where
       those would run. attention_kernel(..., exact=True) names the kernel.
+    rotated: the cache holds Hadamard-rotated rows (hadamard(), cache_write(
+      ..., rotate=...)): True or "kv" (K and V), "k", "v"; the call rotates q
+      and un-rotates the output (KVA_ATTN_ROTATED_K / _V): the result of the
+      unrotated cache within rounding. numpy and CUDA arrays.
     CUDA arrays (PyTorch CUDA tensors, __cuda_array_interface__ objects) run
     on the CUDA backend, on their device and stream: see kvattn.cuda.
     PyTorch tensors (CPU and CUDA) go through the compiled operators
     (kvattn.torch_ops) when that extension is built.
     """
+    flags = _flags(exact, rotated)
     ops = _torch_ops(q, threads, context) if k_scale is None and v_scale is None else None
     if ops is not None:
         res = ops.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp=clamp,
                             seq_lens=seq_lens, out=out, return_lse=return_lse, lse_base2=lse_base2, exact=exact,
-                            tree_mask=tree_mask)
+                            tree_mask=tree_mask, rotated=rotated)
         if res is not NotImplemented:
             return res
     if _cuda.is_cuda_array(q):
@@ -632,16 +693,18 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
                           "(the C API kva_attention_lse supports CUDA)")
         return _cuda.attention(q, k, v, scale, mask, window, segments, softcap, sinks, group_size, bits,
                                clamp=clamp, seq_lens=seq_lens, out=out, context=context, exact=exact,
-                               tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale)
+                               tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale,
+                               rotated=rotated)
     if _torch_cpu_fp8(q, k, v):
         return _torch_cpu_call(attention, q, k, v, out, dict(
             scale=scale, mask=mask, window=window, segments=segments, softcap=softcap, sinks=sinks,
             group_size=group_size, bits=bits, threads=threads, clamp=clamp, seq_lens=seq_lens, context=context,
             return_lse=return_lse, lse_base2=lse_base2, exact=exact, tree_mask=tree_mask, k_scale=k_scale,
-            v_scale=v_scale))
+            v_scale=v_scale, rotated=rotated))
+    _no_torch_rotation(q, rotated, "attention")
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
-    call.params.flags = _flags(exact)
+    call.params.flags = flags
     ctx = context if context is not None else default_context(threads)
     if return_lse:
         lse = np.empty(call.out_array.shape[:3], np.float32)
@@ -696,10 +759,11 @@ def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, cont
 
 def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,
                         sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """The library's oracle (naive double-precision loops) on the same arguments as attention()."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
+    call.params.flags = _flags(False, rotated)
     C.check(lib.kva_reference_attention(*call.refs()))
     return call.out_array
 
@@ -720,15 +784,17 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
 def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
                      context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """Validates like attention() and describes the kernel that would run, e.g.
     "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
     tiles) [K,V,P bf16]": words for reading (they may change), then the
     kernel's roundings in a stable trailing bracket (kvattn.h,
-    kva_attention_kernel); with exact=True always "[exact f32]"."""
+    kva_attention_kernel); with exact=True always "[exact f32]"; rotated:
+    ", Hadamard-rotated K,V" before the bracket ("q bf16" first in it for a
+    16-bit q)."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
-    call.params.flags = _flags(exact)
+    call.params.flags = _flags(exact, rotated)
     ctx = context if context is not None else default_context(threads)
     name = ctypes.create_string_buffer(256)
     with ctx.lock:
@@ -765,12 +831,6 @@ def _tree_rows(par):
 
 # ------------------------------------------------------------- cache write
 
-_cache_write_c = lib.kva_cache_write
-_cache_write_c.restype = ctypes.c_int
-_cache_write_c.argtypes = [ctypes.c_void_p, ctypes.POINTER(C.kva_kv), ctypes.POINTER(C.kva_kv),
-                           ctypes.POINTER(C.kva_tensor), ctypes.POINTER(C.kva_tensor),
-                           ctypes.POINTER(ctypes.c_int32), ctypes.c_int64]
-
 
 def _pool_operand(x, name, bits, group_size, scale=None, keep=None):
     """kva_kv of a pool written in place: a float or fp8 array [num_blocks,
@@ -800,7 +860,7 @@ def _pool_operand(x, name, bits, group_size, scale=None, keep=None):
 
 
 def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None, *, context=None, k_scale=None,
-                v_scale=None):
+                v_scale=None, rotate=None):
     """Writes n new tokens into caller-owned pools, in place (the engine's
     append step, kva_cache_write).
 
@@ -819,16 +879,24 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
       x.to(torch.float8_e4m3fn) bits in range), with k_scale / v_scale:
       a float32 array [num_blocks, KVH, block_size] (or [..., 1]): each
       written row's scale max|x| / max_fp8 is computed and stored there; a
-      number or a broadcast array: the fixed scale(s), read; None: scale 1."""
+      number or a broadcast array: the fixed scale(s), read; None: scale 1.
+    rotate: store Hadamard-rotated rows (kva_cache_write_ex): True or "kv"
+      (K and V), "k", "v"; each row rotated in f32 (hadamard()'s arithmetic)
+      and then stored or quantized once; attend with attention(...,
+      rotated=...). numpy and CUDA arrays."""
+    wflags = _rotation(rotate, "rotate", C.WRITE_ROTATE_K, C.WRITE_ROTATE_V)
     ops = _torch_ops(k, threads, context) if k_scale is None and v_scale is None else None
-    if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits) is not NotImplemented:
+    if ops is not None and ops.cache_write(k_pool, v_pool, k, v, slots, group_size, bits,
+                                           wflags) is not NotImplemented:
         return None
     if _cuda.is_cuda_array(k):
         return _cuda.cache_write(k_pool, v_pool, k, v, slots, group_size, bits, context=context, k_scale=k_scale,
-                                 v_scale=v_scale)
+                                 v_scale=v_scale, flags=wflags)
     if _torch_cpu_fp8(k_pool, v_pool):
         return cache_write(*(_np_of_torch(x) for x in (k_pool, v_pool, k, v, slots)), group_size, bits, threads,
-                           context=context, k_scale=_np_of_torch(k_scale), v_scale=_np_of_torch(v_scale))
+                           context=context, k_scale=_np_of_torch(k_scale), v_scale=_np_of_torch(v_scale),
+                           rotate=rotate)
+    _no_torch_rotation(k, wflags, "cache_write")
     group_size = _check_i32(group_size, "group_size")
     bits = _check_i32(bits, "bits")
     keep = []
@@ -848,8 +916,8 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, threads=None
     if ctx.backend != "cpu":
         raise C.error(C.EINVAL, "cache_write: numpy pools need a CPU context, got %r" % (ctx,))
     with ctx.lock:
-        C.check(_cache_write_c(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt), ctypes.byref(vt),
-                               sl.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n))
+        C.check(lib.kva_cache_write_ex(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt),
+                                       ctypes.byref(vt), sl.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n, wflags))
 
 
 # CUDA arrays (kvattn.cuda) and the paged KV cache (pools, sequences,

@@ -159,6 +159,8 @@ class kva_attn_params(ctypes.Structure):
 
 
 ATTN_EXACT = 1  # kva_attn_params.flags: only "[exact f32]" kernels (KVA_ATTN_EXACT)
+ATTN_ROTATED_K, ATTN_ROTATED_V = 2, 4  # Hadamard-rotated K / V caches (KVA_ATTN_ROTATED_K / _V)
+WRITE_ROTATE_K, WRITE_ROTATE_V = 1, 2  # kva_cache_write_ex flags (KVA_WRITE_ROTATE_K / _V)
 
 
 BACKEND_CPU, BACKEND_CUDA = 0, 1
@@ -222,6 +224,10 @@ _proto("kva_view_block_table", kva_kv_view, _P(kva_kv), _P(kva_kv), _P(kva_block
 _proto("kva_cpu_simd", ctypes.c_char_p)
 _proto("kva_cpu_set_simd", ctypes.c_int, ctypes.c_char_p)
 _proto("kva_cuda_device_count", ctypes.c_int)
+_proto("kva_hadamard", ctypes.c_int, _c_ctx, _P(kva_tensor), _P(kva_tensor))
+_proto("kva_hadamard_dim_supported", ctypes.c_int, ctypes.c_int64)
+_proto("kva_cache_write_ex", ctypes.c_int, _c_ctx, _P(kva_kv), _P(kva_kv), _P(kva_tensor), _P(kva_tensor),
+       _P(ctypes.c_int32), ctypes.c_int64, ctypes.c_uint)
 
 
 def last_error():

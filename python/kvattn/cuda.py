@@ -224,16 +224,17 @@ def _run(call, context):
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False,
               tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """kvattn.attention on CUDA arrays (see its documentation); runs on the
     arrays' device and the producer's current stream, asynchronously.
     exact: only the fused or general CUDA-core kernels ("[exact f32]").
-    tree_mask: the tree bits as a CUDA array (uint32 or int32)."""
+    tree_mask: the tree bits as a CUDA array (uint32 or int32).
+    rotated: a Hadamard-rotated cache, as kvattn.attention."""
     from . import _flags
 
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
-    call.params.flags = _flags(exact)
+    call.params.flags = _flags(exact, rotated)
     return _run(call, context)
 
 
@@ -247,18 +248,18 @@ def _int32_device(call, x, name, ndim):
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
                           clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device
     (read by the kernels: a captured CUDA graph follows later changes). On
-    the device a bad length or block id is clamped, never a fault. exact: as
-    attention()."""
+    the device a bad length or block id is clamped, never a fault. exact,
+    rotated: as attention()."""
     from . import _flags
 
     call = _Call(q, k_pool, v_pool, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, None,
                  out, tree_mask, k_scale, v_scale)
-    call.params.flags = _flags(exact)
+    call.params.flags = _flags(exact, rotated)
     bl, bshape = _int32_device(call, blocks, "blocks", 2)
     B, mb = bshape
     if B > 1 and (bl.stride[0] % 4 or bl.stride[0] < 4 * mb):
@@ -281,12 +282,14 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     return _run(call, context)
 
 
-def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=None, k_scale=None, v_scale=None):
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=None, k_scale=None, v_scale=None,
+                flags=0):
     """kvattn.cache_write on CUDA arrays: writes the rows k [n, KVH, Dk],
     v [n, KVH, Dv] into the device pools at slots [n] (int32, device), on the
     arrays' device and the producer's current stream; out-of-range slots are
-    skipped on the device (negative ones by definition)."""
-    from . import _cache_write_c, _check_i32
+    skipped on the device (negative ones by definition). flags: the
+    kva_cache_write_ex rotation bits (kvattn.cache_write's rotate)."""
+    from . import _check_i32
 
     group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
     call = _Call.__new__(_Call)  # only its array helpers (_device_array, _kv) and keep list
@@ -303,5 +306,22 @@ def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, *, context=N
     with ctx.lock:
         s = 0 if stream in (None, _LEGACY_DEFAULT_STREAM) else stream
         C.check(lib.kva_context_set_stream(ctx.handle, ctypes.c_void_p(s)))
-        C.check(_cache_write_c(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt), ctypes.byref(vt),
-                               ctypes.cast(st.data, ctypes.POINTER(ctypes.c_int32)), n))
+        C.check(lib.kva_cache_write_ex(ctx.handle, ctypes.byref(kp), ctypes.byref(vp), ctypes.byref(kt),
+                                       ctypes.byref(vt), ctypes.cast(st.data, ctypes.POINTER(ctypes.c_int32)), n,
+                                       flags))
+
+
+def hadamard(x, out=None, *, context=None):
+    """kvattn.hadamard on a CUDA array, on its device and the producer's
+    current stream, asynchronously; out None: a new tensor like x (PyTorch)."""
+    call = _Call.__new__(_Call)  # only its array helpers and keep list
+    call.keep = [x]
+    tx, shape, dev, stream = _tensor(call._device_array(x, "x"), "x")
+    if out is None:
+        if not _is_torch(x):
+            raise C.error(C.EINVAL, "out is required for CUDA arrays other than PyTorch tensors")
+        out = x.new_empty(x.shape)
+    ty, _, _, _ = _tensor(call._device_array(out, "y"), "y")
+    call.device, call.stream = 0 if dev is None else dev, stream
+    _on_stream(call, context, lambda h: lib.kva_hadamard(h, ctypes.byref(tx), ctypes.byref(ty)))
+    return out

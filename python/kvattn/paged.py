@@ -518,16 +518,17 @@ class PagedView:
         return call
 
     def attention(self, q, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
-                  threads=None, *, clamp=False, out=None, context=None, exact=False, tree_mask=None):
+                  threads=None, *, clamp=False, out=None, context=None, exact=False, tree_mask=None,
+                  rotated=None):
         """kvattn.attention over this view: q [B, H, L, Dk] (B = the view's
         sequences; row i of sequence b at position len_b - L + i, len_b its
         window length), same masks / softcap / sinks / exact / tree_mask;
         segments [B, max len] indexed by view index. Returns [B, H, L, Dv] in
-        q's dtype."""
+        q's dtype; rotated: a Hadamard-rotated cache, as kvattn.attention."""
         from . import _flags, default_context
 
         call = self._call(q, scale, mask, window, segments, clamp, softcap, sinks, out, tree_mask)
-        call.params.flags = _flags(exact)
+        call.params.flags = _flags(exact, rotated)
         ctx = context if context is not None else default_context(threads)
         with ctx.lock:
             C.check(lib.kva_attention(ctx.handle, *call.refs(), None, 0))
@@ -634,7 +635,7 @@ def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, threads=None,
                           *, clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None):
+        v_scale=None, rotated=None):
     """Attention of q [B, H, L, Dk] over caller pools addressed by a block table.
 
     k_pool, v_pool: [num_blocks, KVH, block_size, D] float arrays or
@@ -651,7 +652,7 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     Positions, masks and the other arguments as kvattn.attention (row i of
     sequence b at position seq_lens[b] - L + i); N = max_blocks * block_size
     for segments [B, N] and mask arrays [B, H, L, N]. Every used entry is
-    validated (KvaError, nothing written). exact: as kvattn.attention. Returns
+    validated (KvaError, nothing written). exact, rotated: as kvattn.attention. Returns
     [B, H, L, Dv] in q's dtype.
     CUDA arrays (PyTorch tensors, __cuda_array_interface__) run on the CUDA
     backend: kvattn.cuda.block_table_attention."""
@@ -661,18 +662,19 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
     if ops is not None:
         res = ops.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                         segments, softcap, sinks, group_size, bits, clamp=clamp, out=out, exact=exact,
-                                        tree_mask=tree_mask)
+                                        tree_mask=tree_mask, rotated=rotated)
         if res is not NotImplemented:
             return res
     if cuda.is_cuda_array(q):
         return cuda.block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window,
                                           segments, softcap, sinks, group_size, bits, clamp=clamp, out=out,
-                                          context=context, exact=exact, tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale)
-    from . import _flags
+                                          context=context, exact=exact, tree_mask=tree_mask, k_scale=k_scale, v_scale=v_scale, rotated=rotated)
+    from . import _flags, _no_torch_rotation
 
+    _no_torch_rotation(q, rotated, "block_table_attention")
     call = _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp,
                        softcap, sinks, group_size, bits, out, tree_mask, k_scale, v_scale)
-    call.params.flags = _flags(exact)
+    call.params.flags = _flags(exact, rotated)
     ctx = context if context is not None else default_context(threads)
     with ctx.lock:
         C.check(lib.kva_attention(ctx.handle, *call.refs(), None, 0))

@@ -27,6 +27,14 @@ options after the tensors; see README "PyTorch"):
   cache_write_quantized(k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, k, v, slots, bits=4, group_size=64)
   merge_states(parts_o, parts_lse, base2=False, dtype=None) -> (out, lse)
   merge_states_out(out, lse, parts_o, parts_lse, base2=False)
+  hadamard(x) -> y, hadamard_out(out, x)   (kva_hadamard: y = H x on the last dim; out may be x)
+  cache_write_rotated(k_pool, k_scales, k_biases, v_pool, v_scales, v_biases, k, v, slots, bits, group_size,
+                      flags)               (kva_cache_write_ex; bits 0 and scales None for float pools)
+
+A rotated attention call (kvattn.attention(..., rotated=...)) is composed of
+these: hadamard_out(q', q), the attention op over the rotated cache into an
+f32 out' (rotated V), hadamard_out(out, out'): the passes, dtypes and bits
+of the C call with KVA_ATTN_ROTATED_K / _V.
 
 opts, in the schemas' order (positional arguments parse faster than
 keywords): causal, k_scales, k_biases, v_scales, v_biases, bits (0 = float
@@ -48,8 +56,8 @@ from . import _capi as C
 from . import _check_i32, _flags, _mask_kind, _tree_kind, _window
 from ._capi import KvaError
 
-__all__ = ["attention", "available", "block_table_attention", "cache_write", "eager", "library_path", "load",
-           "load_error", "merge_states"]
+__all__ = ["attention", "available", "block_table_attention", "cache_write", "eager", "hadamard", "library_path",
+           "load", "load_error", "merge_states"]
 
 _state = {"loaded": None, "error": None, "path": None, "eager": None}
 
@@ -213,10 +221,62 @@ def _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bi
                           marr, exact)
 
 
+def _rotated(call, q, v, bits, out, exact, rotated, return_lse):
+    """A rotated call composed of the ops (the module's docstring): call(q',
+    out') runs the unrotated op. Returns its result with out un-rotated."""
+    flags = _flags(exact, rotated)
+    if not _tensors(q, out) or not isinstance(q, _Tensor):
+        return NotImplemented
+    vv = _kv(v, bits)
+    if vv is None:
+        return NotImplemented
+    ops = load()
+    try:
+        qr = q
+        if flags & C.ATTN_ROTATED_K:  # q' in q's dtype (f32 for f32 queries and exact calls)
+            qdt = torch.float32 if exact or q.dtype == torch.float32 else q.dtype
+            qr = torch.empty(q.shape, dtype=qdt, device=q.device)
+            ops.hadamard_out(qr, q)
+        if not flags & C.ATTN_ROTATED_V:
+            return call(qr, out)
+        dv = vv[0].shape[-1] * 32 // vv[3] if vv[3] else vv[0].shape[-1]
+        o32 = torch.empty(tuple(q.shape[:3]) + (dv,), dtype=torch.float32, device=q.device)
+        res = call(qr, o32)
+        if res is NotImplemented:
+            return res
+        if out is None:
+            out = torch.empty(o32.shape, dtype=q.dtype if q.is_floating_point() else torch.float32, device=q.device)
+        ops.hadamard_out(out, o32)
+        return (out, res[1]) if return_lse else out
+    except ValueError as e:
+        if isinstance(e, KvaError):
+            raise
+        raise _kva_error(e) from None
+
+
+def hadamard(x, out=None):
+    """kvattn.hadamard on a torch tensor through the ops (out None: a new tensor)."""
+    if not isinstance(x, _Tensor) or not _tensors(out):
+        return NotImplemented
+    ops = load()
+    try:
+        if out is None:
+            return ops.hadamard(x)
+        ops.hadamard_out(out, x)
+        return out
+    except ValueError as e:
+        raise _kva_error(e) from None
+
+
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None, group_size=64,
               bits=4, *, clamp=False, seq_lens=None, out=None, return_lse=False, lse_base2=False, exact=False,
-              tree_mask=None):
+              tree_mask=None, rotated=None):
     """kvattn.attention on torch tensors through the ops (see its documentation)."""
+    if rotated:
+        return _rotated(lambda qr, o: attention(qr, k, v, scale, mask, window, segments, softcap, sinks, group_size,
+                                                bits, clamp=clamp, seq_lens=seq_lens, out=o, return_lse=return_lse,
+                                                lse_base2=lse_base2, exact=exact, tree_mask=tree_mask),
+                        q, v, bits, out, exact, rotated, return_lse)
     opts = _options(k, v, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact, tree_mask)
     if opts is None or not _tensors(seq_lens, out):
         return NotImplemented
@@ -242,8 +302,13 @@ def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softca
 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None, window=None,
                           segments=None, softcap=None, sinks=None, group_size=64, bits=4, *, clamp=False, out=None,
-                          exact=False, tree_mask=None):
+                          exact=False, tree_mask=None, rotated=None):
     """kvattn.block_table_attention on torch tensors through the ops."""
+    if rotated:
+        return _rotated(lambda qr, o: block_table_attention(qr, k_pool, v_pool, blocks, seq_lens, first_offset, scale,
+                                                            mask, window, segments, softcap, sinks, group_size, bits,
+                                                            clamp=clamp, out=o, exact=exact, tree_mask=tree_mask),
+                        q, v_pool, bits, out, exact, rotated, False)
     opts = _options(k_pool, v_pool, scale, mask, window, segments, softcap, sinks, group_size, bits, clamp, exact,
                     tree_mask)
     if opts is None or not _tensors(blocks, seq_lens, first_offset, out) or blocks is None or seq_lens is None:
@@ -266,14 +331,18 @@ def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None
         raise _kva_error(e) from None
 
 
-def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4):
-    """kvattn.cache_write on torch tensors through the ops (pools written in place)."""
+def cache_write(k_pool, v_pool, k, v, slots, group_size=64, bits=4, flags=0):
+    """kvattn.cache_write on torch tensors through the ops (pools written in
+    place); flags: kva_cache_write_ex's rotation bits (cache_write_rotated)."""
     kp, vp = _kv(k_pool, bits), _kv(v_pool, bits)
     if kp is None or vp is None or not _tensors(k, v, slots):
         return NotImplemented
     ops = load()
     try:
-        if kp[3] == 0 and vp[3] == 0:
+        if flags and kp[3] == vp[3]:
+            ops.cache_write_rotated(kp[0], kp[1], kp[2], vp[0], vp[1], vp[2], k, v, slots, kp[3],
+                                    _check_i32(group_size, "group_size"), flags)
+        elif kp[3] == 0 and vp[3] == 0:
             ops.cache_write(kp[0], vp[0], k, v, slots)
         elif kp[3] and vp[3]:
             ops.cache_write_quantized(kp[0], kp[1], kp[2], vp[0], vp[1], vp[2], k, v, slots,

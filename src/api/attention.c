@@ -1,13 +1,16 @@
 /* kva_attention: argument validation into a kva_problem, the path selector,
  * workspace handling and backend dispatch; plus the context lifecycle. */
 #include "api/attention.h"
+#include "api/hadamard.h"
 #include "core/backend.h"
+#include "core/hadamard.h"
 #include "cpu/threadpool.h"
 #include "paged/paged.h"
 #include "paged/source.h"
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -300,9 +303,15 @@ int kva_problem_init(kva_problem *p, kva_backend backend, const kva_tensor *q, c
   if (!isfinite(params->softcap) || params->softcap < 0.0f)
     return kva_seterr(KVA_EINVAL, "softcap = %g must be finite and > 0 (or 0 for none)", (double)params->softcap);
   p->softcap = params->softcap;
-  if (params->flags & ~KVA_ATTN_EXACT)
-    return kva_seterr(KVA_EINVAL, "params->flags = 0x%x (allowed: KVA_ATTN_EXACT)", params->flags);
+  if (params->flags & ~(KVA_ATTN_EXACT | KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V))
+    return kva_seterr(KVA_EINVAL, "params->flags = 0x%x (allowed: KVA_ATTN_EXACT, KVA_ATTN_ROTATED_K, "
+                      "KVA_ATTN_ROTATED_V)", params->flags);
   p->exact = (params->flags & KVA_ATTN_EXACT) != 0;
+  p->rotate = params->flags & (KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V);
+  if ((p->rotate & KVA_ATTN_ROTATED_K) && !kva_hadamard_block(Dk))
+    return kva_hadamard_dim_error("params->flags KVA_ATTN_ROTATED_K (K)", Dk);
+  if ((p->rotate & KVA_ATTN_ROTATED_V) && !kva_hadamard_block(Dv))
+    return kva_hadamard_dim_error("params->flags KVA_ATTN_ROTATED_V (V)", Dv);
   p->sinks = params->sinks;
   p->mask = params->mask;
   if ((rc = check_mask(p, backend))) return rc;
@@ -448,8 +457,86 @@ int kva_context_set_stream(kva_context *ctx, void *stream) {
 }
 
 /* ---- attention ---- */
-static int workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
+static int backend_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
   return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_workspace_size(ctx, p, bytes) : kva_cuda_workspace_size(ctx, p, bytes);
+}
+
+/* A rotated call (p->rotate, kvattn.h KVA_ATTN_ROTATED_K / _V) as the
+ * backend runs it: q' = H q [B, H, L, Dk] (ROTATED_K; q's dtype, f32 for
+ * f32 queries and KVA_ATTN_EXACT) and the kernel's output out' [B, H, L, Dv]
+ * f32 (ROTATED_V; out = H out' afterwards), both contiguous in the
+ * workspace after the backend's own bytes, each at a ROT_ALIGN-aligned
+ * address. ws NULL: the descriptors' data are NULL (sizes and names only). */
+#define ROT_ALIGN 256
+typedef struct rot_call {
+  kva_problem p;      /* the backend's problem: rotate 0, q and out as above */
+  kva_tensor q, out;  /* q' and out' */
+  size_t inner;       /* the backend's workspace bytes, at the workspace's start */
+  size_t total;       /* inner + q' + out' + alignment */
+} rot_call;
+
+static int rot_plan(const kva_context *ctx, const kva_problem *p, char *ws, rot_call *r) {
+  r->p = *p;
+  r->p.rotate = 0;
+  const kva_dtype qdt = p->exact || p->q->dtype == KVA_F32 ? KVA_F32 : p->q->dtype;
+  r->q = kva_tensor_4d(NULL, qdt, p->B, p->H, p->L, p->Dk);
+  r->out = kva_tensor_4d(NULL, KVA_F32, p->B, p->H, p->L, p->Dv);
+  if (p->rotate & KVA_ATTN_ROTATED_K) r->p.q = &r->q;
+  if (p->rotate & KVA_ATTN_ROTATED_V) r->p.out = &r->out;
+  int rc = backend_workspace_size(ctx, &r->p, &r->inner);
+  if (rc < 0) return rc;
+  /* q' and out': B H L Dk elements of q's size, B H L Dv floats (checked products) */
+  bool ok = true;
+  const int64_t rows = kva_mul_chk(kva_mul_chk(p->B, p->H, &ok), p->L, &ok);
+  const int64_t qe = (p->rotate & KVA_ATTN_ROTATED_K) ? kva_mul_chk(rows, p->Dk * (int64_t)kva_dtype_size(qdt), &ok) : 0;
+  const int64_t oe = (p->rotate & KVA_ATTN_ROTATED_V) ? kva_mul_chk(rows, p->Dv * 4, &ok) : 0;
+  if (!ok || qe > (int64_t)KVA_MAX_WORKSPACE || oe > (int64_t)KVA_MAX_WORKSPACE)
+    return kva_seterr(KVA_ESHAPE, "the rotated query and output of B H L = %lld rows exceed the workspace limit "
+                      "(2^48 bytes)", (long long)rows);
+  const size_t qb = (size_t)qe, ob = (size_t)oe;
+  r->total = r->inner + ROT_ALIGN + qb + ROT_ALIGN + ob;
+  if (r->total > KVA_MAX_WORKSPACE)
+    return kva_seterr(KVA_ESHAPE, "workspace of %zu bytes (rotated query and output) exceeds 2^48", r->total);
+  if (ws) {
+    uintptr_t a = ((uintptr_t)ws + r->inner + ROT_ALIGN - 1) / ROT_ALIGN * ROT_ALIGN;
+    r->q.data = (void *)a;
+    a = (a + qb + ROT_ALIGN - 1) / ROT_ALIGN * ROT_ALIGN;
+    r->out.data = (void *)a;
+  }
+  return 0;
+}
+
+static int workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes) {
+  if (!p->rotate) return backend_workspace_size(ctx, p, bytes);
+  rot_call r;
+  const int rc = rot_plan(ctx, p, NULL, &r);
+  if (rc < 0) return rc;
+  *bytes = r.total;
+  return 0;
+}
+
+/* The kernel name of a rotated call: the backend's kernel for q', out',
+ * ", Hadamard-rotated K,V" (or K, or V) before the bracket, and "q bf16" /
+ * "q f16" first in the bracket when q' is 16-bit (a rounding after the
+ * rotation: "[exact f32]" becomes "[q bf16]"). */
+static void rot_name(const rot_call *r, unsigned rotate, char *name, size_t size) {
+  char tail[160];
+  const char *open = strrchr(name, '[');
+  const size_t at = open && open > name && open[-1] == ' ' ? (size_t)(open - 1 - name) : strlen(name);
+  const char *bracket = at < strlen(name) ? name + at + 1 : "";
+  const char *what = rotate == (KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V) ? "K,V"
+                     : rotate == KVA_ATTN_ROTATED_K                        ? "K"
+                                                                          : "V";
+  char qitem[16] = "";
+  if ((rotate & KVA_ATTN_ROTATED_K) && r->q.dtype != KVA_F32)
+    snprintf(qitem, sizeof qitem, "q %s", r->q.dtype == KVA_BF16 ? "bf16" : "f16");
+  if (qitem[0] && !strcmp(bracket, "[exact f32]"))
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s [%s]", what, qitem);
+  else if (qitem[0] && bracket[0] == '[')
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s [%s, %s", what, qitem, bracket + 1);
+  else
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s%s%s", what, bracket[0] ? " " : "", bracket);
+  if (at < size) snprintf(name + at, size - at, "%s", tail);
 }
 
 int kva_attention_workspace_size(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
@@ -489,10 +576,16 @@ int kva_attention_kernel(kva_context *ctx, const kva_tensor *q, const kva_kv_vie
   int rc = call_problem(&p, ctx, q, kv, params, out);
   if (rc < 0) return rc;
   if (!name || size == 0) return kva_seterr(KVA_EINVAL, "name is NULL or size is 0");
+  rot_call r;
+  if (p.rotate && (rc = rot_plan(ctx, &p, NULL, &r)) < 0) return rc;
+  const kva_problem *bp = p.rotate ? &r.p : &p;
+  char full[320];
   if (ctx->backend == KVA_BACKEND_CPU)
-    kva_cpu_kernel_name(&p, name, size);
-  else if ((rc = kva_cuda_kernel_name(ctx, &p, name, size)) < 0)
+    kva_cpu_kernel_name(bp, full, sizeof full);
+  else if ((rc = kva_cuda_kernel_name(ctx, bp, full, sizeof full)) < 0)
     return rc;
+  if (p.rotate) rot_name(&r, p.rotate, full, sizeof full);
+  snprintf(name, size, "%s", full);
   return (int)p.path;
 }
 
@@ -519,6 +612,24 @@ int kva_context_workspace(kva_context *ctx, size_t need) {
   return 0;
 }
 
+static int backend_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes) {
+  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, p, ws, ws_bytes) : kva_cuda_attention(ctx, p, ws, ws_bytes);
+}
+
+/* The rotated call's passes (kvattn.h KVA_ATTN_ROTATED_K / _V): q' = H q,
+ * the backend's attention over (q', K', V') into out (or out' in f32), then
+ * out = H out'. Traffic past the kernel's: q read once and q' written and
+ * read, out' written and read once (B H L (Dk + Dv) elements; none of K/V). */
+static int rotated_attention(kva_context *ctx, const kva_problem *p, void *ws) {
+  rot_call r;
+  int rc = rot_plan(ctx, p, (char *)ws, &r);
+  if (rc < 0) return rc;
+  if ((p->rotate & KVA_ATTN_ROTATED_K) && (rc = kva_hadamard_run(ctx, p->q, &r.q)) < 0) return rc;
+  if ((rc = backend_attention(ctx, &r.p, ws, r.inner)) < 0) return rc;
+  if (p->rotate & KVA_ATTN_ROTATED_V) rc = kva_hadamard_run(ctx, &r.out, p->out);
+  return rc;
+}
+
 int kva_attention_lse_unlocked(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,
                                const kva_attn_params *params, kva_tensor *out, kva_tensor *lse, unsigned flags,
                                void *workspace, size_t workspace_bytes) {
@@ -535,8 +646,8 @@ int kva_attention_lse_unlocked(kva_context *ctx, const kva_tensor *q, const kva_
     workspace = ctx->ws;
     workspace_bytes = ctx->ws_bytes;
   }
-  return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, &p, workspace, workspace_bytes)
-                                         : kva_cuda_attention(ctx, &p, workspace, workspace_bytes);
+  if (p.rotate) return rotated_attention(ctx, &p, workspace);
+  return backend_attention(ctx, &p, workspace, workspace_bytes);
 }
 
 int kva_attention_lse(kva_context *ctx, const kva_tensor *q, const kva_kv_view *kv,

@@ -4,8 +4,10 @@
  * kva_quantize row of src/core/quant.c) for MLX-affine ones. Validation here,
  * then the CPU write below or the CUDA kernel (src/cuda/cache_write.cu).
  * Traffic: reads n*KVH*(Dk+Dv) input values, writes the same rows in the
- * pools' formats; nothing else in the pools is touched. */
+ * pools' formats; nothing else in the pools is touched. kva_cache_write_ex
+ * can rotate rows first (H_D in f32, src/core/hadamard.c). */
 #include "core/backend.h"
+#include "core/hadamard.h"
 #include "core/quant.h"
 #include "cpu/threadpool.h"
 
@@ -22,6 +24,7 @@ typedef struct cw_operand {
   const kva_kv *pool;    /* [num_blocks, KVH, block_size, D] */
   const kva_tensor *src; /* [n, KVH, D] f32/f16/bf16 */
   int64_t D;
+  int rotate;            /* store H_D of each row (kva_cache_write_ex) */
 } cw_operand;
 
 typedef struct cw_job {
@@ -67,8 +70,17 @@ static void write_row(const cw_operand *o, int64_t i, int64_t h, int64_t blk, in
   const kva_kv *pool = o->pool;
   const kva_tensor *src = o->src;
   const char *s = (const char *)src->data + i * src->stride[0] + h * src->stride[1];
+  kva_dtype sdt = src->dtype;
+  float rot[KVA_HADAMARD_MAX_DIM];
+  if (o->rotate) { /* the rotated row in f32, then written as an f32 row */
+    const int64_t ssz = (int64_t)kva_dtype_size(sdt);
+    for (int64_t e = 0; e < o->D; ++e) rot[e] = kva_load_f(s + e * ssz, sdt);
+    kva_hadamard_row_f32(rot, o->D);
+    s = (const char *)rot;
+    sdt = KVA_F32;
+  }
   if (pool->bits) {
-    kva_quantize_row(s, src->dtype, o->D, pool->bits, pool->group_size,
+    kva_quantize_row(s, sdt, o->D, pool->bits, pool->group_size,
                      (uint32_t *)kva_at4(&pool->data, blk, h, row, 0), kva_at4(&pool->scales, blk, h, row, 0),
                      kva_at4(&pool->biases, blk, h, row, 0), pool->scales.dtype);
     return;
@@ -77,17 +89,17 @@ static void write_row(const cw_operand *o, int64_t i, int64_t h, int64_t blk, in
     float scale = 1.0f;
     char *sp = pool->scales.data ? kva_at4(&pool->scales, blk, h, row, 0) : NULL;
     if (sp && kva_fp8_scales_per_row(&pool->scales)) {
-      scale = kva_fp8_row_scale(s, src->dtype, o->D, pool->data.dtype);
+      scale = kva_fp8_row_scale(s, sdt, o->D, pool->data.dtype);
       memcpy(sp, &scale, 4);
     } else if (sp) {
       memcpy(&scale, sp, 4);
     }
-    kva_fp8_quantize_row(s, src->dtype, o->D, pool->data.dtype, scale, (uint8_t *)kva_at4(&pool->data, blk, h, row, 0));
+    kva_fp8_quantize_row(s, sdt, o->D, pool->data.dtype, scale, (uint8_t *)kva_at4(&pool->data, blk, h, row, 0));
     return;
   }
   char *d = kva_at4(&pool->data, blk, h, row, 0);
-  const int64_t ssz = (int64_t)kva_dtype_size(src->dtype), dsz = (int64_t)kva_dtype_size(pool->data.dtype);
-  for (int64_t e = 0; e < o->D; ++e) kva_store_f(d + e * dsz, pool->data.dtype, kva_load_f(s + e * ssz, src->dtype));
+  const int64_t ssz = (int64_t)kva_dtype_size(sdt), dsz = (int64_t)kva_dtype_size(pool->data.dtype);
+  for (int64_t e = 0; e < o->D; ++e) kva_store_f(d + e * dsz, pool->data.dtype, kva_load_f(s + e * ssz, sdt));
 }
 
 /* Task t: every token of KV head t % KVH of operand t / KVH (K, V), in token
@@ -138,12 +150,23 @@ static int cpu_cache_write(kva_context *ctx, const cw_job *j) {
 
 int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
                     const kva_tensor *v, const int32_t *slots, int64_t n) {
+  return kva_cache_write_ex(ctx, k_pool, v_pool, k, v, slots, n, 0);
+}
+
+int kva_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                       const kva_tensor *v, const int32_t *slots, int64_t n, unsigned flags) {
   kva_clearerr();
   if (!ctx) return kva_seterr(KVA_EINVAL, "ctx is NULL");
   if (n < 0) return kva_seterr(KVA_EINVAL, "n = %lld must be >= 0", (long long)n);
+  if (flags & ~(KVA_WRITE_ROTATE_K | KVA_WRITE_ROTATE_V))
+    return kva_seterr(KVA_EINVAL, "flags = 0x%x (allowed: KVA_WRITE_ROTATE_K, KVA_WRITE_ROTATE_V)", flags);
   int64_t Dk, Dv;
   int rc;
   if ((rc = kva_check_kv(k_pool, "k_pool", &Dk)) || (rc = kva_check_kv(v_pool, "v_pool", &Dv))) return rc;
+  if ((flags & KVA_WRITE_ROTATE_K) && !kva_hadamard_block(Dk))
+    return kva_hadamard_dim_error("flags KVA_WRITE_ROTATE_K (k_pool)", Dk);
+  if ((flags & KVA_WRITE_ROTATE_V) && !kva_hadamard_block(Dv))
+    return kva_hadamard_dim_error("flags KVA_WRITE_ROTATE_V (v_pool)", Dv);
   static const char *dims[3] = {"num_blocks", "KVH", "block_size"};
   for (int d = 0; d < 3; ++d)
     if (v_pool->data.shape[d] != k_pool->data.shape[d])
@@ -166,9 +189,10 @@ int kva_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool
   if (kva_is_fp8(v_pool->data.dtype) && kva_fp8_scales_per_row(&v_pool->scales) &&
       (rc = kva_check_tensor(&v_pool->scales, "v_pool.scales", KVA_DT(KVA_F32), 4, false)))
     return rc;
-  cw_job j = {{{k_pool, k, Dk}, {v_pool, v, Dv}}, slots, n, KVH, k_pool->data.shape[2]};
+  cw_job j = {{{k_pool, k, Dk, (flags & KVA_WRITE_ROTATE_K) != 0}, {v_pool, v, Dv, (flags & KVA_WRITE_ROTATE_V) != 0}},
+              slots, n, KVH, k_pool->data.shape[2]};
   pthread_mutex_lock(&ctx->mu); /* ctx's pool or stream (core/backend.h) */
-  rc = ctx->backend == KVA_BACKEND_CUDA ? kva_cuda_cache_write(ctx, k_pool, v_pool, k, v, slots, n)
+  rc = ctx->backend == KVA_BACKEND_CUDA ? kva_cuda_cache_write_ex(ctx, k_pool, v_pool, k, v, slots, n, flags)
                                         : cpu_cache_write(ctx, &j);
   pthread_mutex_unlock(&ctx->mu);
   return rc;

@@ -65,10 +65,14 @@ int kva_cuda_context_init(kva_context *ctx);
 void kva_cuda_context_free(kva_context *ctx);
 int kva_cuda_workspace_size(const kva_context *ctx, const kva_problem *p, size_t *bytes);
 int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t ws_bytes);
-/* kva_cache_write on ctx's stream (src/cuda/cache_write.cu): arguments
- * validated by src/api/cache_write.c; slots out of range are skipped. */
-int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
-                         const kva_tensor *v, const int32_t *slots, int64_t n);
+/* kva_hadamard on ctx's stream (src/cuda/hadamard.cu): x, y validated by
+ * src/api/hadamard.c (device memory). */
+int kva_cuda_hadamard(kva_context *ctx, const kva_tensor *x, const kva_tensor *y);
+/* kva_cache_write_ex on ctx's stream (src/cuda/cache_write.cu): arguments
+ * validated by src/api/cache_write.c; slots out of range are skipped;
+ * flags KVA_WRITE_ROTATE_K | _V rotate the rows first. */
+int kva_cuda_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                            const kva_tensor *v, const int32_t *slots, int64_t n, unsigned flags);
 /* A context-parallel send buffer with no key (src/cuda/cp.cu): o_bytes of
  * zeros at send, lse_count floats of -inf at send + o_bytes, on ctx's stream. */
 int kva_cuda_cp_fill_empty(kva_context *ctx, void *send, size_t o_bytes, size_t lse_count);

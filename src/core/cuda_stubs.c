@@ -56,16 +56,15 @@ int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *ws, size_t 
   return no_cuda();
 }
 
-int kva_cuda_cp_fill_empty(kva_context *ctx, void *send, size_t o_bytes, size_t lse_count) {
+int kva_cuda_hadamard(kva_context *ctx, const kva_tensor *x, const kva_tensor *y) {
   (void)ctx;
-  (void)send;
-  (void)o_bytes;
-  (void)lse_count;
+  (void)x;
+  (void)y;
   return no_cuda();
 }
 
-int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
-                         const kva_tensor *v, const int32_t *slots, int64_t n) {
+int kva_cuda_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
+                            const kva_tensor *v, const int32_t *slots, int64_t n, unsigned flags) {
   (void)ctx;
   (void)k_pool;
   (void)v_pool;
@@ -73,6 +72,15 @@ int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v
   (void)v;
   (void)slots;
   (void)n;
+  (void)flags;
+  return no_cuda();
+}
+
+int kva_cuda_cp_fill_empty(kva_context *ctx, void *send, size_t o_bytes, size_t lse_count) {
+  (void)ctx;
+  (void)send;
+  (void)o_bytes;
+  (void)lse_count;
   return no_cuda();
 }
 

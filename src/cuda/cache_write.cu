@@ -7,10 +7,15 @@
  *   same bits). Out-of-range slots (device memory: not validated) are skipped.
  * Traffic: reads n*KVH*(Dk+Dv) input values once, writes those rows of the pools.
  * Launch: one block per token (grid n), KVC_CW_WARPS warps; a warp per (K|V, KV head)
- *   row; no shared memory, no allocation, no sync (graph-capturable). Two tokens
+ *   row; shared memory only for rotated rows (kva_cache_write_ex: a row of max(Dk, Dv)
+ *   floats per warp, transformed as src/core/hadamard.c does, rows.cuh); no
+ *   allocation, no sync (graph-capturable). Two tokens
  *   naming one slot: the later wins (each block scans the later slots). */
 #include "cuda/common.cuh"
+#include "cuda/rows.cuh"
+
 extern "C" {
+#include "core/hadamard.h"
 #include "core/quant.h" /* kva_fp8_scales_per_row */
 }
 
@@ -31,6 +36,9 @@ struct kvc_cw_operand {
   int bits, group;                 /* 0 = float pool */
   int fp8_scales;                  /* fp8 pools: 0 = none (scale 1), 1 = fixed (read), 2 = per row (written) */
   int D;
+  int rotate;                      /* store H_D of each row (kva_cache_write_ex) */
+  int hd_m;                        /* rotate: the transform's power-of-two block */
+  float hd_c;                      /* rotate: its final scale */
 };
 
 struct kvc_cw_args {
@@ -38,47 +46,8 @@ struct kvc_cw_args {
   const int32_t *slots; /* [n] */
   long long n, nslots;  /* nslots = num_blocks * block_size */
   long long KVH, block_size;
+  int rot_dim; /* floats of shared memory per warp (0 without rotation) */
 };
-
-/* ---- the CPU's conversions (src/core/tensor.c), bit for bit, NaN payloads
- * included (the cuda_fp16/bf16 intrinsics canonicalize NaNs) */
-__device__ __forceinline__ float kvc_cw_f16_to_f32(uint32_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)m, 1.0f / 16777216.0f)));
-  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
-  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-__device__ __forceinline__ uint16_t kvc_cw_f32_to_f16(float x) {
-  const uint32_t u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-  if (a < 0x38800000u) return (uint16_t)(sign | (uint32_t)rintf(__fmul_rn(__uint_as_float(a), 16777216.0f)));
-  const uint32_t m = a + 0xfffu + ((a >> 13) & 1u);
-  return (uint16_t)(sign | ((m - 0x38000000u) >> 13));
-}
-__device__ __forceinline__ uint16_t kvc_cw_f32_to_bf16(float x) {
-  uint32_t u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-__device__ __forceinline__ float kvc_cw_load(const char *p, int dt) {
-  switch (dt) {
-  case KVA_F32: return __uint_as_float(*(const uint32_t *)p);
-  case KVA_F16: return kvc_cw_f16_to_f32(*(const uint16_t *)p);
-  case KVA_BF16: return __uint_as_float((uint32_t)*(const uint16_t *)p << 16);
-  default: return 0.0f;
-  }
-}
-__device__ __forceinline__ void kvc_cw_store(char *p, int dt, float x) {
-  switch (dt) {
-  case KVA_F32: *(uint32_t *)p = __float_as_uint(x); break;
-  case KVA_F16: *(uint16_t *)p = kvc_cw_f32_to_f16(x); break;
-  case KVA_BF16: *(uint16_t *)p = kvc_cw_f32_to_bf16(x); break;
-  default: break;
-  }
-}
-__device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
 
 /* f32 -> fp8 (M mantissa bits, exponent bias, largest finite code maxc),
  * src/core/tensor.c's f32_to_f8 operation for operation: RNE, saturating,
@@ -236,7 +205,10 @@ __device__ bool kvc_cw_superseded(const kvc_cw_args &a, long long i, int32_t slo
   return __syncthreads_or(dup) != 0;
 }
 
+/* Dynamic shared memory: with a rotated operand, one row of max(Dk, Dv)
+ * floats per warp (the rotated row in f32, then written as an f32 row). */
 __global__ void __launch_bounds__(KVC_CW_THREADS) kvc_cache_write_kernel(const kvc_cw_args a) {
+  extern __shared__ float kvc_cw_rot[];
   const long long i = blockIdx.x; /* token */
   const int32_t slot = a.slots[i];
   if (slot < 0 || slot >= a.nslots) return; /* padding, or out of range: skipped */
@@ -245,8 +217,16 @@ __global__ void __launch_bounds__(KVC_CW_THREADS) kvc_cache_write_kernel(const k
   const int lane = threadIdx.x % KVC_WARP;
   for (long long r = threadIdx.x / KVC_WARP; r < 2 * a.KVH; r += KVC_CW_WARPS) { /* rows (K|V, head) */
     const int which = (int)(r / a.KVH), h = (int)(r % a.KVH);                   /* KVH < 2^31: a pool dim */
-    const kvc_cw_operand &o = a.op[which];
+    kvc_cw_operand o = a.op[which];
     const char *src = o.src + i * o.src_s[0] + (long long)h * o.src_s[1];
+    if (o.rotate) { /* kva_cache_write_ex: H_D of the row in f32, then written as an f32 row */
+      float *u = kvc_cw_rot + (threadIdx.x / KVC_WARP) * a.rot_dim;
+      const int ss = kvc_cw_size(o.src_dtype);
+      for (int e = lane; e < o.D; e += KVC_WARP) u[e] = kvc_cw_load(src + (long long)e * ss, o.src_dtype);
+      kvc_hadamard_warp(u, o.D, o.hd_m, o.hd_c, lane);
+      src = (const char *)u;
+      o.src_dtype = KVA_F32;
+    }
     if (o.bits == 0 && (o.pool_dtype == KVA_F8E4M3 || o.pool_dtype == KVA_F8E5M2)) {
       kvc_cw_fp8_row(o, src, (uint8_t *)kvc_cw_at(o.data, o.ds, blk, h, row),
                      o.fp8_scales ? kvc_cw_at(o.scales, o.ss, blk, h, row) : NULL, lane);
@@ -256,6 +236,7 @@ __global__ void __launch_bounds__(KVC_CW_THREADS) kvc_cache_write_kernel(const k
       kvc_cw_quant_row(o, src, (uint32_t *)kvc_cw_at(o.data, o.ds, blk, h, row),
                        kvc_cw_at(o.scales, o.ss, blk, h, row), kvc_cw_at(o.biases, o.bs, blk, h, row), lane);
     }
+    __syncwarp(); /* the row's reads of u before the warp's next row */
   }
 }
 
@@ -288,8 +269,9 @@ static kvc_cw_operand kvc_cw_operand_of(const kva_kv *pool, const kva_tensor *sr
   return o;
 }
 
-extern "C" int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool, const kva_tensor *k,
-                                    const kva_tensor *v, const int32_t *slots, int64_t n) {
+extern "C" int kva_cuda_cache_write_ex(kva_context *ctx, const kva_kv *k_pool, const kva_kv *v_pool,
+                                       const kva_tensor *k, const kva_tensor *v, const int32_t *slots, int64_t n,
+                                       unsigned flags) {
   if (!ctx->cuda) return kva_seterr(KVA_ENODEVICE, "ctx: CUDA context not initialized");
   if (n > 0x7fffffffLL)
     return kva_seterr(KVA_EUNSUPPORTED, "n = %lld tokens: at most 2^31 - 1 per call on CUDA", (long long)n);
@@ -310,7 +292,16 @@ extern "C" int kva_cuda_cache_write(kva_context *ctx, const kva_kv *k_pool, cons
   a.KVH = k_pool->data.shape[1];
   a.block_size = k_pool->data.shape[2];
   a.nslots = (long long)k_pool->data.shape[0] * k_pool->data.shape[2];
-  kvc_cache_write_kernel<<<(unsigned)n, KVC_CW_THREADS, 0, (cudaStream_t)ctx->stream>>>(a);
+  for (int w = 0; w < 2; ++w) {
+    kvc_cw_operand &o = a.op[w];
+    o.rotate = (flags & (w ? KVA_WRITE_ROTATE_V : KVA_WRITE_ROTATE_K)) != 0;
+    if (!o.rotate) continue;
+    o.hd_m = kva_hadamard_block(o.D);
+    o.hd_c = kva_hadamard_scale(o.D);
+    if (o.D > a.rot_dim) a.rot_dim = o.D;
+  }
+  const size_t smem = (size_t)KVC_CW_WARPS * (size_t)a.rot_dim * sizeof(float);
+  kvc_cache_write_kernel<<<(unsigned)n, KVC_CW_THREADS, smem, (cudaStream_t)ctx->stream>>>(a);
   e = cudaGetLastError();
   if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "cache write kernel launch: %s", cudaGetErrorString(e));
   return 0;

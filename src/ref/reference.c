@@ -8,7 +8,11 @@
  * public CSR arrays, kva_paged_view_csr), lengths, dequantization, the mask
  * rule and the output rounding are this file's own. On request it applies
  * a kernel's documented roundings (kva_ref_rounding: the query to integers
- * per group, K or V elements to bf16 / f16), each from the exact value. */
+ * per group, K or V elements to bf16 / f16), each from the exact value.
+ * Rotated calls (KVA_ATTN_ROTATED_K / _V) rotate the query and un-rotate
+ * the output with this file's own H in double (ref_hadamard_elem), or form
+ * the query with kva_hadamard's f32 arithmetic when a rounding of it is
+ * modelled (the query the kernel receives). */
 #include "api/attention.h"
 
 #include <math.h>
@@ -205,11 +209,14 @@ int kva_reference_attention_lse(const kva_tensor *q, const kva_kv_view *kv, cons
   return kva_reference_attention_rounded(q, kv, params, out, lse, flags, NULL);
 }
 
-/* Query row (b, h, i) into qr[0 .. Dk - 1], rounded as r->q_int_bits says
- * (kvattn.h, kva_ref_rounding): per group of gs dims, in f32 arithmetic. */
-static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, int64_t Dk, int64_t gs, int bits,
-                          double *qr) {
+/* Query row (b, h, i) into qr[0 .. Dk - 1]. */
+static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, int64_t Dk, double *qr) {
   for (int64_t d = 0; d < Dk; ++d) qr[d] = ref_load(ref_at(q, b, h, i, d), q->dtype);
+}
+/* qr rounded as q_int_bits says (kvattn.h, kva_ref_rounding): per group of
+ * gs dims, in f32 arithmetic on f32 values (the query as loaded, or as a
+ * rotated call's kernel receives it). */
+static void ref_query_int(double *qr, int64_t Dk, int64_t gs, int bits) {
   if (bits <= 0) return;
   const float lv = (float)((1 << (bits - 1)) - 1);
   for (int64_t g0 = 0; g0 < Dk; g0 += gs) {
@@ -217,7 +224,7 @@ static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, 
     float amax = 0.0f;
     int finite = 1;
     for (int64_t d = g0; d < g1; ++d) {
-      const float a = fabsf((float)qr[d]); /* q's dtype is exact in f32 */
+      const float a = fabsf((float)qr[d]); /* f32 values */
       if (!isfinite(a)) finite = 0;
       else if (a > amax) amax = a;
     }
@@ -233,16 +240,66 @@ static void ref_query_row(const kva_tensor *q, int64_t b, int64_t h, int64_t i, 
   }
 }
 
+/* The rotation's matrix, element (a, b) of H_D in double (kvattn.h,
+ * kva_hadamard): Sylvester's (-1)^popcount(a & b) / sqrt(m) on the
+ * power-of-two block m, times H_3[i][j] = 2/3 - [i == j] for D = 3m. */
+static double ref_hadamard_elem(int64_t D, int64_t a, int64_t b) {
+  const int64_t m = D % 3 == 0 ? D / 3 : D;
+  const int64_t am = a % m, bm = b % m;
+  const double sylvester = (__builtin_popcountll((unsigned long long)(am & bm)) & 1 ? -1.0 : 1.0) / sqrt((double)m);
+  if (m == D) return sylvester;
+  return (2.0 / 3.0 - (a / m == b / m ? 1.0 : 0.0)) * sylvester;
+}
+/* H_D (D x D, row-major) into h. */
+static void ref_hadamard_matrix(int64_t D, double *h) {
+  for (int64_t a = 0; a < D; ++a)
+    for (int64_t b = 0; b < D; ++b) h[a * D + b] = ref_hadamard_elem(D, a, b);
+}
+/* x <- H x, in double (O(D^2)); t: D scratch. */
+static void ref_rotate(const double *h, int64_t D, double *x, double *t) {
+  for (int64_t a = 0; a < D; ++a) {
+    double acc = 0.0;
+    for (int64_t b = 0; b < D; ++b) acc += h[a * D + b] * x[b];
+    t[a] = acc;
+  }
+  memcpy(x, t, (size_t)D * sizeof *x);
+}
+/* x <- H x with kva_hadamard's f32 arithmetic (kvattn.h: butterflies h = 1,
+ * 2, .., m/2, the 3-block, one multiply), the query a rotated call's kernel
+ * receives; x holds f32 values. */
+static void ref_rotate_f32(int64_t D, double *x) {
+  const int64_t m = D % 3 == 0 ? D / 3 : D;
+  float f[512];
+  for (int64_t d = 0; d < D; ++d) f[d] = (float)x[d];
+  for (int64_t h = 1; h < m; h *= 2)
+    for (int64_t i = 0; i < D; ++i)
+      if (i % (2 * h) < h) {
+        const float a = f[i], b = f[i + h];
+        f[i] = a + b;
+        f[i + h] = a - b;
+      }
+  if (m != D)
+    for (int64_t a = 0; a < m; ++a) {
+      float u[3] = {f[a], f[m + a], f[2 * m + a]};
+      const float s = (u[0] + u[1]) + u[2];
+      for (int i = 0; i < 3; ++i) f[i * m + a] = (s + s) - ((u[i] + u[i]) + u[i]);
+    }
+  const float c = m == D ? (float)(1.0 / sqrt((double)D)) : (float)(1.0 / (3.0 * sqrt((double)m)));
+  for (int64_t d = 0; d < D; ++d) x[d] = (double)(f[d] * c);
+}
+
 int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                                     kva_tensor *out, kva_tensor *lse, unsigned flags, const kva_ref_rounding *r) {
   kva_clearerr();
-  const kva_ref_rounding none = {0, KVA_F32, KVA_F32};
+  const kva_ref_rounding none = {0, KVA_F32, KVA_F32, KVA_F32};
   if (!r) r = &none;
   if (r->q_int_bits != 0 && (r->q_int_bits < 2 || r->q_int_bits > 24))
     return kva_seterr(KVA_EINVAL, "rounding->q_int_bits = %d: 0 (none) or 2..24", r->q_int_bits);
   if ((r->k_dtype != KVA_F32 && r->k_dtype != KVA_BF16 && r->k_dtype != KVA_F16) ||
       (r->v_dtype != KVA_F32 && r->v_dtype != KVA_BF16 && r->v_dtype != KVA_F16))
     return kva_seterr(KVA_EINVAL, "rounding->k_dtype / v_dtype: KVA_F32 (none), KVA_BF16 or KVA_F16");
+  if (r->q_dtype != KVA_F32 && r->q_dtype != KVA_BF16 && r->q_dtype != KVA_F16)
+    return kva_seterr(KVA_EINVAL, "rounding->q_dtype: KVA_F32 (none), KVA_BF16 or KVA_F16");
   if (!out) return kva_seterr(KVA_EINVAL, "out is NULL");
   kva_problem p; /* validation only: the call is checked as kva_attention checks it */
   int rc = kva_problem_init(&p, KVA_BACKEND_CPU, q, kv, params, out);
@@ -261,20 +318,32 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
   for (int64_t b = 0; b < B; ++b)
     if (ref_len(&lo, b) > maxlen) maxlen = ref_len(&lo, b);
   const int64_t qgs = K->bits ? K->group_size : Dk; /* query rounding groups: K's quantization groups */
+  const int rot_k = (params->flags & KVA_ATTN_ROTATED_K) != 0, rot_v = (params->flags & KVA_ATTN_ROTATED_V) != 0;
+  /* a rotated query that the kernel rounds is formed as the kernel gets it (f32 arithmetic) */
+  const int rot_q_f32 = rot_k && (r->q_dtype != KVA_F32 || r->q_int_bits > 0);
   double *s = (double *)malloc((size_t)maxlen * sizeof *s);
   double *o = (double *)malloc((size_t)Dv * sizeof *o);
   double *qr = (double *)malloc((size_t)Dk * sizeof *qr);
+  double *hk_m = rot_k ? (double *)malloc((size_t)(Dk * Dk) * sizeof *hk_m) : NULL;
+  double *hv_m = rot_v ? (double *)malloc((size_t)(Dv * Dv) * sizeof *hv_m) : NULL;
+  double *rt = (double *)malloc((size_t)(Dk > Dv ? Dk : Dv) * sizeof *rt);
   unsigned char *vis = (unsigned char *)malloc((size_t)maxlen);
-  if (!s || !o || !qr || !vis) {
-    free(s); free(o); free(qr); free(vis);
+  if (!s || !o || !qr || !vis || !rt || (rot_k && !hk_m) || (rot_v && !hv_m)) {
+    free(s); free(o); free(qr); free(vis); free(rt); free(hk_m); free(hv_m);
     return kva_seterr(KVA_ENOMEM, "oracle scratch for %lld keys", (long long)maxlen);
   }
+  if (rot_k) ref_hadamard_matrix(Dk, hk_m);
+  if (rot_v) ref_hadamard_matrix(Dv, hv_m);
   for (int64_t b = 0; b < B; ++b) {
     int64_t len = ref_len(&lo, b);
     for (int64_t h = 0; h < H; ++h) {
       int64_t hk = h / rep;
       for (int64_t i = 0; i < L; ++i) {
-        ref_query_row(q, b, h, i, Dk, qgs, r->q_int_bits, qr);
+        ref_query_row(q, b, h, i, Dk, qr);
+        if (rot_q_f32) ref_rotate_f32(Dk, qr);
+        else if (rot_k) ref_rotate(hk_m, Dk, qr, rt);
+        for (int64_t d = 0; d < Dk && r->q_dtype != KVA_F32; ++d) qr[d] = ref_round_to(qr[d], r->q_dtype);
+        ref_query_int(qr, Dk, qgs, r->q_int_bits);
         double mx = -INFINITY;
         int any = 0;
         for (int64_t j = 0; j < len; ++j) {
@@ -309,6 +378,7 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
           }
           for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
           row_lse = mx + log(den);
+          if (rot_v) ref_rotate(hv_m, Dv, o, rt); /* out = H_Dv (P V') */
         }
         if (lse) {
           char *dst = (char *)lse->data + b * lse->stride[0] + h * lse->stride[1] + i * lse->stride[2];
@@ -327,6 +397,6 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
       }
     }
   }
-  free(s); free(o); free(qr); free(vis);
+  free(s); free(o); free(qr); free(vis); free(rt); free(hk_m); free(hv_m);
   return 0;
 }

@@ -608,6 +608,46 @@ void cache_write_meta(const Tensor &, const Tensor &, const Tensor &, const Tens
 void cache_write_quantized_meta(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
                                 const Tensor &, const Tensor &, const Tensor &, const Tensor &, int64_t, int64_t) {}
 
+/* ---------------------------------------------------- Hadamard rotation */
+/* hadamard_out(out, x): out = H x on the last dim (kva_hadamard; out may be x). */
+void hadamard_out(const Tensor &out, const Tensor &x) {
+  const at::Device dev = x.device();
+  same_device(out, dev, "y");
+  const kva_tensor tx = desc(x, "x");
+  kva_tensor ty = desc(out, "y");
+  run(dev, [&](kva_context *ctx, void *, size_t) { return kva_hadamard(ctx, &tx, &ty); }, nullptr);
+}
+Tensor hadamard(const Tensor &x) {
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  hadamard_out(out, x);
+  return out;
+}
+Tensor hadamard_meta(const Tensor &x) { return at::empty_like(x, at::MemoryFormat::Contiguous); }
+void hadamard_out_meta(const Tensor &, const Tensor &) {}
+
+/* cache_write_rotated: kva_cache_write_ex with its rotation flags; bits 0 =
+ * float pools (scales and biases None), else (packed, scales, biases) pools. */
+void cache_write_rotated(const Tensor &k_pool, const OptTensor &k_scales, const OptTensor &k_biases,
+                         const Tensor &v_pool, const OptTensor &v_scales, const OptTensor &v_biases, const Tensor &k,
+                         const Tensor &v, const Tensor &slots, int64_t bits, int64_t group_size, int64_t flags) {
+  const at::Device dev = k_pool.device();
+  const int b = int32_arg(bits, "bits"), g = int32_arg(group_size, "group_size");
+  const unsigned f = (unsigned)int32_arg(flags, "flags");
+  const kva_kv kp = kv_of(k_pool, k_scales, k_biases, b, g, {"k_pool.data", "k_pool.scales", "k_pool.biases"}, dev);
+  const kva_kv vp = kv_of(v_pool, v_scales, v_biases, b, g, {"v_pool.data", "v_pool.scales", "v_pool.biases"}, dev);
+  same_device(k, dev, "k");
+  same_device(v, dev, "v");
+  const kva_tensor kt = desc(k, "k"), vt = desc(v, "v");
+  const int64_t n = k.dim() ? k.size(0) : 0;
+  const int32_t *sl = (const int32_t *)vector_arg(slots, "slots", at::kInt, n, dev);
+  run(
+      dev, [&](kva_context *ctx, void *, size_t) { return kva_cache_write_ex(ctx, &kp, &vp, &kt, &vt, sl, n, f); },
+      nullptr);
+}
+void cache_write_rotated_meta(const Tensor &, const OptTensor &, const OptTensor &, const Tensor &, const OptTensor &,
+                              const OptTensor &, const Tensor &, const Tensor &, const Tensor &, int64_t, int64_t,
+                              int64_t) {}
+
 /* ---------------------------------------------------------- merge states */
 /* R = the number of parts: one lse per o, 1 <= R <= KVA_MERGE_MAX_PARTS. */
 int64_t check_parts(const at::TensorList parts_o, const at::TensorList parts_lse) {
@@ -910,6 +950,11 @@ TORCH_LIBRARY(kvattn, m) {
         "(Tensor, Tensor)");
   m.def("merge_states_out(Tensor(a!) out, Tensor(b!) lse, Tensor[] parts_o, Tensor[] parts_lse, "
         "bool base2=False) -> ()");
+  m.def("hadamard(Tensor x) -> Tensor");
+  m.def("hadamard_out(Tensor(a!) out, Tensor x) -> ()");
+  m.def("cache_write_rotated(Tensor(a!) k_pool, Tensor(b!)? k_scales, Tensor(c!)? k_biases, Tensor(d!) v_pool, "
+        "Tensor(e!)? v_scales, Tensor(f!)? v_biases, Tensor k, Tensor v, Tensor slots, int bits, int group_size, "
+        "int flags) -> ()");
   m.def("version() -> str", &version);
 }
 
@@ -925,7 +970,10 @@ TORCH_LIBRARY(kvattn, m) {
   m.impl("cache_write", TORCH_FN(cache_write##sfx));                                                           \
   m.impl("cache_write_quantized", TORCH_FN(cache_write_quantized##sfx));                                       \
   m.impl("merge_states", TORCH_FN(merge_states##sfx));                                                         \
-  m.impl("merge_states_out", TORCH_FN(merge_states_out##sfx))
+  m.impl("merge_states_out", TORCH_FN(merge_states_out##sfx));                                                 \
+  m.impl("hadamard", TORCH_FN(hadamard##sfx));                                                                 \
+  m.impl("hadamard_out", TORCH_FN(hadamard_out##sfx));                                                         \
+  m.impl("cache_write_rotated", TORCH_FN(cache_write_rotated##sfx))
 
 TORCH_LIBRARY_IMPL(kvattn, CPU, m) { KVA_IMPLS(m, ); }
 TORCH_LIBRARY_IMPL(kvattn, CUDA, m) { KVA_IMPLS(m, ); }
@@ -941,7 +989,8 @@ TORCH_LIBRARY_IMPL(kvattn, Meta, m) { KVA_IMPLS(m, _meta); }
   for (const char *name : {"attention", "attention_out", "attention_lse", "attention_lse_out",                 \
                            "block_table_attention", "block_table_attention_out", "block_table_attention_lse",  \
                            "block_table_attention_lse_out", "cache_write", "cache_write_quantized",            \
-                           "merge_states", "merge_states_out"})                                                \
+                           "merge_states", "merge_states_out", "hadamard", "hadamard_out",                     \
+                           "cache_write_rotated"})                                                             \
     m.impl(name, torch::CppFunction::makeFallthrough())
 TORCH_LIBRARY_IMPL(kvattn, Autograd, m) { KVA_FALLTHROUGH(m); }
 TORCH_LIBRARY_IMPL(kvattn, ADInplaceOrView, m) { KVA_FALLTHROUGH(m); }

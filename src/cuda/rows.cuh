@@ -1,0 +1,80 @@
+/* Device row helpers shared by the cache write (cache_write.cu) and the
+ * Hadamard transform (hadamard.cu): the CPU's f32/f16/bf16 conversions bit
+ * for bit, and the normalized Walsh-Hadamard transform of one row staged in
+ * shared memory by one warp, in the operation order of src/core/hadamard.c
+ * (adds and subtracts through __fadd_rn/__fsub_rn, one __fmul_rn: no fma),
+ * so the bits equal the CPU's. */
+#ifndef KVA_CUDA_ROWS_CUH
+#define KVA_CUDA_ROWS_CUH
+
+#include "cuda/common.cuh"
+
+/* ---- the CPU's conversions (src/core/tensor.c), bit for bit, NaN payloads
+ * included (the cuda_fp16/bf16 intrinsics canonicalize NaNs) */
+__device__ __forceinline__ float kvc_cw_f16_to_f32(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)m, 1.0f / 16777216.0f)));
+  if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+__device__ __forceinline__ uint16_t kvc_cw_f32_to_f16(float x) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+  if (a < 0x38800000u) return (uint16_t)(sign | (uint32_t)rintf(__fmul_rn(__uint_as_float(a), 16777216.0f)));
+  const uint32_t m = a + 0xfffu + ((a >> 13) & 1u);
+  return (uint16_t)(sign | ((m - 0x38000000u) >> 13));
+}
+__device__ __forceinline__ uint16_t kvc_cw_f32_to_bf16(float x) {
+  uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+__device__ __forceinline__ float kvc_cw_load(const char *p, int dt) {
+  switch (dt) {
+  case KVA_F32: return __uint_as_float(*(const uint32_t *)p);
+  case KVA_F16: return kvc_cw_f16_to_f32(*(const uint16_t *)p);
+  case KVA_BF16: return __uint_as_float((uint32_t)*(const uint16_t *)p << 16);
+  default: return 0.0f;
+  }
+}
+__device__ __forceinline__ void kvc_cw_store(char *p, int dt, float x) {
+  switch (dt) {
+  case KVA_F32: *(uint32_t *)p = __float_as_uint(x); break;
+  case KVA_F16: *(uint16_t *)p = kvc_cw_f32_to_f16(x); break;
+  case KVA_BF16: *(uint16_t *)p = kvc_cw_f32_to_bf16(x); break;
+  default: break;
+  }
+}
+__device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
+
+/* u[0 .. D) <- H_D u, one warp (lane 0..31) on a row in shared memory:
+ * m the power-of-two block (D = m or 3m), c the final scale
+ * (kva_hadamard_scale). Stage h pairs (i, i + h), i % 2h < h: pair p of the
+ * D/2 is i = (p / h) 2h + p % h. Ends with __syncwarp (u readable by all lanes). */
+__device__ __forceinline__ void kvc_hadamard_warp(float *u, int D, int m, float c, int lane) {
+  __syncwarp();
+  for (int h = 1; h < m; h <<= 1) {
+    for (int p = lane; p < D / 2; p += KVC_WARP) {
+      const int i = (p / h) * 2 * h + p % h;
+      const float a = u[i], b = u[i + h];
+      u[i] = __fadd_rn(a, b);
+      u[i + h] = __fsub_rn(a, b);
+    }
+    __syncwarp();
+  }
+  if (m != D) {
+    for (int a = lane; a < m; a += KVC_WARP) {
+      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
+      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
+      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
+      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
+      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
+    }
+    __syncwarp();
+  }
+  for (int i = lane; i < D; i += KVC_WARP) u[i] = __fmul_rn(u[i], c);
+  __syncwarp();
+}
+#endif
