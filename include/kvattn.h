@@ -200,7 +200,10 @@ typedef enum kva_mask_kind {
  * the host, and bits >= L are ignored. The fused kernels take it (every K/V
  * row of the prefix read once per KV head for the query vectors a kernel
  * block holds, as for a causal verify); the result equals the same call
- * with an explicit KVA_MASK_ARRAY bool mask built from the rule. */
+ * with an explicit KVA_MASK_ARRAY bool mask built from the rule. CUDA
+ * backend: KVA_EUNSUPPORTED unless the environment variable KVA_CUDA_TREE
+ * is "1" (read per call): its tree kernels have not passed their GPU tests
+ * (tests/test_cuda.c cuda_tree, cuda_tree_wg); the CPU backend runs them. */
 #define KVA_TREE_MAX_ROWS 64
 
 typedef struct kva_mask {

@@ -1605,6 +1605,7 @@ static void tree_bits(att_data *d, int variant) {
  * vectors (KVA_CUDA_TCD_MIN_WORK = 0). */
 TEST(cuda_tree) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  if (!getenv("KVA_CUDA_TREE")) SKIP("KVA_MASK_TREE is off on the CUDA backend (KVA_CUDA_TREE=1 enables it)");
 #define TR MASK_TREE
   static const struct {
     att_case c;
@@ -1831,6 +1832,7 @@ done:
  * windows, softcap, sinks, ragged, strided (a broadcast tree), block tables. */
 TEST(cuda_tree_wg) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  if (!getenv("KVA_CUDA_TREE")) SKIP("KVA_MASK_TREE is off on the CUDA backend (KVA_CUDA_TREE=1 enables it)");
   static const att_case wc[] = {
       {3, 32, 8, 16, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
       {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 100, 0, 0, 1, 0},
@@ -1865,8 +1867,15 @@ TEST(cuda_tree_wg) {
 /* On CUDA the bits are device memory: bits at j >= L (the last word's high
  * bits) are ignored, so a tree with them set gives the same output bit for
  * bit as without (the host checks only shapes: the call succeeds). */
+static void tree_high_bits_body(void);
 TEST(cuda_tree_high_bits_ignored) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  const int had = getenv("KVA_CUDA_TREE") != NULL;
+  setenv("KVA_CUDA_TREE", "1", 0);
+  tree_high_bits_body();
+  if (!had) unsetenv("KVA_CUDA_TREE");
+}
+static void tree_high_bits_body(void) {
   static const att_case cs[] = {
       {2, 32, 8, 17, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
       {2, 8, 4, 7, 500, 64, 64, F32, F32, 0, 0, 0, F32, MASK_TREE, 0, 0, 0, 1, 0},
