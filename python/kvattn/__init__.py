@@ -496,7 +496,7 @@ class _Call:
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
                  seq_lens, out, tree_mask=None, k_scale=None,
-        v_scale=None):
+                 v_scale=None):
         group_size = _check_i32(group_size, "group_size")
         bits = _check_i32(bits, "bits")
         keep = self.keep = []
@@ -633,7 +633,7 @@ def _torch_cpu_call(fn, q, k, v, out, kw):
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None, context=None,
               return_lse=False, lse_base2=False, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+              v_scale=None, rotated=None):
     """Attention of q [B, H, L, Dk] over K [B, KVH, N, Dk] / V [B, KVH, N, Dv].
 
     k, v: float arrays (float32/float16/bfloat16) or (packed, scales, biases)
@@ -759,7 +759,7 @@ def merge_states(parts, *, base2=False, out=None, dtype=None, threads=None, cont
 
 def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None,
                         sinks=None, group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+                        v_scale=None, rotated=None):
     """The library's oracle (naive double-precision loops) on the same arguments as attention()."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
@@ -771,7 +771,7 @@ def reference_attention(q, k, v, scale=None, mask=None, window=None, segments=No
 def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                    group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
                    context=None, tree_mask=None, k_scale=None,
-        v_scale=None):
+                   v_scale=None):
     """Validates like attention() and says which path would run: "fused" or "fallback"."""
     call = _Call(q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits, seq_lens,
                  out, tree_mask, k_scale, v_scale)
@@ -784,7 +784,7 @@ def attention_path(q, k, v, scale=None, mask=None, window=None, segments=None, s
 def attention_kernel(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
                      group_size=64, bits=4, threads=None, *, clamp=False, seq_lens=None, out=None,
                      context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+                     v_scale=None, rotated=None):
     """Validates like attention() and describes the kernel that would run, e.g.
     "cpu avx512 fused kernel [exact f32]" or "cpu avx512 AMX kernel (bf16
     tiles) [K,V,P bf16]": words for reading (they may change), then the

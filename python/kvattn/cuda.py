@@ -101,7 +101,7 @@ class _Call:
 
     def __init__(self, q, k, v, scale, mask, window, segments, clamp, softcap, sinks, group_size, bits,
                  seq_lens, out, tree_mask=None, k_scale=None,
-        v_scale=None):
+                 v_scale=None):
         from . import _check_i32, _mask_kind, _params, _tree_kind, _window
         group_size, bits = _check_i32(group_size, "group_size"), _check_i32(bits, "bits")
         self.keep = [q, k, v]
@@ -224,7 +224,7 @@ def _run(call, context):
 def attention(q, k, v, scale=None, mask=None, window=None, segments=None, softcap=None, sinks=None,
               group_size=64, bits=4, *, clamp=False, seq_lens=None, out=None, context=None, exact=False,
               tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+              v_scale=None, rotated=None):
     """kvattn.attention on CUDA arrays (see its documentation); runs on the
     arrays' device and the producer's current stream, asynchronously.
     exact: only the fused or general CUDA-core kernels ("[exact f32]").
@@ -248,7 +248,7 @@ def _int32_device(call, x, name, ndim):
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, *,
                           clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+                          v_scale=None, rotated=None):
     """kvattn.block_table_attention on CUDA arrays: pools [num_blocks, KVH,
     block_size, D] (or (packed, scales, biases) tuples), blocks [B,
     max_blocks], seq_lens [B] and first_offset [B] int32, all on the device

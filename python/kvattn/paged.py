@@ -597,14 +597,13 @@ def _set_mask(call, q, mask, N, tree_mask=None):
 
 
 def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, window, segments, clamp, softcap,
-                sinks, group_size, bits, out, tree_mask=None, k_scale=None,
-        v_scale=None):
+                sinks, group_size, bits, out, tree_mask=None, k_scale=None, v_scale=None):
     """The contiguous binding's call descriptors, with the pools and a
     kva_block_table in place of K/V (layout BLOCK_TABLE)."""
     from . import _Call
 
     call = _Call(q, k_pool, v_pool, scale, None, window, segments, clamp, softcap, sinks, group_size, bits, None, out,
-                 k_scale, v_scale)
+                 k_scale=k_scale, v_scale=v_scale)
     bl = _table_array(blocks, "blocks", 2)
     B, mb = bl.shape
     # Rows of blocks may be strided (e.g. table[:, :m] of a wider table):
@@ -635,7 +634,7 @@ def _table_call(q, k_pool, v_pool, blocks, seq_lens, first_offset, scale, mask, 
 def block_table_attention(q, k_pool, v_pool, blocks, seq_lens, first_offset=None, scale=None, mask=None,
                           window=None, segments=None, softcap=None, sinks=None, group_size=64, bits=4, threads=None,
                           *, clamp=False, out=None, context=None, exact=False, tree_mask=None, k_scale=None,
-        v_scale=None, rotated=None):
+                          v_scale=None, rotated=None):
     """Attention of q [B, H, L, Dk] over caller pools addressed by a block table.
 
     k_pool, v_pool: [num_blocks, KVH, block_size, D] float arrays or
