@@ -288,6 +288,9 @@ static void ref_rotate_f32(int64_t D, double *x) {
   for (int64_t d = 0; d < D; ++d) x[d] = (double)(f[d] * c);
 }
 
+/* Doubles in the oracle's per-(sequence, KV head) row cache at most (256 MiB). */
+#define REF_ROW_CACHE_ELEMS (32ull << 20)
+
 int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, const kva_attn_params *params,
                                     kva_tensor *out, kva_tensor *lse, unsigned flags, const kva_ref_rounding *r) {
   kva_clearerr();
@@ -332,12 +335,30 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
     free(s); free(o); free(qr); free(vis); free(rt); free(hk_m); free(hv_m);
     return kva_seterr(KVA_ENOMEM, "oracle scratch for %lld keys", (long long)maxlen);
   }
+  /* The rows of one (sequence, KV head), decoded and rounded as r says, once
+   * for its rep * L query rows (the same values the per-element path gives);
+   * without the memory for them, each element is decoded where it is used. */
+  double *kc = NULL, *vc = NULL;
+  if ((uint64_t)maxlen * (uint64_t)(Dk + Dv) <= REF_ROW_CACHE_ELEMS) {
+    kc = (double *)malloc((size_t)(maxlen * Dk) * sizeof *kc);
+    vc = (double *)malloc((size_t)(maxlen * Dv) * sizeof *vc);
+    if (!kc || !vc) {
+      free(kc); free(vc);
+      kc = vc = NULL;
+    }
+  }
   if (rot_k) ref_hadamard_matrix(Dk, hk_m);
   if (rot_v) ref_hadamard_matrix(Dv, hv_m);
   for (int64_t b = 0; b < B; ++b) {
     int64_t len = ref_len(&lo, b);
     for (int64_t h = 0; h < H; ++h) {
       int64_t hk = h / rep;
+      if (kc && h % rep == 0)
+        for (int64_t j = 0; j < len; ++j) {
+          const ref_row kr = ref_row_at(&lo, 0, b, hk, j), vr = ref_row_at(&lo, 1, b, hk, j);
+          for (int64_t d = 0; d < Dk; ++d) kc[j * Dk + d] = ref_round_to(ref_kv_elem(K, kr.row, kr.sc, kr.bi, d), r->k_dtype);
+          for (int64_t d = 0; d < Dv; ++d) vc[j * Dv + d] = ref_round_to(ref_kv_elem(V, vr.row, vr.sc, vr.bi, d), r->v_dtype);
+        }
       for (int64_t i = 0; i < L; ++i) {
         ref_query_row(q, b, h, i, Dk, qr);
         if (rot_q_f32) ref_rotate_f32(Dk, qr);
@@ -350,10 +371,14 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
           double add;
           vis[j] = (unsigned char)ref_visible(&params->mask, L, b, i, j, len, h, &add);
           if (!vis[j]) continue;
-          ref_row kr = ref_row_at(&lo, 0, b, hk, j);
           double dot = 0.0;
-          for (int64_t d = 0; d < Dk; ++d)
-            dot += qr[d] * ref_round_to(ref_kv_elem(K, kr.row, kr.sc, kr.bi, d), r->k_dtype);
+          if (kc) {
+            for (int64_t d = 0; d < Dk; ++d) dot += qr[d] * kc[j * Dk + d];
+          } else {
+            const ref_row kr = ref_row_at(&lo, 0, b, hk, j);
+            for (int64_t d = 0; d < Dk; ++d)
+              dot += qr[d] * ref_round_to(ref_kv_elem(K, kr.row, kr.sc, kr.bi, d), r->k_dtype);
+          }
           double x = scale * dot;
           if (params->softcap > 0) x = (double)params->softcap * tanh(x / (double)params->softcap);
           x += add;
@@ -373,8 +398,13 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
             if (!vis[j]) continue;
             double e = exp(s[j] - mx);
             den += e;
-            ref_row vr = ref_row_at(&lo, 1, b, hk, j);
-            for (int64_t d = 0; d < Dv; ++d) o[d] += e * ref_round_to(ref_kv_elem(V, vr.row, vr.sc, vr.bi, d), r->v_dtype);
+            if (vc) {
+              for (int64_t d = 0; d < Dv; ++d) o[d] += e * vc[j * Dv + d];
+            } else {
+              const ref_row vr = ref_row_at(&lo, 1, b, hk, j);
+              for (int64_t d = 0; d < Dv; ++d)
+                o[d] += e * ref_round_to(ref_kv_elem(V, vr.row, vr.sc, vr.bi, d), r->v_dtype);
+            }
           }
           for (int64_t d = 0; d < Dv; ++d) o[d] /= den;
           row_lse = mx + log(den);
@@ -397,6 +427,6 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
       }
     }
   }
-  free(s); free(o); free(qr); free(vis); free(rt); free(hk_m); free(hv_m);
+  free(s); free(o); free(qr); free(vis); free(rt); free(hk_m); free(hv_m); free(kc); free(vc);
   return 0;
 }
