@@ -7,7 +7,9 @@
  * without a window, the tree mask (KVA_MASK_TREE: the causal rule on the
  * prefix, each row's bits held in a register pair for the L <= 64 new
  * keys), or no mask (no image segments), softcap, sinks;
- * contiguous or BLOCK_TABLE rows.
+ * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
+ * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
+ * vectors per KV head): "16-bit rows" below.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
@@ -68,7 +70,29 @@
  *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
  *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
- *         conversion. */
+ *         conversion.
+ *
+ * 16-bit rows (bf16, f16; instances kvc_wg_kernel<KVC_BF16 / KVC_F16, D, TBL>):
+ *   the rows are the wgmma operands, so the tiles ARE the stages: a ring of
+ *         NS = KVC_WG_NS(D) slots {K tile, V tile} (3 at D = 256: 32 KB Q
+ *         tile + 192 KB; 4 at 128 and 64), no raw ring, no conversion.
+ *         Shared memory ~227 KB at D = 256, ~147 KB at 128, ~75 KB at 64
+ *         (two blocks per SM).
+ *   copies: warpgroup w copies its own token rows 32 w .. 32 w + 31 of both
+ *         tiles by cp.async (16-byte units straight to unit u ^ (r % 8) of
+ *         row r: kvc_wg_copy_stage), contiguous or through its own ring of
+ *         staged block ids, so the two warpgroups share nothing in the loop
+ *         (the Q tile is written once): warpgroup barriers only.
+ *   dim order: natural (dims 8 u .. 8 u + 7 in unit u) in Q, K and V; output
+ *         column n of chunk c is dim 64 c + n.
+ *   pipeline, stage s (each warpgroup): wait for its copies of stage s (NS -
+ *         2 groups left in flight), fence to the async proxy, warpgroup
+ *         barrier; issue S(s); wait for P.V(s - 1), warpgroup barrier, issue
+ *         the copies of stage s + NS - 1 into slot (s - 1) % NS (and the
+ *         block ids of stage s + 2 NS - 2); wait for S(s); softmax (the same
+ *         code as q4); issue P.V(s).
+ *   precision: P rounded to bf16 (f16 rows: f16 wgmma, P in f16), f32 sums;
+ *         q, K and V as given. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 
