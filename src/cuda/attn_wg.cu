@@ -175,7 +175,8 @@ __device__ __forceinline__ void kvc_wg_sync(int wg) {
 /* 16-bit float rows (bf16, f16): the K/V tiles are the stages, a ring of
  * KVC_WG_NS(D) slots {K tile, V tile} after the Q tile, then each
  * warpgroup's ring of block-id slots (BLOCK_TABLE views); both warpgroups'
- * output states, the final maxima and sums reuse the ring after the loop. */
+ * output states, their combination, the final maxima and sums reuse the Q
+ * tile and the ring after the loop. */
 #define KVC_WG_NS(D) ((D) == 256 ? 3 : 4)
 struct kvc_wgf_layout {
   int tile, qt, ring, stage, ids, ost, ms, ls, mw, total;
@@ -188,8 +189,8 @@ __host__ __device__ inline kvc_wgf_layout kvc_wgf_layout_of(int D) {
   w.stage = 2 * w.tile;
   w.ids = w.ring + KVC_WG_NS(D) * w.stage;
   w.total = w.ids + KVC_WG_WGS * KVC_WG_NS(D) * KVC_TC_IDS * 4;
-  w.ost = w.ring;
-  w.ms = w.ost + KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4;
+  w.ost = 0; /* the Q tile and the ring: three O [64][D + 4] (see the kernel's end) */
+  w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
   w.ls = w.ms + KVC_WG_QV * 4;
   w.mw = w.ls + KVC_WG_QV * 4;
   return w;
@@ -577,24 +578,25 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   __syncthreads(); /* every warp done with the tiles and the ring */
   /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
    * each (padded: no bank conflicts), column n = 8 j + 2 t4 + (e & 1) of
-   * chunk c to dim 64 c + 8 j + t4 + 4 (n % 2) (q4), 64 c + n (16-bit rows);
-   * then combined into warpgroup 0's */
+   * chunk c to 64 c + 8 j + t4 + 4 (n % 2): dim 64 c + 8 j + t4 + 4 (n % 2)
+   * for q4, then combined into warpgroup 0's; 16-bit rows (dim 64 c + n
+   * there) combined into a third O in dim order (the same stores: with
+   * stores in dim order ptxas serialized the loop's wgmmas) */
   constexpr int OLD = D + 4;
   float *ost = (float *)(base + (FL ? WF.ost : kvc_wg_kt(W, 0))), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
         *ls = (float *)(base + (FL ? WF.ls : W.ls));
   float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + (FL ? WF.mw : W.mw));
   static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 <= 4 * 64 * 2 * D + KVC_WG_RAW * 64 * (D / 2 + KVC_TC_ROWPAD),
                 "the tiles and the ring hold both warpgroups' outputs");
-  static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= KVC_WG_NS(D) * 2 * 64 * 2 * D,
-                "16-bit rows: the ring holds both warpgroups' outputs, maxima and sums");
+  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= (1 + 2 * KVC_WG_NS(D)) * 64 * 2 * D,
+                "16-bit rows: the Q tile and the ring hold three outputs, the maxima and sums");
 #pragma unroll
   for (int c = 0; c < NC; ++c)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        own[(16 * warp + g + 8 * (e >> 1)) * OLD + 64 * c + 8 * j + (FL ? 2 * t4 + (e & 1) : t4 + 4 * (e & 1))] =
-            oacc[c][4 * j + e];
+        own[(16 * warp + g + 8 * (e >> 1)) * OLD + 64 * c + 8 * j + t4 + 4 * (e & 1)] = oacc[c][4 * j + e];
   if (t4 == 0)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -603,18 +605,20 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     }
   __syncthreads();
   const int nq = min(KVC_WG_QV, Q - q0);
+  float *fin = FL ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
   for (int i = tid; i < nq * D; i += KVC_WG_WGS * KVC_WG_THREADS) {
     const int v = i / D, d = i % D;
     float mn, f0, f1;
     kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
-    ost[v * OLD + d] = ost[v * OLD + d] * f0 + ost[(KVC_WG_QV + v) * OLD + d] * f1;
+    const int dc = FL ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
+    fin[v * OLD + d] = ost[v * OLD + dc] * f0 + ost[(KVC_WG_QV + v) * OLD + dc] * f1;
     if (d == 0) {
       ms[v] = mn;
       ls[v] = mw[2 * KVC_WG_QV + v] * f0 + mw[3 * KVC_WG_QV + v] * f1;
     }
   }
   __syncthreads();
-  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, ost, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
+  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, fin, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
 #else
   __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
 #endif
