@@ -84,7 +84,8 @@
  *         staged block ids, so the two warpgroups share nothing in the loop
  *         (the Q tile is written once): warpgroup barriers only.
  *   dim order: natural (dims 8 u .. 8 u + 7 in unit u) in Q, K and V; output
- *         column n of chunk c is dim 64 c + n.
+ *         column n of chunk c is dim 64 c + n (stored at the end in the q4
+ *         column order, reordered when the warpgroups' states combine).
  *   pipeline, stage s (each warpgroup): wait for its copies of stage s (NS -
  *         2 groups left in flight), fence to the async proxy, warpgroup
  *         barrier; issue S(s); wait for P.V(s - 1), warpgroup barrier, issue
@@ -577,11 +578,12 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   }
   __syncthreads(); /* every warp done with the tiles and the ring */
   /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
-   * each (padded: no bank conflicts), column n = 8 j + 2 t4 + (e & 1) of
-   * chunk c to 64 c + 8 j + t4 + 4 (n % 2): dim 64 c + 8 j + t4 + 4 (n % 2)
-   * for q4, then combined into warpgroup 0's; 16-bit rows (dim 64 c + n
-   * there) combined into a third O in dim order (the same stores: with
-   * stores in dim order ptxas serialized the loop's wgmmas) */
+   * each (padded: no bank conflicts), accumulator (c, j, e) of lane (g, t4)
+   * at column 64 c + 8 j + t4 + 4 (e & 1). q4 (V in pair order): that column
+   * is its dim; combined into warpgroup 0's. 16-bit rows (V in dim order):
+   * the accumulator is dim 64 c + 8 j + 2 t4 + (e & 1), so dim d sits at
+   * column dc(d); combined into a third O in dim order (stores in dim order
+   * made ptxas serialize the loop's wgmmas: C7515) */
   constexpr int OLD = D + 4;
   float *ost = (float *)(base + (FL ? WF.ost : kvc_wg_kt(W, 0))), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
         *ls = (float *)(base + (FL ? WF.ls : W.ls));
