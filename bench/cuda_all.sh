@@ -93,6 +93,8 @@ if has racecheck; then
     cuda_q4_tcd_path >> "$OUT/sanitizer.log" 2>&1
   run racecheck-wg 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
     cuda_q4_wg_path >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-wgbf 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_bf16_wg_path >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi
 if has kvbench; then # the target shapes, each checked against the oracle

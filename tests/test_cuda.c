@@ -47,6 +47,8 @@ TEST(cuda_exact_mode) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree_high_bits_ignored) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tree_wg) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_bf16_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_f16_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
@@ -2012,5 +2014,109 @@ TEST(cuda_fp8_cache_write_bits) {
       }
   kva_context_destroy(gpu);
   kva_context_destroy(cpu);
+}
+/* The warpgroup kernel over 16-bit rows (attn_wg.cu: bf16 / f16 K/V copied
+ * into the wgmma tiles, P rounded to the rows' type; by default from 16 query
+ * vectors per KV head, KVA_CUDA_WG_BF16_MIN_Q; here from 1), t = BF16 or
+ * F16 for the queries and rows: 8/4/256 L = 8 (16 vectors), 24/4/256 L = 8
+ * (48) with sinks, 32/8/128 (32) strided, 8/2/64 L = 16 (64); B = 3 ragged
+ * at D = 128 with window, softcap, sinks; fewer keys than one stage; no
+ * mask (80 vectors: two blocks per KV head, softcap, sinks, f32 out,
+ * strided); splits (N 3001 - 4100) at 256 and 64; block tables of 16, 24
+ * and 64 tokens; lse (natural and base 2, splits); tree masks where
+ * KVA_CUDA_TREE=1. A second pass with the kernel off
+ * (KVA_CUDA_WG_BF16_MIN_Q=-1) runs the same cases on the narrow / wide
+ * tensor-core kernels. */
+static int wg_case_runs(kva_context *ctx, const att_case *c, const char *want) {
+  char name[256];
+  att_case_str(c, name, sizeof name);
+  att_data hd;
+  dev_data dd;
+  memset(&dd, 0, sizeof dd);
+  int ok = 0;
+  if (att_make(&hd, c) || !dev_make(&dd, &hd))
+    FAIL_("%s: could not build operands", name);
+  else
+    ok = runs_kernel(ctx, &dd, name, want);
+  dev_free(&dd);
+  att_free(&hd);
+  return ok;
+}
+static void wg_float_body(kva_dtype t) {
+  static const att_case wc[] = {
+      {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {1, 32, 8, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {1, 8, 2, 16, 400, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {3, 16, 4, 8, 1001, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {2, 24, 4, 8, 501, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 100, 20.0f, 1, 1, 0},
+      {1, 16, 4, 4, 37, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 1, 0},
+      {1, 40, 2, 4, 300, 128, 128, BF16, F32, 0, 0, 0, BF16, MASK_NONE, 0, 30.0f, 1, 0, 1},
+      {1, 24, 4, 8, 4100, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {2, 16, 4, 8, 3001, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+  };
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } tc[] = {
+      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
+      {{2, 16, 2, 8, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 50, 0, 0, 1, 0}, 16},
+      {{2, 16, 4, 8, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24},
+      {{2, 8, 2, 16, 3000, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+  };
+  static const att_case lc[] = {
+      {1, 24, 4, 8, 1000, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 3000, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {2, 8, 2, 8, 700, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 1, 1, 0},
+  };
+  static const att_case trc[] = {
+      {3, 16, 4, 17, 600, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 100, 0, 0, 1, 0},
+      {2, 16, 4, 33, 700, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 0, 20.0f, 1, 1, 0},
+  };
+  const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
+  const int trees = getenv("KVA_CUDA_TREE") != NULL;
+  for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
+    setenv("KVA_CUDA_WG_BF16_MIN_Q", mins[pass], 1); /* read at context creation */
+    kva_context *ctx;
+    const int made = make_cuda_ctx(&ctx, NULL);
+    unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
+    if (!made) return;
+    att_case c;
+    for (size_t ci = 0; ci < sizeof wc / sizeof wc[0] && !test_failed_flag; ++ci) {
+      c = wc[ci];
+      c.qdt = c.kvdt = t;
+      if (!run_case_want(ctx, &c, NULL, 0, wants[pass])) FAIL_("%s case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof tc / sizeof tc[0] && !test_failed_flag; ++ci) {
+      c = tc[ci].c;
+      c.qdt = c.kvdt = t;
+      if (!run_table_case(ctx, &c, tc[ci].bs, 31 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
+      c = lc[ci];
+      c.qdt = c.kvdt = t;
+      if (!wg_case_runs(ctx, &c, wants[pass]) || !run_lse_case(ctx, &c, ci & 1 ? KVA_LSE_BASE2 : 0))
+        FAIL_("%s lse case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; trees && ci < sizeof trc / sizeof trc[0] && !test_failed_flag; ++ci) {
+      c = trc[ci];
+      c.qdt = c.kvdt = t;
+      int ok = 1;
+      for (int variant = 0; variant < 2 && ok; ++variant) ok = run_case_want(ctx, &c, tree_bits, variant, wants[pass]);
+      if (ok) ok = run_table_case(ctx, &c, ci % 2 ? 16 : 24, 71 + ci, wants[pass]);
+      if (!ok) FAIL_("tree %s case %zu", wants[pass], ci);
+    }
+    kva_context_destroy(ctx);
+  }
+}
+TEST(cuda_bf16_wg_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  wg_float_body(BF16);
+}
+TEST(cuda_f16_wg_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  wg_float_body(F16);
 }
 #endif

@@ -7,7 +7,9 @@
  * without a window, the tree mask (KVA_MASK_TREE: the causal rule on the
  * prefix, each row's bits held in a register pair for the L <= 64 new
  * keys), or no mask (no image segments), softcap, sinks;
- * contiguous or BLOCK_TABLE rows.
+ * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
+ * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
+ * vectors per KV head): "16-bit rows" below.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
@@ -68,7 +70,30 @@
  *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
  *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
- *         conversion. */
+ *         conversion.
+ *
+ * 16-bit rows (bf16, f16; instances kvc_wg_kernel<KVC_BF16 / KVC_F16, D, TBL>):
+ *   the rows are the wgmma operands, so the tiles ARE the stages: a ring of
+ *         NS = KVC_WG_NS(D) slots {K tile, V tile} (3 at D = 256: 32 KB Q
+ *         tile + 192 KB; 4 at 128 and 64), no raw ring, no conversion.
+ *         Shared memory ~227 KB at D = 256, ~147 KB at 128, ~75 KB at 64
+ *         (two blocks per SM).
+ *   copies: warpgroup w copies its own token rows 32 w .. 32 w + 31 of both
+ *         tiles by cp.async (16-byte units straight to unit u ^ (r % 8) of
+ *         row r: kvc_wg_copy_stage), contiguous or through its own ring of
+ *         staged block ids, so the two warpgroups share nothing in the loop
+ *         (the Q tile is written once): warpgroup barriers only.
+ *   dim order: natural (dims 8 u .. 8 u + 7 in unit u) in Q, K and V; output
+ *         column n of chunk c is dim 64 c + n (stored at the end in the q4
+ *         column order, reordered when the warpgroups' states combine).
+ *   pipeline, stage s (each warpgroup): wait for its copies of stage s (NS -
+ *         2 groups left in flight), fence to the async proxy, warpgroup
+ *         barrier; issue S(s); wait for P.V(s - 1), warpgroup barrier, issue
+ *         the copies of stage s + NS - 1 into slot (s - 1) % NS (and the
+ *         block ids of stage s + 2 NS - 2); wait for S(s); softmax (the same
+ *         code as q4); issue P.V(s).
+ *   precision: P rounded to bf16 (f16 rows: f16 wgmma, P in f16), f32 sums;
+ *         q, K and V as given. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 
@@ -102,8 +127,12 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv)
 }
 __host__ __device__ inline int kvc_wg_kt(const kvc_wg_layout &w, int buf) { return w.tile * (1 + 2 * buf); }
 __host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { return w.tile * (2 + 2 * buf); }
-/* dynamic shared memory: the layout plus the base's alignment */
-int kvc_wg_smem(int D, int gk, int gv) { return kvc_wg_layout_of(D, gk, gv).total + 1024; }
+/* dynamic shared memory: the layout plus the base's alignment (16-bit rows,
+ * kvc_wgf_layout_of below: gk, gv unused) */
+static int kvc_wgf_total(int D);
+int kvc_wg_smem(int f, int D, int gk, int gv) {
+  return (kvc_tc_float(f) ? kvc_wgf_total(D) : kvc_wg_layout_of(D, gk, gv).total) + 1024;
+}
 
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
  * bf16 K and V tiles (see the file comment); so: where the stage's scale
@@ -144,10 +173,95 @@ __device__ __forceinline__ void kvc_wg_sync(int wg) {
     asm volatile("bar.sync 2, %0;" ::"n"(KVC_WG_THREADS) : "memory");
 }
 
+/* 16-bit float rows (bf16, f16): the K/V tiles are the stages, a ring of
+ * KVC_WG_NS(D) slots {K tile, V tile} after the Q tile, then each
+ * warpgroup's ring of block-id slots (BLOCK_TABLE views); both warpgroups'
+ * output states, their combination, the final maxima and sums reuse the Q
+ * tile and the ring after the loop. */
+#define KVC_WG_NS(D) ((D) == 256 ? 3 : 4)
+struct kvc_wgf_layout {
+  int tile, qt, ring, stage, ids, ost, ms, ls, mw, total;
+};
+__host__ __device__ inline kvc_wgf_layout kvc_wgf_layout_of(int D) {
+  kvc_wgf_layout w;
+  w.tile = 64 * 2 * D;
+  w.qt = 0;
+  w.ring = w.tile;
+  w.stage = 2 * w.tile;
+  w.ids = w.ring + KVC_WG_NS(D) * w.stage;
+  w.total = w.ids + KVC_WG_WGS * KVC_WG_NS(D) * KVC_TC_IDS * 4;
+  w.ost = 0; /* the Q tile and the ring: three O [64][D + 4] (see the kernel's end) */
+  w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
+  w.ls = w.ms + KVC_WG_QV * 4;
+  w.mw = w.ls + KVC_WG_QV * 4;
+  return w;
+}
+/* Warpgroup wg's token rows 32 wg .. 32 wg + 31 of the stage at t0 (zeros
+ * from t_hi on), by cp.async of 16-byte units straight into the K and V
+ * tiles at shared addresses kt, vt: thread wt copies unit u = wt % (D / 8)
+ * (dims 8 u .. 8 u + 7, natural order) of rows wt / (D / 8) + (1024 / D) k,
+ * to chunk u / 8, unit (u % 8) ^ (r % 8) of tile row r. A warp copies 512
+ * contiguous bytes of a contiguous layout. BLOCK_TABLE rows through the
+ * stage's block ids (ids: landed, from the column of t0 + fo). */
+static int kvc_wgf_total(int D) { return kvc_wgf_layout_of(D).total; }
 template <int D, bool TBL>
+__device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int hk, int fo, int wg, int wt,
+                                                  uint32_t kt, uint32_t vt, long long t0, long long t_hi,
+                                                  const int *ids) {
+  constexpr int UPR = D / 8, PER = 32 * UPR / KVC_WG_THREADS, RS = KVC_WG_THREADS / UPR;
+  const kvc_operand &K = a.k, &V = a.v;
+  const int u = wt % UPR, rr = wt / UPR;
+  const long long jf = TBL ? kvc_table_col(t0 + fo, K.bsz, K.bsh) : 0;
+  const char *kb = K.data + hk * K.ds[1] + 16 * u, *vb = V.data + hk * V.ds[1] + 16 * u;
+  if (!TBL) {
+    kb += b * K.ds[0] + (t0 + 32 * wg + rr) * K.ds[2];
+    vb += b * V.ds[0] + (t0 + 32 * wg + rr) * V.ds[2];
+  }
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int r = 32 * wg + rr + RS * k;
+    const long long t = t0 + r;
+    const bool ok = t < t_hi;
+    const uint32_t d = (u >> 3) * KVC_WG_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    const char *kr = K.data, *vr = V.data; /* rows past t_hi: a valid address, nothing read */
+    if (ok) {
+      if (TBL) {
+        const long long rw = t + fo, j = kvc_table_col(rw, K.bsz, K.bsh);
+        const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, K.bsz, K.nblk);
+        kr = kb + l.outer * K.ds[0] + l.row * K.ds[2];
+        vr = vb + l.outer * V.ds[0] + l.row * V.ds[2];
+      } else {
+        kr = kb + (long long)(RS * k) * K.ds[2];
+        vr = vb + (long long)(RS * k) * V.ds[2];
+      }
+    }
+    kvc_cp_async<16>(kt + d, kr, ok ? 16 : 0);
+    kvc_cp_async<16>(vt + d, vr, ok ? 16 : 0);
+  }
+}
+/* The block ids of the stage at t0 (kvc_tc_id_cols), one per thread wt of a
+ * warpgroup below the column count: by cp.async into the ids slot at shared
+ * address d (the caller's commit group), or loaded and stored at dst. */
+__device__ __forceinline__ void kvc_wg_issue_ids(const kvc_args &a, int b, int fo, long long t0, long long t_hi,
+                                                 uint32_t d, int wt) {
+  long long jf = 0;
+  if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) kvc_cp_async<4>(d + 4 * wt, a.k.tbl + b * a.k.tbl_rs + jf + wt, 4);
+}
+__device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int fo, long long t0, long long t_hi,
+                                                 int *dst, int wt) {
+  long long jf = 0;
+  if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
+}
+
+/* F: KVC_Q4 (raw stages converted into double-buffered tiles) or KVC_BF16 /
+ * KVC_F16 (rows copied into a ring of tiles; f16: f16 wgmma, P in f16); the
+ * S / softmax / P.V loop is the same code for all. */
+template <int F, int D, bool TBL>
 __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) kvc_wg_kernel(const kvc_args a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NC = D / 64, KS = D / 16;
+  constexpr bool FL = kvc_tc_float(F), H = F == KVC_F16; /* 16-bit rows; f16 operands */
+  constexpr int NS = KVC_WG_NS(D);                      /* FL: tile slots of the ring */
   extern __shared__ unsigned char kvc_wg_buf[];
   const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -157,43 +271,76 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
-  const int gk = D / a.k.group, gv = D / a.v.group;
-  const int gk_sh = 31 - __clz(a.k.group), gv_sh = 31 - __clz(a.v.group);
+  const int gk = FL ? 0 : D / a.k.group, gv = FL ? 0 : D / a.v.group;
+  const int gk_sh = FL ? 0 : 31 - __clz(a.k.group), gv_sh = FL ? 0 : 31 - __clz(a.v.group);
   const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
+  const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
+  const int fo = kvc_first_offset(a.k, b), e0 = FL ? 0 : kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
   const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;
 
-  /* prologue: the first KVC_WG_RAW - 1 stages in flight (one commit group each);
-   * BLOCK_TABLE ids as in the narrow kernel (stage x's in slot x % (2 RAW)) */
-  const uint32_t ring = sbase + W.raw;
-  kvc_tc_loader ld = kvc_tc_loader_of<KVC_Q4, D>(a, L, b, hk, t_lo);
   constexpr bool tbl = TBL; /* an instance per layout */
-  int *ids = (int *)(base + W.ids);
-  const uint32_t ids_sh = sbase + W.ids;
-  if (tbl) {
-    if (loads)
-      for (int s = 0; s < KVC_WG_RAW - 1; ++s)
-        kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
-    __syncthreads();
-  }
+  kvc_tc_loader ld;
+  uint32_t ring = 0, ids_sh = 0;
+  int *ids = nullptr;
+  if constexpr (!FL) {
+    /* prologue: the first KVC_WG_RAW - 1 stages in flight (one commit group each);
+     * BLOCK_TABLE ids as in the narrow kernel (stage x's in slot x % (2 RAW)) */
+    ring = sbase + W.raw;
+    ld = kvc_tc_loader_of<KVC_Q4, D>(a, L, b, hk, t_lo);
+    ids = (int *)(base + W.ids);
+    ids_sh = sbase + W.ids;
+    if (tbl) {
+      if (loads)
+        for (int s = 0; s < KVC_WG_RAW - 1; ++s)
+          kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
+      __syncthreads();
+    }
 #pragma unroll
-  for (int s = 0; s < KVC_WG_RAW - 1; ++s) {
-    const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-    if (loads && s < nst) kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
-    if (loads && tbl)
-      kvc_tc_issue_ids(a, b, fo, ts + (long long)(KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                       ids_sh + ((s + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
-    kvc_cp_commit();
+    for (int s = 0; s < KVC_WG_RAW - 1; ++s) {
+      const long long ts = t_lo + (long long)s * KVC_TC_TOK;
+      if (loads && s < nst) kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
+      if (loads && tbl)
+        kvc_tc_issue_ids(a, b, fo, ts + (long long)(KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
+                         ids_sh + ((s + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+      kvc_cp_commit();
+    }
+  } else {
+    /* prologue: the first NS - 1 stages of this warpgroup's rows in flight
+     * (one commit group each), with the block ids of stages NS - 1 .. 2 NS - 3
+     * (stage x's in this warpgroup's slot x % NS; a warpgroup barrier after
+     * each stage: slot reuse) */
+    ring = sbase + WF.ring;
+    ids = (int *)(base + WF.ids) + wg * NS * KVC_TC_IDS;
+    ids_sh = sbase + WF.ids + wg * NS * KVC_TC_IDS * 4;
+    if (tbl) {
+      for (int s = 0; s < NS - 1; ++s)
+        kvc_wg_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS, wt);
+      kvc_wg_sync(wg);
+    }
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+      const long long ts = t_lo + (long long)s * KVC_TC_TOK;
+      if (s < nst)
+        kvc_wg_copy_stage<D, TBL>(a, b, hk, fo, wg, wt, ring + s * WF.stage, ring + s * WF.stage + WF.tile, ts, t_hi,
+                                  ids + s * KVC_TC_IDS);
+      if (tbl) {
+        kvc_wg_issue_ids(a, b, fo, ts + (long long)(NS - 1) * KVC_TC_TOK, t_hi,
+                         ids_sh + ((s + NS - 1) % NS) * KVC_TC_IDS * 4, wt);
+        kvc_wg_sync(wg);
+      }
+      kvc_cp_commit();
+    }
   }
 
   /* the Q tile: row r = query vector q0 + r (zeros past Q), logical unit u of
-   * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7) */
+   * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7)
+   * (q4), in natural order (16-bit rows) */
   for (int u = tid; u < KVC_WG_QV * D / 8; u += KVC_WG_WGS * KVC_WG_THREADS) {
     const int r = u / (D / 8), un = u % (D / 8), qv = q0 + r;
     uint4 o = make_uint4(0u, 0u, 0u, 0u);
@@ -207,8 +354,11 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
         for (int k = 0; k < 4; ++k) w[k] = (uint32_t)qp[2 * k] | ((uint32_t)qp[2 * k + 1] << 16);
       }
-      o = make_uint4(__byte_perm(w[0], w[2], 0x5410), __byte_perm(w[0], w[2], 0x7632), __byte_perm(w[1], w[3], 0x5410),
-                     __byte_perm(w[1], w[3], 0x7632));
+      if constexpr (FL)
+        o = make_uint4(w[0], w[1], w[2], w[3]);
+      else
+        o = make_uint4(__byte_perm(w[0], w[2], 0x5410), __byte_perm(w[0], w[2], 0x7632),
+                       __byte_perm(w[1], w[3], 0x5410), __byte_perm(w[1], w[3], 0x7632));
     }
     *(uint4 *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
   }
@@ -238,7 +388,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
     for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
 
-  if (nst > 0) { /* stage 0 into tile buffer 0 */
+  if (!FL && nst > 0) { /* q4: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
     kvc_cp_wait<KVC_WG_RAW - 2>();
     __syncthreads();
     kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh,
@@ -247,15 +397,25 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
 
-  /* descriptors: the Q tile; this warpgroup's 32 K rows and V rows of each buffer */
+  /* descriptors: the Q tile; this warpgroup's 32 K rows and V rows of each
+   * buffer (q4: buffers 0 and 1; 16-bit rows: ring slot 0, slot i at
+   * + i * stage bytes) */
   const uint64_t dq = kvc_wg_desc(sbase + W.qt, 16, 1024);
-  const uint64_t dk0 = kvc_wg_desc(sbase + kvc_wg_kt(W, 0) + 4096 * wg, 16, 1024),
+  const uint64_t dk0 = kvc_wg_desc(FL ? ring + 4096 * wg : sbase + kvc_wg_kt(W, 0) + 4096 * wg, 16, 1024),
                  dk1 = kvc_wg_desc(sbase + kvc_wg_kt(W, 1) + 4096 * wg, 16, 1024);
-  const uint64_t dv0 = kvc_wg_desc(sbase + kvc_wg_vt(W, 0) + 4096 * wg, KVC_WG_CHUNK, 1024),
+  const uint64_t dv0 = kvc_wg_desc(FL ? ring + WF.tile + 4096 * wg : sbase + kvc_wg_vt(W, 0) + 4096 * wg,
+                                   KVC_WG_CHUNK, 1024),
                  dv1 = kvc_wg_desc(sbase + kvc_wg_vt(W, 1) + 4096 * wg, KVC_WG_CHUNK, 1024);
+  int slot = 0; /* 16-bit rows: stage s's ring slot, s % NS */
   for (int s = 0; s < nst; ++s) {
     const int cb = s & 1;
-    const uint64_t dkc = cb ? dk1 : dk0, dvc = cb ? dv1 : dv0;
+    if constexpr (FL) { /* this warpgroup's rows of stage s landed, visible to the async proxy */
+      kvc_cp_wait<NS - 2>();
+      kvc_fence_proxy_async();
+      kvc_wg_sync(wg);
+    }
+    const uint64_t soff = FL ? (uint64_t)((slot * WF.stage) >> 4) : 0;
+    const uint64_t dkc = FL ? dk0 + soff : cb ? dk1 : dk0, dvc = FL ? dv0 + soff : cb ? dv1 : dv0;
     /* S(s) = Q K^T over this warpgroup's 32 tokens (k-step kk: chunk kk / 4, + 32 (kk % 4) bytes) */
     float sacc[16];
     kvc_wg_fence();
@@ -263,28 +423,45 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     for (int kk = 0; kk < KS; ++kk) {
       const uint64_t off = ((kk >> 2) * KVC_WG_CHUNK + (kk & 3) * 32) >> 4;
       if (kk == 0)
-        kvc_wgmma_ss32<0>(sacc, dq + off, dkc + off);
+        kvc_wgmma_ss32<0, H>(sacc, dq + off, dkc + off);
       else
-        kvc_wgmma_ss32<1>(sacc, dq + off, dkc + off);
+        kvc_wgmma_ss32<1, H>(sacc, dq + off, dkc + off);
     }
     kvc_wg_commit();
-    { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
-      const int sn = s + KVC_WG_RAW - 1;
-      if (loads && sn < nst)
-        kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
-                                     t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % (2 * KVC_WG_RAW)) * KVC_TC_IDS);
-      if (loads && tbl)
-        kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                         ids_sh + ((sn + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+    if constexpr (FL) {
+      /* the copies of stage s + NS - 1 into slot (s - 1) % NS once P.V(s - 1),
+       * its last reader, is done (and the block ids of stage s + 2 NS - 2) */
+      const int sn = s + NS - 1, sl = slot == 0 ? NS - 1 : slot - 1;
+      if (sn < nst) { /* (the wait here, not before the branch: an unconditional one made ptxas serialize the wgmmas) */
+        kvc_wg_wait<1>();
+        kvc_wg_sync(wg); /* every warp's share of P.V(s - 1) done */
+        kvc_wg_copy_stage<D, TBL>(a, b, hk, fo, wg, wt, ring + sl * WF.stage, ring + sl * WF.stage + WF.tile,
+                                  t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % NS) * KVC_TC_IDS);
+      }
+      if (tbl)
+        kvc_wg_issue_ids(a, b, fo, t_lo + (long long)(sn + NS - 1) * KVC_TC_TOK, t_hi,
+                         ids_sh + ((sn + NS - 1) % NS) * KVC_TC_IDS * 4, wt);
       kvc_cp_commit();
-    }
-    if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-      kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-      __syncthreads();               /* visible to both; every slot's earlier conversions done */
-      kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
-      kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
-                        base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh,
-                        kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
+      slot = slot + 1 == NS ? 0 : slot + 1;
+    } else {
+      { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
+        const int sn = s + KVC_WG_RAW - 1;
+        if (loads && sn < nst)
+          kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
+                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % (2 * KVC_WG_RAW)) * KVC_TC_IDS);
+        if (loads && tbl)
+          kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
+                           ids_sh + ((sn + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+        kvc_cp_commit();
+      }
+      if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
+        kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+        __syncthreads();               /* visible to both; every slot's earlier conversions done */
+        kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
+        kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
+                          base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh,
+                          kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
+      }
     }
     kvc_wg_wait<0>();
     kvc_wg_fence_regs(sacc);
@@ -349,8 +526,9 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
           oacc[c][4 * j + 2] *= corr[1];
           oacc[c][4 * j + 3] *= corr[1];
         }
-    /* P in bf16 as the A fragments of the 2 P.V k-steps: a[2 h + r] = tokens
-     * 16 kq + 8 h + 2 t4, + 1 of row r; l sums the rounded values */
+    /* P in bf16 (f16 rows: f16) as the A fragments of the 2 P.V k-steps:
+     * a[2 h + r] = tokens 16 kq + 8 h + 2 t4, + 1 of row r; l sums the
+     * rounded values */
     uint32_t pa[2][4];
 #pragma unroll
     for (int kq = 0; kq < 2; ++kq)
@@ -362,8 +540,14 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
           const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
           const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
           const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
-          const uint32_t pk = kvc_bf16x2_of(p0, p1);
-          l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
+          uint32_t pk;
+          if constexpr (H) {
+            pk = kvc_f16x2_of(p0, p1);
+            l[r] += kvc_f16_lo(pk) + kvc_f16_lo(pk >> 16);
+          } else {
+            pk = kvc_bf16x2_of(p0, p1);
+            l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
+          }
           pa[kq][2 * h + r] = pk;
         }
     /* O += P V (k-step kq: this warpgroup's V rows 16 kq .., chunk c) */
@@ -372,13 +556,15 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     for (int kq = 0; kq < 2; ++kq)
 #pragma unroll
       for (int c = 0; c < NC; ++c)
-        kvc_wgmma_rs(oacc[c], pa[kq], dvc + ((c * KVC_WG_CHUNK + kq * 2048) >> 4));
+        kvc_wgmma_rs<H>(oacc[c], pa[kq], dvc + ((c * KVC_WG_CHUNK + kq * 2048) >> 4));
     kvc_wg_commit();
-    /* this warpgroup's conversion of stage s + 1 published to the async proxy
-     * (the fence waits for its stores: placed here, after the softmax, it
-     * finds them done) */
-    kvc_fence_proxy_async();
-    kvc_wg_sync(wg);
+    if constexpr (!FL) {
+      /* this warpgroup's conversion of stage s + 1 published to the async proxy
+       * (the fence waits for its stores: placed here, after the softmax, it
+       * finds them done) */
+      kvc_fence_proxy_async();
+      kvc_wg_sync(wg);
+    }
   }
   kvc_wg_wait<0>();
 #pragma unroll
@@ -392,13 +578,20 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   }
   __syncthreads(); /* every warp done with the tiles and the ring */
   /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
-   * each (padded: no bank conflicts), column n of chunk c to dim 64 c + 8 j +
-   * t4 + 4 (n % 2); then combined into warpgroup 0's */
+   * each (padded: no bank conflicts), accumulator (c, j, e) of lane (g, t4)
+   * at column 64 c + 8 j + t4 + 4 (e & 1). q4 (V in pair order): that column
+   * is its dim; combined into warpgroup 0's. 16-bit rows (V in dim order):
+   * the accumulator is dim 64 c + 8 j + 2 t4 + (e & 1), so dim d sits at
+   * column dc(d); combined into a third O in dim order (stores in dim order
+   * made ptxas serialize the loop's wgmmas: C7515) */
   constexpr int OLD = D + 4;
-  float *ost = (float *)(base + kvc_wg_kt(W, 0)), *ms = (float *)(base + W.ms), *ls = (float *)(base + W.ls);
-  float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + W.mw);
+  float *ost = (float *)(base + (FL ? WF.ost : kvc_wg_kt(W, 0))), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
+        *ls = (float *)(base + (FL ? WF.ls : W.ls));
+  float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + (FL ? WF.mw : W.mw));
   static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 <= 4 * 64 * 2 * D + KVC_WG_RAW * 64 * (D / 2 + KVC_TC_ROWPAD),
                 "the tiles and the ring hold both warpgroups' outputs");
+  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= (1 + 2 * KVC_WG_NS(D)) * 64 * 2 * D,
+                "16-bit rows: the Q tile and the ring hold three outputs, the maxima and sums");
 #pragma unroll
   for (int c = 0; c < NC; ++c)
 #pragma unroll
@@ -414,18 +607,20 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     }
   __syncthreads();
   const int nq = min(KVC_WG_QV, Q - q0);
+  float *fin = FL ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
   for (int i = tid; i < nq * D; i += KVC_WG_WGS * KVC_WG_THREADS) {
     const int v = i / D, d = i % D;
     float mn, f0, f1;
     kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
-    ost[v * OLD + d] = ost[v * OLD + d] * f0 + ost[(KVC_WG_QV + v) * OLD + d] * f1;
+    const int dc = FL ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
+    fin[v * OLD + d] = ost[v * OLD + dc] * f0 + ost[(KVC_WG_QV + v) * OLD + dc] * f1;
     if (d == 0) {
       ms[v] = mn;
       ls[v] = mw[2 * KVC_WG_QV + v] * f0 + mw[3 * KVC_WG_QV + v] * f1;
     }
   }
   __syncthreads();
-  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, ost, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
+  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, fin, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
 #else
   __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
 #endif
@@ -460,28 +655,35 @@ static int kvc_wg_compiled(void) {
 
 /* The dynamic shared memory limit of an instance, set to the opt-in maximum
  * (every layout fits under it or is not selected). */
-template <int D, bool T> static cudaError_t kvc_wg_prepare(void) {
-  return cudaFuncSetAttribute(kvc_wg_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_TC_SMEM_MAX);
+template <int F, int D, bool T> static cudaError_t kvc_wg_prepare(void) {
+  return cudaFuncSetAttribute(kvc_wg_kernel<F, D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_TC_SMEM_MAX);
 }
-/* (head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
-#define KVC_WG_INSTANCES(X) X(64, false) X(64, true) X(128, false) X(128, true) X(256, false) X(256, true)
+/* (rows, head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
+#define KVC_WG_INSTANCES_F(X, F) X(F, 64, false) X(F, 64, true) X(F, 128, false) X(F, 128, true) X(F, 256, false) X(F, 256, true)
+#define KVC_WG_INSTANCES(X) KVC_WG_INSTANCES_F(X, KVC_Q4) KVC_WG_INSTANCES_F(X, KVC_BF16) KVC_WG_INSTANCES_F(X, KVC_F16)
 
 /* Both layouts' instances get the limit; their residency is the same (one
  * block per SM: shared memory at D = 256, registers at 128; two at 64). */
-template <int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) {
-  cudaError_t e = kvc_wg_prepare<D, false>();
-  if (e == cudaSuccess) e = kvc_wg_prepare<D, true>();
+template <int F, int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) {
+  cudaError_t e = kvc_wg_prepare<F, D, false>();
+  if (e == cudaSuccess) e = kvc_wg_prepare<F, D, true>();
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kvc_wg_kernel<D, false>, KVC_WG_WGS * KVC_WG_THREADS, smem);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kvc_wg_kernel<F, D, false>, KVC_WG_WGS * KVC_WG_THREADS, smem);
   return e;
 }
-int kvc_wg_occupancy(int D, int smem) {
+template <int F> static cudaError_t kvc_wg_occupancy_f(int D, int *n, int smem) {
+  return D == 64    ? kvc_wg_occupancy_d<F, 64>(n, smem)
+         : D == 128 ? kvc_wg_occupancy_d<F, 128>(n, smem)
+         : D == 256 ? kvc_wg_occupancy_d<F, 256>(n, smem)
+                    : cudaErrorInvalidValue;
+}
+int kvc_wg_occupancy(int f, int D, int smem) {
   int n = 0;
   if (!kvc_wg_compiled()) return 0;
-  const cudaError_t e = D == 64    ? kvc_wg_occupancy_d<64>(&n, smem)
-                        : D == 128 ? kvc_wg_occupancy_d<128>(&n, smem)
-                        : D == 256 ? kvc_wg_occupancy_d<256>(&n, smem)
-                                   : cudaErrorInvalidValue;
+  const cudaError_t e = f == KVC_Q4     ? kvc_wg_occupancy_f<KVC_Q4>(D, &n, smem)
+                        : f == KVC_BF16 ? kvc_wg_occupancy_f<KVC_BF16>(D, &n, smem)
+                        : f == KVC_F16  ? kvc_wg_occupancy_f<KVC_F16>(D, &n, smem)
+                                        : cudaErrorInvalidValue;
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -491,17 +693,19 @@ int kvc_wg_occupancy(int D, int smem) {
 
 int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
-  const int smem = kvc_wg_smem(a.Dk, a.Dk / a.k.group, a.Dv / a.v.group);
+  const bool fl = kvc_tc_float(plan.fmt);
+  const int smem = kvc_wg_smem(plan.fmt, a.Dk, fl ? 0 : a.Dk / a.k.group, fl ? 0 : a.Dv / a.v.group);
   cudaError_t e = cudaErrorInvalidValue;
-#define KVC_CASE(D_, T_)                                                                           \
-  if (a.Dk == D_ && (a.k.tbl != nullptr) == T_) {                                                  \
-    kvc_wg_kernel<D_, T_><<<grid, KVC_WG_WGS * KVC_WG_THREADS, smem, stream>>>(a);                 \
+#define KVC_CASE(F_, D_, T_)                                                                       \
+  if (plan.fmt == F_ && a.Dk == D_ && (a.k.tbl != nullptr) == T_) {                                \
+    kvc_wg_kernel<F_, D_, T_><<<grid, KVC_WG_WGS * KVC_WG_THREADS, smem, stream>>>(a);             \
     e = cudaGetLastError();                                                                        \
   }
   KVC_WG_INSTANCES(KVC_CASE)
 #undef KVC_CASE
   if (e != cudaSuccess)
-    return kva_seterr(KVA_ECUDA, "q4 warpgroup verify kernel (D = %d, %d query vectors): %s", a.Dk, a.rep * a.L,
+    return kva_seterr(KVA_ECUDA, "%s warpgroup verify kernel (D = %d, %d query vectors): %s",
+                      plan.fmt == KVC_BF16 ? "bf16" : plan.fmt == KVC_F16 ? "f16" : "q4", a.Dk, a.rep * a.L,
                       cudaGetErrorString(e));
   return 0;
 }

@@ -36,6 +36,10 @@
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never); at 16 vectors the
                                         narrow kernel is faster on long caches (H200, L = 8) */
+#define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 / 256 on the
+                                        warpgroup kernel from this many query vectors per KV head (sm_90 only; the
+                                        environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context for both,
+                                        < 0: never): not yet measured against the narrow / wide kernels */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance); at 2 vectors the fused
                                         kernel reads at the copy bandwidth (H200) */
@@ -60,7 +64,9 @@ struct kvc_state {
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
   int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
-  int wg_occupancy[3], wg_smem[3];      /* its resident blocks per SM by [head dim 128, 256, 64], for that shared memory */
+  int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
+  int wg_occupancy[3][3], wg_smem[3][3]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64], for
+                                            that shared memory */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -117,6 +123,9 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   if (st->tcd_max_q < 8) st->tcd_max_q = 8;
   ev = getenv("KVA_CUDA_WG_MIN_Q"); /* tuning and tests: see KVC_WG_MIN_Q */
   st->wg_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_MIN_Q) : -1;
+  ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
+  st->wg_float_min_q =
+      st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
   ctx->cuda = st;
   return 0;
 }
@@ -413,25 +422,30 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                     KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
-  if (di >= 0 && tcf == KVC_Q4 && p->Dk <= 256 && st && st->wg_min_q >= 0 && Q >= st->wg_min_q &&
-      p->mask.kind != KVA_MASK_ARRAY && !p->mask.segments.data) {
-    /* q4 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree without image
-     * segments, or no mask:
-     * the warpgroup kernel (wgmma on bf16 tiles converted once per element;
-     * 64 query vectors per block) when its shared memory fits */
-    const int smem = kvc_wg_smem((int)p->Dk, (int)(p->Dk / kv->k.group_size), (int)(p->Dv / kv->v.group_size));
-    const int wi = p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2;
+  const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16;
+  const int wg_min = !st ? -1 : wg_float ? st->wg_float_min_q : tcf == KVC_Q4 ? st->wg_min_q : -1;
+  if (di >= 0 && p->Dk <= 256 && wg_min >= 0 && Q >= wg_min && p->mask.kind != KVA_MASK_ARRAY &&
+      !p->mask.segments.data) {
+    /* q4, bf16 and f16 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree
+     * without image segments, or no mask:
+     * the warpgroup kernel (wgmma on bf16 tiles converted once per element
+     * from q4, or the 16-bit rows copied into the tiles; 64 query vectors
+     * per block) when its shared memory fits */
+    const int smem = wg_float ? kvc_wg_smem(tcf, (int)p->Dk, 0, 0)
+                              : kvc_wg_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
+                                            (int)(p->Dv / kv->v.group_size));
+    const int wi = p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2, wf = tcf == KVC_BF16 ? 1 : tcf == KVC_F16 ? 2 : 0;
     if (smem <= KVC_TC_SMEM_MAX) {
-      if (st->wg_smem[wi] != smem) {
-        st->wg_occupancy[wi] = kvc_wg_occupancy((int)p->Dk, smem);
-        st->wg_smem[wi] = smem;
+      if (st->wg_smem[wf][wi] != smem) {
+        st->wg_occupancy[wf][wi] = kvc_wg_occupancy(tcf, (int)p->Dk, smem);
+        st->wg_smem[wf][wi] = smem;
       }
-      if (st->wg_occupancy[wi] > 0) {
-        pl.fmt = KVC_Q4;
+      if (st->wg_occupancy[wf][wi] > 0) {
+        pl.fmt = tcf;
         pl.tc = 3;
         pl.QW = 64;
         pl.qtiles = (Q + pl.QW - 1) / pl.QW;
-        kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * st->wg_occupancy[wi], KVC_TC_STEP,
+        kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * st->wg_occupancy[wf][wi], KVC_TC_STEP,
                         KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
         return pl;
       }
@@ -518,11 +532,11 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
  *   vector and group); q4 narrow: V dequantized to bf16; q8 narrow and
  *   per-warp q4: P times the V scale in bf16, the codes exact;
  * - the 32- and 48-vector instances and the warpgroup kernel: K and V
- *   dequantized to bf16. */
+ *   dequantized to bf16 (the warpgroup kernel over 16-bit rows: P only). */
 static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
   if (pl.tc == 2) return pl.QW > 8 ? "[q int8, P bf16]" : "[q int15, P bf16]";
-  if (pl.tc == 3) return "[K,V,P bf16]";
+  if (pl.tc == 3) return pl.fmt == KVC_BF16 ? "[P bf16]" : pl.fmt == KVC_F16 ? "[P f16]" : "[K,V,P bf16]";
   if (pl.fmt == KVC_BF16) return "[P bf16]";
   if (pl.fmt == KVC_F16) return "[P f16]";
   if (pl.QW == 8) return pl.fmt == KVC_Q4 ? "[q int15, V,P bf16]" : "[q int15, P bf16]";
@@ -538,8 +552,8 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel %s", r);
   else if (pl.tc == 3)
-    snprintf(name, size, "cuda q4 tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s %s",
-             pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
+    snprintf(name, size, "cuda %s tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s %s",
+             fmts[pl.fmt], pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc == 2)
     snprintf(name, size, "cuda q4 tensor-core kernel: per-warp, %d query vectors, group compiled in, %d split%s %s",
              (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s", r);

@@ -29,7 +29,7 @@ struct kvc_plan {
   int nsplit;
   long long chunk;
   int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one;
-                    2: the per-warp q4 decode kernel (attn_tcd.cu); 3: the warpgroup q4 verify kernel (attn_wg.cu) */
+                    2: the per-warp q4 decode kernel (attn_tcd.cu); 3: the warpgroup verify kernel (attn_wg.cu; fmt KVC_Q4, KVC_BF16 or KVC_F16) */
   int group;     /* tensor-core: the K/V group size compiled into the instance (KVC_TC_GROUP), 0 = read at run time */
 };
 
@@ -77,11 +77,12 @@ int kvc_tcd_smem(int D);
 int kvc_tcd_gpt(int D, int q);
 int kvc_tcd_hi(int q);
 int kvc_tcd_occupancy(int D, int gpt, int hi, int tbl);
-/* The warpgroup (wgmma) q4 verify kernel (attn_wg.cu, sm_90a): its dynamic
- * shared memory at head dim D with gk / gv groups per K / V row; resident
- * blocks per SM for that shared memory (0: none). */
-int kvc_wg_smem(int D, int gk, int gv);
-int kvc_wg_occupancy(int D, int smem);
+/* The warpgroup (wgmma) verify kernel (attn_wg.cu, sm_90a) for rows f
+ * (KVC_Q4, KVC_BF16, KVC_F16): its dynamic shared memory at head dim D with
+ * gk / gv groups per K / V row (q4); resident blocks per SM for that shared
+ * memory (0: none). */
+int kvc_wg_smem(int f, int D, int gk, int gv);
+int kvc_wg_occupancy(int f, int D, int smem);
 int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 /* The fused kernel's launcher for one format (attn_fused.cuh; instances in
  * attn_fused_float.cu and attn_fused_quant.cu). */

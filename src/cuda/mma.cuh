@@ -1,6 +1,6 @@
 /* PTX wrappers and bit constants shared by the tensor-core kernels
  * (attn_tc.cu, attn_tcd.cu, attn_wg.cu): mma.sync on bf16 / f16 / 8-bit
- * operands, Hopper's wgmma, bf16x2 arithmetic, cp.async into shared memory.
+ * operands, Hopper's wgmma (bf16 / f16), bf16x2 arithmetic, cp.async into shared memory.
  * No kernels here. */
 #ifndef KVA_CUDA_MMA_CUH
 #define KVA_CUDA_MMA_CUH
@@ -109,21 +109,44 @@ template <int N> __device__ __forceinline__ void kvc_wg_fence_regs(float (&d)[N]
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 /* d (64 x 32, f32; per warp the lane layout of mma.m16n8, 4 n-tiles) = a b^T
- * (+ d when ACC): a 64 x 16 and b 32 x 16, both bf16 K-major tiles in shared
- * memory (descriptors). */
-template <int ACC> __device__ __forceinline__ void kvc_wgmma_ss32(float (&d)[16], uint64_t da, uint64_t db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(da), "l"(db), "n"(ACC));
+ * (+ d when ACC): a 64 x 16 and b 32 x 16, both bf16 (H: f16) K-major tiles
+ * in shared memory (descriptors). */
+#define KVC_WGMMA_SS32(T)                                                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+               : "l"(da), "l"(db), "n"(ACC))
+template <int ACC, bool H = false> __device__ __forceinline__ void kvc_wgmma_ss32(float (&d)[16], uint64_t da, uint64_t db) {
+  if constexpr (H)
+    KVC_WGMMA_SS32("f16");
+  else
+    KVC_WGMMA_SS32("bf16");
 }
-/* d (64 x 64, f32) += a b: a 64 x 16 bf16 from registers (the mma.m16n8k16 A
- * fragment of each warp's 16 rows), b 16 x 64 bf16 N-major in shared memory
- * (descriptor; transposed operand). */
-__device__ __forceinline__ void kvc_wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+#undef KVC_WGMMA_SS32
+/* d (64 x 64, f32) += a b: a 64 x 16 bf16 (H: f16) from registers (the
+ * mma.m16n8k16 A fragment of each warp's 16 rows), b 16 x 64 of the same
+ * type N-major in shared memory (descriptor; transposed operand). */
+#define KVC_WGMMA_RS(T)                                                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1))
+template <bool H = false> __device__ __forceinline__ void kvc_wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (H)
+    KVC_WGMMA_RS("f16");
+  else
+    KVC_WGMMA_RS("bf16");
+}
+#undef KVC_WGMMA_RS
+/* f16x2 of (lo, hi), each rounded to nearest even; an f16 (low 16 bits) as f32. */
+__device__ __forceinline__ uint32_t kvc_f16x2_of(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+__device__ __forceinline__ float kvc_f16_lo(uint32_t x) {
+  float f;
+  asm("{\n.reg .b16 h, u;\nmov.b32 {h, u}, %1;\ncvt.f32.f16 %0, h;\n}" : "=f"(f) : "r"(x));
+  return f;
 }
 #endif
