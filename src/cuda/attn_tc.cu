@@ -6,8 +6,15 @@
  * mma operands, no dequantization, no scale rows; 2 ring slots of 64 rows x
  * 2 D bytes per operand), or 8-bit K/V with bf16 scales (KVC_Q8: in this
  * narrow kernel the decode instance only, D 128/256, each warp's V dims
- * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8).
- * Quantized formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
+ * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8),
+ * or fp8 K/V (KVC_E4M3, KVC_E5M2: D code bytes a row and its f32 scale,
+ * one 4-byte cp.async per row and operand, none without scales; decode
+ * instance and wide kernel): K and V fragments converted in registers as
+ * they are read, two codes per cvt.rn.f16x2.{e4m3x2,e5m2x2} (exact), to
+ * f32, times the row's scale, rounded once to bf16 ("[K,V,P bf16]", the
+ * q4/q8 wide instances' contract); fragments in the q8 dim order (S) and
+ * the bf16 rows' dim pairs (P.V, one PRMT pairing two tokens' bytes).
+ * Quantized and fp8 formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
  * 512 for the q4 decode instance: 2 blocks per SM, 16 V codes per lane),
  * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split
  * over token blocks like the fused kernel and merged by the same merge
@@ -894,7 +901,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
  *         tokens as N: warp w takes tokens 8w..8w+7 of the stage, so each K
  *         element is dequantized by one lane of one warp (q4: LOP3 magic +
  *         two bf16x2 FMAs per pair; q8: byte to f32, scale * code + bias,
- *         rounded to bf16; bf16: the row words are the B fragments).
+ *         rounded to bf16; fp8: two codes per cvt to f16, times the row
+ *         scale in f32, rounded to bf16; bf16: the row words are the B
+ *         fragments).
  *         The query A fragments sit in shared memory in the dim order the K
  *         words yield (16 B per lane, k-step and m-tile).
  *   softmax: per query, the max over the warp's 8 tokens by two shuffles,

@@ -17,7 +17,7 @@ __host__ __device__ constexpr bool kvc_tc_float(int f) { return f == KVC_BF16 ||
  * (kvc_operand: strides 0 for one shared scale; scales NULL: none, scale 1,
  * nothing staged), no bias rows. */
 __host__ __device__ constexpr bool kvc_tc_fp8(int f) { return f == KVC_E4M3 || f == KVC_E5M2; }
-/* 16-bit pieces per row: D bytes of fp8 or q8 codes, D / 2 of q4, 2 D of bf16 / f16 */
+/* 16-byte pieces per row: D bytes of fp8 or q8 codes, D / 2 of q4, 2 D of bf16 / f16 */
 __host__ __device__ constexpr int kvc_tc_cpr(int f, int D) {
   return kvc_tc_float(f) ? D / 8 : f == KVC_Q8 || kvc_tc_fp8(f) ? D / 16 : D / 32;
 }
