@@ -383,7 +383,7 @@ int kva_hadamard_dim_supported(int64_t D);
  * applied to q.codes and to p in f32, "[exact f32]"; on CUDA, bf16 queries
  * over fp8 rows at head dims 64 / 128 / 256 (Dk = Dv, rows 16-byte
  * aligned) run on tensor cores instead, K and V as bf16 of scale * code
- * (the code exact, times the f32 row scale, rounded once), "[K,V,P bf16]".
+ * (the code exact, times the f32 row scale in f32, rounded to bf16), "[K,V,P bf16]".
  * The other kernels are "[exact f32]";
  * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array

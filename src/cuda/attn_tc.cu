@@ -11,7 +11,7 @@
  * one 4-byte cp.async per row and operand, none without scales; decode
  * instance and wide kernel): K and V fragments converted in registers as
  * they are read, two codes per cvt.rn.f16x2.{e4m3x2,e5m2x2} (exact), to
- * f32, times the row's scale, rounded once to bf16 ("[K,V,P bf16]", the
+ * f32, times the row's scale in f32, rounded to bf16 ("[K,V,P bf16]", the
  * q4/q8 wide instances' contract); fragments in the q8 dim order (S) and
  * the bf16 rows' dim pairs (P.V, one PRMT pairing two tokens' bytes).
  * Quantized and fp8 formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
     else if (FP8) {
       /* fp8 K rows: word 4 kk + tq of rows r0, r1 holds dims 16 kk + 4 tq .. + 3
        * (k columns 2 tq, + 1 and 2 tq + 8, + 9: the q8 order of the query
-       * fragments), to bf16 times the row's scale, one rounding */
+       * fragments), times the row's scale in f32, rounded to bf16 */
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
       const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;

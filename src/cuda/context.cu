@@ -532,7 +532,7 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
  * - the 32- and 48-vector instances and the warpgroup kernel: K and V
  *   dequantized to bf16;
  * - fp8 rows (decode and wide instances): K and V as bf16 of scale * code
- *   (code exact in f16, times the f32 row scale, rounded once). */
+ *   (code exact in f16, times the f32 row scale in f32, then rounded to bf16). */
 static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
   if (pl.tc == 2) return pl.QW > 8 ? "[q int8, P bf16]" : "[q int15, P bf16]";
