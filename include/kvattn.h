@@ -380,7 +380,10 @@ int kva_hadamard_dim_supported(int64_t D);
  * fp8 K/V rows (kva_kv_fp8) run the CPU fused vector kernel (not AMX) and
  * the CUDA fused kernel's fp8 instances (decode and verify up to 16 rows),
  * else the general kernels: codes converted to f32 exactly, the row's scale
- * applied to q.codes and to p in f32, "[exact f32]".
+ * applied to q.codes and to p in f32, "[exact f32]"; on CUDA, bf16 queries
+ * over fp8 rows at head dims 64 / 128 / 256 (Dk = Dv, rows 16-byte
+ * aligned) run on tensor cores instead, K and V as bf16 of scale * code
+ * (the code exact, times the f32 row scale in f32, rounded to bf16), "[K,V,P bf16]".
  * The other kernels are "[exact f32]";
  * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array

@@ -1688,43 +1688,78 @@ done:
 /* ------------------------------------------------------------------ fp8 */
 #define E4 KVA_F8E4M3
 #define E5 KVA_F8E5M2
+#define DEC4_ "f8e4m3 tensor-core kernel: decode instance"
+#define DEC5_ "f8e5m2 tensor-core kernel: decode instance"
+#define W4_ "f8e4m3 tensor-core kernel: wide (8 warps)"
+#define W5_ "f8e5m2 tensor-core kernel: wide (8 warps)"
+#define F4_ "f8e4m3 fused"
+#define F5_ "f8e5m2 fused"
 /* fp8 K/V (kvattn.h: e4m3 / e5m2 rows, f32 scales per (token, head), one
- * shared scale, or none): the fused kernel's fp8 instances (decode and
- * verify up to 16 rows, GQA, masks, softcap, sinks, ragged, strided) and the
- * general kernel (array masks, long L), each asserted by its name, against
- * the oracle at "[exact f32]" (the row scale applied to q . codes and to p:
- * f32 rounding only), random and probe queries, NaN codes in the rows no
- * query sees. */
+ * shared scale, or none), each case twice: as it runs by default (want:
+ * bf16 queries over 16-byte aligned rows at head dims 64-256 the
+ * tensor-core kernels, "[K,V,P bf16]", at the bf16 allowance; else the
+ * fused or general kernel) and with KVA_ATTN_EXACT (exact: the fused
+ * kernel's fp8 instances (decode and verify up to 16 rows, GQA, masks,
+ * softcap, sinks, ragged, strided) and the general kernel (array masks,
+ * long L) at "[exact f32]": the row scale applied to q . codes and to p,
+ * f32 rounding only), each asserted by its name, against the oracle, random
+ * and probe queries, NaN codes in the rows no query sees. Then cases for
+ * the tensor-core kernels alone (fp8_tc_cases). */
+static const struct {
+  att_case c;
+  const char *want, *exact;
+} fp8_cases[] = {
+    {{1, 8, 4, 1, 1, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC4_, F4_},
+    {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC4_, F4_},
+    {{1, 8, 4, 1, 3001, 256, 256, BF16, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_CAUSAL, 0, 0, 0, 0, 1}, F5_, F5_},
+    {{2, 32, 8, 1, 1000, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 1, 0}, DEC4_, F4_},
+    {{1, 24, 4, 1, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC5_, F5_},
+    {{1, 4, 2, 1, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_NONE, 0, 0, 0, 0, 1}, F4_, F4_},
+    {{1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, F5_, F5_},
+    {{1, 4, 2, 1, 200, 512, 512, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, F4_, F4_},
+    {{1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, F4_, F4_},
+    {{1, 8, 4, 3, 500, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC4_, F4_},
+    {{1, 8, 4, 8, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, W4_, F4_},
+    {{2, 32, 8, 8, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 1}, F5_, F5_},
+    {{1, 8, 8, 16, 600, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 1}, F4_, F4_},
+    {{1, 8, 4, 16, 40, 128, 128, BF16, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, W5_, F5_},
+    {{3, 8, 4, 1, 1000, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 100, 0, 0, 1, 0}, F4_, F4_},
+    {{1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_WINDOW, 5, 0, 0, 0, 0}, F5_, F5_},
+    {{1, 8, 2, 4, 60, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_SEG, 0, 20.0f, 0, 0, 0}, W4_, F4_},
+    {{1, 8, 4, 1, 500, 256, 256, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 30.0f, 1, 0, 0}, F4_, F4_},
+    {{2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, F5_, F5_},
+    {{2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_BOOL, 0, 0, 0, 1, 0}, "general", "general"},
+    {{1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "general", "general"},
+};
+
+/* The tensor-core kernels' fp8 instances: the decode instance (up to 8
+ * query vectors per KV head) and the wide kernel (9 and more), head dims
+ * 64 / 128 / 256, e4m3 and e5m2, per-row / shared / no scales, windows,
+ * softcap, sinks, ragged lengths, splits (long N, full runs only). */
 static const struct {
   att_case c;
   const char *want;
-} fp8_cases[] = {
-    {{1, 8, 4, 1, 1, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 1, 3001, 256, 256, BF16, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f8e5m2 fused"},
-    {{2, 32, 8, 1, 1000, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 1, 0}, "f8e4m3 fused"},
-    {{1, 24, 4, 1, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
-    {{1, 4, 2, 1, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_NONE, 0, 0, 0, 0, 1}, "f8e4m3 fused"},
-    {{1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
-    {{1, 4, 2, 1, 200, 512, 512, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 3, 500, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 8, 2000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e4m3 fused"},
-    {{2, 32, 8, 8, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 1}, "f8e5m2 fused"},
-    {{1, 8, 8, 16, 600, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f8e4m3 fused"},
-    {{1, 8, 4, 16, 40, 128, 128, BF16, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f8e5m2 fused"},
-    {{3, 8, 4, 1, 1000, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 100, 0, 0, 1, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 8, 700, 128, 128, F32, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_WINDOW, 5, 0, 0, 0, 0}, "f8e5m2 fused"},
-    {{1, 8, 2, 4, 60, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_SEG, 0, 20.0f, 0, 0, 0}, "f8e4m3 fused"},
-    {{1, 8, 4, 1, 500, 256, 256, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 30.0f, 1, 0, 0}, "f8e4m3 fused"},
-    {{2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, "f8e5m2 fused"},
-    {{2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_BOOL, 0, 0, 0, 1, 0}, "general"},
-    {{1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "general"},
+} fp8_tc_cases[] = {
+    {{1, 8, 4, 1, 1000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC4_},
+    {{1, 24, 4, 8, 1000, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, W4_},
+    {{4, 32, 8, 1, 900, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, DEC5_},
+    {{2, 8, 4, 1, 700, 64, 64, BF16, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 100, 0, 1, 1, 0}, DEC4_},
+    {{1, 8, 2, 3, 600, 64, 64, BF16, BF16, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, W5_},
+    {{2, 16, 4, 4, 800, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 150, 20.0f, 1, 1, 0}, W4_},
+    {{1, 8, 4, 2, 999, 256, 256, BF16, F32, 0, 0, ATT_FP8_TENSOR, E5, MASK_CAUSAL, 0, 30.0f, 0, 0, 0}, DEC5_},
+    {{1, 8, 8, 1, 500, 128, 128, BF16, BF16, 0, 0, ATT_FP8_NONE, E4, MASK_NONE, 0, 0, 0, 0, 0}, DEC4_},
+    {{1, 32, 8, 1, 1, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 0, 0}, DEC5_},
+    {{3, 16, 4, 1, 777, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, DEC5_},
+    {{2, 8, 2, 6, 640, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E4, MASK_WINDOW, 33, 0, 0, 1, 0}, W4_},
+    {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, DEC5_},
+    {{2, 24, 4, 8, 2500, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, W5_},
+    {{1, 16, 2, 5, 4100, 64, 64, BF16, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, W4_},
 };
 
+/* variant 1: KVA_ATTN_EXACT */
 static void fp8_plant_unseen(att_data *d, int variant) {
-  (void)variant;
   att_plant_unseen(d);
+  if (variant) d->params.flags |= KVA_ATTN_EXACT;
 }
 
 TEST(cuda_fp8_vs_oracle) {
@@ -1738,8 +1773,20 @@ TEST(cuda_fp8_vs_oracle) {
     att_case_str(c, name, sizeof name);
     printf("  case %2zu %s\n", ci, name);
     fflush(stdout);
-    if (!run_case_want(ctx, c, fp8_plant_unseen, 0, fp8_cases[ci].want)) break;
+    if (!run_case_want(ctx, c, fp8_plant_unseen, 0, fp8_cases[ci].want) ||
+        !run_case_want(ctx, c, fp8_plant_unseen, 1, fp8_cases[ci].exact))
+      goto done;
   }
+  for (size_t ci = 0; ci < sizeof fp8_tc_cases / sizeof fp8_tc_cases[0]; ++ci) {
+    const att_case *c = &fp8_tc_cases[ci].c;
+    if (test_quick && c->N > 1000) continue;
+    char name[256];
+    att_case_str(c, name, sizeof name);
+    printf("  tc case %2zu %s\n", ci, name);
+    fflush(stdout);
+    if (!run_case_want(ctx, c, fp8_plant_unseen, 0, fp8_tc_cases[ci].want)) goto done;
+  }
+done:
   kva_context_destroy(ctx);
 }
 
@@ -1747,10 +1794,12 @@ TEST(cuda_fp8_vs_oracle) {
  * strides, unused rows 0xff: NaN codes and NaN scales), a shuffled block
  * table with first offsets (att_table_make), mirrored to the device; the
  * oracle over the host's contiguous cache (the same tokens). */
-static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, const char *want, int probe) {
+static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, const char *want, int probe,
+                              unsigned flags) {
   char cs[256], name[300];
   att_case_str(c, cs, sizeof cs);
-  snprintf(name, sizeof name, "%s q=%s block %lld", cs, att_query_names[probe], (long long)bs);
+  snprintf(name, sizeof name, "%s q=%s block %lld%s", cs, att_query_names[probe], (long long)bs,
+           flags & KVA_ATTN_EXACT ? " exact" : "");
   att_data hd;
   att_table tb;
   dev_data dd;
@@ -1761,6 +1810,7 @@ static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, c
     FAIL_("%s: could not build operands", name);
     goto done;
   }
+  hd.params.flags |= flags;
   kva_tensor ref = att_alloc_like(&hd, &hd.out);
   kva_kv dk, dv;
   void *dblocks, *dlens, *dfo;
@@ -1805,24 +1855,34 @@ done:
 
 TEST(cuda_fp8_block_table) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  /* want: the default kernel (tensor-core: decode instance up to 8 query
+   * vectors per KV head, else wide); exact: with KVA_ATTN_EXACT (NULL: not run) */
   static const struct {
     att_case c;
     int64_t bs;
-    const char *want;
+    const char *want, *exact;
   } tc[] = {
-      {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "f8e4m3 fused"},
-      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64, "f8e5m2 fused"},
-      {{2, 8, 2, 3, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 50, 0, 0, 1, 0}, 8, "f8e4m3 fused"},
-      {{2, 32, 8, 1, 900, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24, "f8e4m3 fused"},
-      {{2, 8, 4, 16, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, "f8e5m2 fused"},
-      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "general"},
+      {{1, 8, 4, 1, 3001, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, DEC4_, F4_},
+      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64, W5_, F5_},
+      {{2, 8, 2, 3, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 50, 0, 0, 1, 0}, 8, W4_, F4_},
+      {{2, 32, 8, 1, 900, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24, DEC4_, F4_},
+      {{2, 8, 4, 16, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, F5_, F5_},
+      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "general", "general"},
+      /* tensor-core: block sizes 16, 64 and 1, head dims 64 / 256, no scales, GQA x L */
+      {{4, 32, 8, 1, 900, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, DEC5_, F5_},
+      {{2, 8, 4, 1, 800, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E4, MASK_WINDOW, 200, 0, 1, 1, 0}, 64, DEC4_, F4_},
+      {{2, 8, 4, 2, 600, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 25.0f, 0, 1, 0}, 1, DEC4_, F4_},
+      {{2, 24, 4, 8, 700, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16, W5_, NULL},
+      {{1, 24, 4, 4, 999, 256, 256, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64, W4_, NULL},
   };
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci) {
     if (test_quick && tc[ci].c.N > 1000) continue;
     for (int pr = 0; pr < ATT_PROBES; ++pr)
-      if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].want, pr)) goto done;
+      if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].want, pr, 0) ||
+          (tc[ci].exact && !run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].exact, pr, KVA_ATTN_EXACT)))
+        goto done;
   }
 done:
   kva_context_destroy(ctx);

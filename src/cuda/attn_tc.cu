@@ -6,8 +6,15 @@
  * mma operands, no dequantization, no scale rows; 2 ring slots of 64 rows x
  * 2 D bytes per operand), or 8-bit K/V with bf16 scales (KVC_Q8: in this
  * narrow kernel the decode instance only, D 128/256, each warp's V dims
- * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8).
- * Quantized formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
+ * inside one group; S on the bytes as they are, P.V by kvc_pv_step_q8),
+ * or fp8 K/V (KVC_E4M3, KVC_E5M2: D code bytes a row and its f32 scale,
+ * one 4-byte cp.async per row and operand, none without scales; decode
+ * instance and wide kernel): K and V fragments converted in registers as
+ * they are read, two codes per cvt.rn.f16x2.{e4m3x2,e5m2x2} (exact), to
+ * f32, times the row's scale in f32, rounded to bf16 ("[K,V,P bf16]", the
+ * q4/q8 wide instances' contract); fragments in the q8 dim order (S) and
+ * the bf16 rows' dim pairs (P.V, one PRMT pairing two tokens' bytes).
+ * Quantized and fp8 formats take bf16 queries. Dk = Dv = D in {64, 128, 256} (and
  * 512 for the q4 decode instance: 2 blocks per SM, 16 V codes per lane),
  * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split
  * over token blocks like the fused kernel and merged by the same merge
@@ -108,6 +115,19 @@ template <int F> __device__ __forceinline__ unsigned short kvc_p16(float p, floa
 __device__ __forceinline__ uint32_t kvc_deq8_pair(uint32_t wl, int kl, float sl, float zl, uint32_t wh, int kh, float sh,
                                                   float zh) {
   return kvc_bf16x2_of(fmaf(sl, kvc_byte_float(wl, kl), zl), fmaf(sh, kvc_byte_float(wh, kh), zh));
+}
+/* Two fp8 codes of format F (low byte: element lo) -> bf16x2 of (sl code_lo,
+ * sh code_hi): code to f16 exactly (one cvt for both), to f32, times the
+ * row's f32 scale, rounded to bf16 (a NaN code stays NaN). */
+template <int F> __device__ __forceinline__ uint32_t kvc_deq_fp8x2(uint32_t two, float sl, float sh) {
+  const uint32_t h = kvc_fp8x2_f16x2<F == KVC_E4M3>(two);
+  const float2 f = __half22float2(*(const __half2 *)&h);
+  return kvc_bf16x2_of(f.x * sl, f.y * sh);
+}
+/* The f32 scale of staged row r (scale rows at offset off of stage st): 1
+ * without scales. */
+__device__ __forceinline__ float kvc_fp8_scale(const unsigned char *st, int off, int r, bool has) {
+  return has ? *(const float *)(st + off + 4 * r) : 1.0f;
 }
 
 __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
@@ -232,11 +252,12 @@ __device__ __forceinline__ void kvc_pv_step_q8(const unsigned char *sv, const kv
  * (the mma's own order); q8 rows (the bytes of word 4 kk + t4, wide
  * kernel): (d0, d0 + 1) and (d0 + 2, d0 + 3), d0 = 16 kk + 4 t4; q4 rows
  * (kvc_deq_pair of word t4 WPL + kk / 2): (d0, d0 + 4) and (d0 + 1, d0 + 5),
- * d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2). */
+ * d0 = 8 (t4 WPL + kk / 2) + 2 (kk % 2); fp8 rows as q8 (both kernels). */
 template <int F, int WPL>
 __device__ __forceinline__ uint2 kvc_q_pairs(const unsigned short *qp, long long qds, int kk, int t4) {
-  const int d0 = kvc_tc_float(F) ? 16 * kk + 2 * t4 : F == KVC_Q8 ? 16 * kk + 4 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
-  const int dx = F == KVC_Q4 ? 4 : 1, dy = kvc_tc_float(F) ? 8 : F == KVC_Q8 ? 2 : 1; /* second dim of .x; first dim of .y */
+  constexpr bool B8 = F == KVC_Q8 || kvc_tc_fp8(F); /* byte codes: 4 dims per K word */
+  const int d0 = kvc_tc_float(F) ? 16 * kk + 2 * t4 : B8 ? 16 * kk + 4 * t4 : 8 * (t4 * WPL + (kk >> 1)) + 2 * (kk & 1);
+  const int dx = F == KVC_Q4 ? 4 : 1, dy = kvc_tc_float(F) ? 8 : B8 ? 2 : 1; /* second dim of .x; first dim of .y */
   uint2 f;
   f.x = (uint32_t)qp[d0 * qds] | ((uint32_t)qp[(d0 + dx) * qds] << 16);
   f.y = (uint32_t)qp[(d0 + dy) * qds] | ((uint32_t)qp[(d0 + dy + dx) * qds] << 16);
@@ -271,6 +292,9 @@ __host__ __device__ constexpr int kvc_tc_vpl(int mt) { return mt > 4 ? mt / 4 : 
  *       xw + j, dequantized with the two tokens' scales and biases of group
  *       vgi (gv groups per row; a lane's words lie in one group);
  *   bf16 / f16: m-tile i rows g, g + 8 are dims 2 x, 2 x + 1 of word x = xw + 8 i;
+ *   fp8: the same dims, bytes 2 (x % 2), + 1 of word x / 2 (one PRMT pairs
+ *       the two tokens' bytes), scaled by the tokens' row scales (vsc: V
+ *       has scales) and rounded to bf16 (kvc_deq_fp8x2);
  *   q8 (the wide kernel; the narrow one takes kvc_pv_step_q8): the same dims
  *       2 x, 2 x + 1, bytes 2 (x % 2), + 1 of word x / 2, dequantized to
  *       bf16 in f32 (scale * code + bias, one rounding) with the tokens'
@@ -278,7 +302,7 @@ __host__ __device__ constexpr int kvc_tc_vpl(int mt) { return mt > 4 ? mt / 4 : 
 template <int F, int MT, int NT>
 __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_tc_layout &L, int ta, int xw, int cb,
                                             int vgi, int gv, const uint32_t (&pb)[NT][2], int ntc,
-                                            float (&acc)[MT][NT][4]) {
+                                            float (&acc)[MT][NT][4], bool vsc = true) {
   const uint32_t *r0 = (const uint32_t *)(sv + L.vd + ta * L.rs), *r1 = (const uint32_t *)(sv + L.vd + (ta + 1) * L.rs);
   const uint32_t *r8 = (const uint32_t *)(sv + L.vd + (ta + 8) * L.rs), *r9 = (const uint32_t *)(sv + L.vd + (ta + 9) * L.rs);
   if (F == KVC_Q8) {
@@ -295,6 +319,23 @@ __device__ __forceinline__ void kvc_pv_step(const unsigned char *sv, const kvc_t
                               kvc_deq8_pair(w0, k0 + 1, s[0], z[0], w1, k0 + 1, s[1], z[1]),
                               kvc_deq8_pair(w8, k0, s[2], z[2], w9, k0, s[3], z[3]),
                               kvc_deq8_pair(w8, k0 + 1, s[2], z[2], w9, k0 + 1, s[3], z[3])};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
+    }
+    return;
+  }
+  if (kvc_tc_fp8(F)) {
+    const float s[4] = {kvc_fp8_scale(sv, L.vs, ta, vsc), kvc_fp8_scale(sv, L.vs, ta + 1, vsc),
+                        kvc_fp8_scale(sv, L.vs, ta + 8, vsc), kvc_fp8_scale(sv, L.vs, ta + 9, vsc)};
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int x = xw + 8 * i, wi = x >> 1, k0 = 2 * (x & 1);
+      /* bytes {t dim 2x, t+1 dim 2x, t dim 2x+1, t+1 dim 2x+1} of the two token rows */
+      const uint32_t sel = (uint32_t)(k0 | ((4 + k0) << 4) | ((k0 + 1) << 8) | ((5 + k0) << 12));
+      const uint32_t c01 = __byte_perm(r0[wi], r1[wi], sel), c89 = __byte_perm(r8[wi], r9[wi], sel);
+      const uint32_t af[4] = {kvc_deq_fp8x2<F>(c01, s[0], s[1]), kvc_deq_fp8x2<F>(c01 >> 16, s[0], s[1]),
+                              kvc_deq_fp8x2<F>(c89, s[2], s[3]), kvc_deq_fp8x2<F>(c89 >> 16, s[2], s[3])};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         if (nt < ntc) kvc_mma_bf16(acc[i][nt], af, pb[nt][0], pb[nt][1]);
@@ -344,10 +385,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
     kvc_tc_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tc_stages(NTM);
   constexpr bool BF = kvc_tc_float(F); /* bf16 / f16 K/V rows: mma operands as they are, no scale rows */
+  constexpr bool FP8 = kvc_tc_fp8(F);  /* fp8 rows: K, V to bf16 (row scale applied), the bf16 rows' fragment order */
+  constexpr bool PR = BF || FP8;       /* P.V m-tile rows are dim pairs (2 x, 2 x + 1) */
   /* q.k: exact integer products (split queries) for the decode instance;
    * bf16 dequantized K for the wide one (its per-group epilogue would cost
    * more than the dequantization it saves at 4 n-tiles) */
-  constexpr bool I8 = !BF && NTM == 1;
+  constexpr bool I8 = !PR && NTM == 1;
   constexpr int WPL = D / 32; /* K words per lane and token row (S phase); V words per warp slice */
   constexpr int MT = D / 64;  /* m-tiles (16 dims) of O^T per warp */
   /* PV k-steps unrolled in the decode instance only: with NTM n-tiles the
@@ -360,9 +403,10 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int kgs = G ? G : a.k.group, vgs = G ? G : a.v.group; /* group sizes: compiled (G) or read */
-  const int gk = BF ? 0 : D / kgs, gv = BF ? 0 : D / vgs;
-  const int gk_sh = BF ? 0 : 31 - __clz(kgs), gv_sh = BF ? 0 : 31 - __clz(vgs); /* log2 of the group sizes */
+  const int gk = PR ? 0 : D / kgs, gv = PR ? 0 : D / vgs;
+  const int gk_sh = PR ? 0 : 31 - __clz(kgs), gv_sh = PR ? 0 : 31 - __clz(vgs); /* log2 of the group sizes */
   const kvc_tc_layout L = kvc_tc_layout_of(F, D, gk, gv, NTM);
+  const bool ksc = a.k.scales != nullptr, vsc = a.v.scales != nullptr; /* fp8: rows with scales */
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * NTM * 8;
@@ -623,6 +667,35 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[nt][e] = fmaf(sc[nt][e], sig[nt][e & 1], sbias[nt][e]); /* x = scl2 q.k */
     }
+    else if (FP8) {
+      /* fp8 K rows: word 4 kk + tq of rows r0, r1 holds dims 16 kk + 4 tq .. + 3
+       * (k columns 2 tq, + 1 and 2 tq + 8, + 9: the q8 order of the query
+       * fragments), times the row's scale in f32, rounded to bf16 */
+      const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
+      const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
+      const uint32_t *p1 = (const uint32_t *)(st + L.kd + r1 * L.rs) + tq;
+      const float s0 = kvc_fp8_scale(st, L.ks, r0, ksc), s1 = kvc_fp8_scale(st, L.ks, r1, ksc);
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = sbias[nt][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t w0 = p0[4 * kk], w1 = p1[4 * kk];
+        const uint32_t af[4] = {kvc_deq_fp8x2<F>(w0, s0, s0), kvc_deq_fp8x2<F>(w1, s1, s1),
+                                kvc_deq_fp8x2<F>(w0 >> 16, s0, s0), kvc_deq_fp8x2<F>(w1 >> 16, s1, s1)};
+#pragma unroll
+        for (int nt = 0; nt < NTM; ++nt)
+          if (nt < ntc) {
+            const uint2 f = qf[(kk * NTM + nt) * KVC_WARP + lane];
+            kvc_mma_bf16((kk & 1) ? sbias[nt] : sc[nt], af, f.x, f.y); /* two chains; summed below */
+          }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTM; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] = (sc[nt][e] + sbias[nt][e]) * sig[nt][e & 1]; /* x = scl2 q.k */
+    }
     else if (BF) { /* float K rows: A fragments straight from shared memory (dims 16 kk + 2 tq, + 8) */
       const int r0 = KVC_TC_SUB * warp + g, r1 = r0 + 8;
       const uint32_t *p0 = (const uint32_t *)(st + L.kd + r0 * L.rs) + tq;
@@ -765,11 +838,12 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
     for (int kq = 0; kq < KVC_TC_TOK / 16; ++kq) {
       uint32_t pb[NTM][2];
       kvc_p_frags<NTM>(ps, KVC_TC_PS, 16 * kq + 2 * tq, g, ntc, pb);
-      /* bf16: the warp's dims are words warp D/8 .. of the rows */
+      /* bf16 / fp8: the warp's dims are dim pairs warp D/8 .. of the rows */
       if (F == KVC_Q8)
         kvc_pv_step_q8<MT, NTM>(st, L, 16 * kq + 2 * tq, xq, vgi + so, gv, pb, ntc, acc, accc);
       else
-        kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, BF ? warp * (D / 8) + g : xw, cb, vgi + so, gv, pb, ntc, acc);
+        kvc_pv_step<F, MT, NTM>(st, L, 16 * kq + 2 * tq, PR ? warp * (D / 8) + g : xw, cb, vgi + so, gv, pb, ntc, acc,
+                                vsc);
     }
   }
   kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
@@ -807,7 +881,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) { /* rows g (code c0) and g + 8 (code c0 + 1) */
-          const int d = BF ? 2 * (warp * (D / 8) + 8 * i + g) + r
+          const int d = PR ? 2 * (warp * (D / 8) + 8 * i + g) + r
                            : F == KVC_Q8 ? 4 * (xq + 8 * (i / 2)) + 2 * (i % 2) + r
                                          : 8 * (xw + i / MPW) + cb + 2 * (i % MPW) + r;
           ost[qr * D + d] = acc[i][nt][2 * r + j] + (F == KVC_Q8 ? accc[nt][j] : 0.0f);
@@ -827,7 +901,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
  *         tokens as N: warp w takes tokens 8w..8w+7 of the stage, so each K
  *         element is dequantized by one lane of one warp (q4: LOP3 magic +
  *         two bf16x2 FMAs per pair; q8: byte to f32, scale * code + bias,
- *         rounded to bf16; bf16: the row words are the B fragments).
+ *         rounded to bf16; fp8: two codes per cvt to f16, times the row
+ *         scale in f32, rounded to bf16; bf16: the row words are the B
+ *         fragments).
  *         The query A fragments sit in shared memory in the dim order the K
  *         words yield (16 B per lane, k-step and m-tile).
  *   softmax: per query, the max over the warp's 8 tokens by two shuffles,
@@ -881,7 +957,8 @@ template <int F, int D>
 __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_args a) {
   constexpr int STAGES = kvc_tcw_stages(F, D);
   constexpr bool BF = kvc_tc_float(F); /* bf16 / f16 rows */
-  constexpr bool PAIRS = BF || F == KVC_Q8; /* P.V m-tile rows are dim pairs (2 x, 2 x + 1) of 16-bit words */
+  constexpr bool FP8 = kvc_tc_fp8(F);  /* fp8 rows: no groups, one f32 scale per row */
+  constexpr bool PAIRS = BF || F == KVC_Q8 || FP8; /* P.V m-tile rows are dim pairs (2 x, 2 x + 1) */
   constexpr int MQ = KVC_TCW_MQ, NT = 2 * MQ; /* query m-tiles (S), n-tiles (PV) */
   constexpr int KS = D / 16;                  /* k-steps of S */
   constexpr int WPL = D / 32;                 /* q4: K words per lane and token (S) */
@@ -895,9 +972,10 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   const int g = lane >> 2, tq = lane & 3;
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
-  const int gk = BF ? 0 : D / a.k.group, gv = BF ? 0 : D / a.v.group;
-  const int gk_sh = BF ? 0 : 31 - __clz(a.k.group), gv_sh = BF ? 0 : 31 - __clz(a.v.group);
+  const int gk = BF || FP8 ? 0 : D / a.k.group, gv = BF || FP8 ? 0 : D / a.v.group;
+  const int gk_sh = BF || FP8 ? 0 : 31 - __clz(a.k.group), gv_sh = BF || FP8 ? 0 : 31 - __clz(a.v.group);
   const kvc_tc_layout L = kvc_tcw_layout_of(F, D, gk, gv);
+  const bool ksc = a.k.scales != nullptr, vsc = a.v.scales != nullptr; /* fp8: rows with scales */
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b), e0 = kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_TCW_QV;
@@ -965,7 +1043,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   const int sl = warp % NSL, th = warp / NSL;
   /* q4: V word and first code of this lane; bf16 / q8: its dim pair of m-tile 0 */
   const int xw = PAIRS ? sl * 8 * MTV + g : sl * WPS + g % WPS, cb = PAIRS ? 0 : (g / WPS) * 2 * MTV;
-  const int vgi = BF ? 0 : ((PAIRS ? 2 : 8) * xw) >> gv_sh;
+  const int vgi = BF || FP8 ? 0 : ((PAIRS ? 2 : 8) * xw) >> gv_sh;
   float acc[MTV][NT][4];
 #pragma unroll
   for (int i = 0; i < MTV; ++i)
@@ -1001,6 +1079,17 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) {
         const uint32_t b0 = kr[8 * kk], b1 = kr[8 * kk + 4];
+        kvc_tcw_s_kstep<F, MQ>(sc, qa, kk, lane, mqc, b0, b1);
+      }
+    } else if (FP8) {
+      /* k-step kk: K word 4 kk + tq of the token gives dims 16 kk + 4 tq .. + 3
+       * (k rows 2 tq, + 1 and 2 tq + 8, + 9), to bf16 times the row's scale */
+      const uint32_t *kr = (const uint32_t *)(st + L.kd + tok * L.rs) + tq;
+      const float s1 = kvc_fp8_scale(st, L.ks, tok, ksc);
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint32_t w = kr[4 * kk];
+        const uint32_t b0 = kvc_deq_fp8x2<F>(w, s1, s1), b1 = kvc_deq_fp8x2<F>(w >> 16, s1, s1);
         kvc_tcw_s_kstep<F, MQ>(sc, qa, kk, lane, mqc, b0, b1);
       }
     } else if (F == KVC_Q8) {
@@ -1119,7 +1208,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
       const int tb = 16 * (th * KQ + kq);
       uint32_t pb[NT][2];
       kvc_p_frags<NT>(ps, KVC_TC_PS, tb + 2 * tq, g, ntc, pb);
-      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, xw, cb, vgi + so, gv, pb, ntc, acc);
+      kvc_pv_step<F, MTV, NT>(st, L, tb + 2 * tq, xw, cb, vgi + so, gv, pb, ntc, acc, vsc);
     }
   }
   kvc_cp_wait<0>();
@@ -1206,7 +1295,8 @@ template <int F, int D, int NTM, int G> static cudaError_t kvc_tc_prepare(void) 
   X(KVC_Q4, 256, 4, KVC_TC_GROUP) X(KVC_BF16, 64, 1, 0) X(KVC_BF16, 128, 1, 0) X(KVC_BF16, 256, 1, 0)      \
   X(KVC_Q8, 128, 1, 0) X(KVC_Q8, 256, 1, 0) X(KVC_Q8, 128, 1, KVC_TC_GROUP) X(KVC_Q8, 256, 1, KVC_TC_GROUP) \
   X(KVC_F16, 64, 1, 0) X(KVC_F16, 128, 1, 0) X(KVC_F16, 256, 1, 0) X(KVC_Q4, 512, 1, 0)                  \
-  X(KVC_Q4, 512, 1, KVC_TC_GROUP)
+  X(KVC_Q4, 512, 1, KVC_TC_GROUP) X(KVC_E4M3, 64, 1, 0) X(KVC_E4M3, 128, 1, 0) X(KVC_E4M3, 256, 1, 0)        \
+  X(KVC_E5M2, 64, 1, 0) X(KVC_E5M2, 128, 1, 0) X(KVC_E5M2, 256, 1, 0)
 
 template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
   return cudaFuncSetAttribute(kvc_tcw_kernel<F, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1215,7 +1305,8 @@ template <int F, int D> static cudaError_t kvc_tcw_prepare(void) {
 }
 #define KVC_TCW_INSTANCES(X)                                                                       \
   X(KVC_Q4, 64) X(KVC_Q4, 128) X(KVC_Q4, 256) X(KVC_BF16, 64) X(KVC_BF16, 128) X(KVC_BF16, 256)    \
-  X(KVC_Q8, 64) X(KVC_Q8, 128) X(KVC_Q8, 256) X(KVC_F16, 64) X(KVC_F16, 128) X(KVC_F16, 256)
+  X(KVC_Q8, 64) X(KVC_Q8, 128) X(KVC_Q8, 256) X(KVC_F16, 64) X(KVC_F16, 128) X(KVC_F16, 256)     \
+  X(KVC_E4M3, 64) X(KVC_E4M3, 128) X(KVC_E4M3, 256) X(KVC_E5M2, 64) X(KVC_E5M2, 128) X(KVC_E5M2, 256)
 
 /* ntm = KVC_TCW_QV / 8: the wide kernel */
 int kvc_tc_smem(int f, int D, int gk, int gv, int ntm) {
@@ -1245,7 +1336,7 @@ int kvc_tc_occupancy(int f, int D, int ntm, int g, int smem) {
 int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
   const int f = plan.fmt, ntm = plan.QW / 8;
-  const int smem = kvc_tc_float(f) ? kvc_tc_smem(f, a.Dk, 0, 0, ntm)
+  const int smem = kvc_tc_float(f) || kvc_tc_fp8(f) ? kvc_tc_smem(f, a.Dk, 0, 0, ntm)
                                  : kvc_tc_smem(f, a.Dk, a.Dk / a.k.group, a.Dv / a.v.group, ntm);
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_CASE(F_, D_, N_, G_)                                                                   \
@@ -1264,6 +1355,7 @@ int kvc_launch_tc(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s tensor-core attention kernel (D = %d, %d query vectors per block): %s",
-                      f == KVC_BF16 ? "bf16" : f == KVC_F16 ? "f16" : f == KVC_Q8 ? "q8" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
+                      f == KVC_BF16 ? "bf16" : f == KVC_F16 ? "f16" : f == KVC_Q8 ? "q8" : f == KVC_E4M3 ? "f8e4m3"
+                      : f == KVC_E5M2 ? "f8e5m2" : "q4", a.Dk, plan.QW, cudaGetErrorString(e));
   return 0;
 }

@@ -56,9 +56,9 @@ struct kvc_state {
   int sm_count;
   int cc_major, cc_minor;
   int occupancy[KVC_NFMT][2][KVC_NQW]; /* resident fused blocks per SM by [fmt][E/16][log2 QW]; 0 = not asked */
-  int tc_occupancy[4][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16][head dim]
+  int tc_occupancy[6][KVC_TC_NDIMS][5]; /* resident tensor-core blocks per SM by [q4, bf16, q8, f16, e4m3, e5m2][head dim]
                                           [8, 32, 48 vectors, 8 and 32 with the compiled group size] */
-  int tc_smem[4][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
+  int tc_smem[6][KVC_TC_NDIMS][5];      /* ... for this dynamic shared memory (re-asked when it changes) */
   int tcd_occupancy[3][4][2];           /* resident per-warp q4 blocks per SM by [head dim 128, 256, 64][log2 gpt, 3: 16
                                            vectors][table] */
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
@@ -230,9 +230,13 @@ static int kvc_blocks_per_sm(const kva_context *ctx, int fmt, int E, int QW) {
  * allowance: fused path), 2 to 8 groups per row (scale rows of 4, 8 or 16
  * bytes: one cp.async each) or one (head dim 64 with group 64, 128 with
  * 128: entries of 8 tokens per cp.async, kvc_one_group_rows). Its products are bf16 (f16 for f16 rows):
- * tests compare it at the bf16 allowance. Returns the head-dim index or -1
- * and sets *fmt (KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16). (The caller has
- * checked the fused path.) */
+ * tests compare it at the bf16 allowance. Or bf16 queries over fp8 K/V rows
+ * (e4m3 / e5m2 alike for K and V, head dims 64 to 256, every query count:
+ * the fused kernel read fp8 decode at 46 % of copy on the H200), their f32
+ * scales per row, shared (strides 0) or none, 4-byte aligned: K and V
+ * converted to bf16 with the row scale applied ("[K,V,P bf16]"). Returns
+ * the head-dim index or -1 and sets *fmt (KVC_Q4, KVC_Q8, KVC_BF16,
+ * KVC_F16, KVC_E4M3 or KVC_E5M2). (The caller has checked the fused path.) */
 static bool kvc_aligned(const kva_tensor *t, long long align) {
   if ((uintptr_t)t->data % align) return false;
   for (int d = 0; d < 3; ++d)
@@ -273,7 +277,13 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
   if (p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
   const kva_kv *ops[2] = {&kv->k, &kv->v};
   const kva_dtype qt = p->q->dtype;
-  if (kv->k.bits == 0 && kv->v.bits == 0) {
+  const kva_dtype kt = kv->k.data.dtype;
+  if (kv->k.bits == 0 && kv->v.bits == 0 && (kt == KVA_F8E4M3 || kt == KVA_F8E5M2)) {
+    if (qt != KVA_BF16 || kv->v.data.dtype != kt || p->Dk == 512) return -1;
+    for (int i = 0; i < 2; ++i)
+      if (!kvc_aligned(&ops[i]->data, 16) || (ops[i]->scales.data && !kvc_aligned(&ops[i]->scales, 4))) return -1;
+    *fmt = kt == KVA_F8E4M3 ? KVC_E4M3 : KVC_E5M2;
+  } else if (kv->k.bits == 0 && kv->v.bits == 0) {
     /* bf16 or f16 rows with queries of the same type (the mma's operands) */
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
     if (p->Dk == 512) return -1; /* two 64-row slots of K and V rows would take 266 KB */
@@ -310,7 +320,8 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
 static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kind, int ntm, int g, int smem) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   if (!st) return 1;
-  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : fmt == KVC_F16 ? 3 : 0, ki = g ? 3 + kind : kind;
+  const int fi = fmt == KVC_BF16 ? 1 : fmt == KVC_Q8 ? 2 : fmt == KVC_F16 ? 3 : fmt == KVC_E4M3 ? 4 : fmt == KVC_E5M2 ? 5 : 0;
+  const int ki = g ? 3 + kind : kind;
   int *slot = &st->tc_occupancy[fi][di][ki];
   if (*slot == 0 || st->tc_smem[fi][di][ki] != smem) {
     *slot = kvc_tc_occupancy(fmt, KVC_TC_MIN_D << di, ntm, g, smem);
@@ -460,7 +471,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                      : tcf == KVC_Q4 && Q < KVC_TC_Q4_WIDE_MIN_Q     ? 1
                                                                      : 2;
     const int ntm = kind == 0 ? 1 : kind == 1 ? KVC_TC_NTM_MID : KVC_TC_NTM_WIDE;
-    const int smem = tcf == KVC_BF16 || tcf == KVC_F16 ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
+    const int smem = tcf == KVC_BF16 || tcf == KVC_F16 || tcf == KVC_E4M3 || tcf == KVC_E5M2
+                         ? kvc_tc_smem(tcf, (int)p->Dk, 0, 0, ntm)
                                      : kvc_tc_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
                                                    (int)(p->Dv / kv->v.group_size), ntm);
     if (smem <= KVC_TC_SMEM_MAX) {
@@ -532,13 +544,16 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
  *   vector and group); q4 narrow: V dequantized to bf16; q8 narrow and
  *   per-warp q4: P times the V scale in bf16, the codes exact;
  * - the 32- and 48-vector instances and the warpgroup kernel: K and V
- *   dequantized to bf16 (the warpgroup kernel over 16-bit rows: P only). */
+ *   dequantized to bf16 (the warpgroup kernel over 16-bit rows: P only);
+ * - fp8 rows (decode and wide instances): K and V as bf16 of scale * code
+ *   (code exact in f16, times the f32 row scale in f32, then rounded to bf16). */
 static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
   if (pl.tc == 2) return pl.QW > 8 ? "[q int8, P bf16]" : "[q int15, P bf16]";
   if (pl.tc == 3) return pl.fmt == KVC_BF16 ? "[P bf16]" : pl.fmt == KVC_F16 ? "[P f16]" : "[K,V,P bf16]";
   if (pl.fmt == KVC_BF16) return "[P bf16]";
   if (pl.fmt == KVC_F16) return "[P f16]";
+  if (pl.fmt == KVC_E4M3 || pl.fmt == KVC_E5M2) return "[K,V,P bf16]";
   if (pl.QW == 8) return pl.fmt == KVC_Q4 ? "[q int15, V,P bf16]" : "[q int15, P bf16]";
   return "[K,V,P bf16]";
 }

@@ -13,6 +13,14 @@
 #define KVC_TC_ROWPAD 16              /* bytes after each raw row: conflict-free fragment reads */
 /* 16-bit float K/V rows (bf16, f16): the rows are the mma operands, no scale rows. */
 __host__ __device__ constexpr bool kvc_tc_float(int f) { return f == KVC_BF16 || f == KVC_F16; }
+/* fp8 K/V rows (e4m3, e5m2): D code bytes a row, one f32 scale per row
+ * (kvc_operand: strides 0 for one shared scale; scales NULL: none, scale 1,
+ * nothing staged), no bias rows. */
+__host__ __device__ constexpr bool kvc_tc_fp8(int f) { return f == KVC_E4M3 || f == KVC_E5M2; }
+/* 16-byte pieces per row: D bytes of fp8 or q8 codes, D / 2 of q4, 2 D of bf16 / f16 */
+__host__ __device__ constexpr int kvc_tc_cpr(int f, int D) {
+  return kvc_tc_float(f) ? D / 8 : f == KVC_Q8 || kvc_tc_fp8(f) ? D / 16 : D / 32;
+}
 /* Codes (k, k + 4) of word w (k < 4) -> bf16x2 of scale * code + bias. */
 __device__ __forceinline__ uint32_t kvc_deq_pair(uint32_t w, int k, uint32_t s2, uint32_t b2) {
   const uint32_t x = kvc_and_or(w >> (4 * k), KVC_NIB_PAIR, KVC_BF16X2_128); /* 128 + c, exact */
@@ -51,12 +59,20 @@ __device__ __forceinline__ int kvc_tc_e0(const kvc_args &a, int b, int hk, int f
   return a.k.tbl ? fo : (int)(((uintptr_t)(a.k.scales + b * a.k.ss[0] + hk * a.k.ss[1]) >> 1) & 7);
 }
 __device__ __forceinline__ int kvc_tc_so(int gk, long long t0, int e0) { return gk == 1 ? (int)((t0 + e0) & 7) : 0; }
-/* The ring's stage part, common to the narrow, wide and warpgroup kernels. */
+/* The ring's stage part, common to the narrow, wide and warpgroup kernels.
+ * fp8 rows: the K and V scale rows are one f32 per token (ks, vs), no bias
+ * rows (gk, gv unused). */
 __host__ __device__ inline void kvc_tc_stage_layout(kvc_tc_layout &l, int f, int D, int gk, int gv) {
-  l.rs = (kvc_tc_float(f) ? 2 * D : f == KVC_Q8 ? D : D / 2) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
+  l.rs = 16 * kvc_tc_cpr(f, D) + KVC_TC_ROWPAD; /* float rows: no scale rows (gk = gv = 0) */
   l.kd = 0;
   l.vd = l.kd + KVC_TC_TOK * l.rs;
   l.ks = l.vd + KVC_TC_TOK * l.rs;
+  if (kvc_tc_fp8(f)) {
+    l.kb = l.ks + KVC_TC_TOK * 4;
+    l.vs = l.vb = l.kb;
+    l.stage = (l.vs + KVC_TC_TOK * 4 + 127) / 128 * 128;
+    return;
+  }
   l.kb = l.ks + kvc_tc_scale_rows(gk) * gk * 2;
   l.vs = l.kb + kvc_tc_scale_rows(gk) * gk * 2;
   l.vb = l.vs + kvc_tc_scale_rows(gv) * gv * 2;
@@ -95,13 +111,13 @@ struct kvc_tc_loader {
 template <int F, int D, int G = 0, bool IDS = true>
 __device__ __forceinline__ kvc_tc_loader kvc_tc_loader_of(const kvc_args &a, const kvc_tc_layout &L, int b, int hk,
                                                          long long t_lo) {
-  constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32; /* 16-byte pieces per row */
+  constexpr int CPR = kvc_tc_cpr(F, D); /* 16-byte pieces per row */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;  /* rows between a thread's pieces */
   const kvc_operand &K = a.k, &V = a.v;
   const int tok = threadIdx.x >> 1, half = threadIdx.x & 1;
   const kvc_operand &O = half ? V : K;
   kvc_tc_loader ld;
-  ld.rb = kvc_tc_float(F) ? 0 : 2 * (D / (G ? G : O.group));
+  ld.rb = kvc_tc_float(F) ? 0 : kvc_tc_fp8(F) ? 4 : 2 * (D / (G ? G : O.group));
   ld.e0 = kvc_tc_e0(a, b, hk, kvc_first_offset(K, b));
   ld.ds = (half ? L.vs : L.ks) + tok * ld.rb;
   ld.dz = (half ? L.vb : L.kb) + tok * ld.rb;
@@ -158,7 +174,7 @@ template <int F, int D, bool IDS = true, int LAYOUT = 0>
 __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_tc_layout &L, kvc_tc_loader &ld,
                                                   uint32_t slot, int fo, long long t0, long long t_hi,
                                                   const int *ids, int id = 0) {
-  constexpr int CPR = kvc_tc_float(F) ? D / 8 : F == KVC_Q8 ? D / 16 : D / 32;
+  constexpr int CPR = kvc_tc_cpr(F, D);
   constexpr int PER = KVC_TC_TOK * CPR / KVC_TC_THREADS; /* pieces per thread and operand */
   constexpr int TSTEP = KVC_TC_THREADS / CPR;
   const uint32_t dv = L.vd - L.kd, rstep = TSTEP * L.rs;
@@ -231,6 +247,13 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
     zr = ld.z + l.outer * ld.zst + l.row * ld.zrs;
   }
   if (kvc_tc_float(F)) return; /* no scale rows */
+  if (kvc_tc_fp8(F)) {
+    /* the row's f32 scale: thread 2 tok the K one, 2 tok + 1 the V one (rows
+     * past t_hi: zeros, so their zero codes stay 0); none without scales */
+    const char *base = (threadIdx.x & 1) ? a.v.scales : a.k.scales;
+    if (base) kvc_cp_async<4>(slot + ld.ds, sok ? sr : base, sok ? 4 : 0);
+    return;
+  }
   if (ld.rb == 2) {
     /* one group per row (see kvc_tc_so): the thread of the first row of
      * each 8-entry piece copies the piece, from its own row's entry back to
