@@ -26,6 +26,7 @@
 #define KVA_CUDA_ATTN_FUSED_CUH
 
 #include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
 
 /* ---- formats as data: bits per element, quantized or float ---- */
 /* FP8: fp8 codes with one f32 scale per row (applied to the row's dot
@@ -259,8 +260,9 @@ __device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, floa
 }
 
 /* Where a query vector's result goes, found once per vector: with one split
- * the output row (the sink joined: the outputs are O f1 / Ls), otherwise the
- * split's state slot for the merge kernel. */
+ * the output row (the sink joined: the outputs are O f1 / Ls), otherwise
+ * (and for a rotated output, a.rot_out, at any split count) the split's
+ * state slot for the merge kernel. */
 struct kvc_emit_row {
   char *out; /* output row (one split), else nullptr */
   float *st; /* split state [m, l, o[Dv]] (several splits) */
@@ -280,7 +282,7 @@ __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int s
   r.b = b;
   r.h = h;
   r.i = i;
-  if (a.nsplit == 1) {
+  if (a.nsplit == 1 && !a.rot_out) { /* a rotated output goes through the merge (its H_Dv) */
     if (a.sinks && M != -INFINITY) {
       float f2;
       kvc_factors2(M, a.sinks[h] * KVC_LOG2E, r.M2, r.f1, f2);
@@ -371,7 +373,22 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
     segp[j] = qok[j] ? kvc_seg_of_row(a, b, pos[j]) : 0;
 #pragma unroll
     for (int e = 0; e < E; ++e)
-      qr[j][e] = (qok[j] && kact) ? kvc_load(kvc_q_at(a, b, h, i, c * E + e), a.q_dtype) : 0.0f;
+      qr[j][e] = (qok[j] && kact && !a.rot_q) ? kvc_load(kvc_q_at(a, b, h, i, c * E + e), a.q_dtype) : 0.0f;
+  }
+  if (a.rot_q) {
+    /* a rotated call's queries: each warp forms q' = H q of the tile's
+     * vectors in its own slice of sm_o (unused until the final merge, which
+     * this warp alone writes), then its lanes take their dims */
+    float *u = &sm_o[warp][0][0];
+    for (int j = 0; j < QW; ++j) {
+      const int qv = qtile * QW + j; /* warp-uniform */
+      if (qv < Q) kvc_rotated_query_warp(a, b, hk * a.rep + qv / a.L, qv % a.L, u + j * DMAX, lane);
+    }
+#pragma unroll
+    for (int j = 0; j < QW; ++j)
+#pragma unroll
+      for (int e = 0; e < E; ++e) qr[j][e] = (qok[j] && kact) ? u[j * DMAX + c * E + e] : 0.0f;
+    __syncwarp();
   }
 
   long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);

@@ -17,8 +17,10 @@
  *         for up to MERGE_ROWS * merge_chunk = 64 splits), the chunk's max,
  *         weights and sums, one fold per chunk; then the MERGE_ROWS partial
  *         states of a dim fold in a fixed order through shared memory: one
- *         barrier, no second pass over the splits. */
+ *         barrier, no second pass over the splits. A rotated output
+ *         (a.rot_out) takes kvc_merge_rot_kernel: a whole row per block. */
 #include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
 
 #define MERGE_THREADS 128
 #define MERGE_DIMS KVC_MERGE_DIMS               /* output dims per block (launch.cuh) */
@@ -106,8 +108,75 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
   if (a.lse && d == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
 }
 
+/* The merge of a rotated output (a.rot_out, kvattn.h KVA_ATTN_ROTATED_V):
+ * one block per query row (Dv <= MERGE_ROT_DV), every split count (one
+ * included). M = max_s m_s over the block (NaN-propagating), then thread
+ * tid folds dims tid, tid + MERGE_THREADS, .. over all splits in order s =
+ * 0, 1, .. (w_s = exp(m_s - M), 0 for an empty split): l = sum w_s l_s, o =
+ * sum w_s o_s; the sink joins, out' = o / l in f32 into shared memory, and
+ * warp 0 stores out = H_Dv out' (kvc_hadamard_warp) in out's dtype; lse as
+ * the unrotated merge (rotation leaves it). Reads nsplit (Dv + 2) floats
+ * per row, writes Dv outputs. */
+#define MERGE_ROT_DV 512
+__global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_rot_kernel(const kvc_args a) {
+  __shared__ float u[MERGE_ROT_DV];
+  __shared__ float red[MERGE_THREADS / KVC_WARP];
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int lane = tid % KVC_WARP, warp = tid / KVC_WARP;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize(); /* launched early (PDL): wait for the split states */
+#endif
+  const size_t split_stride = (size_t)a.B * a.H * a.L * KVA_STATE_FLOATS(a.Dv); /* floats */
+  const float *st0 = kvc_state_at(a, 0, b, h, i);
+  float M = -INFINITY;
+  for (int s = tid; s < a.nsplit; s += MERGE_THREADS) M = kvc_max(M, st0[(size_t)s * split_stride]);
+#pragma unroll
+  for (int off = KVC_WARP / 2; off > 0; off >>= 1) M = kvc_max(M, __shfl_xor_sync(KVC_FULL_MASK, M, off));
+  if (lane == 0) red[warp] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int w = 1; w < MERGE_THREADS / KVC_WARP; ++w) M = kvc_max(M, red[w]);
+  constexpr int DPT = MERGE_ROT_DV / MERGE_THREADS;
+  float Ls = 0.0f, o[DPT];
+#pragma unroll
+  for (int k = 0; k < DPT; ++k) o[k] = 0.0f;
+  if (M != -INFINITY) {
+#pragma unroll 4
+    for (int s = 0; s < a.nsplit; ++s) {
+      const float *st = st0 + (size_t)s * split_stride;
+      const float ms = st[0];
+      const float w = ms == -INFINITY ? 0.0f : expf(ms - M); /* NaN when M is NaN */
+      Ls = fmaf(w, st[1], Ls);
+#pragma unroll
+      for (int k = 0; k < DPT; ++k) {
+        const int d = tid + k * MERGE_THREADS;
+        if (d < a.Dv) o[k] = fmaf(w, st[2 + d], o[k]);
+      }
+    }
+  }
+  float f1 = 1.0f;
+  if (a.sinks && M != -INFINITY) {
+    float mn, f2;
+    kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
+    M = mn;
+    Ls = Ls * f1 + f2;
+  }
+  if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
+#pragma unroll
+  for (int k = 0; k < DPT; ++k) {
+    const int d = tid + k * MERGE_THREADS;
+    if (d < a.Dv) u[d] = kvc_finish(o[k] * f1, Ls);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  kvc_hadamard_warp(u, a.Dv, a.rot_om, a.rot_oc, lane);
+  for (int d = lane; d < a.Dv; d += KVC_WARP) kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, u[d]);
+  if (a.lse && lane == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
+}
+
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
-  dim3 grid(a.L * ((a.Dv + MERGE_DIMS - 1) / MERGE_DIMS), a.H, a.B);
+  dim3 grid(a.rot_out ? a.L : a.L * ((a.Dv + MERGE_DIMS - 1) / MERGE_DIMS), a.H, a.B);
   /* programmatic dependent launch: the launch overlaps the split kernel's tail */
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -119,7 +188,7 @@ int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
+  cudaError_t e = a.rot_out ? cudaLaunchKernelEx(&cfg, kvc_merge_rot_kernel, a) : cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "merge kernel launch: %s", cudaGetErrorString(e));
   return 0;

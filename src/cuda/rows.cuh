@@ -77,4 +77,22 @@ __device__ __forceinline__ void kvc_hadamard_warp(float *u, int D, int m, float 
   for (int i = lane; i < D; i += KVC_WARP) u[i] = __fmul_rn(u[i], c);
   __syncwarp();
 }
+
+/* A rotated call's query vector (b, h, i) as its kernel takes it (a.rot_q):
+ * u[0 .. Dk) <- H_Dk q in f32 (kvc_hadamard_warp on the row as loaded),
+ * rounded once to a.rot_qdt and read back as f32: the bits the pass
+ * (kva_hadamard into q' of that dtype) hands the kernel. One warp; ends with
+ * __syncwarp. */
+__device__ __forceinline__ void kvc_rotated_query_warp(const kvc_args &a, int b, int h, int i, float *u, int lane) {
+  __syncwarp(); /* earlier reads of u */
+  for (int d = lane; d < a.Dk; d += KVC_WARP) u[d] = kvc_cw_load(kvc_q_at(a, b, h, i, d), a.q_dtype);
+  kvc_hadamard_warp(u, a.Dk, a.rot_qm, a.rot_qc, lane);
+  for (int d = lane; d < a.Dk; d += KVC_WARP) {
+    const float x = u[d];
+    u[d] = a.rot_qdt == KVA_BF16  ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x))
+           : a.rot_qdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x))
+                                  : x;
+  }
+  __syncwarp();
+}
 #endif
