@@ -214,17 +214,18 @@ __device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h,
 }
 /* A rotated call's query on load (a.rot_q): x[0 .. DPT) of each of the TPQ
  * adjacent lanes t = 0 .. TPQ - 1 of one vector (lane t holds dims t DPT ..
- * t DPT + DPT - 1 of the bf16 query, D = TPQ DPT a power of two) <- the bf16
- * rounding of H_D q, the transform in f32 in kva_hadamard's operation order
+ * t DPT + DPT - 1 of the 16-bit query, bf16 or f16 as a.q_dtype, D = TPQ DPT
+ * a power of two) <- the rounding of H_D q to that type (a.rot_qdt = q's), the transform in f32 in kva_hadamard's operation order
  * (stages h = 1, 2, .., D / 2: in the lane for h < DPT, with lane t ^ (h /
  * DPT) by a shuffle beyond; the lower element of a pair takes a + b, the
  * upper a - b; then one multiply by c), so q' equals the pass's bit for bit
  * (NaN payloads aside). All lanes of the warp take part (the shuffles). */
 template <int DPT, int TPQ>
-__device__ __forceinline__ void kvc_rotate_query_bf16(const kvc_args &a, int t, unsigned short (&x)[DPT]) {
+__device__ __forceinline__ void kvc_rotate_query16(const kvc_args &a, int t, unsigned short (&x)[DPT]) {
+  const bool f16 = a.q_dtype == KVA_F16;
   float u[DPT];
 #pragma unroll
-  for (int d = 0; d < DPT; ++d) u[d] = kvc_bf16_bits(x[d]);
+  for (int d = 0; d < DPT; ++d) u[d] = f16 ? kvc_f16_bits(x[d]) : kvc_bf16_bits(x[d]);
 #pragma unroll
   for (int h = 1; h < DPT; h <<= 1)
 #pragma unroll
@@ -244,14 +245,40 @@ __device__ __forceinline__ void kvc_rotate_query_bf16(const kvc_args &a, int t, 
     }
   }
 #pragma unroll
-  for (int d = 0; d < DPT; ++d) x[d] = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(u[d], a.rot_qc)));
+  for (int d = 0; d < DPT; ++d) {
+    const float y = __fmul_rn(u[d], a.rot_qc);
+    x[d] = f16 ? __half_as_ushort(__float2half_rn(y)) : __bfloat16_as_ushort(__float2bfloat16_rn(y));
+  }
+}
+/* A rotated call's query vectors q0 .. q0 + nrows - 1 of KV head hk (a.rot_q,
+ * bf16 or f16 queries, D a power of two, 64 <= D): one warp per vector (rows
+ * warp, warp + nwarps, ..; the whole warp takes each row, so the shuffles
+ * see every lane), lane t with dims t D / 32 .. of the bf16 query, rotated by
+ * kvc_rotate_query16; store(r, d, x) takes element d of row r (16-bit
+ * bits; zeros for vectors at or past Q). */
+template <int D, typename Store>
+__device__ __forceinline__ void kvc_rotated_query_rows(const kvc_args &a, int b, int hk, int q0, int nrows, int Q,
+                                                       int warp, int nwarps, int lane, Store store) {
+  constexpr int DPT = D / KVC_WARP;
+  const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
+  for (int r = warp; r < nrows; r += nwarps) {
+    const int qv = q0 + r; /* warp-uniform */
+    unsigned short x[DPT];
+    const unsigned short *qp =
+        qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) x[d] = qp ? qp[(lane * DPT + d) * qds] : (unsigned short)0;
+    if (qp) kvc_rotate_query16<DPT, KVC_WARP>(a, lane, x);
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) store(r, lane * DPT + d, x[d]);
+  }
 }
 /* The tensor-core kernels' query staging: thread pd / DPT of query vector
  * qv (one of TPQ adjacent lanes per vector) copies dims pd .. pd + DPT - 1
  * of the bf16 query (zeros when qv >= Q) into row (bf16, shared memory) and
  * returns the vector's max |q| (over its TPQ threads) and the sum of its
  * quantization group (over the tpg threads of the group) by shuffles; a
- * rotated call's query (a.rot_q) rotated first (kvc_rotate_query_bf16 over
+ * rotated call's query (a.rot_q) rotated first (kvc_rotate_query16 over
  * the vector's TPV adjacent lanes, D = TPV DPT; TPV = TPQ unless max |q|
  * is taken over fewer lanes). */
 template <int DPT, int TPQ, int TPV = TPQ>
@@ -264,7 +291,7 @@ __device__ __forceinline__ void kvc_stage_query(const kvc_args &a, int b, int hk
   unsigned short xs[DPT];
 #pragma unroll
   for (int d = 0; d < DPT; ++d) xs[d] = qp ? qp[(pd + d) * qds] : (unsigned short)0;
-  if (a.rot_q) kvc_rotate_query_bf16<DPT, TPV>(a, pd / DPT, xs);
+  if (a.rot_q) kvc_rotate_query16<DPT, TPV>(a, pd / DPT, xs);
 #pragma unroll
   for (int d = 0; d < DPT; ++d) {
     const unsigned short x = xs[d];

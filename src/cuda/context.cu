@@ -536,15 +536,16 @@ static const char *kvc_roundings(const kvc_plan &pl) {
 
 /* Rotated calls fused (kvattn.h KVA_ATTN_ROTATED_K / _V): V by every kernel
  * but the general one (its states go through kvc_merge_rot_kernel, Dv <=
- * 512 always); K, q rotated on load, by the kernels that stage each query
- * vector whole before rounding it: the fused kernel (kvc_rotated_query_warp,
- * any rotatable head dim), the per-warp q4 kernel and the narrow kernel's
- * q4 / q8 decode instances (kvc_stage_query). The 32- and 48-vector and
- * bf16 / f16 tensor-core instances and the warpgroup kernel read their
- * query fragments from global memory directly: K by the API's pass there. */
+ * 512 always); K, q rotated on load as each block stages its query vectors,
+ * by the fused kernel (kvc_rotated_query_warp, any rotatable head dim), the
+ * per-warp q4 kernel and the narrow kernel's q4 / q8 decode instances
+ * (kvc_stage_query), the narrow kernel's other instances and the warpgroup
+ * kernel (kvc_rotated_query_rows); not by the wide kernel (48 vectors: its
+ * free stage slot is too small for the staged rows at q4), whose q the
+ * API's pass rotates. */
 static unsigned kvc_rotate_fused(const kvc_plan &pl) {
   if (pl.fmt < 0) return 0;
-  const bool k = pl.tc == 0 || pl.tc == 2 || (pl.tc == 1 && (pl.fmt == KVC_Q4 || pl.fmt == KVC_Q8) && pl.QW == 8);
+  const bool k = !(pl.tc == 1 && pl.QW == 8 * KVC_TC_NTM_WIDE);
   return KVA_ATTN_ROTATED_V | (k ? KVA_ATTN_ROTATED_K : 0u);
 }
 
