@@ -18,7 +18,8 @@
  *         weights and sums, one fold per chunk; then the MERGE_ROWS partial
  *         states of a dim fold in a fixed order through shared memory: one
  *         barrier, no second pass over the splits. A rotated output
- *         (a.rot_out) takes kvc_merge_rot_kernel: a whole row per block. */
+ *         (a.rot_out) takes kvc_merge_rot_kernel: grid (L, H, B), a whole
+ *         row per block of MERGE_ROT_THREADS. */
 #include "cuda/launch.cuh"
 #include "cuda/rows.cuh"
 
@@ -109,70 +110,90 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
 }
 
 /* The merge of a rotated output (a.rot_out, kvattn.h KVA_ATTN_ROTATED_V):
- * one block per query row (Dv <= MERGE_ROT_DV), every split count (one
- * included). M = max_s m_s over the block (NaN-propagating), then thread
- * tid folds dims tid, tid + MERGE_THREADS, .. over all splits in order s =
- * 0, 1, .. (w_s = exp(m_s - M), 0 for an empty split): l = sum w_s l_s, o =
- * sum w_s o_s; the sink joins, out' = o / l in f32 into shared memory, and
- * warp 0 stores out = H_Dv out' (kvc_hadamard_warp) in out's dtype; lse as
- * the unrotated merge (rotation leaves it). Reads nsplit (Dv + 2) floats
+ * one block of MERGE_ROT_THREADS per query row (Dv <= MERGE_ROT_DV), every
+ * split count (one included). As kvc_merge_kernel over the whole row:
+ * thread (r, c), c < cols = Dv / 4, r < rows = MERGE_ROT_THREADS / cols,
+ * takes splits r, r + rows, .. for dims 4c .. 4c + 3, merge_chunk loads in
+ * flight (one round trip to L2 for up to rows * merge_chunk splits: 64 at
+ * Dv = 512, 128 at 256), then the rows fold in a fixed order per dim, the
+ * sink joins, out' = o / l (f32) goes to shared memory, and the block
+ * stores out = H_Dv out' (kvc_hadamard_block) in out's dtype; lse as the
+ * unrotated merge (the rotation leaves it). Reads nsplit (Dv + 2) floats
  * per row, writes Dv outputs. */
+#define MERGE_ROT_THREADS 512
 #define MERGE_ROT_DV 512
-__global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_rot_kernel(const kvc_args a) {
+#define MERGE_ROT_MAXROWS (MERGE_ROT_THREADS / 16) /* cols >= 16 (Dv >= 64) */
+__global__ void __launch_bounds__(MERGE_ROT_THREADS) kvc_merge_rot_kernel(const kvc_args a) {
+  __shared__ float part_o[4 * MERGE_ROT_THREADS]; /* [rows][4 cols] */
+  __shared__ float part_m[MERGE_ROT_MAXROWS], part_l[MERGE_ROT_MAXROWS];
   __shared__ float u[MERGE_ROT_DV];
-  __shared__ float red[MERGE_THREADS / KVC_WARP];
   const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  const int lane = tid % KVC_WARP, warp = tid / KVC_WARP;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize(); /* launched early (PDL): wait for the split states */
 #endif
   const size_t split_stride = (size_t)a.B * a.H * a.L * KVA_STATE_FLOATS(a.Dv); /* floats */
   const float *st0 = kvc_state_at(a, 0, b, h, i);
-  float M = -INFINITY;
-  for (int s = tid; s < a.nsplit; s += MERGE_THREADS) M = kvc_max(M, st0[(size_t)s * split_stride]);
+  const int cols = (a.Dv + 3) / 4, rows = MERGE_ROT_THREADS / cols, ld = 4 * cols;
+  const int r = tid / cols, c = tid % cols, d0 = 4 * c;
+  if (r < rows) {
+    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = r; s0 < a.nsplit; s0 += rows * merge_chunk) {
+      float cm[merge_chunk], cl[merge_chunk], co[merge_chunk][4];
 #pragma unroll
-  for (int off = KVC_WARP / 2; off > 0; off >>= 1) M = kvc_max(M, __shfl_xor_sync(KVC_FULL_MASK, M, off));
-  if (lane == 0) red[warp] = M;
-  __syncthreads();
-  M = red[0];
+      for (int k = 0; k < merge_chunk; ++k) {
+        const int sk = s0 + rows * k;
+        const float *st = st0 + (size_t)sk * split_stride;
+        const bool ok = sk < a.nsplit;
+        cm[k] = ok ? st[0] : -INFINITY;
+        cl[k] = ok ? st[1] : 0.0f;
 #pragma unroll
-  for (int w = 1; w < MERGE_THREADS / KVC_WARP; ++w) M = kvc_max(M, red[w]);
-  constexpr int DPT = MERGE_ROT_DV / MERGE_THREADS;
-  float Ls = 0.0f, o[DPT];
-#pragma unroll
-  for (int k = 0; k < DPT; ++k) o[k] = 0.0f;
-  if (M != -INFINITY) {
-#pragma unroll 4
-    for (int s = 0; s < a.nsplit; ++s) {
-      const float *st = st0 + (size_t)s * split_stride;
-      const float ms = st[0];
-      const float w = ms == -INFINITY ? 0.0f : expf(ms - M); /* NaN when M is NaN */
-      Ls = fmaf(w, st[1], Ls);
-#pragma unroll
-      for (int k = 0; k < DPT; ++k) {
-        const int d = tid + k * MERGE_THREADS;
-        if (d < a.Dv) o[k] = fmaf(w, st[2 + d], o[k]);
+        for (int j = 0; j < 4; ++j) co[k][j] = ok ? st[2 + d0 + j] : 0.0f; /* Dv is a multiple of 4 */
       }
+      float M = cm[0];
+#pragma unroll
+      for (int k = 1; k < merge_chunk; ++k) M = kvc_max(M, cm[k]);
+      float L = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < merge_chunk; ++k) {
+          const float w = cm[k] == -INFINITY ? 0.0f : expf(cm[k] - M); /* NaN when M is NaN */
+          L = fmaf(w, cl[k], L);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) O[j] = fmaf(w, co[k][j], O[j]);
+        }
+      }
+      merge_fold(m, l, o, M, L, O);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part_o[r * ld + d0 + j] = o[j];
+    if (c == 0) {
+      part_m[r] = m;
+      part_l[r] = l;
     }
   }
-  float f1 = 1.0f;
-  if (a.sinks && M != -INFINITY) {
-    float mn, f2;
-    kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
-    M = mn;
-    Ls = Ls * f1 + f2;
-  }
-  if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
-#pragma unroll
-  for (int k = 0; k < DPT; ++k) {
-    const int d = tid + k * MERGE_THREADS;
-    if (d < a.Dv) u[d] = kvc_finish(o[k] * f1, Ls);
+  __syncthreads();
+  float M = -INFINITY, Ls = 0.0f;
+  if (tid < a.Dv) {
+    float O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k = 0; k < rows; ++k) { /* fixed order */
+      const float os[4] = {part_o[k * ld + tid], 0.0f, 0.0f, 0.0f};
+      merge_fold(M, Ls, O, part_m[k], part_l[k], os);
+    }
+    float Od = O[0];
+    if (a.sinks && M != -INFINITY) {
+      float mn, f1, f2;
+      kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
+      M = mn;
+      Ls = Ls * f1 + f2;
+      Od *= f1;
+    }
+    if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
+    u[tid] = kvc_finish(Od, Ls);
   }
   __syncthreads();
-  if (warp != 0) return;
-  kvc_hadamard_warp(u, a.Dv, a.rot_om, a.rot_oc, lane);
-  for (int d = lane; d < a.Dv; d += KVC_WARP) kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, u[d]);
-  if (a.lse && lane == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
+  kvc_hadamard_block(u, a.Dv, a.rot_om, a.rot_oc, tid, MERGE_ROT_THREADS);
+  if (tid < a.Dv) kvc_store(kvc_out_at(a, b, h, i, tid), a.out_dtype, u[tid]);
+  if (a.lse && tid == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
 }
 
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
@@ -180,7 +201,7 @@ int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
   /* programmatic dependent launch: the launch overlaps the split kernel's tail */
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(MERGE_THREADS);
+  cfg.blockDim = dim3(a.rot_out ? MERGE_ROT_THREADS : MERGE_THREADS);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1] = {};

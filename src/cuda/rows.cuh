@@ -78,6 +78,34 @@ __device__ __forceinline__ void kvc_hadamard_warp(float *u, int D, int m, float 
   __syncwarp();
 }
 
+/* u[0 .. D) <- H_D u as kvc_hadamard_warp (the same operations per element),
+ * by all nthreads threads of the block (thread tid): the pairs of a stage
+ * spread over the block, a barrier after each stage. u written by the
+ * block before (the caller's barrier); ends with a barrier. */
+__device__ __forceinline__ void kvc_hadamard_block(float *u, int D, int m, float c, int tid, int nthreads) {
+  for (int h = 1; h < m; h <<= 1) {
+    for (int p = tid; p < D / 2; p += nthreads) {
+      const int i = (p / h) * 2 * h + p % h;
+      const float a = u[i], b = u[i + h];
+      u[i] = __fadd_rn(a, b);
+      u[i + h] = __fsub_rn(a, b);
+    }
+    __syncthreads();
+  }
+  if (m != D) {
+    for (int a = tid; a < m; a += nthreads) {
+      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
+      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
+      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
+      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
+      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < D; i += nthreads) u[i] = __fmul_rn(u[i], c);
+  __syncthreads();
+}
+
 /* A rotated call's query vector (b, h, i) as its kernel takes it (a.rot_q):
  * u[0 .. Dk) <- H_Dk q in f32 (kvc_hadamard_warp on the row as loaded),
  * rounded once to a.rot_qdt and read back as f32: the bits the pass
