@@ -1150,8 +1150,8 @@ static const rot_fused_case rot_fused_cases[] = {
 };
 #define NROT_FUSED ((int)(sizeof rot_fused_cases / sizeof rot_fused_cases[0]))
 
-/* The rotated call captured in a CUDA graph (its q and output passes on the
- * context's stream) replays to the eager call's bits. */
+/* The rotated call captured in a CUDA graph (fused: the decode instance
+ * rotating q on load, the rotating merge) replays to the eager call's bits. */
 TEST(cuda_rotation_graph) {
   if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
   const att_case c = {2, 8, 2, 1, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
@@ -1167,6 +1167,12 @@ TEST(cuda_rotation_graph) {
   int ok = dcall_make(&dc, &m, &d, &d.view, NULL) && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
   kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, s};
   ok = ok && kva_context_create(&ctx, &o) == 0;
+  char kname[320] = "";
+  ok = ok && kva_attention_kernel(ctx, &dc.q, &dc.view, &dc.p, &dc.out, kname, sizeof kname) > 0;
+  if (ok && !strstr(kname, rot_how(ROT_KV))) { /* the fused path: q on load, the rotating merge */
+    FAIL_("the graph case runs \"%s\", not the fused rotation", kname);
+    ok = 0;
+  }
   unsigned char *eager = (unsigned char *)malloc(dc.ob), *replay = (unsigned char *)malloc(dc.ob);
   ok = ok && kva_attention(ctx, &dc.q, &dc.view, &dc.p, &dc.out, NULL, 0) == 0 && cudaStreamSynchronize(s) == cudaSuccess;
   ok = ok && cudaMemcpy(eager, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess;

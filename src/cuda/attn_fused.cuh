@@ -359,6 +359,16 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   const kvc_lane_rows vrows = kvc_lane_rows_of<FMT, E>(a.v, b, hk, c);
   const int ksdt = a.k.sdtype, vsdt = a.v.sdtype;
 
+  /* a rotated call's queries: each warp forms q' = H q of the tile's
+   * vectors in its own slice of sm_o (unused until the final merge, which
+   * this warp alone writes); its lanes take their dims from there */
+  if (a.rot_q)
+    for (int j = 0; j < QW; ++j) {
+      const int qv = qtile * QW + j; /* warp-uniform */
+      if (qv < Q)
+        kvc_rotated_query_warp(kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), a.qs[3], a.q_dtype, a.Dk, a.rot_qm,
+                               a.rot_qc, a.rot_qdt, &sm_o[warp][j][0], lane);
+    }
   /* The tile's query vectors: qv = r * L + i -> head hk * rep + r, row i. */
   float qr[QW][E];
   long long pos[QW];
@@ -371,25 +381,14 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
     const int h = hk * a.rep + (qok[j] ? qv / a.L : 0), i = qok[j] ? qv % a.L : 0;
     pos[j] = len - a.L + i;
     segp[j] = qok[j] ? kvc_seg_of_row(a, b, pos[j]) : 0;
+    /* the row as loaded: q, or q' (f32) in sm_o (a generic address either way) */
+    const char *qrow = a.rot_q ? (const char *)&sm_o[warp][j][0] : kvc_q_at(a, b, h, i, 0);
+    const long long qes = a.rot_q ? 4 : a.qs[3];
+    const int qdt = a.rot_q ? KVA_F32 : a.q_dtype;
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      qr[j][e] = (qok[j] && kact && !a.rot_q) ? kvc_load(kvc_q_at(a, b, h, i, c * E + e), a.q_dtype) : 0.0f;
+    for (int e = 0; e < E; ++e) qr[j][e] = (qok[j] && kact) ? kvc_load(qrow + (c * E + e) * qes, qdt) : 0.0f;
   }
-  if (a.rot_q) {
-    /* a rotated call's queries: each warp forms q' = H q of the tile's
-     * vectors in its own slice of sm_o (unused until the final merge, which
-     * this warp alone writes), then its lanes take their dims */
-    float *u = &sm_o[warp][0][0];
-    for (int j = 0; j < QW; ++j) {
-      const int qv = qtile * QW + j; /* warp-uniform */
-      if (qv < Q) kvc_rotated_query_warp(a, b, hk * a.rep + qv / a.L, qv % a.L, u + j * DMAX, lane);
-    }
-#pragma unroll
-    for (int j = 0; j < QW; ++j)
-#pragma unroll
-      for (int e = 0; e < E; ++e) qr[j][e] = (qok[j] && kact) ? u[j * DMAX + c * E + e] : 0.0f;
-    __syncwarp();
-  }
+  __syncwarp(); /* the reads of sm_o above before this warp's final writes of it */
 
   long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
   if (kvc_causal_family(a) && a.window > 0 && !a.seg) /* keys before row 0's window (TREE: its prefix's) */

@@ -106,20 +106,20 @@ __device__ __forceinline__ void kvc_hadamard_block(float *u, int D, int m, float
   __syncthreads();
 }
 
-/* A rotated call's query vector (b, h, i) as its kernel takes it (a.rot_q):
- * u[0 .. Dk) <- H_Dk q in f32 (kvc_hadamard_warp on the row as loaded),
- * rounded once to a.rot_qdt and read back as f32: the bits the pass
- * (kva_hadamard into q' of that dtype) hands the kernel. One warp; ends with
- * __syncwarp. */
-__device__ __forceinline__ void kvc_rotated_query_warp(const kvc_args &a, int b, int h, int i, float *u, int lane) {
+/* A rotated call's query vector as its kernel takes it (kvc_args rot_q):
+ * u[0 .. D) <- H_D q in f32 (kvc_hadamard_warp on the row qrow, elements
+ * qs3 bytes apart, of dtype qdt), rounded once to rdt (rot_qdt) and read
+ * back as f32: the bits the pass (kva_hadamard into q' of that dtype) hands
+ * the kernel. One warp; ends with __syncwarp. Not inlined: the kernels'
+ * registers stay as they are for unrotated calls. */
+__device__ __noinline__ void kvc_rotated_query_warp(const char *qrow, long long qs3, int qdt, int D, int m, float c,
+                                                    int rdt, float *u, int lane) {
   __syncwarp(); /* earlier reads of u */
-  for (int d = lane; d < a.Dk; d += KVC_WARP) u[d] = kvc_cw_load(kvc_q_at(a, b, h, i, d), a.q_dtype);
-  kvc_hadamard_warp(u, a.Dk, a.rot_qm, a.rot_qc, lane);
-  for (int d = lane; d < a.Dk; d += KVC_WARP) {
+  for (int d = lane; d < D; d += KVC_WARP) u[d] = kvc_cw_load(qrow + d * qs3, qdt);
+  kvc_hadamard_warp(u, D, m, c, lane);
+  for (int d = lane; d < D; d += KVC_WARP) {
     const float x = u[d];
-    u[d] = a.rot_qdt == KVA_BF16  ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x))
-           : a.rot_qdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x))
-                                  : x;
+    u[d] = rdt == KVA_BF16 ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x)) : rdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x)) : x;
   }
   __syncwarp();
 }
