@@ -1037,8 +1037,8 @@ static int dcall_make(dcall *dc, dmem *m, const att_data *d, const kva_kv_view *
  * oracle's rotated call with the kernel's roundings, out and lse; want,
  * how: NULL, or texts the kernel's name must contain (the kernel, and the
  * words of the fused parts of the rotation). */
-static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags, int probe, int table, const char *want,
-                              const char *how) {
+static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags, int probe, int table,
+                              const char *want, const char *how) {
   char name[256], what[400];
   att_case_str(c, name, sizeof name);
   snprintf(what, sizeof what, "%s, %s queries, flags 0x%x, %s", name, att_query_names[probe], flags,
@@ -1127,7 +1127,8 @@ static const rot_fused_case rot_fused_cases[] = {
     {{1, 12, 2, 2, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1},
     /* q4 / q8 decode instances of the narrow tensor-core kernel (q int15); head dim 512 */
     {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "decode instance", 0, 1},
-    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, "q8 tensor-core kernel: decode", 0, 1},
+    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+     "q8 tensor-core kernel: decode", 0, 1},
     {{1, 4, 2, 1, 1500, 512, 512, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "decode instance", 0, 1},
     /* q4 verify L = 8, GQA 6: the warpgroup kernel; head dims 128, 256, 64 */
     {{1, 12, 2, 8, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
@@ -1136,8 +1137,10 @@ static const rot_fused_case rot_fused_cases[] = {
     /* the narrow kernel's 32-vector q4 instance (warpgroup kernel off) and bf16 / f16 decode
      * instances; the wide kernel (48 vectors: q by the pass, V fused) */
     {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1},
-    {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 tensor-core kernel: decode", 0, 1},
-    {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "f16 tensor-core kernel: decode", 0, 1},
+    {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "bf16 tensor-core kernel: decode", 0, 1},
+    {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f16 tensor-core kernel: decode", 0, 1},
     {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "wide (8 warps)", 0, 0},
     /* bf16 / f16 / f32 rows and q8 / q4 over dims the tensor-core kernels lack: the fused kernel, head
      * dims 96, 192, 512, 64; one split (N = 40: the merge still runs for V) */
@@ -1230,7 +1233,8 @@ TEST(cuda_rotation_vs_oracle) {
       for (int probe = 0; probe < 2 && ok; ++probe)
         ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how);
     }
-    if (ok) ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, f->want, f->kfused ? rot_how(ROT_KV) : rot_how(KVA_ATTN_ROTATED_V));
+    if (ok)
+      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, f->want, rot_how(f->kfused ? ROT_KV : KVA_ATTN_ROTATED_V));
     kva_context_destroy(fc);
   }
 }

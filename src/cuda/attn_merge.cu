@@ -209,7 +209,8 @@ int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e = a.rot_out ? cudaLaunchKernelEx(&cfg, kvc_merge_rot_kernel, a) : cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
+  cudaError_t e =
+      a.rot_out ? cudaLaunchKernelEx(&cfg, kvc_merge_rot_kernel, a) : cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "merge kernel launch: %s", cudaGetErrorString(e));
   return 0;

@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
                                 *(unsigned short *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 +
                                                     (((un & 7) ^ (r & 7)) << 4) + 2 * (k < 4 ? 2 * k : 2 * k - 7)) = x;
                               });
-  else
-  for (int u = tid; u < KVC_WG_QV * D / 8; u += KVC_WG_WGS * KVC_WG_THREADS) {
+  const int q_units = a.rot_q ? 0 : KVC_WG_QV * D / 8; /* rotated: staged above */
+  for (int u = tid; u < q_units; u += KVC_WG_WGS * KVC_WG_THREADS) {
     const int r = u / (D / 8), un = u % (D / 8), qv = q0 + r;
     uint4 o = make_uint4(0u, 0u, 0u, 0u);
     if (qv < Q) {

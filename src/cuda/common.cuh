@@ -215,11 +215,12 @@ __device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h,
 /* A rotated call's query on load (a.rot_q): x[0 .. DPT) of each of the TPQ
  * adjacent lanes t = 0 .. TPQ - 1 of one vector (lane t holds dims t DPT ..
  * t DPT + DPT - 1 of the 16-bit query, bf16 or f16 as a.q_dtype, D = TPQ DPT
- * a power of two) <- the rounding of H_D q to that type (a.rot_qdt = q's), the transform in f32 in kva_hadamard's operation order
- * (stages h = 1, 2, .., D / 2: in the lane for h < DPT, with lane t ^ (h /
- * DPT) by a shuffle beyond; the lower element of a pair takes a + b, the
- * upper a - b; then one multiply by c), so q' equals the pass's bit for bit
- * (NaN payloads aside). All lanes of the warp take part (the shuffles). */
+ * a power of two) <- H_D q rounded to that type (a.rot_qdt is q's dtype
+ * here), the transform in f32 in kva_hadamard's operation order (stages
+ * h = 1, 2, .., D / 2: in the lane for h < DPT, with lane t ^ (h / DPT) by a
+ * shuffle beyond; the lower element of a pair takes a + b, the upper a - b;
+ * then one multiply by c), so q' equals the pass's bit for bit (NaN payloads
+ * aside). All lanes of the warp take part (the shuffles). */
 template <int DPT, int TPQ>
 __device__ __forceinline__ void kvc_rotate_query16(const kvc_args &a, int t, unsigned short (&x)[DPT]) {
   const bool f16 = a.q_dtype == KVA_F16;
@@ -253,14 +254,14 @@ __device__ __forceinline__ void kvc_rotate_query16(const kvc_args &a, int t, uns
 /* A rotated call's query vectors q0 .. q0 + nrows - 1 of KV head hk (a.rot_q,
  * bf16 or f16 queries, D a power of two, 64 <= D): one warp per vector (rows
  * warp, warp + nwarps, ..; the whole warp takes each row, so the shuffles
- * see every lane), lane t with dims t D / 32 .. of the bf16 query, rotated by
- * kvc_rotate_query16; store(r, d, x) takes element d of row r (16-bit
+ * see every lane), lane t with dims t D / 32 .. of the 16-bit query, rotated
+ * by kvc_rotate_query16; store(r, d, x) takes element d of row r (16-bit
  * bits; zeros for vectors at or past Q). */
 template <int D, typename Store>
 __device__ __forceinline__ void kvc_rotated_query_rows(const kvc_args &a, int b, int hk, int q0, int nrows, int Q,
                                                        int warp, int nwarps, int lane, Store store) {
   constexpr int DPT = D / KVC_WARP;
-  const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
+  const long long qds = a.qs[3] / 2; /* 16-bit elements between dims */
   for (int r = warp; r < nrows; r += nwarps) {
     const int qv = q0 + r; /* warp-uniform */
     unsigned short x[DPT];

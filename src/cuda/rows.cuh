@@ -112,14 +112,16 @@ __device__ __forceinline__ void kvc_hadamard_block(float *u, int D, int m, float
  * back as f32: the bits the pass (kva_hadamard into q' of that dtype) hands
  * the kernel. One warp; ends with __syncwarp. Not inlined: the kernels'
  * registers stay as they are for unrotated calls. */
-__device__ __noinline__ void kvc_rotated_query_warp(const char *qrow, long long qs3, int qdt, int D, int m, float c,
-                                                    int rdt, float *u, int lane) {
+static __device__ __noinline__ void kvc_rotated_query_warp(const char *qrow, long long qs3, int qdt, int D, int m,
+                                                           float c, int rdt, float *u, int lane) {
   __syncwarp(); /* earlier reads of u */
   for (int d = lane; d < D; d += KVC_WARP) u[d] = kvc_cw_load(qrow + d * qs3, qdt);
   kvc_hadamard_warp(u, D, m, c, lane);
   for (int d = lane; d < D; d += KVC_WARP) {
     const float x = u[d];
-    u[d] = rdt == KVA_BF16 ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x)) : rdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x)) : x;
+    u[d] = rdt == KVA_BF16  ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x))
+           : rdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x))
+                            : x;
   }
   __syncwarp();
 }
