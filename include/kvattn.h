@@ -277,9 +277,14 @@ typedef struct kva_attn_params {
  * as k' = H_Dk k (KVA_ATTN_ROTATED_K) and/or V rows as v' = H_Dv v
  * (KVA_ATTN_ROTATED_V). H is symmetric and orthonormal (H H = I), so
  * q.k = (H q).k' and out = sum_j p_j v_j = H (sum_j p_j v'_j): the call
- * rotates q on load (q' = H_Dk q, into the workspace) and, with ROTATED_V,
- * has the kernel write its output in f32 into the workspace and stores
- * out = H_Dv of it in out's dtype (one more pass over out, none over K/V).
+ * rotates q on load (q' = H_Dk q) and, with ROTATED_V, stores out = H_Dv of
+ * the kernel's f32 output in out's dtype; none of it touches K/V. CUDA: both
+ * inside the kernels (q as a block stages it, out in the split merge, which
+ * then runs at every split count); the CPU, the CUDA general kernel (and, for
+ * q, the CUDA wide tensor-core instance) run passes around the kernel
+ * instead (q' and the f32 output in the workspace). kva_attention_kernel
+ * says which: "(q rotated on load, out rotated back in the merge)" after
+ * the rotation words for the fused parts.
  * Results equal the unrotated call on the unrotated cache within rounding;
  * lse is unchanged (the logits are). q' has q's dtype, so a 16-bit q is
  * rounded once more after the rotation ("q bf16" / "q f16" in the kernel
@@ -544,7 +549,9 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]",
  * or "q bf16" / "q f16" first: a rotated call's query H q rounded to that
  * type (KVA_ATTN_ROTATED_K with a 16-bit q; "[exact f32]" then reads "[q
- * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V).
+ * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V),
+ * then "(q rotated on load, out rotated back in the merge)" (the parts the
+ * kernel runs fused; none: passes around it).
  * Operands not named are not rounded below f32. name NULL or size 0:
  * KVA_EINVAL; on error name is not written. Returns a kva_path or a negative
  * status. */

@@ -1034,8 +1034,11 @@ static int dcall_make(dcall *dc, dmem *m, const att_data *d, const kva_kv_view *
 }
 
 /* The rotated call on the device (contiguous and block table) against the
- * oracle's rotated call with the kernel's roundings, out and lse. */
-static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int probe, int table) {
+ * oracle's rotated call with the kernel's roundings, out and lse; want,
+ * how: NULL, or texts the kernel's name must contain (the kernel, and the
+ * words of the fused parts of the rotation). */
+static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags, int probe, int table,
+                              const char *want, const char *how) {
   char name[256], what[400];
   att_case_str(c, name, sizeof name);
   snprintf(what, sizeof what, "%s, %s queries, flags 0x%x, %s", name, att_query_names[probe], flags,
@@ -1062,6 +1065,10 @@ static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int
   char kname[320] = "";
   ok = ok && kva_attention_kernel(cu, &dc.q, &dc.view, &dc.p, &dc.out, kname, sizeof kname) > 0 &&
        strstr(kname, "Hadamard-rotated");
+  if (ok && ((want && !strstr(kname, want)) || (how && !strstr(kname, how)))) {
+    FAIL_("%s: runs \"%s\", not a \"%s\" with \"%s\"", what, kname, want ? want : "", how ? how : "");
+    ok = 0;
+  }
   kva_ref_rounding rr;
   att_name_rounding(kname, &rr);
   kva_tensor ref = att_alloc_like(&d, &out);
@@ -1089,8 +1096,65 @@ static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int
   return ok;
 }
 
-/* The rotated call captured in a CUDA graph (its q and output passes on the
- * context's stream) replays to the eager call's bits. */
+static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int probe, int table) {
+  return cuda_rot_case_want(cu, c, flags, probe, table, NULL, NULL);
+}
+
+/* The words a rotated call's name carries for its fused parts (rot_name). */
+static const char *rot_how(unsigned flags) {
+  return flags == ROT_KV               ? "(q rotated on load, out rotated back in the merge)"
+         : flags == KVA_ATTN_ROTATED_K ? "(q rotated on load)"
+                                       : "(out rotated back in the merge)";
+}
+
+/* B, H, KVH, L, N, Dk, Dv, q, out, kbits, vbits, group, kv dtype, mask, window, softcap, sinks, ragged, strided;
+ * the kernel each must run (its name), and the context it needs: 1 the
+ * per-warp q4 kernel at any size (KVA_CUDA_TCD_MIN_WORK = 0), 2 the
+ * warpgroup kernel from one vector (KVA_CUDA_WG_MIN_Q = 1), 3 without it
+ * (KVA_CUDA_WG_MIN_Q = -1), 0 default;
+ * kfused: q rotated on load there (else by the pass: only V fused). */
+typedef struct rot_fused_case {
+  att_case c;
+  const char *want;
+  int env, kfused;
+} rot_fused_case;
+static const rot_fused_case rot_fused_cases[] = {
+    /* q4 decode, per-warp kernel: head dims 256, 128, 64; GQA 2 and 4; sinks, ragged, strided */
+    {{1, 8, 4, 1, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1},
+    {{2, 8, 2, 1, 1500, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "per-warp,", 1, 1},
+    {{1, 4, 2, 2, 900, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 0, 0}, "per-warp,", 1, 1},
+    /* q4 at 12 query vectors per KV head on the per-warp kernel (the 16-vector instance, q int8) */
+    {{1, 12, 2, 2, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1},
+    /* q4 / q8 decode instances of the narrow tensor-core kernel (q int15); head dim 512 */
+    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "decode instance", 0, 1},
+    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+     "q8 tensor-core kernel: decode", 0, 1},
+    {{1, 4, 2, 1, 1500, 512, 512, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "decode instance", 0, 1},
+    /* q4 verify L = 8, GQA 6: the warpgroup kernel; head dims 128, 256, 64 */
+    {{1, 12, 2, 8, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
+    {{1, 12, 2, 8, 700, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "warpgroup", 2, 1},
+    {{1, 12, 2, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
+    /* the narrow kernel's 32-vector q4 instance (warpgroup kernel off) and bf16 / f16 decode
+     * instances; the wide kernel (48 vectors: q by the pass, V fused) */
+    {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1},
+    {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "bf16 tensor-core kernel: decode", 0, 1},
+    {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f16 tensor-core kernel: decode", 0, 1},
+    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "wide (8 warps)", 0, 0},
+    /* bf16 / f16 / f32 rows and q8 / q4 over dims the tensor-core kernels lack: the fused kernel, head
+     * dims 96, 192, 512, 64; one split (N = 40: the merge still runs for V) */
+    {{1, 4, 2, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 fused kernel", 0, 1},
+    {{1, 4, 2, 1, 500, 96, 96, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f16 fused kernel", 0, 1},
+    {{2, 6, 2, 1, 400, 192, 192, F32, F32, 8, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 1, 0}, "q8 fused kernel", 0, 1},
+    {{1, 4, 2, 1, 300, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 fused kernel", 0, 1},
+    {{1, 2, 1, 1, 40, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, "f32 fused kernel", 0, 1},
+    {{1, 8, 4, 3, 600, 96, 96, F32, BF16, 4, 4, 32, F32, MASK_WINDOW, 50, 0, 0, 0, 0}, "q4 fused kernel", 0, 1},
+};
+#define NROT_FUSED ((int)(sizeof rot_fused_cases / sizeof rot_fused_cases[0]))
+
+/* The rotated call captured in a CUDA graph (fused: the decode instance
+ * rotating q on load, the rotating merge) replays to the eager call's bits. */
 TEST(cuda_rotation_graph) {
   if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
   const att_case c = {2, 8, 2, 1, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
@@ -1106,6 +1170,12 @@ TEST(cuda_rotation_graph) {
   int ok = dcall_make(&dc, &m, &d, &d.view, NULL) && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess;
   kva_context_opts o = {KVA_BACKEND_CUDA, 0, 0, s};
   ok = ok && kva_context_create(&ctx, &o) == 0;
+  char kname[320] = "";
+  ok = ok && kva_attention_kernel(ctx, &dc.q, &dc.view, &dc.p, &dc.out, kname, sizeof kname) > 0;
+  if (ok && !strstr(kname, rot_how(ROT_KV))) { /* the fused path: q on load, the rotating merge */
+    FAIL_("the graph case runs \"%s\", not the fused rotation", kname);
+    ok = 0;
+  }
   unsigned char *eager = (unsigned char *)malloc(dc.ob), *replay = (unsigned char *)malloc(dc.ob);
   ok = ok && kva_attention(ctx, &dc.q, &dc.view, &dc.p, &dc.out, NULL, 0) == 0 && cudaStreamSynchronize(s) == cudaSuccess;
   ok = ok && cudaMemcpy(eager, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess;
@@ -1143,5 +1213,29 @@ TEST(cuda_rotation_vs_oracle) {
       ok = cuda_rot_case(cu, c, table ? ROT_KV : flags[ci % 3], (ci + table) % 2, table);
   }
   kva_context_destroy(cu);
+  /* the fused paths, by kernel name: each case with K and V, K, V rotated
+   * (contiguous, both query kinds), and K,V over a block table */
+  for (int ci = 0; ci < NROT_FUSED && ok; ++ci) {
+    const rot_fused_case *f = &rot_fused_cases[ci];
+    if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+    if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
+    if (f->env == 3) setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
+    kva_context *fc = cuda_ctx();
+    unsetenv("KVA_CUDA_TCD_MIN_WORK");
+    unsetenv("KVA_CUDA_WG_MIN_Q");
+    if (!fc) {
+      FAIL_("CUDA context: %s", kva_last_error());
+      break;
+    }
+    for (int fi = 0; fi < 3 && ok; ++fi) {
+      const unsigned fl = flags[fi];
+      const char *how = f->kfused ? rot_how(fl) : fl == KVA_ATTN_ROTATED_K ? NULL : rot_how(KVA_ATTN_ROTATED_V);
+      for (int probe = 0; probe < 2 && ok; ++probe)
+        ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how);
+    }
+    if (ok)
+      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, f->want, rot_how(f->kfused ? ROT_KV : KVA_ATTN_ROTATED_V));
+    kva_context_destroy(fc);
+  }
 }
 #endif

@@ -462,14 +462,20 @@ static int backend_workspace_size(const kva_context *ctx, const kva_problem *p, 
 }
 
 /* A rotated call (p->rotate, kvattn.h KVA_ATTN_ROTATED_K / _V) as the
- * backend runs it: q' = H q [B, H, L, Dk] (ROTATED_K; q's dtype, f32 for
- * f32 queries and KVA_ATTN_EXACT) and the kernel's output out' [B, H, L, Dv]
- * f32 (ROTATED_V; out = H out' afterwards), both contiguous in the
- * workspace after the backend's own bytes, each at a ROT_ALIGN-aligned
- * address. ws NULL: the descriptors' data are NULL (sizes and names only). */
+ * backend runs it. The bits the backend runs fused (the CUDA kernels:
+ * kva_cuda_rotate_fused; the CPU and the CUDA general kernel: none) stay in
+ * the backend's problem; for each other bit a pass here: q' = H q [B, H, L,
+ * Dk] (ROTATED_K; q's dtype, f32 for f32 queries and KVA_ATTN_EXACT) before,
+ * and the kernel's output out' [B, H, L, Dv] f32 (ROTATED_V; out = H out'
+ * afterwards), both contiguous in the workspace after the backend's own
+ * bytes, each at a ROT_ALIGN-aligned address. The fused q is rounded the
+ * same way (H q in f32, once to q's dtype, then the kernel's roundings), so
+ * the bracket of the name does not depend on where the rotation runs. ws
+ * NULL: the descriptors' data are NULL (sizes and names only). */
 #define ROT_ALIGN 256
 typedef struct rot_call {
-  kva_problem p;      /* the backend's problem: rotate 0, q and out as above */
+  kva_problem p;      /* the backend's problem: rotate = fused, q and out as above for the passes */
+  unsigned fused;     /* the bits the backend runs fused */
   kva_tensor q, out;  /* q' and out' */
   size_t inner;       /* the backend's workspace bytes, at the workspace's start */
   size_t total;       /* inner + q' + out' + alignment */
@@ -477,24 +483,26 @@ typedef struct rot_call {
 
 static int rot_plan(const kva_context *ctx, const kva_problem *p, char *ws, rot_call *r) {
   r->p = *p;
-  r->p.rotate = 0;
+  r->fused = ctx->backend == KVA_BACKEND_CUDA ? kva_cuda_rotate_fused(ctx, p) & p->rotate : 0u;
+  r->p.rotate = r->fused;
+  const unsigned pass = p->rotate & ~r->fused;
   const kva_dtype qdt = p->exact || p->q->dtype == KVA_F32 ? KVA_F32 : p->q->dtype;
   r->q = kva_tensor_4d(NULL, qdt, p->B, p->H, p->L, p->Dk);
   r->out = kva_tensor_4d(NULL, KVA_F32, p->B, p->H, p->L, p->Dv);
-  if (p->rotate & KVA_ATTN_ROTATED_K) r->p.q = &r->q;
-  if (p->rotate & KVA_ATTN_ROTATED_V) r->p.out = &r->out;
+  if (pass & KVA_ATTN_ROTATED_K) r->p.q = &r->q;
+  if (pass & KVA_ATTN_ROTATED_V) r->p.out = &r->out;
   int rc = backend_workspace_size(ctx, &r->p, &r->inner);
   if (rc < 0) return rc;
   /* q' and out': B H L Dk elements of q's size, B H L Dv floats (checked products) */
   bool ok = true;
   const int64_t rows = kva_mul_chk(kva_mul_chk(p->B, p->H, &ok), p->L, &ok);
-  const int64_t qe = (p->rotate & KVA_ATTN_ROTATED_K) ? kva_mul_chk(rows, p->Dk * (int64_t)kva_dtype_size(qdt), &ok) : 0;
-  const int64_t oe = (p->rotate & KVA_ATTN_ROTATED_V) ? kva_mul_chk(rows, p->Dv * 4, &ok) : 0;
+  const int64_t qe = (pass & KVA_ATTN_ROTATED_K) ? kva_mul_chk(rows, p->Dk * (int64_t)kva_dtype_size(qdt), &ok) : 0;
+  const int64_t oe = (pass & KVA_ATTN_ROTATED_V) ? kva_mul_chk(rows, p->Dv * 4, &ok) : 0;
   if (!ok || qe > (int64_t)KVA_MAX_WORKSPACE || oe > (int64_t)KVA_MAX_WORKSPACE)
     return kva_seterr(KVA_ESHAPE, "the rotated query and output of B H L = %lld rows exceed the workspace limit "
                       "(2^48 bytes)", (long long)rows);
   const size_t qb = (size_t)qe, ob = (size_t)oe;
-  r->total = r->inner + ROT_ALIGN + qb + ROT_ALIGN + ob;
+  r->total = r->inner + (qb ? ROT_ALIGN + qb : 0) + (ob ? ROT_ALIGN + ob : 0);
   if (r->total > KVA_MAX_WORKSPACE)
     return kva_seterr(KVA_ESHAPE, "workspace of %zu bytes (rotated query and output) exceeds 2^48", r->total);
   if (ws) {
@@ -515,27 +523,34 @@ static int workspace_size(const kva_context *ctx, const kva_problem *p, size_t *
   return 0;
 }
 
-/* The kernel name of a rotated call: the backend's kernel for q', out',
- * ", Hadamard-rotated K,V" (or K, or V) before the bracket, and "q bf16" /
- * "q f16" first in the bracket when q' is 16-bit (a rounding after the
- * rotation: "[exact f32]" becomes "[q bf16]"). */
+/* The kernel name of a rotated call: the backend's kernel, ", Hadamard-
+ * rotated K,V" (or K, or V) before the bracket, where the backend fuses a
+ * part "(q rotated on load, out rotated back in the merge)" (the fused parts
+ * only; a part without words runs as a pass), and "q bf16" / "q f16" first
+ * in the bracket when q' is 16-bit (a rounding after the rotation, fused or
+ * not: "[exact f32]" becomes "[q bf16]"). */
 static void rot_name(const rot_call *r, unsigned rotate, char *name, size_t size) {
-  char tail[160];
+  char tail[224];
   const char *open = strrchr(name, '[');
   const size_t at = open && open > name && open[-1] == ' ' ? (size_t)(open - 1 - name) : strlen(name);
   const char *bracket = at < strlen(name) ? name + at + 1 : "";
   const char *what = rotate == (KVA_ATTN_ROTATED_K | KVA_ATTN_ROTATED_V) ? "K,V"
                      : rotate == KVA_ATTN_ROTATED_K                        ? "K"
                                                                           : "V";
+  char how[96] = "";
+  const unsigned fk = r->fused & KVA_ATTN_ROTATED_K, fv = r->fused & KVA_ATTN_ROTATED_V;
+  if (fk || fv)
+    snprintf(how, sizeof how, " (%s%s%s)", fk ? "q rotated on load" : "", fk && fv ? ", " : "",
+             fv ? "out rotated back in the merge" : "");
   char qitem[16] = "";
   if ((rotate & KVA_ATTN_ROTATED_K) && r->q.dtype != KVA_F32)
     snprintf(qitem, sizeof qitem, "q %s", r->q.dtype == KVA_BF16 ? "bf16" : "f16");
   if (qitem[0] && !strcmp(bracket, "[exact f32]"))
-    snprintf(tail, sizeof tail, ", Hadamard-rotated %s [%s]", what, qitem);
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s%s [%s]", what, how, qitem);
   else if (qitem[0] && bracket[0] == '[')
-    snprintf(tail, sizeof tail, ", Hadamard-rotated %s [%s, %s", what, qitem, bracket + 1);
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s%s [%s, %s", what, how, qitem, bracket + 1);
   else
-    snprintf(tail, sizeof tail, ", Hadamard-rotated %s%s%s", what, bracket[0] ? " " : "", bracket);
+    snprintf(tail, sizeof tail, ", Hadamard-rotated %s%s%s%s", what, how, bracket[0] ? " " : "", bracket);
   if (at < size) snprintf(name + at, size - at, "%s", tail);
 }
 
@@ -616,17 +631,19 @@ static int backend_attention(kva_context *ctx, const kva_problem *p, void *ws, s
   return ctx->backend == KVA_BACKEND_CPU ? kva_cpu_attention(ctx, p, ws, ws_bytes) : kva_cuda_attention(ctx, p, ws, ws_bytes);
 }
 
-/* The rotated call's passes (kvattn.h KVA_ATTN_ROTATED_K / _V): q' = H q,
- * the backend's attention over (q', K', V') into out (or out' in f32), then
- * out = H out'. Traffic past the kernel's: q read once and q' written and
+/* The rotated call (kvattn.h KVA_ATTN_ROTATED_K / _V): the passes rot_plan
+ * keeps, q' = H q, the backend's attention over (q', K', V') into out (or
+ * out' in f32), then out = H out', with the fused bits left to the backend.
+ * Traffic of the passes past the kernel's: q read once and q' written and
  * read, out' written and read once (B H L (Dk + Dv) elements; none of K/V). */
 static int rotated_attention(kva_context *ctx, const kva_problem *p, void *ws) {
   rot_call r;
   int rc = rot_plan(ctx, p, (char *)ws, &r);
   if (rc < 0) return rc;
-  if ((p->rotate & KVA_ATTN_ROTATED_K) && (rc = kva_hadamard_run(ctx, p->q, &r.q)) < 0) return rc;
+  const unsigned pass = p->rotate & ~r.fused;
+  if ((pass & KVA_ATTN_ROTATED_K) && (rc = kva_hadamard_run(ctx, p->q, &r.q)) < 0) return rc;
   if ((rc = backend_attention(ctx, &r.p, ws, r.inner)) < 0) return rc;
-  if (p->rotate & KVA_ATTN_ROTATED_V) rc = kva_hadamard_run(ctx, &r.out, p->out);
+  if (pass & KVA_ATTN_ROTATED_V) rc = kva_hadamard_run(ctx, &r.out, p->out);
   return rc;
 }
 

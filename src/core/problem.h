@@ -21,8 +21,9 @@ typedef struct kva_problem {
   int64_t mask_stride[4];    /* ARRAY: element strides in bytes, 0 where broadcast */
   const float *sinks;        /* [H] or NULL */
   int exact;                 /* KVA_ATTN_EXACT: the selectors take only "[exact f32]" kernels */
-  unsigned rotate;           /* KVA_ATTN_ROTATED_K | _V of the call: src/api/attention.c rotates q
-                                and un-rotates out around the backend, which always sees 0 */
+  unsigned rotate;           /* KVA_ATTN_ROTATED_K | _V of the call; the backend sees only the bits it
+                                runs fused (kva_cuda_rotate_fused), src/api/attention.c runs passes for
+                                the rest (q' = H q before, out = H out' after) */
   const kva_tensor *q, *out;
   const kva_tensor *lse;      /* [B, H, L] f32 or NULL: each row's log-sum-exp */
   int lse_base2;             /* lse in base 2 (KVA_LSE_BASE2) */

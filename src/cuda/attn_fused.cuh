@@ -26,6 +26,7 @@
 #define KVA_CUDA_ATTN_FUSED_CUH
 
 #include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
 
 /* ---- formats as data: bits per element, quantized or float ---- */
 /* FP8: fp8 codes with one f32 scale per row (applied to the row's dot
@@ -259,8 +260,9 @@ __device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, floa
 }
 
 /* Where a query vector's result goes, found once per vector: with one split
- * the output row (the sink joined: the outputs are O f1 / Ls), otherwise the
- * split's state slot for the merge kernel. */
+ * the output row (the sink joined: the outputs are O f1 / Ls), otherwise
+ * (and for a rotated output, a.rot_out, at any split count) the split's
+ * state slot for the merge kernel. */
 struct kvc_emit_row {
   char *out; /* output row (one split), else nullptr */
   float *st; /* split state [m, l, o[Dv]] (several splits) */
@@ -280,7 +282,7 @@ __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int s
   r.b = b;
   r.h = h;
   r.i = i;
-  if (a.nsplit == 1) {
+  if (a.nsplit == 1 && !a.rot_out) { /* a rotated output goes through the merge (its H_Dv) */
     if (a.sinks && M != -INFINITY) {
       float f2;
       kvc_factors2(M, a.sinks[h] * KVC_LOG2E, r.M2, r.f1, f2);
@@ -357,6 +359,16 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   const kvc_lane_rows vrows = kvc_lane_rows_of<FMT, E>(a.v, b, hk, c);
   const int ksdt = a.k.sdtype, vsdt = a.v.sdtype;
 
+  /* a rotated call's queries: each warp forms q' = H q of the tile's
+   * vectors in its own slice of sm_o (unused until the final merge, which
+   * this warp alone writes); its lanes take their dims from there */
+  if (a.rot_q)
+    for (int j = 0; j < QW; ++j) {
+      const int qv = qtile * QW + j; /* warp-uniform */
+      if (qv < Q)
+        kvc_rotated_query_warp(kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), a.qs[3], a.q_dtype, a.Dk, a.rot_qm,
+                               a.rot_qc, a.rot_qdt, &sm_o[warp][j][0], lane);
+    }
   /* The tile's query vectors: qv = r * L + i -> head hk * rep + r, row i. */
   float qr[QW][E];
   long long pos[QW];
@@ -369,10 +381,14 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
     const int h = hk * a.rep + (qok[j] ? qv / a.L : 0), i = qok[j] ? qv % a.L : 0;
     pos[j] = len - a.L + i;
     segp[j] = qok[j] ? kvc_seg_of_row(a, b, pos[j]) : 0;
+    /* the row as loaded: q, or q' (f32) in sm_o (a generic address either way) */
+    const char *qrow = a.rot_q ? (const char *)&sm_o[warp][j][0] : kvc_q_at(a, b, h, i, 0);
+    const long long qes = a.rot_q ? 4 : a.qs[3];
+    const int qdt = a.rot_q ? KVA_F32 : a.q_dtype;
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      qr[j][e] = (qok[j] && kact) ? kvc_load(kvc_q_at(a, b, h, i, c * E + e), a.q_dtype) : 0.0f;
+    for (int e = 0; e < E; ++e) qr[j][e] = (qok[j] && kact) ? kvc_load(qrow + (c * E + e) * qes, qdt) : 0.0f;
   }
+  __syncwarp(); /* the reads of sm_o above before this warp's final writes of it */
 
   long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
   if (kvc_causal_family(a) && a.window > 0 && !a.seg) /* keys before row 0's window (TREE: its prefix's) */

@@ -501,13 +501,23 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
      * and (d0 + 1, d0 + 5), d0 = 8 (tq WPL + P) + 2 h: the dims its K word
      * yields. bf16 K: the mma's own order, dims (16 kk + 2 tq, + 1) and
      * (16 kk + 8 + 2 tq, + 1). */
+    /* a rotated call's queries: rotated (a warp per vector) into ring slot
+     * STAGES - 1 as bf16 rows [NTM * 8][D] (16 NTM D bytes <= a stage), read
+     * from there */
+    unsigned short *qst = (unsigned short *)(kvc_tc_buf + (STAGES - 1) * L.stage);
+    if (a.rot_q) {
+      kvc_rotated_query_rows<D>(a, b, hk, q0, NTM * 8, Q, threadIdx.x / KVC_WARP, KVC_TC_WARPS, threadIdx.x % KVC_WARP,
+                                [&](int r, int d, unsigned short x) { qst[r * D + d] = x; });
+      __syncthreads();
+    }
     for (int idx = threadIdx.x; idx < (D / 16) * NTM * KVC_WARP; idx += KVC_TC_THREADS) {
       const int kk = idx / (NTM * KVC_WARP), nt = (idx / KVC_WARP) % NTM, ln = idx % KVC_WARP;
       const int qv = q0 + 8 * nt + (ln >> 2);
       uint2 f = make_uint2(0u, 0u);
       if (qv < Q) {
-        f = kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0), qds, kk,
-                                 ln & 3);
+        f = a.rot_q ? kvc_q_pairs<F, WPL>(qst + (qv - q0) * D, 1, kk, ln & 3)
+                    : kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
+                                          qds, kk, ln & 3);
       }
       qf[idx] = f;
     }

@@ -413,7 +413,7 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
     constexpr int NQ = HI ? 16 : 8, TPQ = KVC_TCD_THREADS / NQ, DPT = D / TPQ, TPG = KVC_TC_GROUP / DPT;
     const int j = threadIdx.x / TPQ, pd = (threadIdx.x % TPQ) * DPT;
     float amax, sum;
-    kvc_stage_query<DPT, HI ? TPG : TPQ>(a, b, hk, v0 + j, Qall, pd, TPG, qst + j * D, &amax, &sum);
+    kvc_stage_query<DPT, HI ? TPG : TPQ, TPQ>(a, b, hk, v0 + j, Qall, pd, TPG, qst + j * D, &amax, &sum);
     const float sg = HI ? kvc_query_sigma8(amax) : kvc_query_sigma(amax);
     if constexpr (HI) { /* the bias term takes the rounded query's sum, sigma sum(c) (exact: |sum c| < 2^24),
                          * so that S is q'.k of the rounded q' (a NaN / Inf sum stays as it is) */

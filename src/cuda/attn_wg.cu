@@ -340,8 +340,18 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 
   /* the Q tile: row r = query vector q0 + r (zeros past Q), logical unit u of
    * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7)
-   * (q4), in natural order (16-bit rows) */
-  for (int u = tid; u < KVC_WG_QV * D / 8; u += KVC_WG_WGS * KVC_WG_THREADS) {
+   * (q4), in natural order (16-bit rows); a rotated call's query rotated
+   * first (a warp per vector) */
+  if (a.rot_q)
+    kvc_rotated_query_rows<D>(a, b, hk, q0, KVC_WG_QV, Q, tid / KVC_WARP, KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP,
+                              tid % KVC_WARP, [&](int r, int d, unsigned short x) {
+                                const int un = d / 8, k = d % 8;
+                                *(unsigned short *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 +
+                                                    (((un & 7) ^ (r & 7)) << 4) +
+                                                    2 * (FL ? k : k < 4 ? 2 * k : 2 * k - 7)) = x;
+                              });
+  const int q_units = a.rot_q ? 0 : KVC_WG_QV * D / 8; /* rotated: staged above */
+  for (int u = tid; u < q_units; u += KVC_WG_WGS * KVC_WG_THREADS) {
     const int r = u / (D / 8), un = u % (D / 8), qv = q0 + r;
     uint4 o = make_uint4(0u, 0u, 0u, 0u);
     if (qv < Q) {

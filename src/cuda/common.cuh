@@ -74,6 +74,15 @@ struct kvc_args {
   int nsplit;                  /* token splits per (b, KV head) */
   long long chunk;             /* tokens per split */
   float *ws;                   /* partial states [nsplit][B][H][L][Dv + 2] */
+  /* A Hadamard-rotated call run fused (kvattn.h KVA_ATTN_ROTATED_K / _V;
+   * kva_cuda_rotate_fused): rot_q, the kernel rotates each query vector on
+   * load, q' = H_Dk q in f32 (kva_hadamard's arithmetic) rounded once to
+   * rot_qdt (the pass's q' dtype: q's, f32 for f32 q and exact calls), before
+   * its own roundings; rot_out, every call writes split states and the merge
+   * stores out = H_Dv of each merged f32 row. m and c: kva_hadamard_block and
+   * kva_hadamard_scale of Dk (q) and Dv (out). */
+  int rot_q, rot_qdt, rot_qm, rot_out, rot_om;
+  float rot_qc, rot_oc;
 };
 
 /* ---- element loads / stores ---- */
@@ -203,21 +212,90 @@ __device__ __forceinline__ const char *kvc_brow(const kvc_operand &op, int b, in
 __device__ __forceinline__ const char *kvc_q_at(const kvc_args &a, int b, int h, int i, int d) {
   return a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2] + d * a.qs[3];
 }
+/* A rotated call's query on load (a.rot_q): x[0 .. DPT) of each of the TPQ
+ * adjacent lanes t = 0 .. TPQ - 1 of one vector (lane t holds dims t DPT ..
+ * t DPT + DPT - 1 of the 16-bit query, bf16 or f16 as a.q_dtype, D = TPQ DPT
+ * a power of two) <- H_D q rounded to that type (a.rot_qdt is q's dtype
+ * here), the transform in f32 in kva_hadamard's operation order (stages
+ * h = 1, 2, .., D / 2: in the lane for h < DPT, with lane t ^ (h / DPT) by a
+ * shuffle beyond; the lower element of a pair takes a + b, the upper a - b;
+ * then one multiply by c), so q' equals the pass's bit for bit (NaN payloads
+ * aside). All lanes of the warp take part (the shuffles). */
+template <int DPT, int TPQ>
+__device__ __forceinline__ void kvc_rotate_query16(const kvc_args &a, int t, unsigned short (&x)[DPT]) {
+  const bool f16 = a.q_dtype == KVA_F16;
+  float u[DPT];
+#pragma unroll
+  for (int d = 0; d < DPT; ++d) u[d] = f16 ? kvc_f16_bits(x[d]) : kvc_bf16_bits(x[d]);
+#pragma unroll
+  for (int h = 1; h < DPT; h <<= 1)
+#pragma unroll
+    for (int d = 0; d < DPT; ++d)
+      if ((d & h) == 0) {
+        const float p = u[d], q = u[d + h];
+        u[d] = __fadd_rn(p, q);
+        u[d + h] = __fsub_rn(p, q);
+      }
+#pragma unroll
+  for (int o = 1; o < TPQ; o <<= 1) {
+    const bool upper = (t & o) != 0;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) {
+      const float y = __shfl_xor_sync(KVC_FULL_MASK, u[d], o);
+      u[d] = upper ? __fsub_rn(y, u[d]) : __fadd_rn(u[d], y);
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < DPT; ++d) {
+    const float y = __fmul_rn(u[d], a.rot_qc);
+    x[d] = f16 ? __half_as_ushort(__float2half_rn(y)) : __bfloat16_as_ushort(__float2bfloat16_rn(y));
+  }
+}
+/* A rotated call's query vectors q0 .. q0 + nrows - 1 of KV head hk (a.rot_q,
+ * bf16 or f16 queries, D a power of two, 64 <= D): one warp per vector (rows
+ * warp, warp + nwarps, ..; the whole warp takes each row, so the shuffles
+ * see every lane), lane t with dims t D / 32 .. of the 16-bit query, rotated
+ * by kvc_rotate_query16; store(r, d, x) takes element d of row r (16-bit
+ * bits; zeros for vectors at or past Q). */
+template <int D, typename Store>
+__device__ __forceinline__ void kvc_rotated_query_rows(const kvc_args &a, int b, int hk, int q0, int nrows, int Q,
+                                                       int warp, int nwarps, int lane, Store store) {
+  constexpr int DPT = D / KVC_WARP;
+  const long long qds = a.qs[3] / 2; /* 16-bit elements between dims */
+  for (int r = warp; r < nrows; r += nwarps) {
+    const int qv = q0 + r; /* warp-uniform */
+    unsigned short x[DPT];
+    const unsigned short *qp =
+        qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) x[d] = qp ? qp[(lane * DPT + d) * qds] : (unsigned short)0;
+    if (qp) kvc_rotate_query16<DPT, KVC_WARP>(a, lane, x);
+#pragma unroll
+    for (int d = 0; d < DPT; ++d) store(r, lane * DPT + d, x[d]);
+  }
+}
 /* The tensor-core kernels' query staging: thread pd / DPT of query vector
  * qv (one of TPQ adjacent lanes per vector) copies dims pd .. pd + DPT - 1
  * of the bf16 query (zeros when qv >= Q) into row (bf16, shared memory) and
  * returns the vector's max |q| (over its TPQ threads) and the sum of its
- * quantization group (over the tpg threads of the group) by shuffles. */
-template <int DPT, int TPQ>
+ * quantization group (over the tpg threads of the group) by shuffles; a
+ * rotated call's query (a.rot_q) rotated first (kvc_rotate_query16 over
+ * the vector's TPV adjacent lanes, D = TPV DPT; TPV = TPQ unless max |q|
+ * is taken over fewer lanes). */
+template <int DPT, int TPQ, int TPV = TPQ>
 __device__ __forceinline__ void kvc_stage_query(const kvc_args &a, int b, int hk, int qv, int Q, int pd, int tpg,
                                                 unsigned short *row, float *amax_out, float *sum_out) {
   const long long qds = a.qs[3] / 2; /* bf16 elements between dims */
   const unsigned short *qp =
       qv < Q ? (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0) : nullptr;
   float amax = 0.0f, sum = 0.0f;
+  unsigned short xs[DPT];
+#pragma unroll
+  for (int d = 0; d < DPT; ++d) xs[d] = qp ? qp[(pd + d) * qds] : (unsigned short)0;
+  if (a.rot_q) kvc_rotate_query16<DPT, TPV>(a, pd / DPT, xs);
 #pragma unroll
   for (int d = 0; d < DPT; ++d) {
-    const unsigned short x = qp ? qp[(pd + d) * qds] : (unsigned short)0;
+    const unsigned short x = xs[d];
     row[pd + d] = x;
     amax = fmaxf(amax, fabsf(kvc_bf16_bits(x)));
     sum += kvc_bf16_bits(x);

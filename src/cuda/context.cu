@@ -7,6 +7,10 @@
  * replays across changing lengths and tables. */
 #include "cuda/launch.cuh"
 
+extern "C" {
+#include "core/hadamard.h"
+}
+
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -517,10 +521,11 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
 }
 
 /* Workspace bytes of a plan: the partial states [nsplit][B][H][L][Dv + 2]
- * (KVA_ESHAPE when that does not fit size_t). */
+ * when it has several splits or a fused rotated output (KVA_ESHAPE when
+ * that does not fit size_t). */
 static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes) {
   *bytes = 0;
-  if (pl.fmt < 0 || pl.nsplit <= 1) return 0;
+  if (pl.fmt < 0 || (pl.nsplit <= 1 && !(p->rotate & KVA_ATTN_ROTATED_V))) return 0; /* rotated out: via the merge */
   bool ok = true;
   size_t n = kva_size_mul_chk((size_t)pl.nsplit, (size_t)p->B, &ok);
   n = kva_size_mul_chk(n, (size_t)p->H, &ok);
@@ -556,6 +561,26 @@ static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt == KVC_E4M3 || pl.fmt == KVC_E5M2) return "[K,V,P bf16]";
   if (pl.QW == 8) return pl.fmt == KVC_Q4 ? "[q int15, V,P bf16]" : "[q int15, P bf16]";
   return "[K,V,P bf16]";
+}
+
+/* Rotated calls fused (kvattn.h KVA_ATTN_ROTATED_K / _V): V by every kernel
+ * but the general one (its states go through kvc_merge_rot_kernel, Dv <=
+ * 512 always); K, q rotated on load as each block stages its query vectors,
+ * by the fused kernel (kvc_rotated_query_warp, any rotatable head dim), the
+ * per-warp q4 kernel and the narrow kernel's q4 / q8 decode instances
+ * (kvc_stage_query), the narrow kernel's other instances and the warpgroup
+ * kernel (kvc_rotated_query_rows); not by the wide kernel (48 vectors: its
+ * free stage slot is too small for the staged rows at q4), whose q the
+ * API's pass rotates. */
+static unsigned kvc_rotate_fused(const kvc_plan &pl) {
+  if (pl.fmt < 0) return 0;
+  const bool k = !(pl.tc == 1 && pl.QW == 8 * KVC_TC_NTM_WIDE);
+  return KVA_ATTN_ROTATED_V | (k ? KVA_ATTN_ROTATED_K : 0u);
+}
+
+extern "C" unsigned kva_cuda_rotate_fused(const kva_context *ctx, const kva_problem *p) {
+  if (kvc_check_limits(p) < 0) return 0;
+  return kvc_rotate_fused(kvc_select(ctx, p)) & p->rotate;
 }
 
 extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size) {
@@ -678,6 +703,17 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
     }
     a->seq_lens = bt->seq_lens;
   }
+  if (p->rotate & KVA_ATTN_ROTATED_K) {
+    a->rot_q = 1;
+    a->rot_qdt = p->exact || p->q->dtype == KVA_F32 ? KVA_F32 : p->q->dtype; /* the pass's q' dtype */
+    a->rot_qm = kva_hadamard_block(p->Dk);
+    a->rot_qc = kva_hadamard_scale(p->Dk);
+  }
+  if (p->rotate & KVA_ATTN_ROTATED_V) {
+    a->rot_out = 1;
+    a->rot_om = kva_hadamard_block(p->Dv);
+    a->rot_oc = kva_hadamard_scale(p->Dv);
+  }
   a->lanes_log2 = pl.lanes_log2;
   a->nsplit = pl.nsplit > 0 ? pl.nsplit : 1;
   a->chunk = pl.chunk;
@@ -692,6 +728,8 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
   int rc = kvc_check_limits(p);
   if (rc < 0) return rc;
   const kvc_plan pl = kvc_select(ctx, p);
+  if (p->rotate & ~kvc_rotate_fused(pl))
+    return kva_seterr(KVA_EINTERNAL, "CUDA backend: rotation 0x%x handed to a kernel that does not fuse it", p->rotate);
   size_t need;
   if ((rc = kvc_ws_bytes(p, pl, &need)) < 0) return rc;
   if (ws_bytes < need || (need && !ws))
@@ -708,7 +746,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
            : pl.tc == 2 ? kvc_launch_tcd(a, pl, stream)
            : pl.tc      ? kvc_launch_tc(a, pl, stream)
                         : kvc_launch_fused(a, pl, stream);
-  if (rc < 0 || pl.nsplit <= 1) return rc;
+  if (rc < 0 || (pl.nsplit <= 1 && !a.rot_out)) return rc;
   return kvc_launch_merge(a, stream);
 }
 

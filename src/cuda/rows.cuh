@@ -77,4 +77,52 @@ __device__ __forceinline__ void kvc_hadamard_warp(float *u, int D, int m, float 
   for (int i = lane; i < D; i += KVC_WARP) u[i] = __fmul_rn(u[i], c);
   __syncwarp();
 }
+
+/* u[0 .. D) <- H_D u as kvc_hadamard_warp (the same operations per element),
+ * by all nthreads threads of the block (thread tid): the pairs of a stage
+ * spread over the block, a barrier after each stage. u written by the
+ * block before (the caller's barrier); ends with a barrier. */
+__device__ __forceinline__ void kvc_hadamard_block(float *u, int D, int m, float c, int tid, int nthreads) {
+  for (int h = 1; h < m; h <<= 1) {
+    for (int p = tid; p < D / 2; p += nthreads) {
+      const int i = (p / h) * 2 * h + p % h;
+      const float a = u[i], b = u[i + h];
+      u[i] = __fadd_rn(a, b);
+      u[i + h] = __fsub_rn(a, b);
+    }
+    __syncthreads();
+  }
+  if (m != D) {
+    for (int a = tid; a < m; a += nthreads) {
+      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
+      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
+      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
+      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
+      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < D; i += nthreads) u[i] = __fmul_rn(u[i], c);
+  __syncthreads();
+}
+
+/* A rotated call's query vector as its kernel takes it (kvc_args rot_q):
+ * u[0 .. D) <- H_D q in f32 (kvc_hadamard_warp on the row qrow, elements
+ * qs3 bytes apart, of dtype qdt), rounded once to rdt (rot_qdt) and read
+ * back as f32: the bits the pass (kva_hadamard into q' of that dtype) hands
+ * the kernel. One warp; ends with __syncwarp. Not inlined: the kernels'
+ * registers stay as they are for unrotated calls. */
+static __device__ __noinline__ void kvc_rotated_query_warp(const char *qrow, long long qs3, int qdt, int D, int m,
+                                                           float c, int rdt, float *u, int lane) {
+  __syncwarp(); /* earlier reads of u */
+  for (int d = lane; d < D; d += KVC_WARP) u[d] = kvc_cw_load(qrow + d * qs3, qdt);
+  kvc_hadamard_warp(u, D, m, c, lane);
+  for (int d = lane; d < D; d += KVC_WARP) {
+    const float x = u[d];
+    u[d] = rdt == KVA_BF16  ? kvc_bf16_bits(kvc_cw_f32_to_bf16(x))
+           : rdt == KVA_F16 ? kvc_cw_f16_to_f32(kvc_cw_f32_to_f16(x))
+                            : x;
+  }
+  __syncwarp();
+}
 #endif
