@@ -1073,6 +1073,7 @@ static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags
   att_name_rounding(kname, &rr);
   kva_tensor ref = att_alloc_like(&d, &out);
   lse_buf rl;
+  memset(&rl, 0, sizeof rl);
   ok = ok && lse_buf_make(&rl, c->B, c->H, c->L, 0) == 0;
   ok = ok && kva_reference_attention_rounded(&d.q, hv, &d.params, &ref, &rl.t, 0, &rr) == 0;
   ok = ok && kva_attention_lse(cu, &dc.q, &dc.view, &dc.p, &dc.out, &dc.lse, 0, NULL, 0) == 0;
@@ -1233,8 +1234,9 @@ TEST(cuda_rotation_vs_oracle) {
       for (int probe = 0; probe < 2 && ok; ++probe)
         ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how);
     }
-    if (ok)
-      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, f->want, rot_how(f->kfused ? ROT_KV : KVA_ATTN_ROTATED_V));
+    if (ok) /* over a block table: the fused rotation (the kernel may differ: the per-warp kernel takes no
+             * block table at head dim 64) */
+      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, NULL, rot_how(f->kfused ? ROT_KV : KVA_ATTN_ROTATED_V));
     kva_context_destroy(fc);
   }
 }

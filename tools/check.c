@@ -1,7 +1,8 @@
 /* The bench's oracle check. On a sample of (sequence, KV head) pairs (first
  * and last KV head of the first and last sequence) it builds sub-view
  * descriptors into the same q / K / V buffers the timed calls read, runs
- * kva_reference_attention (double precision) on them, split over the
+ * the double-precision oracle on them (kva_reference_attention_rounded,
+ * with the query rounding the kernel's name states: query_rounding), split over the
  * tool's threads, and compares every output row of the checked query heads
  * (the first two and the last head of each sampled group) with the kernel's
  * output:
@@ -160,6 +161,7 @@ typedef struct check_job {
   kva_kv k, v;
   const kva_tensor *q, *out;
   const kva_attn_params *p;
+  kva_ref_rounding rr; /* the query rounding the kernel's bracket names (query_rounding) */
   check_item items[2 * MAX_SAMPLES];
   int n_items, threads;
 } check_job;
@@ -177,9 +179,9 @@ static void check_one(const check_job *j, check_item *it) {
   kva_kv_view view = kva_view_contiguous(&ks, &vs, NULL);
   kva_tensor qs = sub_heads(j->q, it->b, it->hk * rep + it->h0, it->nh);
   kva_tensor rt = kva_tensor_4d(ref, KVA_F32, 1, it->nh, c->L, c->Dv);
-  it->rc = kva_reference_attention(&qs, &view, j->p, &rt);
+  it->rc = kva_reference_attention_rounded(&qs, &view, j->p, &rt, NULL, 0, &j->rr);
   if (it->rc < 0) {
-    snprintf(it->err, sizeof it->err, "kva_reference_attention: %s", kva_last_error());
+    snprintf(it->err, sizeof it->err, "kva_reference_attention_rounded: %s", kva_last_error());
     free(ref);
     return;
   }
@@ -210,6 +212,21 @@ static void check_thread(void *arg, int t) {
   for (int i = t; i < j->n_items; i += j->threads) check_one(j, &j->items[i]);
 }
 
+/* The oracle's query rounding for a kernel name: "q intN" with N <= 8 in
+ * its trailing bracket (kvattn.h, kva_attention_kernel) rounds the query to
+ * N-bit integers per (vector, K group) as that kernel does; the exact
+ * oracle otherwise (wider integer queries and 16-bit operands are within
+ * the check's tolerance of it). */
+static kva_ref_rounding query_rounding(const char *kernel) {
+  kva_ref_rounding r = {0, KVA_F32, KVA_F32, KVA_F32};
+  const char *b = strrchr(kernel, '['), *q = b ? strstr(b, "q int") : NULL;
+  if (q) {
+    const int n = atoi(q + 5);
+    if (n >= 2 && n <= 8) r.q_int_bits = n;
+  }
+  return r;
+}
+
 int kb_check(const kb_case *c, const kb_cacheset *cs, const kva_tensor *q_host,
              const kva_tensor *out_host, const kva_attn_params *p, int threads, kb_result *r,
              char *err, size_t errn) {
@@ -219,6 +236,7 @@ int kb_check(const kb_case *c, const kb_cacheset *cs, const kva_tensor *q_host,
     return KVA_ENOMEM;
   }
   j->c = c, j->q = q_host, j->out = out_host, j->p = p;
+  j->rr = query_rounding(r->kernel);
   kb_cacheset_kv(cs, -1, &j->k, &j->v);
   /* Per sampled group: the two probe heads (first two of the group) and the
    * last head, which catches a wrong query-head -> KV-head mapping. */
