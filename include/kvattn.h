@@ -200,10 +200,9 @@ typedef enum kva_mask_kind {
  * the host, and bits >= L are ignored. The fused kernels take it (every K/V
  * row of the prefix read once per KV head for the query vectors a kernel
  * block holds, as for a causal verify); the result equals the same call
- * with an explicit KVA_MASK_ARRAY bool mask built from the rule. CUDA
- * backend: KVA_EUNSUPPORTED unless the environment variable KVA_CUDA_TREE
- * is "1" (read per call): its tree kernels have not passed their GPU tests
- * (tests/test_cuda.c cuda_tree, cuda_tree_wg); the CPU backend runs them. */
+ * with an explicit KVA_MASK_ARRAY bool mask built from the rule. Both
+ * backends run it (CUDA: the fused, per-warp, tensor-core and warpgroup
+ * kernels; array masks only on the general kernel). */
 #define KVA_TREE_MAX_ROWS 64
 
 typedef struct kva_mask {

@@ -1607,7 +1607,6 @@ static void tree_bits(att_data *d, int variant) {
  * vectors (KVA_CUDA_TCD_MIN_WORK = 0). */
 TEST(cuda_tree) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  if (!getenv("KVA_CUDA_TREE")) SKIP("KVA_MASK_TREE is off on the CUDA backend (KVA_CUDA_TREE=1 enables it)");
 #define TR MASK_TREE
   static const struct {
     att_case c;
@@ -1894,7 +1893,6 @@ done:
  * windows, softcap, sinks, ragged, strided (a broadcast tree), block tables. */
 TEST(cuda_tree_wg) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  if (!getenv("KVA_CUDA_TREE")) SKIP("KVA_MASK_TREE is off on the CUDA backend (KVA_CUDA_TREE=1 enables it)");
   static const att_case wc[] = {
       {3, 32, 8, 16, 1100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 0, 0, 0, 1, 0},
       {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_TREE, 100, 0, 0, 1, 0},
@@ -1932,10 +1930,7 @@ TEST(cuda_tree_wg) {
 static void tree_high_bits_body(void);
 TEST(cuda_tree_high_bits_ignored) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  const int had = getenv("KVA_CUDA_TREE") != NULL;
-  setenv("KVA_CUDA_TREE", "1", 0);
   tree_high_bits_body();
-  if (!had) unsetenv("KVA_CUDA_TREE");
 }
 static void tree_high_bits_body(void) {
   static const att_case cs[] = {
@@ -2083,8 +2078,7 @@ TEST(cuda_fp8_cache_write_bits) {
  * at D = 128 with window, softcap, sinks; fewer keys than one stage; no
  * mask (80 vectors: two blocks per KV head, softcap, sinks, f32 out,
  * strided); splits (N 3001 - 4100) at 256 and 64; block tables of 16, 24
- * and 64 tokens; lse (natural and base 2, splits); tree masks where
- * KVA_CUDA_TREE=1. A second pass with the kernel off
+ * and 64 tokens; lse (natural and base 2, splits); tree masks. A second pass with the kernel off
  * (KVA_CUDA_WG_BF16_MIN_Q=-1) runs the same cases on the narrow / wide
  * tensor-core kernels. */
 static int wg_case_runs(kva_context *ctx, const att_case *c, const char *want) {
@@ -2136,7 +2130,6 @@ static void wg_float_body(kva_dtype t) {
       {2, 16, 4, 33, 700, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 0, 20.0f, 1, 1, 0},
   };
   const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
-  const int trees = getenv("KVA_CUDA_TREE") != NULL;
   for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
     setenv("KVA_CUDA_WG_BF16_MIN_Q", mins[pass], 1); /* read at context creation */
     kva_context *ctx;
@@ -2160,7 +2153,7 @@ static void wg_float_body(kva_dtype t) {
       if (!wg_case_runs(ctx, &c, wants[pass]) || !run_lse_case(ctx, &c, ci & 1 ? KVA_LSE_BASE2 : 0))
         FAIL_("%s lse case %zu", wants[pass], ci);
     }
-    for (size_t ci = 0; trees && ci < sizeof trc / sizeof trc[0] && !test_failed_flag; ++ci) {
+    for (size_t ci = 0; ci < sizeof trc / sizeof trc[0] && !test_failed_flag; ++ci) {
       c = trc[ci];
       c.qdt = c.kvdt = t;
       int ok = 1;

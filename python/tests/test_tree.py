@@ -7,7 +7,6 @@ segments on the prefix, float and 4/8-bit caches, one tree for every
 sequence ([L, W]), int32 bits, CPU torch tensors (and the compiled ops when
 built), CUDA tensors when a device is visible; bad input raises KvaError
 naming the argument."""
-import os
 import numpy as np
 import pytest
 
@@ -192,7 +191,6 @@ def test_torch_cpu_tensors(request):
 
 
 @pytest.mark.skipif(kvattn.cuda_device_count() == 0, reason="no CUDA device visible")
-@pytest.mark.skipif(os.environ.get("KVA_CUDA_TREE") != "1", reason="KVA_MASK_TREE is off on CUDA (KVA_CUDA_TREE=1)")
 def test_cuda_tensors(request):
     torch = _torch()
     if not torch.cuda.is_available():

@@ -367,13 +367,6 @@ static void kvc_plan_splits(kvc_plan *pl, const kva_problem *p, long long base, 
  * dimension past its limit. B * KVH above the grid limit takes the general
  * kernel (kvc_select) rather than an error. */
 static int kvc_check_limits(const kva_problem *p) {
-  if (p->mask.kind == KVA_MASK_TREE) { /* the kernels' TREE paths: enabled by KVA_CUDA_TREE=1 only (kvattn.h) */
-    const char *ev = getenv("KVA_CUDA_TREE");
-    if (!ev || strcmp(ev, "1"))
-      return kva_seterr(KVA_EUNSUPPORTED, "mask.kind = KVA_MASK_TREE: not available on the CUDA backend yet (its "
-                                          "kernels failed validation on the GPU; KVA_CUDA_TREE=1 enables them for "
-                                          "testing); the CPU backend runs tree masks");
-  }
   if (p->B > KVC_GRID_YZ_MAX)
     return kva_seterr(KVA_EUNSUPPORTED, "CUDA backend: batch B = %lld exceeds the grid limit %lld (gridDim.z)",
                       (long long)p->B, KVC_GRID_YZ_MAX);
