@@ -40,6 +40,38 @@ __device__ __forceinline__ void merge_fold(float &m, float &l, float (&o)[4], fl
   for (int j = 0; j < 4; ++j) o[j] = o[j] * f1 + os[j] * f2;
 }
 
+/* Splits s0, s0 + step, .., s0 + (merge_chunk - 1) step (those below nsplit)
+ * of dims d0 .. d0 + nd - 1 (nd <= 4) folded into the running (m, l, o):
+ * the chunk's loads all issued before its max and weighted sums. */
+__device__ __forceinline__ void merge_chunk_fold(const float *st0, size_t split_stride, int s0, int step, int nsplit,
+                                                 int d0, int nd, float &m, float &l, float (&o)[4]) {
+  float cm[merge_chunk], cl[merge_chunk], co[merge_chunk][4];
+#pragma unroll
+  for (int k = 0; k < merge_chunk; ++k) {
+    const int sk = s0 + step * k;
+    const float *st = st0 + (size_t)sk * split_stride;
+    const bool ok = sk < nsplit;
+    cm[k] = ok ? st[0] : -INFINITY;
+    cl[k] = ok ? st[1] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) co[k][j] = ok && j < nd ? st[2 + d0 + j] : 0.0f;
+  }
+  float M = cm[0];
+#pragma unroll
+  for (int k = 1; k < merge_chunk; ++k) M = kvc_max(M, cm[k]);
+  float L = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (M != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < merge_chunk; ++k) {
+      const float w = cm[k] == -INFINITY ? 0.0f : expf(cm[k] - M); /* NaN when M is NaN */
+      L = fmaf(w, cl[k], L);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) O[j] = fmaf(w, co[k][j], O[j]);
+    }
+  }
+  merge_fold(m, l, o, M, L, O);
+}
+
 __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args a) {
   __shared__ float part_m[MERGE_ROWS], part_l[MERGE_ROWS], part_o[MERGE_ROWS][MERGE_DIMS + 1];
   const int nch = (a.Dv + MERGE_DIMS - 1) / MERGE_DIMS;
@@ -56,31 +88,7 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
   for (int s0 = r; s0 < a.nsplit; s0 += MERGE_ROWS * merge_chunk) {
     /* a chunk of this thread's splits: all loads first, then its max and
      * independent weights (no exp chain from split to split) */
-    float cm[merge_chunk], cl[merge_chunk], co[merge_chunk][4];
-#pragma unroll
-    for (int k = 0; k < merge_chunk; ++k) {
-      const int sk = s0 + MERGE_ROWS * k;
-      const float *st = st0 + (size_t)sk * split_stride;
-      const bool ok = sk < a.nsplit;
-      cm[k] = ok ? st[0] : -INFINITY;
-      cl[k] = ok ? st[1] : 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) co[k][j] = ok && j < nd ? st[2 + d0 + j] : 0.0f;
-    }
-    float M = cm[0];
-#pragma unroll
-    for (int k = 1; k < merge_chunk; ++k) M = kvc_max(M, cm[k]);
-    float L = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int k = 0; k < merge_chunk; ++k) {
-        const float w = cm[k] == -INFINITY ? 0.0f : expf(cm[k] - M); /* NaN when M is NaN */
-        L = fmaf(w, cl[k], L);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) O[j] = fmaf(w, co[k][j], O[j]);
-      }
-    }
-    merge_fold(m, l, o, M, L, O);
+    merge_chunk_fold(st0, split_stride, s0, MERGE_ROWS, a.nsplit, d0, nd, m, l, o);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) part_o[r][4 * c + j] = o[j];
@@ -138,31 +146,7 @@ __global__ void __launch_bounds__(MERGE_ROT_THREADS) kvc_merge_rot_kernel(const 
   if (r < rows) {
     float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s0 = r; s0 < a.nsplit; s0 += rows * merge_chunk) {
-      float cm[merge_chunk], cl[merge_chunk], co[merge_chunk][4];
-#pragma unroll
-      for (int k = 0; k < merge_chunk; ++k) {
-        const int sk = s0 + rows * k;
-        const float *st = st0 + (size_t)sk * split_stride;
-        const bool ok = sk < a.nsplit;
-        cm[k] = ok ? st[0] : -INFINITY;
-        cl[k] = ok ? st[1] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) co[k][j] = ok ? st[2 + d0 + j] : 0.0f; /* Dv is a multiple of 4 */
-      }
-      float M = cm[0];
-#pragma unroll
-      for (int k = 1; k < merge_chunk; ++k) M = kvc_max(M, cm[k]);
-      float L = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (M != -INFINITY) {
-#pragma unroll
-        for (int k = 0; k < merge_chunk; ++k) {
-          const float w = cm[k] == -INFINITY ? 0.0f : expf(cm[k] - M); /* NaN when M is NaN */
-          L = fmaf(w, cl[k], L);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) O[j] = fmaf(w, co[k][j], O[j]);
-        }
-      }
-      merge_fold(m, l, o, M, L, O);
+      merge_chunk_fold(st0, split_stride, s0, rows, a.nsplit, d0, 4, m, l, o); /* Dv is a multiple of 4 */
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) part_o[r * ld + d0 + j] = o[j];
