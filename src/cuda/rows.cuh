@@ -49,61 +49,49 @@ __device__ __forceinline__ void kvc_cw_store(char *p, int dt, float x) {
 }
 __device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 2; }
 
-/* u[0 .. D) <- H_D u, one warp (lane 0..31) on a row in shared memory:
- * m the power-of-two block (D = m or 3m), c the final scale
- * (kva_hadamard_scale). Stage h pairs (i, i + h), i % 2h < h: pair p of the
- * D/2 is i = (p / h) 2h + p % h. Ends with __syncwarp (u readable by all lanes). */
+/* u[0 .. D) <- H_D u in shared memory by n threads (thread t: a warp's
+ * lanes, BLOCK false, or the block's threads, BLOCK true): m the
+ * power-of-two block (D = m or 3m), c the final scale (kva_hadamard_scale).
+ * Stage h pairs (i, i + h), i % 2h < h: pair p of the D/2 is i = (p / h) 2h
+ * + p % h; a __syncwarp / barrier after each stage and at the end. */
+template <bool BLOCK>
+__device__ __forceinline__ void kvc_hadamard_par(float *u, int D, int m, float c, int t, int n) {
+  auto sync = [] {
+    if (BLOCK) __syncthreads();
+    else __syncwarp();
+  };
+  for (int h = 1; h < m; h <<= 1) {
+    for (int p = t; p < D / 2; p += n) {
+      const int i = (p / h) * 2 * h + p % h;
+      const float a = u[i], b = u[i + h];
+      u[i] = __fadd_rn(a, b);
+      u[i + h] = __fsub_rn(a, b);
+    }
+    sync();
+  }
+  if (m != D) {
+    for (int a = t; a < m; a += n) {
+      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
+      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
+      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
+      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
+      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
+    }
+    sync();
+  }
+  for (int i = t; i < D; i += n) u[i] = __fmul_rn(u[i], c);
+  sync();
+}
+/* One warp (lane 0..31) on a row it may have just written; ends with
+ * __syncwarp (u readable by all lanes). */
 __device__ __forceinline__ void kvc_hadamard_warp(float *u, int D, int m, float c, int lane) {
   __syncwarp();
-  for (int h = 1; h < m; h <<= 1) {
-    for (int p = lane; p < D / 2; p += KVC_WARP) {
-      const int i = (p / h) * 2 * h + p % h;
-      const float a = u[i], b = u[i + h];
-      u[i] = __fadd_rn(a, b);
-      u[i + h] = __fsub_rn(a, b);
-    }
-    __syncwarp();
-  }
-  if (m != D) {
-    for (int a = lane; a < m; a += KVC_WARP) {
-      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
-      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
-      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
-      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
-      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
-    }
-    __syncwarp();
-  }
-  for (int i = lane; i < D; i += KVC_WARP) u[i] = __fmul_rn(u[i], c);
-  __syncwarp();
+  kvc_hadamard_par<false>(u, D, m, c, lane, KVC_WARP);
 }
-
-/* u[0 .. D) <- H_D u as kvc_hadamard_warp (the same operations per element),
- * by all nthreads threads of the block (thread tid): the pairs of a stage
- * spread over the block, a barrier after each stage. u written by the
- * block before (the caller's barrier); ends with a barrier. */
+/* The same operations per element by all nthreads threads of the block
+ * (u written by the block before: the caller's barrier); ends with a barrier. */
 __device__ __forceinline__ void kvc_hadamard_block(float *u, int D, int m, float c, int tid, int nthreads) {
-  for (int h = 1; h < m; h <<= 1) {
-    for (int p = tid; p < D / 2; p += nthreads) {
-      const int i = (p / h) * 2 * h + p % h;
-      const float a = u[i], b = u[i + h];
-      u[i] = __fadd_rn(a, b);
-      u[i + h] = __fsub_rn(a, b);
-    }
-    __syncthreads();
-  }
-  if (m != D) {
-    for (int a = tid; a < m; a += nthreads) {
-      const float u0 = u[a], u1 = u[m + a], u2 = u[2 * m + a];
-      const float s = __fadd_rn(__fadd_rn(u0, u1), u2), s2 = __fadd_rn(s, s);
-      u[a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u0, u0), u0));
-      u[m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u1, u1), u1));
-      u[2 * m + a] = __fsub_rn(s2, __fadd_rn(__fadd_rn(u2, u2), u2));
-    }
-    __syncthreads();
-  }
-  for (int i = tid; i < D; i += nthreads) u[i] = __fmul_rn(u[i], c);
-  __syncthreads();
+  kvc_hadamard_par<true>(u, D, m, c, tid, nthreads);
 }
 
 /* A rotated call's query vector as its kernel takes it (kvc_args rot_q):
