@@ -72,6 +72,29 @@ __device__ __forceinline__ void merge_chunk_fold(const float *st0, size_t split_
   merge_fold(m, l, o, M, L, O);
 }
 
+/* One output element from the rows' partial states (po[k * ps], pm[k],
+ * pl[k], k < rows, folded in a fixed order), the sink joined: o / l, or 0
+ * when no split saw a key; M and Ls the final state (for lse). */
+__device__ __forceinline__ float merge_rows_out(const float *po, int ps, const float *pm, const float *pl, int rows,
+                                                const float *sinks, int h, float &M, float &Ls) {
+  M = -INFINITY, Ls = 0.0f;
+  float O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < rows; ++k) {
+    const float os[4] = {po[k * ps], 0.0f, 0.0f, 0.0f};
+    merge_fold(M, Ls, O, pm[k], pl[k], os);
+  }
+  float Od = O[0];
+  if (sinks && M != -INFINITY) {
+    float mn, f1, f2;
+    kva_softmax_factors(M, sinks[h], &mn, &f1, &f2);
+    M = mn;
+    Ls = Ls * f1 + f2;
+    Od *= f1;
+  }
+  if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
+  return kvc_finish(Od, Ls);
+}
+
 __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args a) {
   __shared__ float part_m[MERGE_ROWS], part_l[MERGE_ROWS], part_o[MERGE_ROWS][MERGE_DIMS + 1];
   const int nch = (a.Dv + MERGE_DIMS - 1) / MERGE_DIMS;
@@ -99,21 +122,9 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
   __syncthreads();
   const int d = d_lo + tid;
   if (tid >= MERGE_DIMS || d >= a.Dv) return;
-  float M = -INFINITY, Ls = 0.0f, O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int k = 0; k < MERGE_ROWS; ++k) { /* fixed order */
-    const float os[4] = {part_o[k][tid], 0.0f, 0.0f, 0.0f};
-    merge_fold(M, Ls, O, part_m[k], part_l[k], os);
-  }
-  float Od = O[0];
-  if (a.sinks && M != -INFINITY) {
-    float mn, f1, f2;
-    kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
-    M = mn;
-    Ls = Ls * f1 + f2;
-    Od *= f1;
-  }
-  if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
-  kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, kvc_finish(Od, Ls));
+  float M, Ls;
+  const float od = merge_rows_out(&part_o[0][tid], MERGE_DIMS + 1, part_m, part_l, MERGE_ROWS, a.sinks, h, M, Ls);
+  kvc_store(kvc_out_at(a, b, h, i, d), a.out_dtype, od);
   if (a.lse && d == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
 }
 
@@ -157,23 +168,7 @@ __global__ void __launch_bounds__(MERGE_ROT_THREADS) kvc_merge_rot_kernel(const 
   }
   __syncthreads();
   float M = -INFINITY, Ls = 0.0f;
-  if (tid < a.Dv) {
-    float O[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k = 0; k < rows; ++k) { /* fixed order */
-      const float os[4] = {part_o[k * ld + tid], 0.0f, 0.0f, 0.0f};
-      merge_fold(M, Ls, O, part_m[k], part_l[k], os);
-    }
-    float Od = O[0];
-    if (a.sinks && M != -INFINITY) {
-      float mn, f1, f2;
-      kva_softmax_factors(M, a.sinks[h], &mn, &f1, &f2);
-      M = mn;
-      Ls = Ls * f1 + f2;
-      Od *= f1;
-    }
-    if (M == -INFINITY) Ls = 0.0f; /* no key visible in any split: zeros */
-    u[tid] = kvc_finish(Od, Ls);
-  }
+  if (tid < a.Dv) u[tid] = merge_rows_out(part_o + tid, ld, part_m, part_l, rows, a.sinks, h, M, Ls);
   __syncthreads();
   kvc_hadamard_block(u, a.Dv, a.rot_om, a.rot_oc, tid, MERGE_ROT_THREADS);
   if (tid < a.Dv) kvc_store(kvc_out_at(a, b, h, i, tid), a.out_dtype, u[tid]);
