@@ -1112,7 +1112,8 @@ static const char *rot_how(unsigned flags) {
  * the kernel each must run (its name), and the context it needs: 1 the
  * per-warp q4 kernel at any size (KVA_CUDA_TCD_MIN_WORK = 0), 2 the
  * warpgroup kernel from one vector (KVA_CUDA_WG_MIN_Q = 1), 3 without it
- * (KVA_CUDA_WG_MIN_Q = -1), 0 default;
+ * (KVA_CUDA_WG_MIN_Q = -1), 4 without its bf16 / f16 instances
+ * (KVA_CUDA_WG_BF16_MIN_Q = -1), 0 default;
  * kfused: q rotated on load there (else by the pass: only V fused). */
 typedef struct rot_fused_case {
   att_case c;
@@ -1136,13 +1137,15 @@ static const rot_fused_case rot_fused_cases[] = {
     {{1, 12, 2, 8, 700, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "warpgroup", 2, 1},
     {{1, 12, 2, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
     /* the narrow kernel's 32-vector q4 instance (warpgroup kernel off) and bf16 / f16 decode
-     * instances; the wide kernel (48 vectors: q by the pass, V fused) */
+     * instances; bf16 at 48 vectors: the warpgroup kernel, and the wide kernel with the warpgroup's
+     * 16-bit instances off (q by the pass, V fused) */
     {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1},
     {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
      "bf16 tensor-core kernel: decode", 0, 1},
     {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "f16 tensor-core kernel: decode", 0, 1},
-    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "wide (8 warps)", 0, 0},
+    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 tensor-core kernel: warpgroup", 0, 1},
+    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "wide (8 warps)", 4, 0},
     /* bf16 / f16 / f32 rows and q8 / q4 over dims the tensor-core kernels lack: the fused kernel, head
      * dims 96, 192, 512, 64; one split (N = 40: the merge still runs for V) */
     {{1, 4, 2, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 fused kernel", 0, 1},
@@ -1221,9 +1224,11 @@ TEST(cuda_rotation_vs_oracle) {
     if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
     if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
     if (f->env == 3) setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
+    if (f->env == 4) setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
     kva_context *fc = cuda_ctx();
     unsetenv("KVA_CUDA_TCD_MIN_WORK");
     unsetenv("KVA_CUDA_WG_MIN_Q");
+    unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
     if (!fc) {
       FAIL_("CUDA context: %s", kva_last_error());
       break;
