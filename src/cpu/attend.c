@@ -161,9 +161,9 @@ size_t kva_cpu_scratch_floats(const kva_problem *p, int64_t nq, bool *ok) {
   int64_t gen = kva_add_chk(kva_add_chk(kva_mul_chk(nq, Dk, ok), KVA_TILE * (Dk + Dv), ok),
                             kva_mul_chk(nq, KVA_TILE, ok), ok);
   /* fast kernels: permuted rows are at most 4x D (2-bit, D = 64) plus <= 512
-   * lanes of per-chunk sums, 3 floats per vector (m, l, post); see
+   * lanes of per-chunk sums, 2 floats per vector (m, l); see
    * src/cpu/simd/fast.c */
-  int64_t fast = kva_mul_chk(nq, (4 * Dk + 512) + (4 * Dv + 512) + 3 + KVA_TILE, ok);
+  int64_t fast = kva_mul_chk(nq, (4 * Dk + 512) + (4 * Dv + 512) + 2 + KVA_TILE, ok);
   fast = kva_add_chk(fast, KVA_TILE * (4 * Dv + 2 * 512), ok);
   /* AMX verify kernel: bf16 Qᵀ/K/V tiles and the O block (src/cpu/simd/amx.c) */
   int64_t amx = kva_add_chk(kva_mul_chk(kva_add_chk(nq, 16, ok), 2 * Dk + 4 * Dv, ok), 64 * (Dk + Dv) + 2048, ok);

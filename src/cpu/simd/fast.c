@@ -5,7 +5,8 @@
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
  *   an exact integer dot product (vpdpbusd, chunk_dots_vnni) of the codes with
- *   q rounded to 21-bit integers (f32 products in exact mode, p->exact).
+ *   q rounded to s8 per (vector, K group) ("[q int8]"; f32 products in exact
+ *   mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
  *   lane.
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
@@ -37,16 +38,15 @@
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 /* Row t's J lane-partial score vectors into part; after every 16th row (or
  * the last, n - 1) the 16-row block is transposed and summed (reduce16) into
- * S[j][t0 .. t0 + 16), times post[j] when post is not NULL. */
-ALWAYS void put_scores(__m512 (*part)[LANES], const __m512 *sc, int J, int64_t t, int64_t n, float *S,
-                       const float *post) {
+ * S[j][t0 .. t0 + 16). */
+ALWAYS void put_scores(__m512 (*part)[LANES], const __m512 *sc, int J, int64_t t, int64_t n, float *S) {
   for (int j = 0; j < J; ++j) part[j][t % LANES] = sc[j];
   if (t % LANES != LANES - 1 && t != n - 1) return;
   const int64_t t0 = t - t % LANES;
   for (int j = 0; j < J; ++j) {
     for (int64_t u = t + 1; u < t0 + LANES; ++u) part[j][u % LANES] = _mm512_setzero_ps();
     const __m512 r = reduce16(part[j]);
-    _mm512_storeu_ps(S + j * KVA_TILE + t0, post ? _mm512_mul_ps(r, _mm512_set1_ps(post[j])) : r);
+    _mm512_storeu_ps(S + j * KVA_TILE + t0, r);
   }
 }
 
@@ -89,44 +89,42 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
     }
     if (fp->fp8 && rows[t].ks) /* the row's scale times q . codes */
       for (int j = 0; j < J; ++j) acc[j] = _mm512_mul_ps(acc[j], _mm512_set1_ps(*(const float *)rows[t].ks));
-    put_scores(part, acc, J, t, n, S, NULL);
+    put_scores(part, acc, J, t, n, S);
   }
 }
 
 #ifdef __AVX512VNNI__
 /* Quantized K and 16-bit queries by integer dot products (vpdpbusd: 4 u8
  * codes x 4 s8 query bytes summed into an int32 lane, exact). Query j is
- * held as q_int = rint(q * 2^k_j), |q_int| <= 2^20 (k_j from max|q_j|),
- * split into three signed bytes, q_int = h*2^16 + m*2^8 + l (balanced
- * digits). Codes are unpacked to bytes by a shift and an and per code of
+ * rounded to s8 per K group g as kva_ref_rounding with q_int_bits = 8
+ * models it (kvattn.h; the f32 steps of the avx2 level's query_int8:
+ * sigma_g = max|q_g| / 127, c = rint(q / sigma_g) clamped to +-127, on q as
+ * loaded). Codes are unpacked to bytes by a shift and an and per code of
  * each byte (CB = 8/bits byte vectors per chunk); byte m of lane w of byte
  * vector i holds code m*CB + i of word w, and the query bytes follow that
- * order. Per chunk and lane (word) I = sum_word c*q_int in int32 (no
- * overflow: |I| <= E*(2^bits-1)*2^20 <= 1020*2^20 < 2^31), then sc += s_lane*I +
- * b_lane*qs_lane with qs the lane's sum of q*2^k_j; the reduced scores are
- * multiplied by post[j] = scale*2^-k_j. The only rounding is that of q_int
- * (<= 2^-21 of max|q_j|: no bf16/f16 element with over 20 bits between its
- * exponent and the max loses anything) and of the f32 epilogue; 8-bit codes
- * need no unpacking. qb of vector j: [chunk][i][piece h,m,l][64 bytes] at
- * qp + j*P floats. Here: the chunk's lane values I as f32 (kphase_q applies
- * the lane scales and biases). */
+ * order. Per chunk and lane (word) I = sum_word code*c in int32 (|I| <=
+ * 16*3*127 at 2 bits, 8*15*127, 4*255*127: no overflow), times the lane's
+ * factor f = scale*sigma_g of its group, then sc += s_lane*(f*I) +
+ * b_lane*qs_lane with qs the lane's sum of f*c (kphase_q). The roundings:
+ * q to s8, and the f32 epilogue; 8-bit codes need no unpacking. Vector j at
+ * qp + j*P floats: the bytes [chunk][i][64], then the lane factors
+ * [chunk][16] f32 (query_int8). Here: the chunk's lane values f*I. */
 ALWAYS void chunk_dots_vnni(const fmt_plan *fp, __m512i x, int c, const float *qp, int J, int bits, __m512 *acc) {
   const int CB = 8 / bits;
   const __m512i cmask = _mm512_set1_epi8((char)((1 << bits) - 1));
-  __m512i ah[KQB], am[KQB], al[KQB];
-  for (int j = 0; j < J; ++j) ah[j] = am[j] = al[j] = _mm512_setzero_si512();
+  __m512i a[KQB];
+  for (int j = 0; j < J; ++j) a[j] = _mm512_setzero_si512();
   for (int i = 0; i < CB; ++i) {
     const __m512i v = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
     for (int j = 0; j < J; ++j) {
-      const char *qb = (const char *)(qp + (int64_t)j * fp->P) + ((int64_t)(c * CB + i) * 3) * 64;
-      ah[j] = _mm512_dpbusd_epi32(ah[j], v, _mm512_loadu_si512(qb));
-      am[j] = _mm512_dpbusd_epi32(am[j], v, _mm512_loadu_si512(qb + 64));
-      al[j] = _mm512_dpbusd_epi32(al[j], v, _mm512_loadu_si512(qb + 128));
+      const char *qb = (const char *)(qp + (int64_t)j * fp->P) + (int64_t)(c * CB + i) * 64;
+      a[j] = _mm512_dpbusd_epi32(a[j], v, _mm512_loadu_si512(qb));
     }
   }
-  for (int j = 0; j < J; ++j)
-    acc[j] = _mm512_cvtepi32_ps(
-        _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[j], 8), am[j]), 8), al[j]));
+  for (int j = 0; j < J; ++j) {
+    const float *f = (const float *)((const char *)(qp + (int64_t)j * fp->P) + (int64_t)fp->nch * CB * 64) + c * LANES;
+    acc[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(a[j]), _mm512_loadu_ps(f));
+  }
 }
 #endif
 
@@ -142,11 +140,10 @@ ALWAYS __m512 k_scales_nan(__m512 sv, __m512 bv) {
 /* Scores of a block of J vectors against n rows of quantized K: per chunk
  * the lane partial dots (chunk_dots_vnni when vnni, else chunk_dots_float),
  * then sc += s_lane * dot + b_lane * qs_lane; row t's J lane-partial score
- * vectors are reduced 16 rows at a time (put_scores), times post[j] for the
- * integer dots. pf (or NULL): row t of the next tile is prefetched with row
- * t. vnni, bits and exact are constants after inlining. */
+ * vectors are reduced 16 rows at a time (put_scores). pf (or NULL): row t
+ * of the next tile is prefetched with row t. vnni, bits and exact are constants after inlining. */
 ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
-                     const float *post, int J, int bits, int exact, int vnni, float *S, const kva_prefetch *pf) {
+                     int J, int bits, int exact, int vnni, float *S, const kva_prefetch *pf) {
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
@@ -171,15 +168,15 @@ ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const 
         sc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(qs + ((int64_t)j * fp->nch + c) * LANES), sc[j]);
       }
     }
-    put_scores(part, sc, J, t, n, S, vnni ? post : NULL);
+    put_scores(part, sc, J, t, n, S);
   }
 }
-#define KPHASE_VNNI(J_, B_) kphase_q(fp, rows, n, qp, qs, post, J_, B_, 0, 1, S, pf)
+#define KPHASE_VNNI(J_, B_) kphase_q(fp, rows, n, qp, qs, J_, B_, 0, 1, S, pf)
 
 /* One block of J <= KQB vectors; J is a constant after inlining. */
 #define KPHASE_BLOCK(J_)                                                                                       \
   static void kphase_block_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,          \
-                                const float *qs, const float *post, float *S, const kva_prefetch *pf) {        \
+                                const float *qs, float *S, const kva_prefetch *pf) {                           \
     if (fp->vnni) {                                                                                            \
       if (fp->bits == 4) KPHASE_VNNI(J_, 4);                                                                   \
       else if (fp->bits == 8) KPHASE_VNNI(J_, 8);                                                              \
@@ -187,12 +184,12 @@ ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const 
       return;                                                                                                  \
     }                                                                                                          \
     switch (fp->bits * 2 + fp->exact) {                                                                        \
-    case 4: kphase_q(fp, rows, n, qp, qs, NULL, J_, 2, 0, 0, S, pf); break;                                   \
-    case 5: kphase_q(fp, rows, n, qp, qs, NULL, J_, 2, 1, 0, S, pf); break;                                   \
-    case 8: kphase_q(fp, rows, n, qp, qs, NULL, J_, 4, 0, 0, S, pf); break;                                   \
-    case 9: kphase_q(fp, rows, n, qp, qs, NULL, J_, 4, 1, 0, S, pf); break;                                   \
-    case 16: kphase_q(fp, rows, n, qp, qs, NULL, J_, 8, 0, 0, S, pf); break;                                  \
-    case 17: kphase_q(fp, rows, n, qp, qs, NULL, J_, 8, 1, 0, S, pf); break;                                  \
+    case 4: kphase_q(fp, rows, n, qp, qs, J_, 2, 0, 0, S, pf); break;                                   \
+    case 5: kphase_q(fp, rows, n, qp, qs, J_, 2, 1, 0, S, pf); break;                                   \
+    case 8: kphase_q(fp, rows, n, qp, qs, J_, 4, 0, 0, S, pf); break;                                   \
+    case 9: kphase_q(fp, rows, n, qp, qs, J_, 4, 1, 0, S, pf); break;                                   \
+    case 16: kphase_q(fp, rows, n, qp, qs, J_, 8, 0, 0, S, pf); break;                                  \
+    case 17: kphase_q(fp, rows, n, qp, qs, J_, 8, 1, 0, S, pf); break;                                  \
     default: kphase_float(fp, rows, n, qp, J_, S, pf); break;                                                  \
     }                                                                                                          \
   }
@@ -204,9 +201,9 @@ KPHASE_BLOCK(8)
 /* All nq vectors, in register blocks of 8, 4, 2, 1; the first block issues
  * the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
-                   const float *qs, const float *post, int64_t nq, float *S, const kva_prefetch *pf) {
+                   const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
-#define KARGS(J) rows, n, qp + (J) * fp->P, qs + (J) * fp->nch * LANES, post + (J), S + (J) * KVA_TILE, pf
+#define KARGS(J) rows, n, qp + (J) * fp->P, qs + (J) * fp->nch * LANES, S + (J) * KVA_TILE, pf
   for (; j + 8 <= nq; j += 8, pf = NULL) kphase_block_8(fp, KARGS(j));
   if (j + 4 <= nq) { kphase_block_4(fp, KARGS(j)); j += 4; pf = NULL; }
   if (j + 2 <= nq) { kphase_block_2(fp, KARGS(j)); j += 2; pf = NULL; }
@@ -535,61 +532,52 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
 }
 
 #ifdef __AVX512VNNI__
-/* Integer queries (chunk_dots_vnni) need every query element finite and the
- * largest of each query 0 or >= 2^-100 (so that scale * 2^-k stays normal). */
-
-static int queries_vnni_ok(const kva_item *it, int64_t nrows, int64_t nq) {
-  const kva_problem *p = it->p;
-  float qrow[KVA_MAX_HEAD_DIM];
-  for (int64_t j = 0; j < nq; ++j) {
-    load_row_f32(kva_at4(p->q, it->b, it->hk * p->rep + j / nrows, it->i0 + j % nrows, 0), p->q->dtype, p->Dk, qrow);
-    float mx = 0.0f;
-    for (int64_t d = 0; d < p->Dk; ++d) {
-      if (!isfinite(qrow[d])) return 0;
-      mx = fabsf(qrow[d]) > mx ? fabsf(qrow[d]) : mx;
+/* One query as chunk_dots_vnni's s8 bytes and lane factors (at qb) and its
+ * lane sums qs = f * sum(c) over each lane's codes (f = scale * sigma_g of
+ * the lane's group; 0 for a group whose 1 / sigma is not finite: all zeros,
+ * or max|q_g| below ~2^-119, which then adds nothing; NaN for every group of
+ * a query with a non-finite element, whose scores are then NaN). */
+static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs) {
+  int8_t c8[KVA_MAX_HEAD_DIM];
+  float fg[LANES];
+  int finite = 1;
+  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
+  for (int g = 0; g < fp->ngroups; ++g) {
+    const int64_t g0 = (int64_t)g * fp->G;
+    float amax = 0.0f;
+    for (int64_t d = g0; d < g0 + fp->G; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+    const float sig = amax / 127.0f;
+    float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+    if (!finite || isinf(inv)) inv = 0.0f;
+    for (int64_t d = g0; d < g0 + fp->G; ++d) {
+      float c = rintf(q[d] * inv);
+      c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+      c8[d] = (int8_t)c;
     }
-    if (mx != 0.0f && mx < 0x1p-100f) return 0;
+    fg[g] = !finite ? NAN : inv == 0.0f ? 0.0f : scale * sig;
   }
-  return 1;
-}
-
-/* One query as chunk_dots_vnni's bytes qb, its lane sums qs (times 2^k) and
- * post = scale * 2^-k. */
-static void query_vnni(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs,
-                       float *post) {
-  float mx = 0.0f;
-  for (int64_t d = 0; d < D; ++d) mx = fabsf(q[d]) > mx ? fabsf(q[d]) : mx;
-  int e = 0;
-  if (mx > 0.0f) frexpf(mx, &e); /* mx < 2^e */
-  const int k = 20 - e;          /* |q| * 2^k < 2^20; -108 <= k <= 120 (queries_vnni_ok) */
-  const float f = ldexpf(1.0f, k);
   const int CB = 8 / fp->bits, E = fp->E;
   const int64_t words = D / E;
+  float *f = (float *)(qb + (int64_t)fp->nch * CB * 64);
   for (int c = 0; c < fp->nch; ++c)
     for (int l = 0; l < LANES; ++l) {
       const int64_t w = (int64_t)c * LANES + l;
-      float sum = 0.0f;
+      const float fl = w < words ? fg[(w * E) / fp->G] : 0.0f;
+      int sum = 0;
       for (int i = 0; i < CB; ++i)
         for (int b = 0; b < 4; ++b) {
-          const float x = w < words ? q[w * E + b * CB + i] * f : 0.0f; /* exact */
-          const int32_t v = (int32_t)rintf(x);
-          const int32_t lo = ((v + 128) & 255) - 128, r = (v - lo) / 256;
-          const int32_t mid = ((r + 128) & 255) - 128, hi = (r - mid) / 256;
-          char *dst = qb + ((int64_t)(c * CB + i) * 3) * 64 + 4 * l + b;
-          dst[0] = (char)hi;
-          dst[64] = (char)mid;
-          dst[128] = (char)lo;
-          sum += x;
+          const int v = w < words ? c8[w * E + b * CB + i] : 0;
+          qb[(int64_t)(c * CB + i) * 64 + 4 * l + b] = (char)v;
+          sum += v;
         }
-      qs[c * LANES + l] = sum;
+      f[c * LANES + l] = fl;
+      qs[c * LANES + l] = fl * (float)sum;
     }
-  *post = ldexpf(scale, -k);
 }
 #endif
 
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
- * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16],
- * post[nq]. */
+ * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
 static void attend_fast(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -603,12 +591,12 @@ static void attend_fast(const kva_item *it) {
   const int64_t kqs = (int64_t)kf.nch * LANES, vbn = (int64_t)vf.nch * LANES;
   float *qp = it->scratch, *qs = qp + nq * kf.P, *o = qs + nq * kqs, *ob = o + nq * vf.P;
   float *m = ob + nq * vbn, *l = m + nq, *S = l + nq, *vt = S + nq * KVA_TILE;
-  float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn, *post = bvt + KVA_TILE * vbn;
+  float *svt = vt + KVA_TILE * vf.P, *bvt = svt + KVA_TILE * vbn;
   /* Queries, scaled, in K's permuted order and their per-lane sums per
    * chunk; or, for chunk_dots_vnni, as integer bytes (query_vnni). */
   float qrow[KVA_MAX_HEAD_DIM];
 #ifdef __AVX512VNNI__
-  kf.vnni = kf.bits && !kf.exact && queries_vnni_ok(it, nrows, nq); /* never in exact mode (kf.exact) */
+  kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -617,11 +605,10 @@ static void attend_fast(const kva_item *it) {
     load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
 #ifdef __AVX512VNNI__
     if (kf.vnni) {
-      query_vnni(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs, &post[j]);
+      query_int8(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs);
       continue;
     }
 #endif
-    post[j] = 1.0f;
     permute_row(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
     for (int c = 0; c < kf.nch; ++c) {
       __m512 sum = _mm512_setzero_ps();
@@ -638,7 +625,7 @@ static void attend_fast(const kva_item *it) {
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
-    kphase(&kf, rows, n, qp, qs, post, nq, S, &tl.pf);
+    kphase(&kf, rows, n, qp, qs, nq, S, &tl.pf);
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     simd_mask_tile(it, seg, S, nq, tf, n);
     /* Masked keys have P == 0 exactly; a NaN V row behind a mask must not leak. */
@@ -670,14 +657,14 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * the AMX kernel rounds float K and V rows to bf16 where they are not bf16
  * already (quantized rows: exact codes) and P always (times the V group
  * scale for quantized V); the vector kernel multiplies in f32, with quantized
- * K and 16-bit queries on integer dot products (q rounded to 21 bits,
- * chunk_dots_vnni) except in exact mode (p->exact: f32 products only). */
+ * K and 16-bit queries on integer dot products (q rounded to s8 per
+ * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
   if (!f) return NULL;
   if (f == attend_fast) {
 #ifdef __AVX512VNNI__
-    if (p->kv->k.bits && p->q->dtype != KVA_F32 && !p->exact) return "fused kernel [q int21]";
+    if (p->kv->k.bits && p->q->dtype != KVA_F32 && !p->exact) return "fused kernel [q int8]";
 #endif
     return "fused kernel [exact f32]";
   }
