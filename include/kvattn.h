@@ -364,8 +364,8 @@ int kva_hadamard_dim_supported(int64_t D);
  * K and V rounded to bf16 where their rows are not bf16, P always;
  * "[P bf16]" for quantized rows: the codes exact, q.k exact up to f32
  * accumulation, P times the V group scale rounded to bf16); on AVX-512
- * VNNI, 16-bit queries over quantized K ("[q int21]": q rounded to 21-bit
- * integers, exact integer q.k); on AVX2, 4-bit and 8-bit K ("[q int8]": q
+ * VNNI, 16-bit queries over quantized K, and on AVX2, 4-bit and 8-bit K
+ * ("[q int8]": q
  * rounded to 8 bits with one scale per vector and K group, the rounding
  * kva_ref_rounding describes, exact integer q.k on the codes). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
@@ -545,7 +545,7 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * list of "OPERANDS TYPE" items: operands K, V, P (the softmax weights
  * before P.V) rounded to TYPE bf16 or f16, or q rounded to a signed integer
  * of N bits with one scale per query vector and group ("q int15", "q
- * int21": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]",
+ * int8": exact integer q.k on quantized K codes), e.g. "[q int15, P bf16]",
  * or "q bf16" / "q f16" first: a rotated call's query H q rounded to that
  * type (KVA_ATTN_ROTATED_K with a 16-bit q; "[exact f32]" then reads "[q
  * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V),

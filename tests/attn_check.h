@@ -125,7 +125,7 @@ double att_kernel_atol(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * intN" with N <= ATT_QINT_ORACLE_BITS rounds the query per (vector, group);
  * "q bf16" / "q f16" (a rotated call's query H q rounded to 16 bits) sets
  * q_dtype (the oracle applies it: the f32 allowance); q rounded to more bits
- * (the two-part 15-bit queries: one scale per vector, and the 21-bit ones)
+ * (the two-part 15-bit queries: one scale per vector)
  * and P are left to the allowance. Returns 0, or -1 for
  * a name without a bracket. */
 #define ATT_QINT_ORACLE_BITS 8

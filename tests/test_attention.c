@@ -525,8 +525,8 @@ TEST(attention_caller_workspace) {
 
 /* KVA_ATTN_EXACT on the CPU: on shapes that take the AMX kernel ("[K,V,P
  * bf16]", "[P bf16]": bf16 queries, >= 6 vectors per KV head) or integer
- * query products ("[q int21]": 16-bit queries over quantized K, AVX-512
- * VNNI) where the host has them, every SIMD level and the general kernel
+ * query products ("[q int8]": 16-bit queries over quantized K, AVX-512
+ * VNNI; any query at AVX2) where the host has them, every SIMD level and the general kernel
  * name "[exact f32]" and match the oracle at the f32 allowance (f32 out).
  * (On a host without AMX/VNNI this checks the contract, not the switch.) */
 TEST(attention_exact_mode) {

@@ -46,21 +46,15 @@ def to_numpy(t, dtype=None):
     return a if dtype is None else a.view(dtype)
 
 
-# "[q int21]" (exact integer q.k with q rounded to 21 bits, f32 elsewhere):
-# the C tests' allowance for that rounding (tests/attn_check.h ATT_ATOL_F32,
-# q intN with N >= 21), above the pure f32 arithmetic's COMPUTE_ATOL.
-QINT21_ATOL = 3e-5
-
-
 def atol_of(kernel):
     """The arithmetic allowance of the kernel that ran, from its bracket
     (kva_attention_kernel): f32 products ("[exact f32]", or a query rounding
-    of N <= 8 bits that the reference applies too: ref_of), integer q.k on
-    21-bit queries ("[q int21]"), or 16-bit products (any bf16/f16 item)."""
+    of N <= 8 bits that the reference applies too: ref_of), or 16-bit
+    products (any bf16/f16 item)."""
     bracket = kernel[kernel.rindex("["):]
     if query_rounding_bits(kernel) and "," not in bracket:
         return COMPUTE_ATOL
-    return {"[exact f32]": COMPUTE_ATOL, "[q int21]": QINT21_ATOL}.get(bracket, BF16_PRODUCTS_ATOL)
+    return COMPUTE_ATOL if bracket == "[exact f32]" else BF16_PRODUCTS_ATOL
 
 
 def ref_of(kernel, q, k, v, **kw):
