@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F16, F32, FLOATS, UNIT_ROUNDOFF, randn, rng_for
+from kvref import BF16, F16, F32, FLOATS, UNIT_ROUNDOFF, assert_close, compute_atol, randn, ref_for_kernel, rng_for
 
 mx = pytest.importorskip("mlx.core")
 
@@ -129,9 +129,15 @@ def test_attention_vs_mlx_sdpa(request, dtype, bits, group_size, L, H, KVH):
         mx.dequantize(*vq, group_size=group_size, bits=bits), scale=scale, mask="causal",
         sinks=None if sinks is None else to_mx(sinks.astype(dtype)))
     want = to_np(want).astype(np.float64)
-    got = kvattn.attention(q, tuple(to_np(a) for a in kq), tuple(to_np(a) for a in vq), scale=scale,
-                           mask="causal", sinks=sinks, group_size=group_size, bits=bits)
+    # the exact mode (f32 products of q as given): what MLX computes, so the comparison sees the format alone
+    kqn, vqn = tuple(to_np(a) for a in kq), tuple(to_np(a) for a in vq)
+    got = kvattn.attention(q, kqn, vqn, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits,
+                           exact=True)
     assert got.dtype == dtype
+    # the default kernel against the oracle carrying the query rounding it names
+    fast = kvattn.attention(q, kqn, vqn, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits)
+    ref = ref_for_kernel(q, kqn, vqn, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits)
+    assert_close(fast, ref, "default kernel", atol=compute_atol(q, KVH))
     rtol = MLX_ATT_RTOL[np.dtype(dtype)]
     err = np.abs(got.astype(np.float64) - want)
     bound = rtol * np.maximum(np.abs(want), 1.0)

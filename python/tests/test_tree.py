@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F32, assert_close, causal_visible, compute_atol, np_quantize, randn, ref_attention, rng_for
+from kvref import (BF16, F32, assert_close, causal_visible, compute_atol, np_quantize, query_rounding_bits, randn,
+                   ref_attention, rng_for)
 
 
 def random_tree(rng, L, depth):
@@ -100,11 +101,15 @@ def test_tree_vs_explicit_and_reference(request, case):
     out_a = kvattn.attention(q, k, v, mask=m, **common)
     ref = ref_attention(q, k, v, mask=m, **common)
     name = kvattn.attention_kernel(q, k, v, tree_mask=bits, window=window, segments=segments, seq_lens=lens, **kw)
+    name_a = kvattn.attention_kernel(q, k, v, mask=m, **common)
     atol = compute_atol(q, KVH)
-    if "[q int" in name or "bf16" in name:
-        atol = max(atol, 2.0**-7)  # a kernel that rounds q / K / V / P (its bracket)
-    assert_close(out, ref, "tree " + name, atol=atol)
-    assert_close(out_a, ref, "explicit mask", atol=compute_atol(q, KVH))
+    if "bf16" in name:
+        atol = max(atol, 2.0**-7)  # a kernel that rounds K / V / P to bf16 (its bracket)
+    # against the oracle carrying the query rounding the kernel names ("q intN": round_query)
+    ref_t = ref_attention(q, k, v, mask=m, q_int_bits=query_rounding_bits(name), **common)
+    ref_a = ref_attention(q, k, v, mask=m, q_int_bits=query_rounding_bits(name_a), **common)
+    assert_close(out, ref_t, "tree " + name, atol=atol)
+    assert_close(out_a, ref_a, "explicit mask " + name_a, atol=compute_atol(q, KVH))
     ref_tree = kvattn.reference_attention(q, k, v, tree_mask=bits, window=window, segments=segments, seq_lens=lens,
                                           **kw)
     ref_arr = kvattn.reference_attention(q, k, v, mask=m, seq_lens=lens, **kw)
