@@ -745,12 +745,12 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
         if (slot % GPT == gd % GPT && v < Q) ost[(warp * QV + v) * D + d] = o[j][r][e] + csc[r][gd / GPT][e & 1];
       }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
-    const int v = idx / D, d = idx % D;
-    float M = -INFINITY;
+  /* one state per vector: M, Ls and O of dim d over the warps (fixed order) */
+  auto combine = [&](int v, int d, float &M, float &Ls, float &O) {
+    M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < W; ++w) M = kvc_max(M, ml[(w * QV + v) * 2]);
-    float Ls = 0.0f, O = 0.0f;
+    Ls = 0.0f, O = 0.0f;
     if (M != -INFINITY)
 #pragma unroll
       for (int w = 0; w < W; ++w) {
@@ -758,19 +758,27 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
         Ls = fmaf(ml[(w * QV + v) * 2 + 1], f, Ls);
         O = fmaf(ost[(w * QV + v) * D + d], f, O);
       }
-    if (!a.rot_out) {
-      kvc_emit(a, split, b, hk, v0 + v, d, M, Ls, O);
-    } else { /* the combined row into warp 0's slot (this thread alone reads (v, d) there), rotated below */
+  };
+  if (a.rot_out) { /* the combined rows into warp 0's slots (a thread alone reads its (v, d) there), rotated */
+    for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
+      const int v = idx / D, d = idx % D;
+      float M, Ls, O;
+      combine(v, d, M, Ls, O);
       ost[v * D + d] = O;
       if (d == 0) {
         fin[v] = M;
         fin[QV + v] = Ls;
       }
     }
-  }
-  if (a.rot_out) {
     __syncthreads();
     kvc_emit_block<D>(a, split, b, hk, v0, Q, D, D, ost, fin, fin + QV, KVC_TCD_THREADS);
+    return;
+  }
+  for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
+    const int v = idx / D, d = idx % D;
+    float M, Ls, O;
+    combine(v, d, M, Ls, O);
+    kvc_emit(a, split, b, hk, v0 + v, d, M, Ls, O);
   }
 }
 
