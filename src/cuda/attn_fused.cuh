@@ -595,10 +595,9 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       sm_ml[warp][j][1] = l[j];
     }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
-    const int j = idx / a.Dv, d = idx % a.Dv, qv = qtile * QW + j;
-    if (qv >= Q) continue;
-    float M = -INFINITY, Ls = 0.0f, O = 0.0f;
+  /* vector j's state, dim d, over the warps (fixed order) */
+  auto combine = [&](int j, int d, float &M, float &Ls, float &O) {
+    M = -INFINITY, Ls = 0.0f, O = 0.0f;
     for (int w = 0; w < KVC_FUSED_WARPS; ++w) {
       float mn, f1, f2;
       kvc_factors2(M, sm_ml[w][j][0], mn, f1, f2);
@@ -606,20 +605,30 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       Ls = Ls * f1 + sm_ml[w][j][1] * f2;
       O = O * f1 + sm_o[w][j][d] * f2;
     }
-    if (!a.rot_out) {
-      kvc_emit(a, split, b, hk, qv, d, M, Ls, O);
-    } else { /* the combined row into warp 0's slice (this thread alone reads (j, d) there), rotated below */
+  };
+  if (a.rot_out) { /* the combined rows into warp 0's slice (a thread alone reads its (j, d) there), rotated */
+    for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
+      const int j = idx / a.Dv, d = idx % a.Dv;
+      if (qtile * QW + j >= Q) continue;
+      float M, Ls, O;
+      combine(j, d, M, Ls, O);
       sm_o[0][j][d] = O;
       if (d == 0) {
         sm_fin[0][j] = M;
         sm_fin[1][j] = Ls;
       }
     }
-  }
-  if (a.rot_out) {
     __syncthreads();
     kvc_emit_block(a, split, b, hk, qtile * QW, min(QW, Q - qtile * QW), a.Dv, DMAX, &sm_o[0][0][0], sm_fin[0],
                    sm_fin[1], KVC_FUSED_THREADS);
+    return;
+  }
+  for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
+    const int j = idx / a.Dv, d = idx % a.Dv, qv = qtile * QW + j;
+    if (qv >= Q) continue;
+    float M, Ls, O;
+    combine(j, d, M, Ls, O);
+    kvc_emit(a, split, b, hk, qv, d, M, Ls, O);
   }
 }
 
