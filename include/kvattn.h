@@ -278,12 +278,12 @@ typedef struct kva_attn_params {
  * q.k = (H q).k' and out = sum_j p_j v_j = H (sum_j p_j v'_j): the call
  * rotates q on load (q' = H_Dk q) and, with ROTATED_V, stores out = H_Dv of
  * the kernel's f32 output in out's dtype; none of it touches K/V. CUDA: both
- * inside the kernels (q as a block stages it, out in the split merge, which
- * then runs at every split count); the CPU, the CUDA general kernel (and, for
- * q, the CUDA wide tensor-core instance) run passes around the kernel
- * instead (q' and the f32 output in the workspace). kva_attention_kernel
- * says which: "(q rotated on load, out rotated back in the merge)" after
- * the rotation words for the fused parts.
+ * inside the kernels (q as a block stages it, out as a block stores its
+ * f32 result: a split state for the merge, or with one split the output;
+ * no extra launch or workspace); the CPU and the CUDA general kernel run
+ * passes around the kernel instead (q' and the f32 output in the
+ * workspace). kva_attention_kernel says which: "(q rotated on load, out
+ * rotated back on store)" after the rotation words for the fused parts.
  * Results equal the unrotated call on the unrotated cache within rounding;
  * lse is unchanged (the logits are). q' has q's dtype, so a 16-bit q is
  * rounded once more after the rotation ("q bf16" / "q f16" in the kernel
@@ -549,7 +549,7 @@ int kva_attention_path(kva_context *ctx, const kva_tensor *q, const kva_kv_view 
  * or "q bf16" / "q f16" first: a rotated call's query H q rounded to that
  * type (KVA_ATTN_ROTATED_K with a 16-bit q; "[exact f32]" then reads "[q
  * bf16]"); a rotated call's words end in ", Hadamard-rotated K,V" (or K, V),
- * then "(q rotated on load, out rotated back in the merge)" (the parts the
+ * then "(q rotated on load, out rotated back on store)" (the parts the
  * kernel runs fused; none: passes around it).
  * Operands not named are not rounded below f32. name NULL or size 0:
  * KVA_EINVAL; on error name is not written. Returns a kva_path or a negative

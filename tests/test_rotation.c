@@ -1036,9 +1036,10 @@ static int dcall_make(dcall *dc, dmem *m, const att_data *d, const kva_kv_view *
 /* The rotated call on the device (contiguous and block table) against the
  * oracle's rotated call with the kernel's roundings, out and lse; want,
  * how: NULL, or texts the kernel's name must contain (the kernel, and the
- * words of the fused parts of the rotation). */
+ * words of the fused parts of the rotation); splits: 1 the name must say
+ * one split, 2 several, 0 either. */
 static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags, int probe, int table,
-                              const char *want, const char *how) {
+                              const char *want, const char *how, int splits) {
   char name[256], what[400];
   att_case_str(c, name, sizeof name);
   snprintf(what, sizeof what, "%s, %s queries, flags 0x%x, %s", name, att_query_names[probe], flags,
@@ -1067,6 +1068,10 @@ static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags
        strstr(kname, "Hadamard-rotated");
   if (ok && ((want && !strstr(kname, want)) || (how && !strstr(kname, how)))) {
     FAIL_("%s: runs \"%s\", not a \"%s\" with \"%s\"", what, kname, want ? want : "", how ? how : "");
+    ok = 0;
+  }
+  if (ok && splits && !strstr(kname, splits == 1 ? " 1 split," : " splits,")) {
+    FAIL_("%s: runs \"%s\", not with %s", what, kname, splits == 1 ? "one split" : "several splits");
     ok = 0;
   }
   kva_ref_rounding rr;
@@ -1098,72 +1103,109 @@ static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags
 }
 
 static int cuda_rot_case(kva_context *cu, const att_case *c, unsigned flags, int probe, int table) {
-  return cuda_rot_case_want(cu, c, flags, probe, table, NULL, NULL);
+  return cuda_rot_case_want(cu, c, flags, probe, table, NULL, NULL, 0);
 }
 
 /* The words a rotated call's name carries for its fused parts (rot_name). */
 static const char *rot_how(unsigned flags) {
-  return flags == ROT_KV               ? "(q rotated on load, out rotated back in the merge)"
+  return flags == ROT_KV               ? "(q rotated on load, out rotated back on store)"
          : flags == KVA_ATTN_ROTATED_K ? "(q rotated on load)"
-                                       : "(out rotated back in the merge)";
+                                       : "(out rotated back on store)";
 }
 
 /* B, H, KVH, L, N, Dk, Dv, q, out, kbits, vbits, group, kv dtype, mask, window, softcap, sinks, ragged, strided;
  * the kernel each must run (its name), and the context it needs: 1 the
  * per-warp q4 kernel at any size (KVA_CUDA_TCD_MIN_WORK = 0), 2 the
  * warpgroup kernel from one vector (KVA_CUDA_WG_MIN_Q = 1), 3 without it
- * (KVA_CUDA_WG_MIN_Q = -1), 4 without its bf16 / f16 instances
- * (KVA_CUDA_WG_BF16_MIN_Q = -1), 0 default;
- * kfused: q rotated on load there (else by the pass: only V fused). */
+ * (KVA_CUDA_WG_MIN_Q = KVA_CUDA_WG_BF16_MIN_Q = -1: the narrow / wide
+ * kernels), 0 default; kfused: q rotated on load there (else by the pass:
+ * only V fused); splits: 1 the plan has one split (the kernel stores
+ * out = H o / l itself, no merge), 2 several (rotated states, the plain
+ * merge), 0 either. One split: N <= 128 tokens on the tensor-core kernels,
+ * <= 64 on the fused one (their fewest tokens per split). */
 typedef struct rot_fused_case {
   att_case c;
   const char *want;
-  int env, kfused;
+  int env, kfused, splits;
 } rot_fused_case;
+#define E4 KVA_F8E4M3
 static const rot_fused_case rot_fused_cases[] = {
-    /* q4 decode, per-warp kernel: head dims 256, 128, 64; GQA 2 and 4; sinks, ragged, strided */
-    {{1, 8, 4, 1, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1},
-    {{2, 8, 2, 1, 1500, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "per-warp,", 1, 1},
-    {{1, 4, 2, 2, 900, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 0, 0}, "per-warp,", 1, 1},
+    /* q4 decode, per-warp kernel: head dims 256, 128, 64; GQA 2 and 4; sinks, ragged, strided; one split */
+    {{1, 8, 4, 1, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1, 2},
+    {{2, 8, 2, 1, 1500, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "per-warp,", 1, 1, 2},
+    {{1, 4, 2, 2, 900, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 20.0f, 0, 0, 0}, "per-warp,", 1, 1, 2},
+    {{1, 8, 4, 1, 100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "per-warp,", 1, 1, 1},
+    {{2, 4, 2, 2, 128, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, "per-warp,", 1, 1, 1},
     /* q4 at 12 query vectors per KV head on the per-warp kernel (the 16-vector instance, q int8) */
-    {{1, 12, 2, 2, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1},
+    {{1, 12, 2, 2, 1200, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1, 2},
+    {{1, 12, 2, 2, 90, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "per-warp,", 1, 1, 1},
     /* q4 / q8 decode instances of the narrow tensor-core kernel (q int15); head dim 512 */
-    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "decode instance", 0, 1},
+    {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "decode instance", 0, 1, 2},
+    {{1, 8, 2, 1, 120, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, "decode instance", 0, 1, 1},
     {{1, 8, 2, 1, 2000, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
-     "q8 tensor-core kernel: decode", 0, 1},
-    {{1, 4, 2, 1, 1500, 512, 512, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "decode instance", 0, 1},
+     "q8 tensor-core kernel: decode", 0, 1, 2},
+    {{1, 4, 2, 1, 1500, 512, 512, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "decode instance", 0, 1, 2},
+    {{1, 4, 2, 1, 100, 512, 512, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "decode instance", 0, 1, 1},
     /* q4 verify L = 8, GQA 6: the warpgroup kernel; head dims 128, 256, 64 */
-    {{1, 12, 2, 8, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
-    {{1, 12, 2, 8, 700, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "warpgroup", 2, 1},
-    {{1, 12, 2, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1},
+    {{1, 12, 2, 8, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1, 2},
+    {{1, 12, 2, 8, 700, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, "warpgroup", 2, 1, 2},
+    {{1, 12, 2, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1, 2},
+    {{1, 12, 2, 8, 100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1, 1},
     /* the narrow kernel's 32-vector q4 instance (warpgroup kernel off) and bf16 / f16 decode
-     * instances; bf16 at 48 vectors: the warpgroup kernel, and the wide kernel with the warpgroup's
-     * 16-bit instances off (q by the pass, V fused) */
-    {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1},
+     * instances */
+    {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1, 2},
     {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
-     "bf16 tensor-core kernel: decode", 0, 1},
+     "bf16 tensor-core kernel: decode", 0, 1, 2},
     {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
-     "f16 tensor-core kernel: decode", 0, 1},
-    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 tensor-core kernel: warpgroup", 0, 1},
-    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "wide (8 warps)", 4, 0},
+     "f16 tensor-core kernel: decode", 0, 1, 2},
+    /* bf16 at 48 vectors (default): the warpgroup kernel's 16-bit rows */
+    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "bf16 tensor-core kernel: warpgroup", 0, 1, 2},
+    /* the wide kernel (48 vectors per block; warpgroup kernel off): q rotated straight into its
+     * fragment slots, every format's dim order (bf16 / f16 rows, q4, q8, fp8), head dims 64, 128,
+     * 256, one split and several */
+    {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "bf16 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 12, 2, 8, 100, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "bf16 tensor-core kernel: wide (8 warps)", 3, 1, 1},
+    {{1, 12, 2, 8, 700, 256, 256, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+     "bf16 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 12, 2, 4, 300, 128, 128, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f16 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 12, 2, 8, 1000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "q4 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 12, 2, 8, 120, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "q4 tensor-core kernel: wide (8 warps)", 3, 1, 1},
+    {{1, 12, 2, 4, 400, 64, 64, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+     "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 8, 2, 4, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 2},
     /* bf16 / f16 / f32 rows and q8 / q4 over dims the tensor-core kernels lack: the fused kernel, head
-     * dims 96, 192, 512, 64; one split (N = 40: the merge still runs for V) */
-    {{1, 4, 2, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 fused kernel", 0, 1},
-    {{1, 4, 2, 1, 500, 96, 96, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f16 fused kernel", 0, 1},
-    {{2, 6, 2, 1, 400, 192, 192, F32, F32, 8, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 1, 0}, "q8 fused kernel", 0, 1},
-    {{1, 4, 2, 1, 300, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 fused kernel", 0, 1},
-    {{1, 2, 1, 1, 40, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, "f32 fused kernel", 0, 1},
-    {{1, 8, 4, 3, 600, 96, 96, F32, BF16, 4, 4, 32, F32, MASK_WINDOW, 50, 0, 0, 0, 0}, "q4 fused kernel", 0, 1},
+     * dims 96, 192, 512, 64 (96 and 192: 3 x 2^k, the 3-point step); one split and several */
+    {{1, 4, 2, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 fused kernel", 0, 1, 2},
+    {{1, 4, 2, 1, 500, 96, 96, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 1}, "f16 fused kernel", 0, 1, 2},
+    {{1, 4, 2, 1, 50, 96, 96, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "f16 fused kernel", 0, 1, 1},
+    {{2, 6, 2, 1, 400, 192, 192, F32, F32, 8, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 1, 0}, "q8 fused kernel", 0, 1, 2},
+    {{1, 6, 2, 2, 60, 192, 192, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 fused kernel", 0, 1, 1},
+    {{1, 4, 2, 1, 300, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "bf16 fused kernel", 0, 1, 2},
+    {{1, 2, 1, 1, 40, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, "f32 fused kernel", 0, 1, 1},
+    {{1, 8, 4, 3, 600, 96, 96, F32, BF16, 4, 4, 32, F32, MASK_WINDOW, 50, 0, 0, 0, 0}, "q4 fused kernel", 0, 1, 0},
 };
+#undef E4
 #define NROT_FUSED ((int)(sizeof rot_fused_cases / sizeof rot_fused_cases[0]))
 
 /* The rotated call captured in a CUDA graph (fused: the decode instance
- * rotating q on load, the rotating merge) replays to the eager call's bits. */
-TEST(cuda_rotation_graph) {
-  if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
-  const att_case c = {2, 8, 2, 1, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0};
+ * rotating q on load and its states on store, the merge) replays to the
+ * eager call's bits; so does a one-split call (the kernel alone). */
+static int cuda_rot_graph_case(const att_case *c) {
   att_data d;
-  ASSERT_TRUE(att_make(&d, &c) == 0);
+  if (att_make(&d, c)) {
+    FAIL_("could not build operands");
+    att_free(&d);
+    return 0;
+  }
   d.params.flags = ROT_KV;
   dmem m = {{0}, 0};
   dcall dc;
@@ -1176,7 +1218,7 @@ TEST(cuda_rotation_graph) {
   ok = ok && kva_context_create(&ctx, &o) == 0;
   char kname[320] = "";
   ok = ok && kva_attention_kernel(ctx, &dc.q, &dc.view, &dc.p, &dc.out, kname, sizeof kname) > 0;
-  if (ok && !strstr(kname, rot_how(ROT_KV))) { /* the fused path: q on load, the rotating merge */
+  if (ok && !strstr(kname, rot_how(ROT_KV))) { /* the fused path: q on load, out on store */
     FAIL_("the graph case runs \"%s\", not the fused rotation", kname);
     ok = 0;
   }
@@ -1192,8 +1234,12 @@ TEST(cuda_rotation_graph) {
   ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess && cudaGraphLaunch(exec, s) == cudaSuccess &&
        cudaStreamSynchronize(s) == cudaSuccess;
   ok = ok && cudaMemcpy(replay, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess;
-  if (!ok) FAIL_("the rotated call under capture: %s", kva_last_error());
-  else if (memcmp(eager, replay, dc.ob)) FAIL_("the graph replay differs from the eager call");
+  if (!ok) {
+    FAIL_("the rotated call [%s] under capture: %s", kname, kva_last_error());
+  } else if (memcmp(eager, replay, dc.ob)) {
+    FAIL_("[%s]: the graph replay differs from the eager call", kname);
+    ok = 0;
+  }
   free(eager);
   free(replay);
   if (exec) cudaGraphExecDestroy(exec);
@@ -1202,6 +1248,16 @@ TEST(cuda_rotation_graph) {
   if (s) cudaStreamDestroy(s);
   dfree(&m);
   att_free(&d);
+  return ok;
+}
+TEST(cuda_rotation_graph) {
+  if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
+  static const att_case cs[2] = {
+      {2, 8, 2, 1, 3000, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, /* several splits */
+      {2, 8, 2, 1, 100, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},  /* one split */
+  };
+  for (int i = 0; i < 2; ++i)
+    if (!cuda_rot_graph_case(&cs[i])) break;
 }
 
 TEST(cuda_rotation_vs_oracle) {
@@ -1223,8 +1279,10 @@ TEST(cuda_rotation_vs_oracle) {
     const rot_fused_case *f = &rot_fused_cases[ci];
     if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
     if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
-    if (f->env == 3) setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
-    if (f->env == 4) setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
+    if (f->env == 3) {
+      setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
+      setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
+    }
     kva_context *fc = cuda_ctx();
     unsetenv("KVA_CUDA_TCD_MIN_WORK");
     unsetenv("KVA_CUDA_WG_MIN_Q");
@@ -1237,11 +1295,11 @@ TEST(cuda_rotation_vs_oracle) {
       const unsigned fl = flags[fi];
       const char *how = f->kfused ? rot_how(fl) : fl == KVA_ATTN_ROTATED_K ? NULL : rot_how(KVA_ATTN_ROTATED_V);
       for (int probe = 0; probe < 2 && ok; ++probe)
-        ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how);
+        ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how, f->splits);
     }
     if (ok) /* over a block table: against the oracle, whichever kernel takes it (the per-warp kernel takes
              * no block table at head dim 64; bf16 decode over a table runs the general kernel) */
-      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, NULL, NULL);
+      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, NULL, NULL, 0);
     kva_context_destroy(fc);
   }
 }

@@ -525,7 +525,7 @@ static int workspace_size(const kva_context *ctx, const kva_problem *p, size_t *
 
 /* The kernel name of a rotated call: the backend's kernel, ", Hadamard-
  * rotated K,V" (or K, or V) before the bracket, where the backend fuses a
- * part "(q rotated on load, out rotated back in the merge)" (the fused parts
+ * part "(q rotated on load, out rotated back on store)" (the fused parts
  * only; a part without words runs as a pass), and "q bf16" / "q f16" first
  * in the bracket when q' is 16-bit (a rounding after the rotation, fused or
  * not: "[exact f32]" becomes "[q bf16]"). */
@@ -541,7 +541,7 @@ static void rot_name(const rot_call *r, unsigned rotate, char *name, size_t size
   const unsigned fk = r->fused & KVA_ATTN_ROTATED_K, fv = r->fused & KVA_ATTN_ROTATED_V;
   if (fk || fv)
     snprintf(how, sizeof how, " (%s%s%s)", fk ? "q rotated on load" : "", fk && fv ? ", " : "",
-             fv ? "out rotated back in the merge" : "");
+             fv ? "out rotated back on store" : "");
   char qitem[16] = "";
   if ((rotate & KVA_ATTN_ROTATED_K) && r->q.dtype != KVA_F32)
     snprintf(qitem, sizeof qitem, "q %s", r->q.dtype == KVA_BF16 ? "bf16" : "f16");

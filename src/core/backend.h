@@ -50,7 +50,7 @@ void kva_cpu_kernel_name(const kva_problem *p, char *name, size_t size);
 int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p, char *name, size_t size);
 /* The rotation bits (KVA_ATTN_ROTATED_K / _V) of a validated problem that
  * the CUDA backend runs fused in the kernel it would select (K: q rotated
- * on load; V: out rotated back in the merge); the API layer runs passes
+ * on load; V: out rotated back on store); the API layer runs passes
  * around the backend for the rest (src/api/attention.c rot_plan). A
  * problem given to kva_cuda_attention with p->rotate set holds only bits
  * returned here. */

@@ -10,7 +10,10 @@
  *         s = softcap(scale * q.k) in log2 units, online softmax
  *         {m, l, o} per query vector, o += p * v with V decoded once.
  *         Splits write {m (natural log), l, o} to the workspace and a second
- *         launch merges them (core/softmax_state.h), adds the sink, divides.
+ *         launch merges them (core/softmax_state.h), adds the sink, divides;
+ *         one split writes o / l itself. A rotated output (a.rot_out): each
+ *         block's combined o rotated in shared memory first, o <- H_Dv o
+ *         (kvc_emit_block), so states and outputs leave rotated.
  *   memory: every K/V byte of a (sequence, KV head) is read once per query
  *         tile (one tile when rep * L <= QW; other tiles re-read it, from L2
  *         when they run together); E elements per lane and row in one to four vector loads of
@@ -261,8 +264,9 @@ __device__ __forceinline__ void kvc_factors2(float m1, float m2, float &mn, floa
 
 /* Where a query vector's result goes, found once per vector: with one split
  * the output row (the sink joined: the outputs are O f1 / Ls), otherwise
- * (and for a rotated output, a.rot_out, at any split count) the split's
- * state slot for the merge kernel. */
+ * the split's state slot for the merge kernel. A rotated output (a.rot_out)
+ * arrives here already rotated (kvc_emit_block: O <- H_Dv O, linear, so the
+ * merge of rotated states and the division by l are the unrotated ones). */
 struct kvc_emit_row {
   char *out; /* output row (one split), else nullptr */
   float *st; /* split state [m, l, o[Dv]] (several splits) */
@@ -282,7 +286,7 @@ __device__ __forceinline__ kvc_emit_row kvc_emit_row_of(const kvc_args &a, int s
   r.b = b;
   r.h = h;
   r.i = i;
-  if (a.nsplit == 1 && !a.rot_out) { /* a rotated output goes through the merge (its H_Dv) */
+  if (a.nsplit == 1) {
     if (a.sinks && M != -INFINITY) {
       float f2;
       kvc_factors2(M, a.sinks[h] * KVC_LOG2E, r.M2, r.f1, f2);
@@ -321,15 +325,40 @@ __device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, in
  * kept rolled. Unrolled per accumulator register, the emits of the 32-vector
  * tensor-core instance were ~5,000 instructions of straight-line code that
  * every block fetched cold (H200, a 2k-token verify: 67 % of the stall
- * samples were instruction fetches). */
+ * samples were instruction fetches). A rotated output (a.rot_out): the
+ * warp first rotates its row, O <- H_D O in f32 (D = Dv): with D known at
+ * compile time (DC = D, a power of two) in registers, lane t holding dims
+ * t + 32 j (kvc_hadamard_lanes: five shuffle stages, no sync) and emitted
+ * from there; else in place in shared memory (kvc_hadamard_warp: a
+ * __syncwarp per stage, any rotatable D); the emit writes the split's state
+ * or, with one split, out = H O / l directly (no merge launch; the merge of
+ * rotated states is the plain one). The caller's barrier precedes (ost
+ * written by the block). */
+template <int DC = 0>
 __device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int b, int hk, int q0, int nq, int D,
-                                               int ld, const float *ost, const float *ms, const float *ls, int nthreads) {
+                                               int ld, float *ost, const float *ms, const float *ls, int nthreads) {
+  static_assert(DC == 0 || (DC >= KVC_WARP && (DC & (DC - 1)) == 0), "DC: a power of two from 32, or 0");
   const int lane = threadIdx.x % KVC_WARP;
 #pragma unroll 1
   for (int v = threadIdx.x / KVC_WARP; v < nq; v += nthreads / KVC_WARP) {
     const kvc_emit_row r = kvc_emit_row_of(a, split, b, hk, q0 + v, ms[v], ls[v]);
+    float *row = ost + v * ld;
+    if constexpr (DC > 0) {
+      if (a.rot_out) { /* lane t: dims t + 32 j, the emit loop's own order */
+        constexpr int DPT = DC / KVC_WARP;
+        float x[DPT];
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) x[j] = row[lane + KVC_WARP * j];
+        kvc_hadamard_lanes<DPT>(x, lane, a.rot_oc);
+#pragma unroll
+        for (int j = 0; j < DPT; ++j) kvc_emit_elem(a, r, lane + KVC_WARP * j, ms[v], x[j]);
+        continue;
+      }
+    } else if (a.rot_out) {
+      kvc_hadamard_warp(row, D, a.rot_om, a.rot_oc, lane);
+    }
 #pragma unroll 1
-    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], ost[v * ld + d]);
+    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], row[d]);
   }
 }
 
@@ -346,6 +375,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   constexpr int DMAX = E * KVC_WARP;
   __shared__ float sm_ml[KVC_FUSED_WARPS][QW][2];
   __shared__ float sm_o[KVC_FUSED_WARPS][QW][DMAX];
+  __shared__ float sm_fin[2][QW]; /* a rotated output's combined max and sum per vector */
 
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int qtile = blockIdx.x, split = blockIdx.y;
@@ -565,10 +595,9 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       sm_ml[warp][j][1] = l[j];
     }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
-    const int j = idx / a.Dv, d = idx % a.Dv, qv = qtile * QW + j;
-    if (qv >= Q) continue;
-    float M = -INFINITY, Ls = 0.0f, O = 0.0f;
+  /* vector j's state, dim d, over the warps (fixed order) */
+  auto combine = [&](int j, int d, float &M, float &Ls, float &O) {
+    M = -INFINITY, Ls = 0.0f, O = 0.0f;
     for (int w = 0; w < KVC_FUSED_WARPS; ++w) {
       float mn, f1, f2;
       kvc_factors2(M, sm_ml[w][j][0], mn, f1, f2);
@@ -576,6 +605,29 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       Ls = Ls * f1 + sm_ml[w][j][1] * f2;
       O = O * f1 + sm_o[w][j][d] * f2;
     }
+  };
+  if (a.rot_out) { /* the combined rows into warp 0's slice (a thread alone reads its (j, d) there), rotated */
+    for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
+      const int j = idx / a.Dv, d = idx % a.Dv;
+      if (qtile * QW + j >= Q) continue;
+      float M, Ls, O;
+      combine(j, d, M, Ls, O);
+      sm_o[0][j][d] = O;
+      if (d == 0) {
+        sm_fin[0][j] = M;
+        sm_fin[1][j] = Ls;
+      }
+    }
+    __syncthreads();
+    kvc_emit_block(a, split, b, hk, qtile * QW, min(QW, Q - qtile * QW), a.Dv, DMAX, &sm_o[0][0][0], sm_fin[0],
+                   sm_fin[1], KVC_FUSED_THREADS);
+    return;
+  }
+  for (int idx = threadIdx.x; idx < QW * a.Dv; idx += KVC_FUSED_THREADS) {
+    const int j = idx / a.Dv, d = idx % a.Dv, qv = qtile * QW + j;
+    if (qv >= Q) continue;
+    float M, Ls, O;
+    combine(j, d, M, Ls, O);
     kvc_emit(a, split, b, hk, qv, d, M, Ls, O);
   }
 }

@@ -18,10 +18,10 @@
  *         weights and sums, one fold per chunk; then the MERGE_ROWS partial
  *         states of a dim fold in a fixed order through shared memory: one
  *         barrier, no second pass over the splits. A rotated output
- *         (a.rot_out) takes kvc_merge_rot_kernel: grid (L, H, B), a whole
- *         row per block of MERGE_ROT_THREADS. */
+ *         (a.rot_out) takes this merge as it is: the split kernels store
+ *         rotated states (H o_s; kvc_emit_block), and the merge is linear
+ *         in them, so it yields H o / l. */
 #include "cuda/launch.cuh"
-#include "cuda/rows.cuh"
 
 #define MERGE_THREADS 128
 #define MERGE_DIMS KVC_MERGE_DIMS               /* output dims per block (launch.cuh) */
@@ -128,59 +128,12 @@ __global__ void __launch_bounds__(MERGE_THREADS) kvc_merge_kernel(const kvc_args
   if (a.lse && d == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
 }
 
-/* The merge of a rotated output (a.rot_out, kvattn.h KVA_ATTN_ROTATED_V):
- * one block of MERGE_ROT_THREADS per query row (Dv <= MERGE_ROT_DV), every
- * split count (one included). As kvc_merge_kernel over the whole row:
- * thread (r, c), c < cols = Dv / 4, r < rows = MERGE_ROT_THREADS / cols,
- * takes splits r, r + rows, .. for dims 4c .. 4c + 3, merge_chunk loads in
- * flight (one round trip to L2 for up to rows * merge_chunk splits: 64 at
- * Dv = 512, 128 at 256), then the rows fold in a fixed order per dim, the
- * sink joins, out' = o / l (f32) goes to shared memory, and the block
- * stores out = H_Dv out' (kvc_hadamard_block) in out's dtype; lse as the
- * unrotated merge (the rotation leaves it). Reads nsplit (Dv + 2) floats
- * per row, writes Dv outputs. */
-#define MERGE_ROT_THREADS 512
-#define MERGE_ROT_DV 512
-#define MERGE_ROT_MAXROWS (MERGE_ROT_THREADS / 16) /* cols >= 16 (Dv >= 64) */
-__global__ void __launch_bounds__(MERGE_ROT_THREADS) kvc_merge_rot_kernel(const kvc_args a) {
-  __shared__ float part_o[4 * MERGE_ROT_THREADS]; /* [rows][4 cols] */
-  __shared__ float part_m[MERGE_ROT_MAXROWS], part_l[MERGE_ROT_MAXROWS];
-  __shared__ float u[MERGE_ROT_DV];
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize(); /* launched early (PDL): wait for the split states */
-#endif
-  const size_t split_stride = (size_t)a.B * a.H * a.L * KVA_STATE_FLOATS(a.Dv); /* floats */
-  const float *st0 = kvc_state_at(a, 0, b, h, i);
-  const int cols = (a.Dv + 3) / 4, rows = MERGE_ROT_THREADS / cols, ld = 4 * cols;
-  const int r = tid / cols, c = tid % cols, d0 = 4 * c;
-  if (r < rows) {
-    float m = -INFINITY, l = 0.0f, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s0 = r; s0 < a.nsplit; s0 += rows * merge_chunk) {
-      merge_chunk_fold(st0, split_stride, s0, rows, a.nsplit, d0, 4, m, l, o); /* Dv is a multiple of 4 */
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) part_o[r * ld + d0 + j] = o[j];
-    if (c == 0) {
-      part_m[r] = m;
-      part_l[r] = l;
-    }
-  }
-  __syncthreads();
-  float M = -INFINITY, Ls = 0.0f;
-  if (tid < a.Dv) u[tid] = merge_rows_out(part_o + tid, ld, part_m, part_l, rows, a.sinks, h, M, Ls);
-  __syncthreads();
-  kvc_hadamard_block(u, a.Dv, a.rot_om, a.rot_oc, tid, MERGE_ROT_THREADS);
-  if (tid < a.Dv) kvc_store(kvc_out_at(a, b, h, i, tid), a.out_dtype, u[tid]);
-  if (a.lse && tid == 0) kvc_store_lse_ln(a, b, h, i, M, Ls); /* the states' m is natural-log */
-}
-
 int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
-  dim3 grid(a.rot_out ? a.L : a.L * ((a.Dv + MERGE_DIMS - 1) / MERGE_DIMS), a.H, a.B);
+  dim3 grid(a.L * ((a.Dv + MERGE_DIMS - 1) / MERGE_DIMS), a.H, a.B);
   /* programmatic dependent launch: the launch overlaps the split kernel's tail */
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(a.rot_out ? MERGE_ROT_THREADS : MERGE_THREADS);
+  cfg.blockDim = dim3(MERGE_THREADS);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1] = {};
@@ -188,8 +141,7 @@ int kvc_launch_merge(const kvc_args &a, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e =
-      a.rot_out ? cudaLaunchKernelEx(&cfg, kvc_merge_rot_kernel, a) : cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kvc_merge_kernel, a);
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return kva_seterr(KVA_ECUDA, "merge kernel launch: %s", cudaGetErrorString(e));
   return 0;

@@ -18,7 +18,8 @@
  * 512 for the q4 decode instance: 2 blocks per SM, 16 V codes per lane),
  * causal-family masks, L <= 16; contiguous or BLOCK_TABLE layout. Split
  * over token blocks like the fused kernel and merged by the same merge
- * launch (attn_merge.cu). What follows describes the q4 format; for float
+ * launch (attn_merge.cu); a rotated output (a.rot_out) leaves each block
+ * rotated (kvc_emit_block). What follows describes the q4 format; for float
  * rows, S takes K fragments straight from the staged rows (dims 16 kk +
  * 2 tq, + 8 of the k-step) and P.V pairs two tokens of a dim by one PRMT of
  * their words. Beyond 32 query vectors per KV head (q4; float rows and q8
@@ -898,7 +899,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
         }
     }
   __syncthreads();
-  kvc_emit_block(a, split, b, hk, q0, min(NTM * 8, Q - q0), D, D, ost, ms, ls, KVC_TC_THREADS);
+  kvc_emit_block<D>(a, split, b, hk, q0, min(NTM * 8, Q - q0), D, D, ost, ms, ls, KVC_TC_THREADS);
 }
 
 /* ---- the wide kernel: up to 48 query vectors per KV head (verify, GQA x L) ----
@@ -915,7 +916,9 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
  *         scale in f32, rounded to bf16; bf16: the row words are the B
  *         fragments).
  *         The query A fragments sit in shared memory in the dim order the K
- *         words yield (16 B per lane, k-step and m-tile).
+ *         words yield (16 B per lane, k-step and m-tile); a rotated call's
+ *         query (a.rot_q) rotated in registers first, a warp per vector
+ *         (kvc_rotated_query_rows), its elements stored into those slots.
  *   softmax: per query, the max over the warp's 8 tokens by two shuffles,
  *         over the 8 warps through shared memory (every warp computes the
  *         same running max; warp 0 publishes the correction factors);
@@ -961,6 +964,33 @@ __device__ __forceinline__ void kvc_tcw_s_kstep(float (&sc)[MQ][4], const uint4 
       const uint32_t af[4] = {f.x, f.y, f.z, f.w};
       kvc_mma16<F>(sc[mq], af, b0, b1);
     }
+}
+
+/* Where element d of the block's query vector r (< KVC_TCW_QV) sits among
+ * the wide kernel's query A fragments (qa, uint4 [KS][MQ][32], as 16-bit
+ * halves): the slot the unrotated load below fills with it, i.e. the
+ * inverse of kvc_q_pairs' dim order (component 2 y + r / 8 of lane
+ * 4 (r % 8) + t4, m-tile r / 16; the low half the pair's first dim):
+ * float rows d = 16 kk + 8 y + 2 t4 + hi; q8 / fp8 d = 16 kk + 4 t4 + 2 y
+ * + hi; q4 d = 8 (t4 WPL + kk / 2) + 2 (kk % 2) + y + 4 hi. */
+template <int F, int WPL, int MQ> __device__ __forceinline__ int kvc_tcw_q_slot(int r, int d) {
+  constexpr bool B8 = F == KVC_Q8 || kvc_tc_fp8(F);
+  int kk, t4, y, hi;
+  if (kvc_tc_float(F) || B8) {
+    const int w = d & 15;
+    kk = d >> 4;
+    t4 = kvc_tc_float(F) ? (w & 7) >> 1 : w >> 2;
+    y = kvc_tc_float(F) ? w >> 3 : (w >> 1) & 1;
+    hi = w & 1;
+  } else {
+    const int blk = d >> 3, w = d & 7;
+    t4 = blk / WPL;
+    kk = 2 * (blk % WPL) + ((w >> 1) & 1);
+    y = w & 1;
+    hi = w >> 2;
+  }
+  const int mq = r >> 4, rr = r & 15, ln = 4 * (rr & 7) + t4;
+  return (((kk * MQ + mq) * KVC_WARP + ln) * 4 + 2 * y + (rr >> 3)) * 2 + hi;
 }
 
 template <int F, int D>
@@ -1018,19 +1048,26 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
    * + 1) and (16 kk + 8 + 2 tq, + 1); q8: (16 kk + 4 tq, + 1) and (+ 2, + 3) */
   uint4 *qa = (uint4 *)(kvc_tc_buf + L.qf);
   const long long qds = a.qs[3] / 2;
-  for (int idx = threadIdx.x; idx < KS * MQ * KVC_WARP; idx += KVC_TCW_THREADS) {
-    const int kk = idx / (MQ * KVC_WARP), mq = (idx / KVC_WARP) % MQ, ln = idx % KVC_WARP, t4 = ln & 3;
-    uint32_t f[4] = {0u, 0u, 0u, 0u};
+  if (a.rot_q) { /* a rotated call's queries: a warp per vector, rotated in registers (rows past Q zeros), each
+                  * element stored straight into its fragment slot */
+    unsigned short *qh = (unsigned short *)qa;
+    kvc_rotated_query_rows<D>(a, b, hk, q0, KVC_TCW_QV, Q, warp, KVC_TCW_WARPS, lane,
+                              [&](int r, int d, unsigned short x) { qh[kvc_tcw_q_slot<F, WPL, MQ>(r, d)] = x; });
+  } else {
+    for (int idx = threadIdx.x; idx < KS * MQ * KVC_WARP; idx += KVC_TCW_THREADS) {
+      const int kk = idx / (MQ * KVC_WARP), mq = (idx / KVC_WARP) % MQ, ln = idx % KVC_WARP, t4 = ln & 3;
+      uint32_t f[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int qv = q0 + 16 * mq + (ln >> 2) + 8 * r;
-      if (qv >= Q) continue;
-      const uint2 x = kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
-                                          qds, kk, t4);
-      f[r] = x.x;
-      f[2 + r] = x.y;
+      for (int r = 0; r < 2; ++r) {
+        const int qv = q0 + 16 * mq + (ln >> 2) + 8 * r;
+        if (qv >= Q) continue;
+        const uint2 x = kvc_q_pairs<F, WPL>((const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 0),
+                                            qds, kk, t4);
+        f[r] = x.x;
+        f[2 + r] = x.y;
+      }
+      qa[idx] = make_uint4(f[0], f[1], f[2], f[3]);
     }
-    qa[idx] = make_uint4(f[0], f[1], f[2], f[3]);
   }
   __syncthreads();
 
@@ -1283,7 +1320,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
     ls[qr] = ((l0.x + l0.y) + (l0.z + l0.w)) + ((l1.x + l1.y) + (l1.z + l1.w));
   }
   __syncthreads();
-  kvc_emit_block(a, split, b, hk, q0, min(KVC_TCW_QV, Q - q0), D, D, ost, mrow, ls, KVC_TCW_THREADS);
+  kvc_emit_block<D>(a, split, b, hk, q0, min(KVC_TCW_QV, Q - q0), D, D, ost, mrow, ls, KVC_TCW_THREADS);
 }
 
 /* ---- host side ---- */

@@ -9,7 +9,9 @@
  * sends these calls here rather than to the narrow kernel of attn_tc.cu
  * when they are large enough (B * KVH * N >= KVC_TCD_MIN_WORK token-heads:
  * below, this kernel's per-block fixed cost loses); splits are merged by the
- * same merge launch (attn_merge.cu).
+ * same merge launch (attn_merge.cu). A rotated call (a.rot_q, a.rot_out):
+ * q rotated as it is staged (kvc_stage_query), each block's combined O
+ * rotated before it is written (kvc_emit_block).
  *
  * Why a second decode kernel: the narrow kernel's warps share each 64-token
  * stage (S by tokens, P.V by head dims), so every stage costs three block
@@ -119,9 +121,11 @@ template <int D> struct kvc_tcd_geom {
   static constexpr int QST = KVC_TCD_WARPS * WARP_BYTES; /* queries */
   static constexpr int QSIG = QST + KVC_TCD_QV * D * 2, QSUM = QSIG + G * KVC_TCD_QV * 4;
   static constexpr int TOTAL = QSUM + G * KVC_TCD_QV * 4;
-  /* the final states: [warp][QV] (m, l), then [warp][QV][D] O */
+  /* the final states: [warp][QV] (m, l), then [warp][QV][D] O; a rotated
+   * output's combined max and sum [2][QV] after them */
   static constexpr int OST = KVC_TCD_WARPS * KVC_TCD_QV * 8;
-  static_assert(OST + KVC_TCD_WARPS * KVC_TCD_QV * D * 4 <= QST, "final states fit the ring");
+  static constexpr int FIN = OST + KVC_TCD_WARPS * KVC_TCD_QV * D * 4;
+  static_assert(FIN + 2 * KVC_TCD_QV * 4 <= QST, "final states fit the ring");
 };
 
 /* A lane's share of the tile copies, in one of two patterns (both fill the
@@ -723,7 +727,7 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
     }
   }
   __syncthreads(); /* every warp is done with its ring */
-  float *ml = (float *)kvc_tcd_buf, *ost = (float *)(kvc_tcd_buf + Gm::OST);
+  float *ml = (float *)kvc_tcd_buf, *ost = (float *)(kvc_tcd_buf + Gm::OST), *fin = (float *)(kvc_tcd_buf + Gm::FIN);
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (t4 == 0 && gi == 0 && vok[r]) {
@@ -741,12 +745,12 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
         if (slot % GPT == gd % GPT && v < Q) ost[(warp * QV + v) * D + d] = o[j][r][e] + csc[r][gd / GPT][e & 1];
       }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
-    const int v = idx / D, d = idx % D;
-    float M = -INFINITY;
+  /* one state per vector: M, Ls and O of dim d over the warps (fixed order) */
+  auto combine = [&](int v, int d, float &M, float &Ls, float &O) {
+    M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < W; ++w) M = kvc_max(M, ml[(w * QV + v) * 2]);
-    float Ls = 0.0f, O = 0.0f;
+    Ls = 0.0f, O = 0.0f;
     if (M != -INFINITY)
 #pragma unroll
       for (int w = 0; w < W; ++w) {
@@ -754,6 +758,26 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
         Ls = fmaf(ml[(w * QV + v) * 2 + 1], f, Ls);
         O = fmaf(ost[(w * QV + v) * D + d], f, O);
       }
+  };
+  if (a.rot_out) { /* the combined rows into warp 0's slots (a thread alone reads its (v, d) there), rotated */
+    for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
+      const int v = idx / D, d = idx % D;
+      float M, Ls, O;
+      combine(v, d, M, Ls, O);
+      ost[v * D + d] = O;
+      if (d == 0) {
+        fin[v] = M;
+        fin[QV + v] = Ls;
+      }
+    }
+    __syncthreads();
+    kvc_emit_block<D>(a, split, b, hk, v0, Q, D, D, ost, fin, fin + QV, KVC_TCD_THREADS);
+    return;
+  }
+  for (int idx = threadIdx.x; idx < Q * D; idx += KVC_TCD_THREADS) {
+    const int v = idx / D, d = idx % D;
+    float M, Ls, O;
+    combine(v, d, M, Ls, O);
     kvc_emit(a, split, b, hk, v0 + v, d, M, Ls, O);
   }
 }

@@ -11,7 +11,9 @@
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
  * vectors per KV head): "16-bit rows" below.
  * sm_90a only: selected on compute capability 9.0 when the build carries
- * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
+ * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch. A
+ * rotated call: q rotated as it is staged (kvc_rotated_query_rows), each
+ * block's combined O rotated before it is written (kvc_emit_block).
  *
  * Why another kernel: the narrow and wide kernels of attn_tc.cu give each
  * warp a share of a stage's tokens (S) and of its head dims (P.V), so every
@@ -630,7 +632,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     }
   }
   __syncthreads();
-  kvc_emit_block(a, split, b, hk, q0, nq, D, OLD, fin, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
+  kvc_emit_block<D>(a, split, b, hk, q0, nq, D, OLD, fin, ms, ls, KVC_WG_WGS * KVC_WG_THREADS);
 #else
   __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
 #endif

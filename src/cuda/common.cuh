@@ -78,9 +78,11 @@ struct kvc_args {
    * kva_cuda_rotate_fused): rot_q, the kernel rotates each query vector on
    * load, q' = H_Dk q in f32 (kva_hadamard's arithmetic) rounded once to
    * rot_qdt (the pass's q' dtype: q's, f32 for f32 q and exact calls), before
-   * its own roundings; rot_out, every call writes split states and the merge
-   * stores out = H_Dv of each merged f32 row. m and c: kva_hadamard_block and
-   * kva_hadamard_scale of Dk (q) and Dv (out). */
+   * its own roundings; rot_out, each block rotates its combined f32 o,
+   * o <- H_Dv o, before it stores it (kvc_emit_block): split states that the
+   * plain merge takes as they are (it is linear), or with one split out =
+   * H o / l. m and c: kva_hadamard_block and kva_hadamard_scale of Dk (q)
+   * and Dv (out). */
   int rot_q, rot_qdt, rot_qm, rot_out, rot_om;
   float rot_qc, rot_oc;
 };

@@ -514,11 +514,12 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
 }
 
 /* Workspace bytes of a plan: the partial states [nsplit][B][H][L][Dv + 2]
- * when it has several splits or a fused rotated output (KVA_ESHAPE when
- * that does not fit size_t). */
+ * when it has several splits (KVA_ESHAPE when that does not fit size_t);
+ * a fused rotated output needs none of its own (the kernels store rotated
+ * states or, with one split, the rotated output). */
 static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes) {
   *bytes = 0;
-  if (pl.fmt < 0 || (pl.nsplit <= 1 && !(p->rotate & KVA_ATTN_ROTATED_V))) return 0; /* rotated out: via the merge */
+  if (pl.fmt < 0 || pl.nsplit <= 1) return 0;
   bool ok = true;
   size_t n = kva_size_mul_chk((size_t)pl.nsplit, (size_t)p->B, &ok);
   n = kva_size_mul_chk(n, (size_t)p->H, &ok);
@@ -556,19 +557,20 @@ static const char *kvc_roundings(const kvc_plan &pl) {
   return "[K,V,P bf16]";
 }
 
-/* Rotated calls fused (kvattn.h KVA_ATTN_ROTATED_K / _V): V by every kernel
- * but the general one (its states go through kvc_merge_rot_kernel, Dv <=
- * 512 always); K, q rotated on load as each block stages its query vectors,
- * by the fused kernel (kvc_rotated_query_warp, any rotatable head dim), the
- * per-warp q4 kernel and the narrow kernel's q4 / q8 decode instances
- * (kvc_stage_query), the narrow kernel's other instances and the warpgroup
- * kernel (kvc_rotated_query_rows); not by the wide kernel (48 vectors: its
- * free stage slot is too small for the staged rows at q4), whose q the
- * API's pass rotates. */
+/* Rotated calls fused (kvattn.h KVA_ATTN_ROTATED_K / _V) by every kernel
+ * but the general one (the API's passes around it): V, each block's
+ * combined o rotated before it is stored (kvc_emit_block: o <- H_Dv o, a
+ * warp per vector, in registers), as a split state for the plain merge
+ * (linear in the states) or, with one split, as out = H o / l (no merge
+ * launch, no workspace); K, q rotated on load as each block stages its
+ * query vectors, by the fused kernel (kvc_rotated_query_warp, any rotatable
+ * head dim), the per-warp q4 kernel and the narrow kernel's q4 / q8 decode
+ * instances (kvc_stage_query), the narrow kernel's other instances, the
+ * wide kernel (straight into its fragment slots) and the warpgroup kernel
+ * (kvc_rotated_query_rows). */
 static unsigned kvc_rotate_fused(const kvc_plan &pl) {
   if (pl.fmt < 0) return 0;
-  const bool k = !(pl.tc == 1 && pl.QW == 8 * KVC_TC_NTM_WIDE);
-  return KVA_ATTN_ROTATED_V | (k ? KVA_ATTN_ROTATED_K : 0u);
+  return KVA_ATTN_ROTATED_V | KVA_ATTN_ROTATED_K;
 }
 
 extern "C" unsigned kva_cuda_rotate_fused(const kva_context *ctx, const kva_problem *p) {
@@ -739,7 +741,7 @@ extern "C" int kva_cuda_attention(kva_context *ctx, const kva_problem *p, void *
            : pl.tc == 2 ? kvc_launch_tcd(a, pl, stream)
            : pl.tc      ? kvc_launch_tc(a, pl, stream)
                         : kvc_launch_fused(a, pl, stream);
-  if (rc < 0 || (pl.nsplit <= 1 && !a.rot_out)) return rc;
+  if (rc < 0 || pl.nsplit <= 1) return rc;
   return kvc_launch_merge(a, stream);
 }
 

@@ -52,17 +52,18 @@ __device__ __forceinline__ int kvc_cw_size(int dt) { return dt == KVA_F32 ? 4 : 
 /* u[0 .. D) <- H_D u in shared memory by n threads (thread t: a warp's
  * lanes, BLOCK false, or the block's threads, BLOCK true): m the
  * power-of-two block (D = m or 3m), c the final scale (kva_hadamard_scale).
- * Stage h pairs (i, i + h), i % 2h < h: pair p of the D/2 is i = (p / h) 2h
- * + p % h; a __syncwarp / barrier after each stage and at the end. */
+ * Stage h = 2^s pairs (i, i + h), i % 2h < h: pair p of the D/2 is
+ * i = (p / h) 2h + p % h (shifts and a mask); a __syncwarp / barrier after
+ * each stage and at the end. */
 template <bool BLOCK>
 __device__ __forceinline__ void kvc_hadamard_par(float *u, int D, int m, float c, int t, int n) {
   auto sync = [] {
     if (BLOCK) __syncthreads();
     else __syncwarp();
   };
-  for (int h = 1; h < m; h <<= 1) {
+  for (int s = 0, h = 1; h < m; ++s, h <<= 1) {
     for (int p = t; p < D / 2; p += n) {
-      const int i = (p / h) * 2 * h + p % h;
+      const int i = ((p >> s) << (s + 1)) | (p & (h - 1));
       const float a = u[i], b = u[i + h];
       u[i] = __fadd_rn(a, b);
       u[i + h] = __fsub_rn(a, b);
@@ -81,6 +82,36 @@ __device__ __forceinline__ void kvc_hadamard_par(float *u, int D, int m, float c
   }
   for (int i = t; i < D; i += n) u[i] = __fmul_rn(u[i], c);
   sync();
+}
+/* u <- H_D u (f32) for a row spread over a warp's lanes, lane t holding
+ * dims t + 32 j, j < DPT (D = 32 DPT a power of two; loads and stores of
+ * such a row in shared memory are free of bank conflicts): stages h = 1 ..
+ * 16 with lane t ^ h by a shuffle, h = 32 .. D / 2 in the lane (element
+ * j ^ h / 32); the lower element of a pair takes a + b, the upper a - b
+ * (__fadd_rn / __fsub_rn), then one __fmul_rn by c: kvc_hadamard_par's
+ * operations on every element, so the bits are its bits. All lanes take
+ * part (the shuffles). */
+template <int DPT> __device__ __forceinline__ void kvc_hadamard_lanes(float (&u)[DPT], int t, float c) {
+#pragma unroll
+  for (int h = 1; h < KVC_WARP; h <<= 1) {
+    const bool upper = (t & h) != 0;
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const float y = __shfl_xor_sync(KVC_FULL_MASK, u[j], h);
+      u[j] = upper ? __fsub_rn(y, u[j]) : __fadd_rn(u[j], y);
+    }
+  }
+#pragma unroll
+  for (int s = 1; s < DPT; s <<= 1)
+#pragma unroll
+    for (int j = 0; j < DPT; ++j)
+      if ((j & s) == 0) {
+        const float p = u[j], q = u[j + s];
+        u[j] = __fadd_rn(p, q);
+        u[j + s] = __fsub_rn(p, q);
+      }
+#pragma unroll
+  for (int j = 0; j < DPT; ++j) u[j] = __fmul_rn(u[j], c);
 }
 /* One warp (lane 0..31) on a row it may have just written; ends with
  * __syncwarp (u readable by all lanes). */
