@@ -83,6 +83,7 @@ struct kvc_args {
    * kva_hadamard_scale of Dk (q) and Dv (out). */
   int rot_q, rot_qdt, rot_qm, rot_out, rot_om;
   float rot_qc, rot_oc;
+  int ring_tok; /* the fused kernel's staged BLOCK_TABLE loop: table rows per ring slot (kvc_plan.ring) */
 };
 
 /* ---- element loads / stores ---- */
