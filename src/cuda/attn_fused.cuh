@@ -718,19 +718,25 @@ template <int FMT> int kvc_fused_occupancy_fmt(int E, int QW) {
 }
 
 /* The staged instances (kvc_fused_ring_inst): resident blocks per SM with smem bytes of dynamic
- * shared memory, 0 if none; the instance's dynamic shared-memory limit is raised to the most an
- * instance may ask for first (every caller sets the same value). */
+ * shared memory, 0 if none; the instance's dynamic shared-memory limit is raised first to the most
+ * it may ask for beside its static shared memory (every caller sets the same value). */
+template <int FMT, int QW> static cudaError_t kvc_fused_ring_occupancy_inst(int smem, int *n) {
+  const auto kern = kvc_fused_kernel<FMT, 16, QW, true>;
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, kern);
+  if (e != cudaSuccess) return e;
+  if ((size_t)smem + fa.sharedSizeBytes > (size_t)KVC_TC_SMEM_MAX) return cudaErrorInvalidValue;
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           KVC_TC_SMEM_MAX - (int)fa.sharedSizeBytes);
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kern, KVC_FUSED_THREADS, smem);
+}
 template <int FMT> int kvc_fused_ring_occupancy_fmt(int QW, int smem) {
   int n = 0;
   cudaError_t e = cudaErrorInvalidValue;
   if constexpr (kvc_fused_ring_inst(FMT, 16, 1)) {
-#define KVC_OCC(QW_)                                                                                      \
-  if (QW == QW_ &&                                                                                        \
-      (e = cudaFuncSetAttribute(kvc_fused_kernel<FMT, 16, QW_, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                                KVC_TC_SMEM_MAX)) == cudaSuccess)                                         \
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kvc_fused_kernel<FMT, 16, QW_, true>, KVC_FUSED_THREADS, smem);
-    KVC_OCC(1) KVC_OCC(2)
-#undef KVC_OCC
+    if (QW == 1) e = kvc_fused_ring_occupancy_inst<FMT, 1>(smem, &n);
+    else if (QW == 2) e = kvc_fused_ring_occupancy_inst<FMT, 2>(smem, &n);
   }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();

@@ -74,7 +74,8 @@ struct kvc_state {
   int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
   int wg_occupancy[3][3], wg_smem[3][3]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64], for
                                             that shared memory */
-  int ring_on;                          /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok) allowed */
+  int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
+                                           slot aims at (KVC_RING_SLOT_BYTES), 0: off */
   int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
   int ring_occupancy[2][2], ring_smem[2][2]; /* its resident blocks per SM by [bf16, f16][QW 1, 2], for that shared
                                                 memory */
@@ -137,8 +138,10 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
   st->wg_float_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
-  ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: 0 turns the staged BLOCK_TABLE loop off */
-  st->ring_on = ev && *ev ? (int)strtol(ev, NULL, 0) != 0 : 1;
+  ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: 0 turns the staged BLOCK_TABLE loop off, else the
+                                        bytes a ring slot aims at (default KVC_RING_SLOT_BYTES) */
+  st->ring_bytes = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_RING_SLOT_BYTES;
+  if (st->ring_bytes < 0) st->ring_bytes = 0;
   ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
   st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
   if (st->tc_table_min_q < 2) st->tc_table_min_q = 2;
@@ -349,18 +352,18 @@ static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kin
 /* The fused kernel's staged BLOCK_TABLE loop (attn_fused.cuh, run_ring) for plan pl (E, QW, lanes
  * set): table rows per ring slot, or 0 (rows loaded per lane through the table). It takes bf16 / f16
  * rows at E = 16 and QW <= 2 (kvc_fused_ring_inst) over a block size that is a power of two; a
- * slot holds C rows of K and V, C the power of two nearest below KVC_RING_SLOT_BYTES / (2 (Dk + Dv))
- * bytes, at least one step of a warp (TPW U rows) and at most a block (so a chunk of C rows aligned
+ * slot holds C rows of K and V, C the power of two nearest below st->ring_bytes / (2 (Dk + Dv))
+ * (KVC_RING_SLOT_BYTES unless KVA_CUDA_FUSED_RING sets it), at least one step of a warp (TPW U rows) and at most a block (so a chunk of C rows aligned
  * to C lies in one pool block). */
 static int kvc_fused_ring_tok(const kva_context *ctx, const kva_problem *p, const kvc_plan &pl) {
   const kvc_state *st = ctx ? (const kvc_state *)ctx->cuda : NULL;
   const kva_kv_view *kv = p->kv;
-  if (!st || !st->ring_on || kv->layout != KVA_LAYOUT_BLOCK_TABLE) return 0;
+  if (!st || st->ring_bytes <= 0 || kv->layout != KVA_LAYOUT_BLOCK_TABLE) return 0;
   if ((pl.fmt != KVC_BF16 && pl.fmt != KVC_F16) || pl.E != 16 || pl.QW > 2) return 0;
   const long long bsz = kv->k.data.shape[2];
   if (bsz <= 0 || (bsz & (bsz - 1))) return 0;
   int C = 1;
-  while (2LL * C * 2 * (p->Dk + p->Dv) <= KVC_RING_SLOT_BYTES) C *= 2;
+  while (2LL * C * 2 * (p->Dk + p->Dv) <= st->ring_bytes && C < (1 << 20)) C *= 2;
   const int step = (KVC_WARP >> pl.lanes_log2) * pl.unroll;
   if (C < step) C = step;
   if (C > bsz) C = (int)bsz;
