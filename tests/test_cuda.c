@@ -941,11 +941,12 @@ done:
  * query vectors per KV head at 16 elements per lane, block sizes a power of two): the rows of each
  * chunk of table rows copied into the warp's shared-memory ring. Pools with shuffled blocks, first
  * offsets (chunks and splits that start inside a block), a partial last block, B = 3 with ragged
- * lengths, random and probe queries (run_table_case). Slots of 16 rows (D = 128), 8 (D = 256, and
- * block 8 at 128: a chunk is a whole block), 4 (block 4 at 256: one step a chunk; D = 512), head dim
- * 192 (lanes with one 16-byte piece of a row), Dk != Dv with f32 queries, f16 rows, L = 2, window,
- * softcap, sinks, segments, no mask, a 5-token cache; then the same cases with the loop off
- * (KVA_CUDA_FUSED_RING=0: rows loaded per lane through the table). */
+ * lengths, random and probe queries (run_table_case). Slots of 16 rows (D = 128), 8 (D = 256; block
+ * 8 at 256 and at 128: a chunk is a whole block, at 128 one step of the warp), 4 (D = 512: four
+ * chunks a block), head dim 192 (lanes with one 16-byte piece of a row), Dk != Dv with f32 queries,
+ * f16 rows, L = 2, window, softcap, sinks, segments, no mask, a 5-token cache; 2 vectors at D = 128
+ * (KVA_CUDA_TC_TABLE_MIN_Q=3); then the first table with the loop off (KVA_CUDA_FUSED_RING=0: rows
+ * loaded per lane through the table). */
 TEST(cuda_block_table_staged) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   static const struct {
@@ -960,7 +961,7 @@ TEST(cuda_block_table_staged) {
       {{3, 8, 4, 1, 900, 192, 192, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 32},
       {{2, 8, 4, 1, 500, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
       {{3, 8, 4, 1, 800, 128, 256, F32, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
-      {{3, 8, 4, 1, 400, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 37, 0, 0, 1, 0}, 4},
+      {{3, 8, 4, 1, 400, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 37, 0, 0, 1, 0}, 8},
       {{3, 8, 4, 1, 5, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
       {{3, 8, 4, 1, 1300, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 20.0f, 1, 1, 0}, 64},
   };
