@@ -36,6 +36,7 @@ TEST(cuda_q4_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tc_nan_inf) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_tc_unseen_nan) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_block_table) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_block_table_staged) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_q4_tcd_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_random_mutations) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_grid_limits) { SKIP("built without CUDA (nvcc not found)"); }
@@ -932,6 +933,74 @@ TEST(cuda_block_table) {
   for (size_t ci = 0; ci < sizeof ocases / sizeof ocases[0]; ++ci)
     for (uint64_t seed = 41; seed < 44; ++seed) /* three sets of first offsets */
       if (!run_table_case(ctx, &ocases[ci].c, ocases[ci].bs, seed + 5 * ci, ocases[ci].want)) goto done;
+done:
+  kva_context_destroy(ctx);
+}
+
+/* The fused kernel's staged BLOCK_TABLE loop (attn_fused.cuh, run_ring: bf16 / f16 rows, 1 or 2
+ * query vectors per KV head at 16 elements per lane, block sizes a power of two): the rows of each
+ * chunk of table rows copied into the warp's shared-memory ring. Pools with shuffled blocks, first
+ * offsets (chunks and splits that start inside a block), a partial last block, B = 3 with ragged
+ * lengths, random and probe queries (run_table_case). Slots of 16 rows (D = 128), 8 (D = 256; block
+ * 8 at 256 and at 128: a chunk is a whole block, at 128 one step of the warp), 4 (D = 512: four
+ * chunks a block), head dim 192 (lanes with one 16-byte piece of a row), Dk != Dv with f32 queries,
+ * f16 rows, L = 2, window, softcap, sinks, segments, no mask, a 5-token cache; 2 vectors at D = 128
+ * (KVA_CUDA_TC_TABLE_MIN_Q=3); then the first table with the loop off (KVA_CUDA_FUSED_RING=0: rows
+ * loaded per lane through the table). */
+TEST(cuda_block_table_staged) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } sc[] = {
+      {{3, 8, 4, 1, 1500, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{3, 8, 4, 1, 2100, 256, 256, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0}, 64},
+      {{3, 4, 4, 2, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_SEG, 0, 0, 0, 1, 0}, 8},
+      {{3, 8, 8, 1, 1000, 128, 128, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
+      {{2, 4, 4, 1, 600, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 1, 0}, 8},
+      {{3, 8, 4, 1, 900, 192, 192, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 32},
+      {{2, 8, 4, 1, 500, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{3, 8, 4, 1, 800, 128, 256, F32, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{3, 8, 4, 1, 400, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 37, 0, 0, 1, 0}, 8},
+      {{3, 8, 4, 1, 5, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
+      {{3, 8, 4, 1, 1300, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 20.0f, 1, 1, 0}, 64},
+  };
+  kva_context *ctx;
+  if (!make_cuda_ctx(&ctx, NULL)) return;
+  for (size_t ci = 0; ci < sizeof sc / sizeof sc[0]; ++ci)
+    if (!run_table_case(ctx, &sc[ci].c, sc[ci].bs, 61 + ci, "shared-memory ring")) {
+      FAIL_("staged case %zu", ci);
+      goto done;
+    }
+  kva_context_destroy(ctx);
+  /* 2 vectors at head dim 128 over a table (the tensor-core kernel by default): the staged loop
+   * with KVA_CUDA_TC_TABLE_MIN_Q=3 (QW 2 at 8 lanes a row, 16 rows a slot) */
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } s2[] = {
+      {{3, 16, 8, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
+      {{3, 8, 4, 1, 1100, 128, 128, F16, F32, 0, 0, 0, F16, MASK_WINDOW, 200, 25.0f, 0, 1, 0}, 64},
+  };
+  setenv("KVA_CUDA_TC_TABLE_MIN_Q", "3", 1);
+  const int made3 = make_cuda_ctx(&ctx, NULL);
+  unsetenv("KVA_CUDA_TC_TABLE_MIN_Q");
+  if (!made3) return;
+  for (size_t ci = 0; ci < sizeof s2 / sizeof s2[0]; ++ci)
+    if (!run_table_case(ctx, &s2[ci].c, s2[ci].bs, 81 + ci, "shared-memory ring")) {
+      FAIL_("2-vector D = 128 case %zu", ci);
+      goto done;
+    }
+  kva_context_destroy(ctx);
+  setenv("KVA_CUDA_FUSED_RING", "0", 1);
+  const int made = make_cuda_ctx(&ctx, NULL);
+  unsetenv("KVA_CUDA_FUSED_RING");
+  if (!made) return;
+  for (size_t ci = 0; ci < sizeof sc / sizeof sc[0]; ++ci)
+    if (!run_table_case(ctx, &sc[ci].c, sc[ci].bs, 61 + ci, "elements per lane, ")) { /* (not "lane via") */
+      FAIL_("case %zu with the staged loop off", ci);
+      goto done;
+    }
 done:
   kva_context_destroy(ctx);
 }

@@ -1,4 +1,4 @@
-/* The fused CUDA decode/verify kernel (contiguous layout, L <= 16, causal
+/* The fused CUDA decode/verify kernel (contiguous or BLOCK_TABLE layout, L <= 16, causal
  * family masks), split over token blocks, and its merge kernel.
  *   math: for the QW query vectors (GQA heads x rows) of one KV head, each K
  *         row is decoded once into registers and dotted with all of them
@@ -19,16 +19,26 @@
  *         when they run together); E elements per lane and row in one to four vector loads of
  *         up to 16 bytes (2 bytes for q2 at E = 8), coalesced over the lanes
  *         of a row, plus the group's scale and bias; 2 x U rows per lane in flight
- *         (the next step's loads are issued before this step's math).
+ *         (the next step's loads are issued before this step's math); over a
+ *         block table each token's row is located through its table entry.
+ *         Staged instances (RING: bf16 / f16 rows, E = 16, QW <= 2, block
+ *         tables of power-of-two blocks): each warp copies whole chunks of
+ *         C table rows (~8 KB of K and V, inside one pool block) into its
+ *         own shared-memory ring by cp.async, KVC_RING_SLOTS - 1 chunks
+ *         (~16 KB) ahead of its math, which reads the rows from there; one
+ *         table load per 32 chunks per lane.
  *   launch: grid (qtiles, nsplit, B * KVH), KVC_FUSED_THREADS threads; a
  *         token row is spread over P = 2^lanes_log2 lanes of E elements each
  *         (E = 16 for head dims > 256 or rep * L <= 2 at head dims >= 128,
  *         else 8), a warp holds 32 / P rows at once; static shared memory up
- *         to 32 KB (4 warps x QW x 32E floats) for the cross-warp merge. */
+ *         to 32 KB (4 warps x QW x 32E floats) for the cross-warp merge;
+ *         staged instances also kvc_fused_ring_smem() bytes of dynamic
+ *         shared memory (96 KB at D = 256 and 128: 2 blocks per SM). */
 #ifndef KVA_CUDA_ATTN_FUSED_CUH
 #define KVA_CUDA_ATTN_FUSED_CUH
 
 #include "cuda/launch.cuh"
+#include "cuda/mma.cuh" /* cp.async (the staged BLOCK_TABLE loop) */
 #include "cuda/rows.cuh"
 
 /* ---- formats as data: bits per element, quantized or float ---- */
@@ -369,13 +379,23 @@ __host__ __device__ constexpr int kvc_min_blocks(int FMT, int E, int QW) {
   return FMT == KVC_F32 || QW > 2 ? 1 : E == 8 ? 4 : 3;
 }
 
-template <int FMT, int E, int QW>
+/* The instances with a staged BLOCK_TABLE loop (RING, kvc_plan.ring): 16-bit float rows, 16 elements
+ * per lane, 1 or 2 query vectors per block (the bf16 / f16 decode instances). */
+__host__ __device__ constexpr bool kvc_fused_ring_inst(int FMT, int E, int QW) {
+  return (FMT == KVC_BF16 || FMT == KVC_F16) && E == 16 && QW <= 2;
+}
+
+/* RING: the instance for BLOCK_TABLE views whose rows the warps stage in shared memory (the token
+ * loop run_ring below; its own instance, so the contiguous and per-lane table loops are unchanged). */
+template <int FMT, int E, int QW, bool RING = false>
 __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW)) kvc_fused_kernel(const kvc_args a) {
+  static_assert(!RING || kvc_fused_ring_inst(FMT, E, QW), "a staged instance of another format or tile");
   constexpr int U = kvc_unroll(E, QW);
   constexpr int DMAX = E * KVC_WARP;
   __shared__ float sm_ml[KVC_FUSED_WARPS][QW][2];
   __shared__ float sm_o[KVC_FUSED_WARPS][QW][DMAX];
   __shared__ float sm_fin[2][QW]; /* a rotated output's combined max and sum per vector */
+  extern __shared__ __align__(16) unsigned char kvc_fused_ring[]; /* RING: the warps' rings (run_ring) */
 
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int qtile = blockIdx.x, split = blockIdx.y;
@@ -551,7 +571,107 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
       base += step;
     }
   };
-  if (a.k.tbl) run(kvc_table_tag<true>());
+  /* BLOCK_TABLE rows staged per warp (RING; the view's block size a power of two that a.ring_tok
+   * divides). The split's table rows r = t + fo go in chunks of C = a.ring_tok rows aligned to C, so
+   * each chunk lies in one pool block: chunk k holds rows R0 + k C .. R0 + k C + C - 1, R0 = (t_lo +
+   * fo) rounded down to C, tokens outside [t_lo, t_hi) masked. Warp w takes chunks w, w + 4, ..; it
+   * copies a chunk's K and V rows into slot i % NS of its own ring (cp.async, 16-byte pieces: lane
+   * (slot, c) takes pieces c and c + P of rows slot, slot + TPW, .., so a warp instruction covers
+   * TPW rows' 16 P contiguous bytes each) NS - 1 chunks ahead of its math, which loads each lane's
+   * E elements of a row from the slot into the step registers and runs compute() on them. The block
+   * ids of 32 of the warp's chunks come in one load (lane i: its chunk 32 n + i), handed to the
+   * copies by a shuffle; no table load or address arithmetic per row in the math. Per chunk and
+   * lane: 4 C / TPW cp.async, one 64-bit multiply-add per operand; the warp's own
+   * cp.async.wait_group and __syncwarp order the slot's reuse (no block barrier). */
+  auto run_ring = [&]() {
+   if constexpr (RING) { /* (compiled in the staged instances only) */
+    constexpr int NS = KVC_RING_SLOTS;
+    const int C = a.ring_tok, fo = krows.fo;
+    const long long R0 = (t_lo + fo) / C * C, nch = t_hi > t_lo ? (t_hi + fo - R0 + C - 1) / C : 0;
+    const long long mine = nch > warp ? (nch - warp + KVC_FUSED_WARPS - 1) / KVC_FUSED_WARPS : 0;
+    const int RK = 2 * a.Dk, RV = 2 * a.Dv, slot_bytes = C * (RK + RV); /* staged row bytes, slot bytes */
+    unsigned char *ring = kvc_fused_ring + warp * NS * slot_bytes;
+    const uint32_t ring_sh = (uint32_t)__cvta_generic_to_shared(ring);
+    const int32_t *trow = a.k.tbl + b * a.k.tbl_rs;
+    /* this lane's pieces c, c + P of K and V rows (16 bytes = 8 elements each) */
+    const bool k0 = 8 * c < a.Dk, k1 = 8 * (c + P) < a.Dk, v0 = 8 * c < a.Dv, v1 = 8 * (c + P) < a.Dv;
+    const char *kb = a.k.data + hk * a.k.ds[1] + slot * a.k.ds[2] + 16 * c;
+    const char *vb = a.v.data + hk * a.v.ds[1] + slot * a.v.ds[2] + 16 * c;
+    const uint32_t dk0 = 16 * c, dv0 = C * RK + 16 * c; /* a slot's K rows [C][RK], then V rows [C][RV] */
+    /* the block id of the warp's chunk 32 n + lane (0 past the split: nothing read) */
+    auto ids_of = [&](long long n) -> int {
+      const long long k = warp + (long long)KVC_FUSED_WARPS * (32 * n + lane);
+      if (k >= nch) return 0;
+      const int id = __ldg(trow + ((R0 + k * C) >> a.k.bsh));
+      return id < 0 ? 0 : (id >= a.k.nblk ? a.k.nblk - 1 : id);
+    };
+    int id_cur = 0, id_next = ids_of(0);
+    long long issued = 0;
+    /* the copies of the warp's next chunk into its slot, one commit group (empty past the split) */
+    auto issue_next = [&]() {
+      if ((issued & 31) == 0) {
+        id_cur = id_next;
+        id_next = ids_of((issued >> 5) + 1);
+      }
+      const int id = __shfl_sync(KVC_FULL_MASK, id_cur, (int)(issued & 31));
+      const long long k = warp + (long long)KVC_FUSED_WARPS * issued;
+      if (k < nch) {
+        const long long r0 = R0 + k * C, rb = r0 & (a.k.bsz - 1);
+        const char *ks = kb + id * a.k.ds[0] + rb * a.k.ds[2], *vs = vb + id * a.v.ds[0] + rb * a.v.ds[2];
+        const uint32_t d = ring_sh + (uint32_t)((issued % NS) * slot_bytes);
+        for (int j = slot; j < C; j += TPW) {
+          const long long t = r0 + j - fo;
+          if (t >= t_lo && t < t_hi) {
+            const uint32_t dk = d + dk0 + j * RK, dv = d + dv0 + j * RV;
+            if (k0) kvc_cp_async<16>(dk, ks, 16);
+            if (k1) kvc_cp_async<16>(dk + 16 * P, ks + 16 * P, 16);
+            if (v0) kvc_cp_async<16>(dv, vs, 16);
+            if (v1) kvc_cp_async<16>(dv + 16 * P, vs + 16 * P, 16);
+          }
+          ks += TPW * a.k.ds[2];
+          vs += TPW * a.v.ds[2];
+        }
+      }
+      kvc_cp_commit();
+      ++issued;
+    };
+    for (int s = 0; s < NS - 1; ++s) issue_next();
+    for (long long i = 0; i < mine; ++i) {
+      kvc_cp_wait<NS - 2>(); /* this lane's copies of chunk i landed */
+      __syncwarp();          /* every lane's; and every lane is done with slot (i - 1) % NS */
+      issue_next();          /* chunk i + NS - 1 into slot (i - 1) % NS */
+      const unsigned char *sl = ring + (i % NS) * slot_bytes;
+      const long long r0 = R0 + (warp + (long long)KVC_FUSED_WARPS * i) * C;
+      for (int j0 = 0; j0 < C; j0 += TPW * U) {
+        S st;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int j = j0 + u * TPW + slot;
+          st.t[u] = r0 + j - fo;
+          st.valid[u] = st.t[u] >= t_lo && st.t[u] < t_hi;
+          kvc_zero_chunk(st.k[u]);
+          kvc_zero_chunk(st.v[u]);
+          if (st.valid[u] && kact) {
+            const uint4 *p = (const uint4 *)(sl + j * RK + 32 * c);
+            const uint4 x = p[0], y = p[1];
+            st.k[u].w[0] = x.x; st.k[u].w[1] = x.y; st.k[u].w[2] = x.z; st.k[u].w[3] = x.w;
+            st.k[u].w[4] = y.x; st.k[u].w[5] = y.y; st.k[u].w[6] = y.z; st.k[u].w[7] = y.w;
+          }
+          if (st.valid[u] && vact) {
+            const uint4 *p = (const uint4 *)(sl + C * RK + j * RV + 32 * c);
+            const uint4 x = p[0], y = p[1];
+            st.v[u].w[0] = x.x; st.v[u].w[1] = x.y; st.v[u].w[2] = x.z; st.v[u].w[3] = x.w;
+            st.v[u].w[4] = y.x; st.v[u].w[5] = y.y; st.v[u].w[6] = y.z; st.v[u].w[7] = y.w;
+          }
+        }
+        compute(st);
+      }
+    }
+    kvc_cp_wait<0>(); /* no copy outstanding at exit (the empty tail groups) */
+   }
+  };
+  if constexpr (RING) run_ring();
+  else if (a.k.tbl) run(kvc_table_tag<true>());
   else run(kvc_table_tag<false>());
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   /* the merge launch (programmatic dependent launch) may start now; it waits
@@ -649,9 +769,48 @@ template <int FMT> int kvc_fused_occupancy_fmt(int E, int QW) {
   return n;
 }
 
-/* Launches the instance of format FMT for the plan's E and QW. */
+/* The staged instances (kvc_fused_ring_inst): resident blocks per SM with smem bytes of dynamic
+ * shared memory, 0 if none; the instance's dynamic shared-memory limit is raised first to the most
+ * it may ask for beside its static shared memory (every caller sets the same value). */
+template <int FMT, int QW> static cudaError_t kvc_fused_ring_occupancy_inst(int smem, int *n) {
+  const auto kern = kvc_fused_kernel<FMT, 16, QW, true>;
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, kern);
+  if (e != cudaSuccess) return e;
+  if ((size_t)smem + fa.sharedSizeBytes > (size_t)KVC_TC_SMEM_MAX) return cudaErrorInvalidValue;
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           KVC_TC_SMEM_MAX - (int)fa.sharedSizeBytes);
+  if (e != cudaSuccess) return e;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kern, KVC_FUSED_THREADS, smem);
+}
+template <int FMT> int kvc_fused_ring_occupancy_fmt(int QW, int smem) {
+  int n = 0;
+  cudaError_t e = cudaErrorInvalidValue;
+  if constexpr (kvc_fused_ring_inst(FMT, 16, 1)) {
+    if (QW == 1) e = kvc_fused_ring_occupancy_inst<FMT, 1>(smem, &n);
+    else if (QW == 2) e = kvc_fused_ring_occupancy_inst<FMT, 2>(smem, &n);
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/* Launches the instance of format FMT for the plan's E and QW (the staged one for plan.ring). */
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
+  if constexpr (kvc_fused_ring_inst(FMT, 16, 1)) {
+    if (plan.ring) {
+      const int smem = kvc_fused_ring_smem(a.Dk, a.Dv, plan.ring);
+      if (plan.E == 16 && plan.QW == 1) kvc_fused_kernel<FMT, 16, 1, true><<<grid, KVC_FUSED_THREADS, smem, stream>>>(a);
+      else if (plan.E == 16 && plan.QW == 2)
+        kvc_fused_kernel<FMT, 16, 2, true><<<grid, KVC_FUSED_THREADS, smem, stream>>>(a);
+      else
+        return kva_seterr(KVA_EINTERNAL, "CUDA fused kernel: no staged instance for E = %d, QW = %d", plan.E, plan.QW);
+      goto launched;
+    }
+  }
 #define KVC_CASE(E_, QW_)                                                                          \
   if (plan.E == E_ && plan.QW == QW_) {                                                            \
     kvc_fused_kernel<FMT, E_, QW_><<<grid, KVC_FUSED_THREADS, 0, stream>>>(a);                     \

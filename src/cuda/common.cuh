@@ -85,6 +85,7 @@ struct kvc_args {
    * and Dv (out). */
   int rot_q, rot_qdt, rot_qm, rot_out, rot_om;
   float rot_qc, rot_oc;
+  int ring_tok; /* the fused kernel's staged BLOCK_TABLE loop: table rows per ring slot (kvc_plan.ring) */
 };
 
 /* ---- element loads / stores ---- */

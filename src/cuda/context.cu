@@ -48,7 +48,10 @@ extern "C" {
                                         head (P in bf16 / f16: the bf16 allowance); at 2 vectors the fused
                                         kernel reads at the copy bandwidth (H200) */
 #define KVC_TC_FLOAT_MIN_Q_TABLE 2   /* ... and from 2 over BLOCK_TABLE views at head dims <= 128, where the
-                                        fused kernel's 2-vector instance reads late (at D = 256 it stays) */
+                                        fused kernel's 2-vector instance read late through per-lane table
+                                        loads (at D = 256 it stays; the environment variable
+                                        KVA_CUDA_TC_TABLE_MIN_Q sets it per context: 3 sends 2 vectors at
+                                        D = 128 to the fused kernel's staged loop, not yet measured) */
 #define KVC_TC_FLOAT_MIN_Q_D64 2     /* ... and from 2 at head dim 64, where the fused kernel reads at 61 % of
                                         copy */
 
@@ -71,6 +74,11 @@ struct kvc_state {
   int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
   int wg_occupancy[3][3], wg_smem[3][3]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64], for
                                             that shared memory */
+  int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
+                                           slot aims at (KVC_RING_SLOT_BYTES), 0: off */
+  int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
+  int ring_occupancy[2][2], ring_smem[2][2]; /* its resident blocks per SM by [bf16, f16][QW 1, 2], for that shared
+                                                memory */
 };
 
 static int kvc_cuda_err(cudaError_t e, const char *what) {
@@ -130,6 +138,13 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
   st->wg_float_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
+  ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: 0 turns the staged BLOCK_TABLE loop off, else the
+                                        bytes a ring slot aims at (default KVC_RING_SLOT_BYTES) */
+  st->ring_bytes = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_RING_SLOT_BYTES;
+  if (st->ring_bytes < 0) st->ring_bytes = 0;
+  ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
+  st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
+  if (st->tc_table_min_q < 2) st->tc_table_min_q = 2;
   ctx->cuda = st;
   return 0;
 }
@@ -276,7 +291,7 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
 static bool kvc_q8_narrow(const kva_problem *p) {
   return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
 }
-static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
+static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int *fmt) {
   const kva_kv_view *kv = p->kv;
   if (p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
   const kva_kv *ops[2] = {&kv->k, &kv->v};
@@ -292,7 +307,7 @@ static int kvc_tc_dim_index(const kva_problem *p, int *fmt) {
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
     if (p->Dk == 512) return -1; /* two 64-row slots of K and V rows would take 266 KB */
     const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
-                     : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? KVC_TC_FLOAT_MIN_Q_TABLE
+                     : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? table_min_q
                                                                             : KVC_TC_FLOAT_MIN_Q;
     if (p->rep * p->L < minq || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
     *fmt = qt == KVA_BF16 ? KVC_BF16 : KVC_F16;
@@ -332,6 +347,38 @@ static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kin
     st->tc_smem[fi][di][ki] = smem;
   }
   return *slot > 0 ? *slot : 1;
+}
+
+/* The fused kernel's staged BLOCK_TABLE loop (attn_fused.cuh, run_ring) for plan pl (E, QW, lanes
+ * set): table rows per ring slot, or 0 (rows loaded per lane through the table). It takes bf16 / f16
+ * rows at E = 16 and QW <= 2 (kvc_fused_ring_inst) over a block size that is a power of two; a
+ * slot holds C rows of K and V, C the power of two nearest below st->ring_bytes / (2 (Dk + Dv))
+ * (KVC_RING_SLOT_BYTES unless KVA_CUDA_FUSED_RING sets it), at least one step of a warp (TPW U rows) and at most a block (so a chunk of C rows aligned
+ * to C lies in one pool block). */
+static int kvc_fused_ring_tok(const kva_context *ctx, const kva_problem *p, const kvc_plan &pl) {
+  const kvc_state *st = ctx ? (const kvc_state *)ctx->cuda : NULL;
+  const kva_kv_view *kv = p->kv;
+  if (!st || st->ring_bytes <= 0 || kv->layout != KVA_LAYOUT_BLOCK_TABLE) return 0;
+  if ((pl.fmt != KVC_BF16 && pl.fmt != KVC_F16) || pl.E != 16 || pl.QW > 2) return 0;
+  const long long bsz = kv->k.data.shape[2];
+  if (bsz <= 0 || (bsz & (bsz - 1))) return 0;
+  int C = 1;
+  while (2LL * C * 2 * (p->Dk + p->Dv) <= st->ring_bytes && C < (1 << 20)) C *= 2;
+  const int step = (KVC_WARP >> pl.lanes_log2) * pl.unroll;
+  if (C < step) C = step;
+  if (C > bsz) C = (int)bsz;
+  return C >= step ? C : 0;
+}
+static int kvc_ring_blocks_per_sm(const kva_context *ctx, int fmt, int QW, int smem) {
+  kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
+  if (!st) return 0;
+  const int fi = fmt == KVC_F16, qi = QW == 2;
+  if (st->ring_smem[fi][qi] != smem) {
+    st->ring_occupancy[fi][qi] = fmt == KVC_F16 ? kvc_fused_ring_occupancy_fmt<KVC_F16>(QW, smem)
+                                                : kvc_fused_ring_occupancy_fmt<KVC_BF16>(QW, smem);
+    st->ring_smem[fi][qi] = smem;
+  }
+  return st->ring_occupancy[fi][qi];
 }
 
 /* Splits: the count whose whole waves of `resident` blocks finish first,
@@ -401,7 +448,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   const int sms = st ? st->sm_count : 1;
   int tcf = -1;
-  const int di = p->exact ? -1 : kvc_tc_dim_index(p, &tcf); /* di < 0: no tensor-core kernel */
+  const int di = p->exact ? -1 : kvc_tc_dim_index(p, st ? st->tc_table_min_q : KVC_TC_FLOAT_MIN_Q_TABLE, &tcf);
+  /* di < 0: no tensor-core kernel */
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   const int tcd_max_q = st ? st->tcd_max_q : KVC_TCD_MAX_Q;
   if (di >= 0 && tcf == KVC_Q4 && Q <= tcd_max_q &&
@@ -505,10 +553,18 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   pl.qtiles = (Q + pl.QW - 1) / pl.QW;
   pl.unroll = kvc_unroll(E, pl.QW);
   pl.lanes_log2 = kvc_log2(kvc_pow2_ceil(dmax / E));
-  const long long step = (long long)KVC_FUSED_WARPS * (KVC_WARP >> pl.lanes_log2) * pl.unroll;
+  long long step = (long long)KVC_FUSED_WARPS * (KVC_WARP >> pl.lanes_log2) * pl.unroll;
   const long long base = p->B * p->KVH * pl.qtiles;
+  int per_sm = 0;
+  pl.ring = kvc_fused_ring_tok(ctx, p, pl);
+  if (pl.ring) { /* the staged instance where its shared memory lets it run: a step is a chunk per warp */
+    per_sm = kvc_ring_blocks_per_sm(ctx, pl.fmt, pl.QW, kvc_fused_ring_smem((int)p->Dk, (int)p->Dv, pl.ring));
+    if (per_sm > 0) step = (long long)KVC_FUSED_WARPS * pl.ring;
+    else pl.ring = 0;
+  }
+  if (!pl.ring) per_sm = kvc_blocks_per_sm(ctx, pl.fmt, E, pl.QW);
   /* Splits: whole waves of resident blocks with the least idle tail. */
-  const long long resident = (long long)sms * kvc_blocks_per_sm(ctx, pl.fmt, E, pl.QW);
+  const long long resident = (long long)sms * per_sm;
   kvc_plan_splits(&pl, p, base, resident, step, KVC_MAX_WAVES, KVC_MIN_SPLIT_TOKENS);
   return pl;
 }
@@ -596,6 +652,11 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
     snprintf(name, size, "cuda %s tensor-core kernel: %s, %d query vectors per block%s, %d split%s %s", fmts[pl.fmt],
              pl.QW == 8 * KVC_TC_NTM_WIDE ? "wide (8 warps)" : pl.QW == 8 ? "decode instance" : "narrow",
              pl.QW, pl.group ? ", group compiled in" : "", pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
+  else if (pl.ring)
+    snprintf(name, size,
+             "cuda %s fused kernel: %d query vectors per block, %d elements per lane via a shared-memory ring (%d "
+             "rows a slot), %d split%s %s",
+             fmts[pl.fmt], pl.QW, pl.E, pl.ring, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else
     snprintf(name, size, "cuda %s fused kernel: %d query vectors per block, %d elements per lane, %d split%s %s",
              fmts[pl.fmt], pl.QW, pl.E, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
@@ -712,6 +773,7 @@ static void kvc_args_of(const kva_problem *p, const kvc_plan &pl, void *ws, kvc_
   a->lanes_log2 = pl.lanes_log2;
   a->nsplit = pl.nsplit > 0 ? pl.nsplit : 1;
   a->chunk = pl.chunk;
+  a->ring_tok = pl.ring;
   a->ws = (float *)ws;
 }
 

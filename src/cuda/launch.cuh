@@ -31,6 +31,8 @@ struct kvc_plan {
   int tc;        /* 1: a tensor-core kernel (attn_tc.cu; fmt KVC_Q4, KVC_Q8, KVC_BF16 or KVC_F16; QW = 8 or 32: narrow, 48: wide) instead of the fused one;
                     2: the per-warp q4 decode kernel (attn_tcd.cu); 3: the warpgroup verify kernel (attn_wg.cu; fmt KVC_Q4, KVC_BF16 or KVC_F16) */
   int group;     /* tensor-core: the K/V group size compiled into the instance (KVC_TC_GROUP), 0 = read at run time */
+  int ring;      /* fused kernel over a BLOCK_TABLE view of bf16 / f16 rows: table rows per ring slot (the
+                    staged instance, kvc_fused_ring_tok), 0 = rows loaded per lane through the table */
 };
 
 /* The group size compiled into the q4 decode instances of the tensor-core
@@ -89,6 +91,20 @@ int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 template <int FMT> int kvc_launch_fused_fmt(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream);
 /* Resident blocks per SM of one fused instance (0 when it cannot run). */
 template <int FMT> int kvc_fused_occupancy_fmt(int E, int QW);
+/* ... of the staged instance (bf16 / f16, E = 16, QW 1 or 2) with smem bytes of dynamic shared memory;
+ * also raises the instance's dynamic shared-memory limit (before its first launch). */
+template <int FMT> int kvc_fused_ring_occupancy_fmt(int QW, int smem);
+/* The fused kernel's staged BLOCK_TABLE loop (bf16 / f16 rows, E = 16, QW <= 2): each warp copies the
+ * K and V rows of its chunks of table rows (chunks of kvc_plan.ring rows, inside one pool block) into
+ * its own ring of KVC_RING_SLOTS slots of shared memory, KVC_RING_SLOTS - 1 chunks ahead of its math.
+ * A slot is about KVC_RING_SLOT_BYTES (tuning only: never changes results beyond rounding). */
+#define KVC_RING_SLOTS 3
+#define KVC_RING_SLOT_BYTES 8192
+/* Dynamic shared memory of the staged loop: KVC_FUSED_WARPS rings of KVC_RING_SLOTS slots of `ring`
+ * K rows (2 Dk bytes each) and V rows (2 Dv bytes). */
+__host__ __device__ constexpr int kvc_fused_ring_smem(int Dk, int Dv, int ring) {
+  return KVC_FUSED_WARPS * KVC_RING_SLOTS * ring * 2 * (Dk + Dv);
+}
 /* Tokens per lane per step of the fused kernel (registers: QW*E q values and
  * QW*E outputs per lane). */
 __host__ __device__ constexpr int kvc_unroll(int E, int QW) { return E == 8 && QW <= 2 ? 4 : 2; }
