@@ -690,34 +690,36 @@ __host__ __device__ inline kvc_wg512_layout kvc_wg512_layout_of(void) {
   return w;
 }
 static int kvc_wg512_total(void) { return kvc_wg512_layout_of().total; }
-/* Units u0 + k us (k < 8) of K or V tile rows r0 + k rs of the stage at t0
- * (zeros from t_hi on) from operand O into the tile at shared address t:
- * row r, unit u (dims 8 u .. 8 u + 7) at chunk u / 8, byte r * 128 + 16 ((u %
- * 8) ^ (r % 8)). BLOCK_TABLE rows through the stage's block ids (ids: landed,
- * from the column of t0 + fo). */
+/* Unit u (dims 8 u .. 8 u + 7) of K or V tile rows r0 + k rs (k < 8) of
+ * the stage at t0 (zeros from t_hi on) from operand O into the tile at
+ * shared address t: row r at chunk u / 8, byte r * 128 + 16 ((u % 8) ^ (r %
+ * 8)). BLOCK_TABLE rows through the stage's block ids (ids: landed, from the
+ * column of t0 + fo). */
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_operand &O, int b, int hk, int fo,
-                                               uint32_t t, long long t0, long long t_hi, const int *ids, int u0, int us,
-                                               int r0, int rs) {
+                                               uint32_t t, long long t0, long long t_hi, const int *ids, int u, int r0,
+                                               int rs) {
   const long long jf = TBL ? kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh) : 0;
-  const char *base = O.data + hk * O.ds[1] + (TBL ? 0 : b * O.ds[0]);
-#pragma unroll
+  const char *base = O.data + hk * O.ds[1] + 16 * u;
+  const char *row = TBL ? base : base + b * O.ds[0] + (t0 + r0) * O.ds[2]; /* contiguous: row r0, then + rs rows */
+  const long long step = rs * O.ds[2];
+  t += (u >> 3) * (KVC_WG512_TOK * 128);
+#pragma unroll 2 /* fully unrolled, the contiguous instances' address registers made ptxas serialize the wgmmas (C7515) */
   for (int k = 0; k < 8; ++k) {
-    const int r = r0 + rs * k, u = u0 + us * k;
+    const int r = r0 + rs * k;
     const long long tk = t0 + r;
     const bool ok = tk < t_hi;
-    const uint32_t d = (u >> 3) * (KVC_WG512_TOK * 128) + r * 128 + (((u & 7) ^ (r & 7)) << 4);
     const char *src = O.data; /* rows past t_hi: a valid address, nothing read */
     if (ok) {
       if (TBL) {
         const long long rw = tk + fo, j = kvc_table_col(rw, a.k.bsz, a.k.bsh);
         const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, a.k.bsz, a.k.nblk);
-        src = base + l.outer * O.ds[0] + l.row * O.ds[2] + 16 * u;
+        src = base + l.outer * O.ds[0] + l.row * O.ds[2];
       } else {
-        src = base + tk * O.ds[2] + 16 * u;
+        src = row + k * step;
       }
     }
-    kvc_cp_async<16>(t + d, src, ok ? 16 : 0);
+    kvc_cp_async<16>(t + r * 128 + (((u & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
   }
 }
 /* warpgroup wg's K rows 16 wg + wt / 64 + 2 k (unit wt % 64); its V dims
@@ -726,12 +728,12 @@ __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_oper
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy_k(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
                                                  long long t0, long long t_hi, const int *ids) {
-  kvc_wg512_copy<TBL>(a, a.k, b, hk, fo, t, t0, t_hi, ids, wt % 64, 0, 16 * wg + wt / 64, 2);
+  kvc_wg512_copy<TBL>(a, a.k, b, hk, fo, t, t0, t_hi, ids, wt % 64, 16 * wg + wt / 64, 2);
 }
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy_v(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
                                                  long long t0, long long t_hi, const int *ids) {
-  kvc_wg512_copy<TBL>(a, a.v, b, hk, fo, t, t0, t_hi, ids, 32 * wg + wt % 32, 0, wt / 32, 4);
+  kvc_wg512_copy<TBL>(a, a.v, b, hk, fo, t, t0, t_hi, ids, 32 * wg + wt % 32, wt / 32, 4);
 }
 
 template <int F, bool TBL>
