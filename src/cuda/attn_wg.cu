@@ -9,7 +9,9 @@
  * keys), or no mask (no image segments), softcap, sinks;
  * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
- * vectors per KV head): "16-bit rows" below.
+ * vectors per KV head): "16-bit rows" below; at head dim 512 those rows
+ * take kvc_wg512_kernel (value dims split between the warpgroups: its
+ * comment below).
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
