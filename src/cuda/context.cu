@@ -24,7 +24,7 @@ extern "C" {
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
-#define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block) */
+#define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block; bf16 / f16: the warpgroup kernel only) */
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
 #define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
