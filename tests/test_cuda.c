@@ -50,6 +50,8 @@ TEST(cuda_tree_high_bits_ignored) { SKIP("built without CUDA (nvcc not found)");
 TEST(cuda_tree_wg) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_bf16_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_f16_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_bf16_wg512) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_f16_wg512) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
@@ -2240,5 +2242,86 @@ TEST(cuda_bf16_wg_path) {
 TEST(cuda_f16_wg_path) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   wg_float_body(F16);
+}
+/* The warpgroup kernel at head dim 512 over 16-bit rows (attn_wg.cu
+ * kvc_wg512_kernel: S duplicated in both warpgroups, each accumulating half
+ * the value dims; 32-token stages; by default from 16 query vectors per KV
+ * head, here from 1), t = BF16 or F16 for the queries and rows: L = 8 at GQA
+ * 2 and 4 (16 and 32 vectors) with N 1000 and 3000 (no multiple of 32),
+ * causal and window, softcap, sinks; B = 3 ragged; 128 vectors (two blocks
+ * per KV head) strided; fewer keys than one stage; no mask; splits (N 4100);
+ * block tables of 16 and 24 tokens; lse (natural and base 2); tree masks
+ * (L 17 and 64). Random and probe queries (run_case_want), against the
+ * oracle with the kernel's roundings ([P bf16] / [P f16]: its name). A
+ * second pass with the kernel off (KVA_CUDA_WG_BF16_MIN_Q=-1) runs the same
+ * cases on the fused kernel. */
+static void wg512_body(kva_dtype t) {
+  static const att_case wc[] = {
+      {1, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 16, 4, 8, 3000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 100, 0, 1, 0, 0},
+      {1, 16, 8, 8, 3000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 30.0f, 0, 0, 0},
+      {3, 8, 2, 8, 1001, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0},
+      {1, 8, 1, 16, 777, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+      {1, 16, 4, 4, 37, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 8, 2, 8, 400, 512, 512, BF16, F32, 0, 0, 0, BF16, MASK_NONE, 0, 20.0f, 1, 1, 0},
+      {1, 8, 4, 8, 4100, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+  };
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } tc[] = {
+      {{3, 16, 4, 8, 1500, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
+      {{2, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 50, 10.0f, 0, 1, 0}, 24},
+  };
+  static const att_case lc[] = {
+      {1, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 8, 2, 8, 700, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 1, 1, 0},
+  };
+  static const att_case trc[] = {
+      {3, 8, 4, 17, 600, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 4, 2, 64, 1500, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_TREE, 100, 20.0f, 1, 1, 0},
+  };
+  const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup (wgmma), head dim 512", "fused kernel"};
+  for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
+    setenv("KVA_CUDA_WG_BF16_MIN_Q", mins[pass], 1); /* read at context creation */
+    kva_context *ctx;
+    const int made = make_cuda_ctx(&ctx, NULL);
+    unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
+    if (!made) return;
+    att_case c;
+    for (size_t ci = 0; ci < sizeof wc / sizeof wc[0] && !test_failed_flag; ++ci) {
+      c = wc[ci];
+      c.qdt = c.kvdt = t;
+      if (!run_case_want(ctx, &c, NULL, 0, wants[pass])) FAIL_("%s case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof tc / sizeof tc[0] && !test_failed_flag; ++ci) {
+      c = tc[ci].c;
+      c.qdt = c.kvdt = t;
+      if (!run_table_case(ctx, &c, tc[ci].bs, 131 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
+      c = lc[ci];
+      c.qdt = c.kvdt = t;
+      if (!wg_case_runs(ctx, &c, wants[pass]) || !run_lse_case(ctx, &c, ci & 1 ? KVA_LSE_BASE2 : 0))
+        FAIL_("%s lse case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof trc / sizeof trc[0] && !test_failed_flag; ++ci) {
+      c = trc[ci];
+      c.qdt = c.kvdt = t;
+      int ok = 1;
+      for (int variant = 0; variant < 2 && ok; ++variant) ok = run_case_want(ctx, &c, tree_bits, variant, wants[pass]);
+      if (ok) ok = run_table_case(ctx, &c, ci % 2 ? 16 : 24, 171 + ci, wants[pass]);
+      if (!ok) FAIL_("tree %s case %zu", wants[pass], ci);
+    }
+    kva_context_destroy(ctx);
+  }
+}
+TEST(cuda_bf16_wg512) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  wg512_body(BF16);
+}
+TEST(cuda_f16_wg512) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  wg512_body(F16);
 }
 #endif

@@ -1182,6 +1182,11 @@ static const rot_fused_case rot_fused_cases[] = {
      "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
     {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+    /* bf16 / f16 at head dim 512, L = 8 GQA 2 and 4: the warpgroup kernel's 512 instances (q rotated on load) */
+    {{1, 16, 8, 8, 700, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "bf16 tensor-core kernel: warpgroup (wgmma), head dim 512", 0, 1, 0},
+    {{2, 8, 2, 8, 500, 512, 512, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+     "f16 tensor-core kernel: warpgroup (wgmma), head dim 512", 0, 1, 0},
     /* bf16 / f16 / f32 rows and q8 / q4 over dims the tensor-core kernels lack: the fused kernel, head
      * dims 96, 192, 512, 64 (96 and 192: 3 x 2^k, the 3-point step); one split and several */
     {{1, 4, 2, 1, 700, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0}, "bf16 fused kernel", 0, 1, 2},

@@ -9,7 +9,9 @@
  * keys), or no mask (no image segments), softcap, sinks;
  * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
- * vectors per KV head): "16-bit rows" below.
+ * vectors per KV head): "16-bit rows" below; at head dim 512 those rows
+ * take kvc_wg512_kernel (value dims split between the warpgroups: its
+ * comment below).
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch. A
  * rotated call: q rotated as it is staged (kvc_rotated_query_rows), each
@@ -132,8 +134,10 @@ __host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { retu
 /* dynamic shared memory: the layout plus the base's alignment (16-bit rows,
  * kvc_wgf_layout_of below: gk, gv unused) */
 static int kvc_wgf_total(int D);
+static int kvc_wg512_total(void);
 int kvc_wg_smem(int f, int D, int gk, int gv) {
-  return (kvc_tc_float(f) ? kvc_wgf_total(D) : kvc_wg_layout_of(D, gk, gv).total) + 1024;
+  return (kvc_tc_float(f) ? (D == 512 ? kvc_wg512_total() : kvc_wgf_total(D)) : kvc_wg_layout_of(D, gk, gv).total) +
+         1024;
 }
 
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
@@ -638,6 +642,383 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #endif
 }
 
+/* ---- head dim 512, 16-bit rows (instances kvc_wg512_kernel<KVC_BF16 / KVC_F16, TBL>) ----
+ * At D = 512 a full O state [64 rows x 512] per warpgroup would take 256 f32
+ * registers per thread. Here both warpgroups compute the same S = Q K^T for
+ * all tokens of a stage (identical inputs and code: the same maxima, P and
+ * sums in both), and warpgroup w accumulates O only for value dims 256 w ..
+ * 256 w + 255 (4 chunks of 64: 128 accumulator registers per thread); no
+ * end-of-block combination: each warpgroup writes its dims, warpgroup 0 the
+ * maxima and sums.
+ *   memory: stages of KVC_WG512_TOK = 32 tokens; K tile [8 chunks][32 rows]
+ *         [128 B] and V tile alike (32 KB each), two slots of each, after the
+ *         Q tile [8 chunks][64 rows][128 B] (64 KB): 192 KB, the block-id
+ *         ring (BLOCK_TABLE) and the 1024-byte alignment: ~194 KB, one block
+ *         per SM. Each K/V byte is read from DRAM once per block of up to 64
+ *         query vectors.
+ *   copies: cp.async of 16-byte units straight to unit u ^ (r % 8) of row r
+ *         (the 128-byte swizzle); warpgroup w copies K rows 16 w .. 16 w + 15
+ *         (read by both: block barriers) and V dims 256 w .. 256 w + 255 of
+ *         all 32 rows (read by it alone: warpgroup barriers).
+ *   pipeline, stage s (slot s % 2; each warpgroup): wait for the copies of
+ *         stage s (those of K(s + 1) left in flight), fence to the async
+ *         proxy, block barrier; issue S(s) (32 k-steps of m64n32k16); once
+ *         P.V(s - 1) is done (warpgroup barrier) issue V(s + 1) into the
+ *         other V slot, and the block ids of stage s + 3; once S(s) is done
+ *         in both (block barrier) issue K(s + 2) into K slot s % 2; softmax
+ *         (the q4 / 16-bit code of kvc_wg_kernel on 32 tokens); issue P.V(s)
+ *         (2 k-steps x 4 chunks of m64n64k16, P the register A operand).
+ *         K(s + 2) and V(s + 1) load while S and P.V of stage s run: 32 to
+ *         96 KB in flight per SM.
+ *   precision: P rounded to bf16 (f16 rows: f16 wgmma, P in f16), f32 sums;
+ *         q, K and V as given (a rotated call's q rotated on load, as at the
+ *         smaller head dims).
+ *   launch: grid (ceil(rep L / 64), nsplit, B KVH) x 256 threads. */
+#define KVC_WG512_TOK 32 /* tokens per stage */
+#define KVC_WG512_IDS 4  /* block-id slots (stage x's in slot x % 4) */
+struct kvc_wg512_layout {
+  int qt, kt, vt, tile, ids, total; /* tile: bytes of one K or V tile (slot i at kt / vt + i tile) */
+  int ost, ms, ls;                  /* after the loop: O [64][512 + 4] f32, maxima, sums over the Q tile and slots */
+};
+__host__ __device__ inline kvc_wg512_layout kvc_wg512_layout_of(void) {
+  kvc_wg512_layout w;
+  w.tile = KVC_WG512_TOK * 2 * 512;
+  w.qt = 0;
+  w.kt = KVC_WG_QV * 2 * 512;
+  w.vt = w.kt + 2 * w.tile;
+  w.ids = w.vt + 2 * w.tile;
+  w.total = w.ids + KVC_WG512_IDS * KVC_TC_IDS * 4;
+  w.ost = 0;
+  w.ms = w.ost + KVC_WG_QV * (512 + 4) * 4;
+  w.ls = w.ms + KVC_WG_QV * 4;
+  return w;
+}
+static int kvc_wg512_total(void) { return kvc_wg512_layout_of().total; }
+/* Unit u (dims 8 u .. 8 u + 7) of K or V tile rows r0 + k rs (k < 8) of
+ * the stage at t0 (zeros from t_hi on) from operand O into the tile at
+ * shared address t: row r at chunk u / 8, byte r * 128 + 16 ((u % 8) ^ (r %
+ * 8)). BLOCK_TABLE rows through the stage's block ids (ids: landed, from the
+ * column of t0 + fo). */
+template <bool TBL>
+__device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_operand &O, int b, int hk, int fo,
+                                               uint32_t t, long long t0, long long t_hi, const int *ids, int u, int r0,
+                                               int rs) {
+  const long long jf = TBL ? kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh) : 0;
+  const char *base = O.data + hk * O.ds[1] + 16 * u;
+  const char *row = TBL ? base : base + b * O.ds[0] + (t0 + r0) * O.ds[2]; /* contiguous: row r0, then + rs rows */
+  const long long step = rs * O.ds[2];
+  t += (u >> 3) * (KVC_WG512_TOK * 128);
+#pragma unroll 2 /* fully unrolled, the contiguous instances' address registers made ptxas serialize the wgmmas (C7515) */
+  for (int k = 0; k < 8; ++k) {
+    const int r = r0 + rs * k;
+    const long long tk = t0 + r;
+    const bool ok = tk < t_hi;
+    const char *src = O.data; /* rows past t_hi: a valid address, nothing read */
+    if (ok) {
+      if (TBL) {
+        const long long rw = tk + fo, j = kvc_table_col(rw, a.k.bsz, a.k.bsh);
+        const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, a.k.bsz, a.k.nblk);
+        src = base + l.outer * O.ds[0] + l.row * O.ds[2];
+      } else {
+        src = row + k * step;
+      }
+    }
+    kvc_cp_async<16>(t + r * 128 + (((u & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
+  }
+}
+/* warpgroup wg's K rows 16 wg + wt / 64 + 2 k (unit wt % 64); its V dims
+ * 256 wg .. 256 wg + 255 (unit 32 wg + wt % 32) of rows wt / 32 + 4 k: a
+ * warp copies 512 contiguous bytes of a row */
+template <bool TBL>
+__device__ __forceinline__ void kvc_wg512_copy_k(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
+                                                 long long t0, long long t_hi, const int *ids) {
+  kvc_wg512_copy<TBL>(a, a.k, b, hk, fo, t, t0, t_hi, ids, wt % 64, 16 * wg + wt / 64, 2);
+}
+template <bool TBL>
+__device__ __forceinline__ void kvc_wg512_copy_v(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
+                                                 long long t0, long long t_hi, const int *ids) {
+  kvc_wg512_copy<TBL>(a, a.v, b, hk, fo, t, t0, t_hi, ids, 32 * wg + wt % 32, wt / 32, 4);
+}
+
+template <int F, bool TBL>
+__global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kernel(const kvc_args a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int D = 512, NC = 4, KS = D / 16, T = KVC_WG512_TOK; /* NC: value chunks per warpgroup */
+  constexpr int QCH = KVC_WG_QV * 128, KCH = T * 128;           /* bytes of a column chunk: Q, K / V tiles */
+  constexpr bool H = F == KVC_F16;
+  static_assert(kvc_tc_float(F), "16-bit rows only");
+  extern __shared__ unsigned char kvc_wg_buf[];
+  const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+  unsigned char *base = kvc_wg_buf + (sbase - sraw);
+  const int tid = threadIdx.x, wg = tid / KVC_WG_THREADS, wt = tid % KVC_WG_THREADS;
+  const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
+  const int qg = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
+  const kvc_wg512_layout W = kvc_wg512_layout_of();
+  const long long len = kvc_seq_len(a, b);
+  const int fo = kvc_first_offset(a.k, b);
+  const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
+  long long t_lo, t_hi;
+  kvc_split_range(a, split, len, &t_lo, &t_hi);
+  const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + T - 1) / T) : 0;
+  const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
+  const bool capped = a.softcap > 0.0f;
+  const uint32_t kt = sbase + W.kt, vt = sbase + W.vt;
+  int *ids = (int *)(base + W.ids);
+  const uint32_t ids_sh = sbase + W.ids;
+
+  /* prologue: the block ids of stages 0 .. 2 (stage x's in slot x % 4, then
+   * by cp.async three stages ahead); K(0), V(0) and K(1) in flight */
+  if (TBL) {
+    if (wg == 0)
+      for (int s = 0; s < 3; ++s)
+        kvc_wg_store_ids(a, b, fo, t_lo + (long long)s * T, t_hi, ids + s * KVC_TC_IDS, wt);
+    __syncthreads();
+  }
+  if (nst > 0) {
+    kvc_wg512_copy_k<TBL>(a, b, hk, fo, wg, wt, kt, t_lo, t_hi, ids);
+    kvc_wg512_copy_v<TBL>(a, b, hk, fo, wg, wt, vt, t_lo, t_hi, ids);
+  }
+  kvc_cp_commit();
+  if (nst > 1) kvc_wg512_copy_k<TBL>(a, b, hk, fo, wg, wt, kt + W.tile, t_lo + T, t_hi, ids + KVC_TC_IDS);
+  kvc_cp_commit();
+
+  /* the Q tile: row r = query vector q0 + r (zeros past Q), unit u of row r
+   * dims 8 u .. 8 u + 7 (natural order); a rotated call's query rotated
+   * first (a warp per vector) */
+  if (a.rot_q)
+    kvc_rotated_query_rows<D>(a, b, hk, q0, KVC_WG_QV, Q, tid / KVC_WARP, KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP,
+                              tid % KVC_WARP, [&](int r, int d, unsigned short x) {
+                                const int un = d / 8;
+                                *(unsigned short *)(base + W.qt + (un >> 3) * QCH + r * 128 +
+                                                    (((un & 7) ^ (r & 7)) << 4) + 2 * (d % 8)) = x;
+                              });
+  const int q_units = a.rot_q ? 0 : KVC_WG_QV * D / 8; /* rotated: staged above */
+  for (int u = tid; u < q_units; u += KVC_WG_WGS * KVC_WG_THREADS) {
+    const int r = u / (D / 8), un = u % (D / 8), qv = q0 + r;
+    uint4 o = make_uint4(0u, 0u, 0u, 0u);
+    if (qv < Q) {
+      const unsigned short *qp = (const unsigned short *)kvc_q_at(a, b, hk * a.rep + qv / a.L, qv % a.L, 8 * un);
+      if (((uintptr_t)qp & 15) == 0) {
+        o = *(const uint4 *)qp;
+      } else {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = (uint32_t)qp[2 * k] | ((uint32_t)qp[2 * k + 1] << 16);
+        o = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    *(uint4 *)(base + W.qt + (un >> 3) * QCH + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
+  }
+
+  /* this thread's query rows 16 warp + g + 8 r; TREE: the row's bits (L <= 64: two words in a register pair) */
+  const bool tree = a.mask_kind == KVA_MASK_TREE;
+  const long long n0 = len - a.L; /* TREE: the first new key */
+  long long pos[2];
+  uint64_t tbits[2];
+  float m[2], l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qv = q0 + 16 * warp + g + 8 * r;
+    /* -1: no query vector, sees nothing (as any row before token 0); no mask: every key up to t_hi */
+    pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
+    tbits[r] = 0;
+    if (tree && qv < Q) {
+      const uint32_t *row = (const uint32_t *)(a.tree + b * a.tree_s[0] + (qv % a.L) * a.tree_s[1]);
+      tbits[r] = (uint64_t)__ldg(row) | (a.L > 32 ? (uint64_t)__ldg(row + 1) << 32 : 0ull);
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  float oacc[NC][32];
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+  kvc_fence_proxy_async();
+  __syncthreads(); /* the Q tile written, visible to the async proxy */
+
+  /* descriptors: the Q tile (K-major A), K slot 0 (K-major B), this
+   * warpgroup's first V chunk of slot 0 (N-major B); slot i at + i tile bytes */
+  const uint64_t dq = kvc_wg_desc(sbase + W.qt, 16, 1024);
+  const uint64_t dk = kvc_wg_desc(kt, 16, 1024);
+  const uint64_t dv = kvc_wg_desc(vt + NC * KCH * wg, KCH, 1024);
+  for (int s = 0; s < nst; ++s) {
+    const int sl = s & 1;
+    const uint64_t soff = (uint64_t)((sl * W.tile) >> 4);
+    kvc_cp_wait<1>(); /* K(s), V(s) landed (K(s + 1) may be in flight) */
+    kvc_fence_proxy_async();
+    __syncthreads(); /* both warpgroups' rows visible */
+    /* S(s) = Q K^T over the stage's 32 tokens (k-step kk: chunk kk / 4, + 32 (kk % 4) bytes) */
+    float sacc[16];
+    kvc_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const uint64_t oq = ((kk >> 2) * QCH + (kk & 3) * 32) >> 4, ok = ((kk >> 2) * KCH + (kk & 3) * 32) >> 4;
+      if (kk == 0)
+        kvc_wgmma_ss32<0, H>(sacc, dq + oq, dk + soff + ok);
+      else
+        kvc_wgmma_ss32<1, H>(sacc, dq + oq, dk + soff + ok);
+    }
+    kvc_wg_commit();
+    if (s + 1 < nst) { /* V(s + 1) into the other slot once this warpgroup's P.V(s - 1), its last reader, is done */
+      kvc_wg_wait<1>();
+      kvc_wg_sync(wg);
+      kvc_wg512_copy_v<TBL>(a, b, hk, fo, wg, wt, vt + (sl ^ 1) * W.tile, t_lo + (long long)(s + 1) * T, t_hi,
+                            ids + ((s + 1) % KVC_WG512_IDS) * KVC_TC_IDS);
+    }
+    if (TBL && wg == 0)
+      kvc_wg_issue_ids(a, b, fo, t_lo + (long long)(s + 3) * T, t_hi,
+                       ids_sh + ((s + 3) % KVC_WG512_IDS) * KVC_TC_IDS * 4, wt);
+    kvc_cp_commit();
+    kvc_wg_wait<0>();
+    kvc_wg_fence_regs(sacc);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
+    __syncthreads(); /* S(s) done in both warpgroups: K slot sl free */
+    if (s + 2 < nst)
+      kvc_wg512_copy_k<TBL>(a, b, hk, fo, wg, wt, kt + sl * W.tile, t_lo + (long long)(s + 2) * T, t_hi,
+                            ids + ((s + 2) % KVC_WG512_IDS) * KVC_TC_IDS);
+    kvc_cp_commit();
+
+    /* masks and logits (log2 units): sacc[4 j + e] is (row 16 warp + g + 8 (e >> 1),
+     * stage token 8 j + 2 t4 + (e & 1)); a row sees stage tokens [lo, hi) */
+    const long long t0 = t_lo + (long long)s * T;
+    const bool full = kvc_keys_all_visible(a, t0, T, t_hi, len);
+    int lo[2] = {0, 0}, hi[2] = {T, T};
+    /* the stage's tokens that are new keys (TREE): from n0 on, below t_hi */
+    const int nlo = tree ? (int)min(max(n0 - t0, 0LL), (long long)T) : T;
+    const int nhi = tree ? (int)min(max(t_hi - t0, 0LL), (long long)T) : 0;
+    if (!full) /* causal: t <= pos, t > pos - window; TREE: the same below n0, the bits from n0; no mask: t < t_hi */
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const long long h = min(tree ? min(t_hi, n0) : t_hi, pos[r] + 1);
+        const long long o = a.window > 0 && a.mask_kind != KVA_MASK_NONE ? pos[r] - a.window + 1 : t0;
+        hi[r] = (int)(min(max(h - t0, 0LL), (long long)T));
+        lo[r] = (int)(min(max(o - t0, 0LL), (long long)T));
+      }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, tok = 8 * j + 2 * t4 + (e & 1);
+        float x = sacc[4 * j + e] * scl2;
+        if (capped) x = cap2 * tanhf(x * cap2_inv);
+        if (!full)
+          x = (tok >= lo[r] && tok < hi[r]) ||
+                      (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull))
+                  ? x
+                  : -INFINITY;
+        sacc[4 * j + e] = x;
+        mx[r] = kvc_max(mx[r], x);
+      }
+    float corr[2];
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+      corr[r] = 1.0f;
+      /* move up by more than the slack, or to NaN (which then stays) */
+      if (mx[r] > m[r] + KVC_WG_SLACK || (mx[r] != mx[r] && m[r] == m[r])) {
+        corr[r] = kvc_exp2(m[r] - mx[r]); /* 0 from -inf */
+        m[r] = mx[r];
+        l[r] *= corr[r];
+        moved = true;
+      }
+    }
+    if (__any_sync(KVC_FULL_MASK, moved))
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          oacc[c][4 * j] *= corr[0];
+          oacc[c][4 * j + 1] *= corr[0];
+          oacc[c][4 * j + 2] *= corr[1];
+          oacc[c][4 * j + 3] *= corr[1];
+        }
+    /* P in bf16 (f16 rows: f16) as the A fragments of the 2 P.V k-steps:
+     * a[2 h + r] = tokens 16 kq + 8 h + 2 t4, + 1 of row r; l sums the
+     * rounded values */
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int j = 2 * kq + h;
+          const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
+          const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
+          const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
+          uint32_t pk;
+          if constexpr (H) {
+            pk = kvc_f16x2_of(p0, p1);
+            l[r] += kvc_f16_lo(pk) + kvc_f16_lo(pk >> 16);
+          } else {
+            pk = kvc_bf16x2_of(p0, p1);
+            l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
+          }
+          pa[kq][2 * h + r] = pk;
+        }
+    /* O += P V over this warpgroup's dims (k-step kq: V rows 16 kq .., chunk c) */
+    kvc_wg_fence();
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) kvc_wgmma_rs<H>(oacc[c], pa[kq], dv + soff + ((c * KCH + kq * 2048) >> 4));
+    kvc_wg_commit();
+  }
+  kvc_wg_wait<0>();
+#pragma unroll
+  for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
+  kvc_cp_wait<0>();
+  cudaTriggerProgrammaticLaunchCompletion(); /* the merge waits for this grid's completion */
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(KVC_FULL_MASK, l[r], 2);
+  }
+  __syncthreads(); /* every warp done with the tiles */
+  /* the state through the idle Q tile and slots: O [64][D + 4] (padded: no
+   * bank conflicts); accumulator (c, j, e) of lane (g, t4), dim 256 wg + 64 c
+   * + 8 j + 2 t4 + (e & 1), stored at column 256 wg + 64 c + 8 j + t4 + 4 (e
+   * & 1) (as kvc_wg_kernel: stores in dim order made ptxas serialize the
+   * loop's wgmmas), so dim d sits at column dc(d); m and l are the same in
+   * both warpgroups: warpgroup 0's */
+  constexpr int OLD = D + 4;
+  static_assert(KVC_WG_QV * (D + 4) * 4 + 2 * KVC_WG_QV * 4 <= (KVC_WG_QV + 4 * KVC_WG512_TOK) * 2 * D,
+                "the Q tile and the slots hold the output, the maxima and sums");
+  float *ost = (float *)(base + W.ost), *ms = (float *)(base + W.ms), *ls = (float *)(base + W.ls);
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        ost[(16 * warp + g + 8 * (e >> 1)) * OLD + 256 * wg + 64 * c + 8 * j + t4 + 4 * (e & 1)] = oacc[c][4 * j + e];
+  if (wg == 0 && t4 == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      ms[16 * warp + g + 8 * r] = m[r];
+      ls[16 * warp + g + 8 * r] = l[r];
+    }
+  __syncthreads();
+  const int nq = min(KVC_WG_QV, Q - q0);
+#pragma unroll 1
+  for (int v = tid / KVC_WARP; v < nq; v += KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP) {
+    const kvc_emit_row er = kvc_emit_row_of(a, split, b, hk, q0 + v, ms[v], ls[v]);
+#pragma unroll 1
+    for (int d = lane; d < D; d += KVC_WARP)
+      kvc_emit_elem(a, er, d, ms[v], ost[v * OLD + ((d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2))]);
+  }
+#else
+  __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
+#endif
+}
+
 /* ---- host side ---- */
 /* A marker kernel whose static shared memory says, through
  * cudaFuncGetAttributes (no launch, no synchronization: capture-safe),
@@ -683,7 +1064,19 @@ template <int F, int D> static cudaError_t kvc_wg_occupancy_d(int *n, int smem) 
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kvc_wg_kernel<F, D, false>, KVC_WG_WGS * KVC_WG_THREADS, smem);
   return e;
 }
+/* head dim 512 (16-bit rows): kvc_wg512_kernel, one block per SM */
+template <int F> static cudaError_t kvc_wg512_occupancy(int *n, int smem) {
+  cudaError_t e = cudaFuncSetAttribute(kvc_wg512_kernel<F, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       KVC_TC_SMEM_MAX);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kvc_wg512_kernel<F, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, KVC_TC_SMEM_MAX);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kvc_wg512_kernel<F, false>, KVC_WG_WGS * KVC_WG_THREADS, smem);
+  return e;
+}
 template <int F> static cudaError_t kvc_wg_occupancy_f(int D, int *n, int smem) {
+  if constexpr (kvc_tc_float(F))
+    if (D == 512) return kvc_wg512_occupancy<F>(n, smem);
   return D == 64    ? kvc_wg_occupancy_d<F, 64>(n, smem)
          : D == 128 ? kvc_wg_occupancy_d<F, 128>(n, smem)
          : D == 256 ? kvc_wg_occupancy_d<F, 256>(n, smem)
@@ -714,6 +1107,13 @@ int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
     e = cudaGetLastError();                                                                        \
   }
   KVC_WG_INSTANCES(KVC_CASE)
+#undef KVC_CASE
+#define KVC_CASE(F_, T_)                                                                           \
+  if (plan.fmt == F_ && a.Dk == 512 && (a.k.tbl != nullptr) == T_) {                               \
+    kvc_wg512_kernel<F_, T_><<<grid, KVC_WG_WGS * KVC_WG_THREADS, smem, stream>>>(a);              \
+    e = cudaGetLastError();                                                                        \
+  }
+  KVC_CASE(KVC_BF16, false) KVC_CASE(KVC_BF16, true) KVC_CASE(KVC_F16, false) KVC_CASE(KVC_F16, true)
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s warpgroup verify kernel (D = %d, %d query vectors): %s",

@@ -24,7 +24,7 @@ extern "C" {
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
-#define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block) */
+#define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block; bf16 / f16: the warpgroup kernel only) */
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
 #define KVC_TC_NTM_WIDE 6         /* n-tiles of 8 per block of the wide kernel (48 query vectors) */
@@ -40,10 +40,11 @@ extern "C" {
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never); at 16 vectors the
                                         narrow kernel is faster on long caches (H200, L = 8) */
-#define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 / 256 on the
-                                        warpgroup kernel from this many query vectors per KV head (sm_90 only; the
+#define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 / 256 / 512 on
+                                        the warpgroup kernel from this many query vectors per KV head (sm_90 only; the
                                         environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context for both,
-                                        < 0: never): not yet measured against the narrow / wide kernels */
+                                        < 0: never): not yet measured against the narrow / wide kernels; at 512
+                                        (kvc_wg512_kernel) below it the fused kernel (decode: ~90 % of copy) */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance); at 2 vectors the fused
                                         kernel reads at the copy bandwidth (H200) */
@@ -72,8 +73,8 @@ struct kvc_state {
   int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
-  int wg_occupancy[3][3], wg_smem[3][3]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64], for
-                                            that shared memory */
+  int wg_occupancy[3][4], wg_smem[3][4]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64, 512
+                                            (16-bit rows)], for that shared memory */
   int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
                                            slot aims at (KVC_RING_SLOT_BYTES), 0: off */
   int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
@@ -305,7 +306,8 @@ static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int *fmt) {
   } else if (kv->k.bits == 0 && kv->v.bits == 0) {
     /* bf16 or f16 rows with queries of the same type (the mma's operands) */
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
-    if (p->Dk == 512) return -1; /* two 64-row slots of K and V rows would take 266 KB */
+    /* head dim 512: the warpgroup kernel only (kvc_wg512_kernel; two 64-row slots of K and V rows would take
+     * 266 KB of the narrow kernel's shared memory), from KVC_WG_FLOAT_MIN_Q vectors (kvc_select) */
     const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
                      : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? table_min_q
                                                                             : KVC_TC_FLOAT_MIN_Q;
@@ -480,7 +482,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   }
   const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16;
   const int wg_min = !st ? -1 : wg_float ? st->wg_float_min_q : tcf == KVC_Q4 ? st->wg_min_q : -1;
-  if (di >= 0 && p->Dk <= 256 && wg_min >= 0 && Q >= wg_min && p->mask.kind != KVA_MASK_ARRAY &&
+  const bool wg512 = wg_float && p->Dk == 512; /* 16-bit rows at head dim 512: the warpgroup kernel or the fused one */
+  if (di >= 0 && (p->Dk <= 256 || wg512) && wg_min >= 0 && Q >= wg_min && p->mask.kind != KVA_MASK_ARRAY &&
       !p->mask.segments.data) {
     /* q4, bf16 and f16 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree
      * without image segments, or no mask:
@@ -490,7 +493,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
     const int smem = wg_float ? kvc_wg_smem(tcf, (int)p->Dk, 0, 0)
                               : kvc_wg_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
                                             (int)(p->Dv / kv->v.group_size));
-    const int wi = p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2, wf = tcf == KVC_BF16 ? 1 : tcf == KVC_F16 ? 2 : 0;
+    const int wi = p->Dk == 512 ? 3 : p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2, wf = tcf == KVC_BF16 ? 1 : tcf == KVC_F16 ? 2 : 0;
     if (smem <= KVC_TC_SMEM_MAX) {
       if (st->wg_smem[wf][wi] != smem) {
         st->wg_occupancy[wf][wi] = kvc_wg_occupancy(tcf, (int)p->Dk, smem);
@@ -507,7 +510,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       }
     }
   }
-  if (di >= 0) {
+  if (di >= 0 && !wg512) {
     /* the narrow kernel with one n-tile of 8 query vectors per block for
      * decode-sized rep * L; q4 up to 32 vectors: its 4-n-tile instance; else
      * the wide kernel (48 vectors per block: K/V staged and dequantized once
@@ -643,8 +646,9 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel %s", r);
   else if (pl.tc == 3)
-    snprintf(name, size, "cuda %s tensor-core kernel: warpgroup (wgmma), %d query vectors per block, %d split%s %s",
-             fmts[pl.fmt], pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
+    snprintf(name, size, "cuda %s tensor-core kernel: warpgroup (wgmma), head dim %d%s, %d query vectors per block, "
+             "%d split%s %s", fmts[pl.fmt], (int)p->Dk, p->Dk == 512 ? " (value dims split between the warpgroups)" : "",
+             pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc == 2)
     snprintf(name, size, "cuda q4 tensor-core kernel: per-warp, %d query vectors, group compiled in, %d split%s %s",
              (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
