@@ -69,8 +69,24 @@
  *         instance per head dim and layout (contiguous or BLOCK_TABLE: one
  *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
- *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
- *         conversion.
+ *   issue: warpgroup index, descriptors and their per-k-step offsets are
+ *         warp-uniform (the index through a shuffle from lane 0), so each
+ *         wgmma costs its uniform-register adds only; the softcap and the
+ *         mask branch once per stage, not per element; P = 2^(x - m') with
+ *         m' = m, or 0 while m is -inf (no compare per element). SASS of the
+ *         loop at D = 256 (contiguous rows), per warp and stage on the usual
+ *         path (whole stage, no softcap): ~710 instructions (S issue 70,
+ *         conversion 340, softmax 170, P and P.V 110), ~5,700 per SM.
+ *         The conversion is at its floor for s c + b rounded once: per 32
+ *         codes 12 shifts, 16 LOP3, 32 HFMA2, one LDS.128, four STS.128.
+ *         Folding V's scale into P instead (V tile 128 + c, no HFMA2; A =
+ *         bf16(P s) per 64-dim group) costs one HMUL2 per two (row, token,
+ *         group) items plus the scale loads and the bias and -128 terms, and
+ *         at 64 query rows those items are as many as V's elements: it saves
+ *         at most a quarter of V's HFMA2 before the corrections. Folding K's
+ *         scale needs a per-group S accumulator (16 registers per group) and
+ *         two FFMA per (row, token, group): more than the two HFMA2 per pair
+ *         it saves.
  *
  * 16-bit rows (bf16, f16; instances kvc_wg_kernel<KVC_BF16 / KVC_F16, D, TBL>):
  *   the rows are the wgmma operands, so the tiles ARE the stages: a ring of
@@ -266,7 +282,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
   unsigned char *base = kvc_wg_buf + (sbase - sraw);
-  const int tid = threadIdx.x, wg = tid / KVC_WG_THREADS, wt = tid % KVC_WG_THREADS;
+  const int tid = threadIdx.x, wt = tid % KVC_WG_THREADS;
+  const int wg = __shfl_sync(KVC_FULL_MASK, tid / KVC_WG_THREADS, 0); /* warp-uniform to the compiler: descriptors in uniform registers */
   const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
   const int qg = blockIdx.x, split = blockIdx.y;
@@ -495,22 +512,28 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
       }
+    /* the scale, the softcap and the mask each in a loop of its own: one
+     * branch per stage for the softcap and one for the mask */
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sacc[i] *= scl2;
+    if (capped)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sacc[i] = cap2 * tanhf(sacc[i] * cap2_inv);
+    if (!full)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
+          const bool vis = (tok >= lo[r] && tok < hi[r]) ||
+                           (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull));
+          sacc[4 * j + e] = vis ? sacc[4 * j + e] : -INFINITY;
+        }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
-        float x = sacc[4 * j + e] * scl2;
-        if (capped) x = cap2 * tanhf(x * cap2_inv);
-        if (!full)
-          x = (tok >= lo[r] && tok < hi[r]) ||
-                      (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull))
-                  ? x
-                  : -INFINITY;
-        sacc[4 * j + e] = x;
-        mx[r] = kvc_max(mx[r], x);
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = kvc_max(mx[e >> 1], sacc[4 * j + e]);
     float corr[2];
     bool moved = false;
 #pragma unroll
@@ -536,6 +559,11 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
           oacc[c][4 * j + 2] *= corr[1];
           oacc[c][4 * j + 3] *= corr[1];
         }
+    /* the exponent's offset: m, or 0 while m is -inf (the row has seen no
+     * key: its logits are all -inf, and 2^(-inf - 0) = 0 without a compare
+     * per element; a NaN m gives NaN for every key, masked ones included:
+     * the row's output is NaN either way) */
+    const float mp[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
     /* P in bf16 (f16 rows: f16) as the A fragments of the 2 P.V k-steps:
      * a[2 h + r] = tokens 16 kq + 8 h + 2 t4, + 1 of row r; l sums the
      * rounded values */
@@ -548,8 +576,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         for (int r = 0; r < 2; ++r) {
           const int j = 2 * kq + h;
           const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
-          const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
-          const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
+          const float p0 = kvc_exp2(x0 - mp[r]), p1 = kvc_exp2(x1 - mp[r]); /* -inf (masked): 0 */
           uint32_t pk;
           if constexpr (H) {
             pk = kvc_f16x2_of(p0, p1);
