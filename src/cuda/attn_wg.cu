@@ -75,8 +75,9 @@
  *         mask branch once per stage, not per element; P = 2^(x - m') with
  *         m' = m, or 0 while m is -inf (no compare per element). SASS of the
  *         loop at D = 256 (contiguous rows), per warp and stage on the usual
- *         path (whole stage, no softcap): ~710 instructions (S issue 70,
- *         conversion 340, softmax 170, P and P.V 110), ~5,700 per SM.
+ *         path (whole stage, no softcap): ~675 instructions (S issue 70,
+ *         conversion 305, softmax 170, P and P.V 110), ~5,400 per SM; the
+ *         conversion's per-thread offsets are computed once (kvc_wg_cv).
  *         The conversion is at its floor for s c + b rounded once: per 32
  *         codes 12 shifts, 16 LOP3, 32 HFMA2, one LDS.128, four STS.128.
  *         Folding V's scale into P instead (V tile 128 + c, no HFMA2; A =
@@ -150,33 +151,59 @@ int kvc_wg_smem(int f, int D, int gk, int gv) {
   return (kvc_tc_float(f) ? kvc_wgf_total(D) : kvc_wg_layout_of(D, gk, gv).total) + 1024;
 }
 
+/* A thread's share of the conversion (see the file comment), fixed for the
+ * block: its row r = 32 wg + wt % 32 and pieces c = c0 + 4 i (c0 = wt /
+ * 32); ld: byte offset of piece c0 in a raw K (V) row block (r rs + 16 c0;
+ * piece c at + 16 (c - c0)); st: offset of its first unit in a tile (r 128
+ * + (c0 / 2) chunks + unit ((c0 % 2) 4 ^ (r % 8)): unit j of piece c is
+ * at (st + (c / 2 - c0 / 2) chunks) ^ 16 j, the 128-byte swizzle, as the
+ * tile base and the chunks are 1024-byte multiples and st's unit has its
+ * two low bits r's); ks[i], vs[i]: offset of its K (V) scale entry for
+ * piece c0 + 4 i in the scale rows (2 (r groups + (32 c >> group shift))). */
+template <int D> struct kvc_wg_cv {
+  static constexpr int NP = (D + 127) / 128; /* pieces per thread and row (D = 64: threads c0 < 2) */
+  uint32_t ld, st, ks[NP], vs[NP];
+};
+template <int D>
+__device__ __forceinline__ kvc_wg_cv<D> kvc_wg_cv_of(const kvc_tc_layout &L, int wg, int wt, int gk, int gv, int gk_sh,
+                                                     int gv_sh) {
+  kvc_wg_cv<D> v;
+  const int r = 32 * wg + (wt & 31), c0 = wt >> 5;
+  v.ld = r * L.rs + 16 * c0;
+  v.st = r * 128 + (c0 >> 1) * KVC_WG_CHUNK + ((((c0 & 1) * 4) ^ (r & 7)) << 4);
+#pragma unroll
+  for (int i = 0; i < kvc_wg_cv<D>::NP; ++i) {
+    v.ks[i] = 2 * (r * gk + ((32 * (c0 + 4 * i)) >> gk_sh));
+    v.vs[i] = 2 * (r * gv + ((32 * (c0 + 4 * i)) >> gv_sh));
+  }
+  return v;
+}
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
- * bf16 K and V tiles (see the file comment); so: where the stage's scale
- * entries start with one group per row (kvc_tc_so). */
+ * bf16 K and V tiles at kt and kt + the tile size (see the file comment);
+ * so: where the stage's scale entries start with one group per row
+ * (kvc_tc_so). */
 template <int D>
 __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
-                                               unsigned char *vt, int wg, int gk, int gv, int gk_sh, int gv_sh, int so) {
-  const int wt = threadIdx.x % KVC_WG_THREADS, r = 32 * wg + (wt & 31), c0 = wt >> 5;
+                                               const kvc_wg_cv<D> &cv, int wt, int so) {
+  const int c0 = wt >> 5;
 #pragma unroll
   for (int op = 0; op < 2; ++op) {
-    const unsigned char *row = slot + (op ? L.vd : L.kd) + r * L.rs;
-    const int ng = op ? gv : gk, gsh = op ? gv_sh : gk_sh;
-    const unsigned char *sr = slot + (op ? L.vs : L.ks) + r * ng * 2, *zr = slot + (op ? L.vb : L.kb) + r * ng * 2;
-    unsigned char *dst = (op ? vt : kt) + r * 128;
+    const unsigned char *row = slot + (op ? L.vd : L.kd) + cv.ld;
+    const unsigned char *sr = slot + (op ? L.vs : L.ks) + 2 * so, *zr = slot + (op ? L.vb : L.kb) + 2 * so;
+    unsigned char *dst = kt + op * 64 * 2 * D;
 #pragma unroll
-    for (int i = 0; i < (D + 127) / 128; ++i) {
-      const int c = c0 + 4 * i; /* piece: dims 32 c .. 32 c + 31 */
-      if (D < 128 && c >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
-      const uint4 w = *(const uint4 *)(row + 16 * c);
-      const int gi = ((32 * c) >> gsh) + so; /* its scale entry */
-      const uint32_t s1 = kvc_lds16(sr + 2 * gi), z1 = kvc_lds16(zr + 2 * gi);
+    for (int i = 0; i < kvc_wg_cv<D>::NP; ++i) {
+      if (D < 128 && c0 + 4 * i >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
+      const uint4 w = *(const uint4 *)(row + 64 * i); /* piece c = c0 + 4 i: dims 32 c .. 32 c + 31 */
+      const uint32_t e = op ? cv.vs[i] : cv.ks[i]; /* its scale entry */
+      const uint32_t s1 = kvc_lds16(sr + e), z1 = kvc_lds16(zr + e);
       const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
       const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint4 o = make_uint4(kvc_deq_pair(ws[j], 0, s2, z2), kvc_deq_pair(ws[j], 1, s2, z2),
                                    kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
-        *(uint4 *)(dst + (c >> 1) * KVC_WG_CHUNK + ((((c & 1) * 4 + j) ^ (r & 7)) << 4)) = o;
+        *(uint4 *)(dst + 2 * i * KVC_WG_CHUNK + (cv.st ^ (j << 4))) = o;
       }
     }
   }
@@ -293,6 +320,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
   const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
+  kvc_wg_cv<D> cv{}; /* q4: this thread's conversion offsets */
+  if constexpr (!FL) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
   const long long len = kvc_seq_len(a, b);
   const int fo = kvc_first_offset(a.k, b), e0 = FL ? 0 : kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
@@ -418,8 +447,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   if (!FL && nst > 0) { /* q4: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
     kvc_cp_wait<KVC_WG_RAW - 2>();
     __syncthreads();
-    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh,
-                      kvc_tc_so(gk, t_lo, e0));
+    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -485,8 +513,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
         __syncthreads();               /* visible to both; every slot's earlier conversions done */
         kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
-        kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
-                          base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh,
+        kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
                           kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
       }
     }
