@@ -525,6 +525,12 @@ TEST(cuda_q4_wg_path) {
        * blocks) with softcap, sinks, f32 out, strided */
       {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 1, 0},
       {1, 40, 2, 4, 300, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_NONE, 0, 30.0f, 1, 0, 1},
+      /* windows of 1 and 2 keys: each row's running maximum stays -inf
+       * through every stage and split before its keys (P = 2^(x - 0) on
+       * all -inf logits), then a partial stage; softcap and sinks at 256,
+       * ragged; group 32 at 128, strided */
+      {2, 16, 4, 4, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 1, 25.0f, 1, 1, 0},
+      {1, 24, 4, 8, 900, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_WINDOW, 2, 0, 0, 0, 1},
   };
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
   run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");

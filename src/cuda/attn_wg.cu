@@ -310,7 +310,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
   unsigned char *base = kvc_wg_buf + (sbase - sraw);
   const int tid = threadIdx.x, wt = tid % KVC_WG_THREADS;
-  const int wg = __shfl_sync(KVC_FULL_MASK, tid / KVC_WG_THREADS, 0); /* warp-uniform to the compiler: descriptors in uniform registers */
+  /* warpgroup: through a shuffle, warp-uniform to the compiler (the wgmma descriptors in uniform registers) */
+  const int wg = __shfl_sync(KVC_FULL_MASK, tid / KVC_WG_THREADS, 0);
   const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
   const int qg = blockIdx.x, split = blockIdx.y;
