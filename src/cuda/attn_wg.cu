@@ -123,19 +123,43 @@
 
 /* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
  * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
- * block ids of BLOCK_TABLE views, the final maxima and sums. */
+ * block ids of BLOCK_TABLE views, the final maxima and sums. fp8 rows (f =
+ * KVC_E4M3 / KVC_E5M2): a ring of KVC_WG_RAW8 slots of unpadded rows (D
+ * bytes; kvc_wg_cv8_of reads them without bank conflicts), KVC_WG_IDS8 id
+ * slots, and the three outputs, maxima and sums of the end over the Q tile,
+ * the tiles and the ring (as the 16-bit rows': ost), so that D = 256 fits
+ * (~227 KB). */
+#define KVC_WG_RAW8 2 /* fp8: raw stage slots (stage s + 2 copied into the slot that stage s left) */
+#define KVC_WG_IDS8 3 /* fp8: block-id slots */
 struct kvc_wg_layout {
   int tile; /* bytes of one bf16 tile: 64 rows x 2 D */
-  int qt, raw, ids, ms, ls, mw, total;
+  int qt, raw, ids, ost, ms, ls, mw, total;
   kvc_tc_layout st;
 };
-__host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv) {
+__host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, int gv) {
   kvc_wg_layout w;
-  kvc_tc_stage_layout(w.st, KVC_Q4, D, gk, gv);
   w.tile = 64 * 2 * D;
   w.qt = 0;
   w.raw = 5 * w.tile;
+  if (kvc_tc_fp8(f)) {
+    kvc_tc_layout &l = w.st;
+    l.rs = D;
+    l.kd = 0;
+    l.vd = KVC_TC_TOK * D;
+    l.ks = 2 * KVC_TC_TOK * D;
+    l.kb = l.vs = l.vb = l.ks + KVC_TC_TOK * 4;
+    l.stage = l.vs + KVC_TC_TOK * 4;
+    w.ids = w.raw + KVC_WG_RAW8 * l.stage;
+    w.total = w.ids + KVC_WG_IDS8 * KVC_TC_IDS * 4;
+    w.ost = 0; /* three O [64][D + 4], then the maxima and sums (after the loop) */
+    w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
+    w.ls = w.ms + KVC_WG_QV * 4;
+    w.mw = w.ls + KVC_WG_QV * 4;
+    return w;
+  }
+  kvc_tc_stage_layout(w.st, KVC_Q4, D, gk, gv);
   w.ids = w.raw + KVC_WG_RAW * w.st.stage;
+  w.ost = w.tile; /* both warpgroups' O [64][D + 4] over the tiles and the ring (after the loop) */
   w.ms = w.ids + 2 * KVC_WG_RAW * KVC_TC_IDS * 4;
   w.ls = w.ms + KVC_WG_QV * 4;
   w.mw = w.ls + KVC_WG_QV * 4; /* both warpgroups' m and l before they combine */
@@ -145,10 +169,10 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv)
 __host__ __device__ inline int kvc_wg_kt(const kvc_wg_layout &w, int buf) { return w.tile * (1 + 2 * buf); }
 __host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { return w.tile * (2 + 2 * buf); }
 /* dynamic shared memory: the layout plus the base's alignment (16-bit rows,
- * kvc_wgf_layout_of below: gk, gv unused) */
+ * kvc_wgf_layout_of below, and fp8 rows: gk, gv unused) */
 static int kvc_wgf_total(int D);
 int kvc_wg_smem(int f, int D, int gk, int gv) {
-  return (kvc_tc_float(f) ? kvc_wgf_total(D) : kvc_wg_layout_of(D, gk, gv).total) + 1024;
+  return (kvc_tc_float(f) ? kvc_wgf_total(D) : kvc_wg_layout_of(f, D, gk, gv).total) + 1024;
 }
 
 /* A thread's share of the conversion (see the file comment), fixed for the
@@ -205,6 +229,52 @@ __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const 
                                    kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
         *(uint4 *)(dst + 2 * i * KVC_WG_CHUNK + (cv.st ^ (j << 4))) = o;
       }
+    }
+  }
+}
+/* fp8 rows: a thread's share of the conversion, fixed for the block. Thread
+ * wt of warpgroup wg takes token row r = 32 wg + wt / 4 and the 16-byte
+ * pieces (16 codes, dims 16 p .. 16 p + 15: units 2 p, 2 p + 1 of chunk p /
+ * 4) p = wt % 4 + 4 (i ^ h), i < D / 64, h = r % 2 (D = 64: p = wt % 4): a
+ * quarter-warp (rows r, r + 1) reads pieces in 8 distinct 16-byte bank
+ * groups of the unpadded rows and stores units 2 p % 8 ^ r % 8, even for
+ * one row, odd for the other: no bank conflicts. ld[i & 1] + 128 (i / 2):
+ * piece i's offset in a raw K (V) row block; st[i & 1] + 2 (i / 2) chunks:
+ * its first unit in a tile (the second at ^ 16); sc: the row's scale entry. */
+struct kvc_wg_cv8 {
+  uint32_t ld[2], st[2], sc;
+};
+template <int D> __device__ __forceinline__ kvc_wg_cv8 kvc_wg_cv8_of(int wg, int wt) {
+  kvc_wg_cv8 v;
+  const int r = 32 * wg + (wt >> 2), pl = wt & 3, h = D >= 128 ? r & 1 : 0;
+  const uint32_t ld = r * D + 16 * pl, st = r * 128 + (((2 * pl) ^ (r & 7)) << 4);
+  v.ld[0] = ld + 64 * h;
+  v.ld[1] = ld + 64 * (1 - h);
+  v.st[0] = st + KVC_WG_CHUNK * h;
+  v.st[1] = st + KVC_WG_CHUNK * (1 - h);
+  v.sc = 4 * r;
+  return v;
+}
+/* Warpgroup w's token rows of the fp8 raw stage at slot -> bf16 K and V
+ * tiles at kt and kt + the tile size, natural dim order: bf16 of the row's
+ * f32 scale (1 without scales: ksc, vsc) times the code (exact in f16,
+ * kvc_deq_fp8x2). */
+template <int F, int D>
+__device__ __forceinline__ void kvc_wg_convert_fp8(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
+                                                   const kvc_wg_cv8 &cv, bool ksc, bool vsc) {
+#pragma unroll
+  for (int op = 0; op < 2; ++op) {
+    const unsigned char *row = slot + (op ? L.vd : L.kd);
+    const float sf = kvc_fp8_scale(slot + cv.sc, op ? L.vs : L.ks, 0, op ? vsc : ksc);
+    unsigned char *dst = kt + op * 64 * 2 * D;
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      const uint4 w = *(const uint4 *)(row + cv.ld[i & 1] + 128 * (i >> 1));
+      unsigned char *o = dst + 2 * (i >> 1) * KVC_WG_CHUNK;
+      *(uint4 *)(o + cv.st[i & 1]) = make_uint4(kvc_deq_fp8x2<F>(w.x, sf, sf), kvc_deq_fp8x2<F>(w.x >> 16, sf, sf),
+                                                kvc_deq_fp8x2<F>(w.y, sf, sf), kvc_deq_fp8x2<F>(w.y >> 16, sf, sf));
+      *(uint4 *)(o + (cv.st[i & 1] ^ 16)) = make_uint4(kvc_deq_fp8x2<F>(w.z, sf, sf), kvc_deq_fp8x2<F>(w.z >> 16, sf, sf),
+                                                       kvc_deq_fp8x2<F>(w.w, sf, sf), kvc_deq_fp8x2<F>(w.w >> 16, sf, sf));
     }
   }
 }
@@ -296,15 +366,18 @@ __device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int f
   if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
 }
 
-/* F: KVC_Q4 (raw stages converted into double-buffered tiles) or KVC_BF16 /
- * KVC_F16 (rows copied into a ring of tiles; f16: f16 wgmma, P in f16); the
- * S / softmax / P.V loop is the same code for all. */
+/* F: KVC_Q4 or KVC_E4M3 / KVC_E5M2 (raw stages converted into
+ * double-buffered tiles) or KVC_BF16 / KVC_F16 (rows copied into a ring of
+ * tiles; f16: f16 wgmma, P in f16); the S / softmax / P.V loop is the same
+ * code for all. */
 template <int F, int D, bool TBL>
 __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) kvc_wg_kernel(const kvc_args a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NC = D / 64, KS = D / 16;
   constexpr bool FL = kvc_tc_float(F), H = F == KVC_F16; /* 16-bit rows; f16 operands */
+  constexpr bool FP8 = kvc_tc_fp8(F), NAT = FL || FP8;  /* fp8 rows; natural dim order in the tiles */
   constexpr int NS = KVC_WG_NS(D);                      /* FL: tile slots of the ring */
+  constexpr int RAW = FP8 ? KVC_WG_RAW8 : KVC_WG_RAW, NI = FP8 ? KVC_WG_IDS8 : 2 * KVC_WG_RAW; /* raw, id slots */
   extern __shared__ unsigned char kvc_wg_buf[];
   const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -316,15 +389,18 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
-  const int gk = FL ? 0 : D / a.k.group, gv = FL ? 0 : D / a.v.group;
-  const int gk_sh = FL ? 0 : 31 - __clz(a.k.group), gv_sh = FL ? 0 : 31 - __clz(a.v.group);
-  const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
+  const int gk = NAT ? 0 : D / a.k.group, gv = NAT ? 0 : D / a.v.group;
+  const int gk_sh = NAT ? 0 : 31 - __clz(a.k.group), gv_sh = NAT ? 0 : 31 - __clz(a.v.group);
+  const kvc_wg_layout W = kvc_wg_layout_of(F, D, gk, gv);
   const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
   kvc_wg_cv<D> cv{}; /* q4: this thread's conversion offsets */
-  if constexpr (!FL) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
+  if constexpr (!NAT) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
+  kvc_wg_cv8 cv8{}; /* fp8: this thread's conversion offsets */
+  if constexpr (FP8) cv8 = kvc_wg_cv8_of<D>(wg, wt);
+  const bool ksc = a.k.scales != nullptr, vsc = a.v.scales != nullptr; /* fp8: rows with scales */
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b), e0 = FL ? 0 : kvc_tc_e0(a, b, hk, fo);
+  const int fo = kvc_first_offset(a.k, b), e0 = NAT ? 0 : kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
   const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
@@ -336,25 +412,26 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   uint32_t ring = 0, ids_sh = 0;
   int *ids = nullptr;
   if constexpr (!FL) {
-    /* prologue: the first KVC_WG_RAW - 1 stages in flight (one commit group each);
-     * BLOCK_TABLE ids as in the narrow kernel (stage x's in slot x % (2 RAW)) */
+    /* prologue: the first 2 stages in flight (one commit group each: q4
+     * KVC_WG_RAW - 1, fp8 KVC_WG_RAW8); BLOCK_TABLE ids as in the narrow
+     * kernel (stage x's in slot x % NI; q4: the ids of stages 2, 3 issued
+     * here, fp8: of stage 2) */
     ring = sbase + W.raw;
-    ld = kvc_tc_loader_of<KVC_Q4, D>(a, L, b, hk, t_lo);
+    ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
     ids = (int *)(base + W.ids);
     ids_sh = sbase + W.ids;
     if (tbl) {
       if (loads)
-        for (int s = 0; s < KVC_WG_RAW - 1; ++s)
+        for (int s = 0; s < 2; ++s)
           kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
       __syncthreads();
     }
 #pragma unroll
-    for (int s = 0; s < KVC_WG_RAW - 1; ++s) {
+    for (int s = 0; s < 2; ++s) {
       const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-      if (loads && s < nst) kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
-      if (loads && tbl)
-        kvc_tc_issue_ids(a, b, fo, ts + (long long)(KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                         ids_sh + ((s + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+      if (loads && s < nst) kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
+      if (loads && tbl && (!FP8 || s == 0))
+        kvc_tc_issue_ids(a, b, fo, ts + 2LL * KVC_TC_TOK, t_hi, ids_sh + ((s + 2) % NI) * KVC_TC_IDS * 4);
       kvc_cp_commit();
     }
   } else {
@@ -387,7 +464,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 
   /* the Q tile: row r = query vector q0 + r (zeros past Q), logical unit u of
    * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7)
-   * (q4), in natural order (16-bit rows); a rotated call's query rotated
+   * (q4), in natural order (16-bit and fp8 rows); a rotated call's query rotated
    * first (a warp per vector) */
   if (a.rot_q)
     kvc_rotated_query_rows<D>(a, b, hk, q0, KVC_WG_QV, Q, tid / KVC_WARP, KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP,
@@ -395,7 +472,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
                                 const int un = d / 8, k = d % 8;
                                 *(unsigned short *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 +
                                                     (((un & 7) ^ (r & 7)) << 4) +
-                                                    2 * (FL ? k : k < 4 ? 2 * k : 2 * k - 7)) = x;
+                                                    2 * (NAT ? k : k < 4 ? 2 * k : 2 * k - 7)) = x;
                               });
   const int q_units = a.rot_q ? 0 : KVC_WG_QV * D / 8; /* rotated: staged above */
   for (int u = tid; u < q_units; u += KVC_WG_WGS * KVC_WG_THREADS) {
@@ -411,7 +488,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
         for (int k = 0; k < 4; ++k) w[k] = (uint32_t)qp[2 * k] | ((uint32_t)qp[2 * k + 1] << 16);
       }
-      if constexpr (FL)
+      if constexpr (NAT)
         o = make_uint4(w[0], w[1], w[2], w[3]);
       else
         o = make_uint4(__byte_perm(w[0], w[2], 0x5410), __byte_perm(w[0], w[2], 0x7632),
@@ -445,10 +522,13 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
     for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
 
-  if (!FL && nst > 0) { /* q4: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
-    kvc_cp_wait<KVC_WG_RAW - 2>();
+  if (!FL && nst > 0) { /* q4, fp8: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
+    kvc_cp_wait<1>();
     __syncthreads();
-    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
+    if constexpr (FP8)
+      kvc_wg_convert_fp8<F, D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv8, ksc, vsc);
+    else
+      kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -500,22 +580,40 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       kvc_cp_commit();
       slot = slot + 1 == NS ? 0 : slot + 1;
     } else {
-      { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
+      if constexpr (!FP8) { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
         const int sn = s + KVC_WG_RAW - 1;
         if (loads && sn < nst)
-          kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
-                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % (2 * KVC_WG_RAW)) * KVC_TC_IDS);
+          kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
+                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % NI) * KVC_TC_IDS);
         if (loads && tbl)
           kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                           ids_sh + ((sn + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+                           ids_sh + ((sn + KVC_WG_RAW - 1) % NI) * KVC_TC_IDS * 4);
         kvc_cp_commit();
       }
       if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-        kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-        __syncthreads();               /* visible to both; every slot's earlier conversions done */
-        kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
-        kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
-                          kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
+        kvc_cp_wait<FP8 ? 0 : KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+        __syncthreads(); /* visible to both; every slot's earlier conversions done */
+        if constexpr (FP8) {
+          /* the copies of stage s + 2 into the slot stage s left (converted
+           * before this barrier), and the block ids of stage s + 3 (read
+           * at the next stage's loads, after its barrier) */
+          const int sn = s + 2;
+          if (loads && sn < nst)
+            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s & 1) * L.stage, fo,
+                                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi,
+                                                       ids + (sn % NI) * KVC_TC_IDS);
+          if (loads && tbl)
+            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi,
+                             ids_sh + ((sn + 1) % NI) * KVC_TC_IDS * 4);
+          kvc_cp_commit();
+        }
+        kvc_wg_wait<1>(); /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
+        if constexpr (FP8)
+          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) & 1) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
+                                   vsc);
+        else
+          kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
+                            kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
       }
     }
     kvc_wg_wait<0>();
@@ -645,18 +743,20 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
    * each (padded: no bank conflicts), accumulator (c, j, e) of lane (g, t4)
    * at column 64 c + 8 j + t4 + 4 (e & 1). q4 (V in pair order): that column
-   * is its dim; combined into warpgroup 0's. 16-bit rows (V in dim order):
+   * is its dim; combined into warpgroup 0's. 16-bit and fp8 rows (V in dim order):
    * the accumulator is dim 64 c + 8 j + 2 t4 + (e & 1), so dim d sits at
    * column dc(d); combined into a third O in dim order (stores in dim order
    * made ptxas serialize the loop's wgmmas: C7515) */
   constexpr int OLD = D + 4;
-  float *ost = (float *)(base + (FL ? WF.ost : kvc_wg_kt(W, 0))), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
+  float *ost = (float *)(base + (FL ? WF.ost : W.ost)), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
         *ls = (float *)(base + (FL ? WF.ls : W.ls));
   float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + (FL ? WF.mw : W.mw));
   static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 <= 4 * 64 * 2 * D + KVC_WG_RAW * 64 * (D / 2 + KVC_TC_ROWPAD),
                 "the tiles and the ring hold both warpgroups' outputs");
   static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= (1 + 2 * KVC_WG_NS(D)) * 64 * 2 * D,
                 "16-bit rows: the Q tile and the ring hold three outputs, the maxima and sums");
+  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= 5 * 64 * 2 * D + KVC_WG_RAW8 * 64 * 2 * D,
+                "fp8 rows: the Q tile, the tiles and the ring hold three outputs, the maxima and sums");
 #pragma unroll
   for (int c = 0; c < NC; ++c)
 #pragma unroll
@@ -672,12 +772,12 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     }
   __syncthreads();
   const int nq = min(KVC_WG_QV, Q - q0);
-  float *fin = FL ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
+  float *fin = NAT ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
   for (int i = tid; i < nq * D; i += KVC_WG_WGS * KVC_WG_THREADS) {
     const int v = i / D, d = i % D;
     float mn, f0, f1;
     kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
-    const int dc = FL ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
+    const int dc = NAT ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
     fin[v * OLD + d] = ost[v * OLD + dc] * f0 + ost[(KVC_WG_QV + v) * OLD + dc] * f1;
     if (d == 0) {
       ms[v] = mn;
@@ -725,7 +825,9 @@ template <int F, int D, bool T> static cudaError_t kvc_wg_prepare(void) {
 }
 /* (rows, head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
 #define KVC_WG_INSTANCES_F(X, F) X(F, 64, false) X(F, 64, true) X(F, 128, false) X(F, 128, true) X(F, 256, false) X(F, 256, true)
-#define KVC_WG_INSTANCES(X) KVC_WG_INSTANCES_F(X, KVC_Q4) KVC_WG_INSTANCES_F(X, KVC_BF16) KVC_WG_INSTANCES_F(X, KVC_F16)
+#define KVC_WG_INSTANCES(X)                                                                                             \
+  KVC_WG_INSTANCES_F(X, KVC_Q4) KVC_WG_INSTANCES_F(X, KVC_BF16) KVC_WG_INSTANCES_F(X, KVC_F16)                         \
+  KVC_WG_INSTANCES_F(X, KVC_E4M3) KVC_WG_INSTANCES_F(X, KVC_E5M2)
 
 /* Both layouts' instances get the limit; their residency is the same (one
  * block per SM: shared memory at D = 256, registers at 128; two at 64). */
@@ -748,6 +850,8 @@ int kvc_wg_occupancy(int f, int D, int smem) {
   const cudaError_t e = f == KVC_Q4     ? kvc_wg_occupancy_f<KVC_Q4>(D, &n, smem)
                         : f == KVC_BF16 ? kvc_wg_occupancy_f<KVC_BF16>(D, &n, smem)
                         : f == KVC_F16  ? kvc_wg_occupancy_f<KVC_F16>(D, &n, smem)
+                        : f == KVC_E4M3 ? kvc_wg_occupancy_f<KVC_E4M3>(D, &n, smem)
+                        : f == KVC_E5M2 ? kvc_wg_occupancy_f<KVC_E5M2>(D, &n, smem)
                                         : cudaErrorInvalidValue;
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -758,8 +862,8 @@ int kvc_wg_occupancy(int f, int D, int smem) {
 
 int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
-  const bool fl = kvc_tc_float(plan.fmt);
-  const int smem = kvc_wg_smem(plan.fmt, a.Dk, fl ? 0 : a.Dk / a.k.group, fl ? 0 : a.Dv / a.v.group);
+  const bool nat = kvc_tc_float(plan.fmt) || kvc_tc_fp8(plan.fmt); /* no groups */
+  const int smem = kvc_wg_smem(plan.fmt, a.Dk, nat ? 0 : a.Dk / a.k.group, nat ? 0 : a.Dv / a.v.group);
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_CASE(F_, D_, T_)                                                                       \
   if (plan.fmt == F_ && a.Dk == D_ && (a.k.tbl != nullptr) == T_) {                                \
@@ -770,7 +874,12 @@ int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s warpgroup verify kernel (D = %d, %d query vectors): %s",
-                      plan.fmt == KVC_BF16 ? "bf16" : plan.fmt == KVC_F16 ? "f16" : "q4", a.Dk, a.rep * a.L,
+                      plan.fmt == KVC_BF16   ? "bf16"
+                      : plan.fmt == KVC_F16  ? "f16"
+                      : plan.fmt == KVC_E4M3 ? "f8e4m3"
+                      : plan.fmt == KVC_E5M2 ? "f8e5m2"
+                                             : "q4",
+                      a.Dk, a.rep * a.L,
                       cudaGetErrorString(e));
   return 0;
 }
