@@ -9,7 +9,9 @@
  * keys), or no mask (no image segments), softcap, sinks;
  * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
- * vectors per KV head): "16-bit rows" below.
+ * vectors per KV head): "16-bit rows" below; a third fp8 rows (e4m3 or
+ * e5m2 codes, one f32 scale per token and KV head, bf16 queries, >=
+ * KVC_WG_FP8_MIN_Q vectors): "fp8 rows" below.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch.
  *
@@ -110,7 +112,32 @@
  *         block ids of stage s + 2 NS - 2); wait for S(s); softmax (the same
  *         code as q4); issue P.V(s).
  *   precision: P rounded to bf16 (f16 rows: f16 wgmma, P in f16), f32 sums;
- *         q, K and V as given. */
+ *         q, K and V as given.
+ *
+ * fp8 rows (e4m3, e5m2; instances kvc_wg_kernel<KVC_E4M3 / KVC_E5M2, D, TBL>):
+ *   the q4 pipeline with fp8 stages: raw code rows of D bytes (no row pad)
+ *         and the f32 row scales (tc_stage.cuh's loader, warpgroup 0) in a
+ *         ring of KVC_WG_RAW8 = 2 slots, converted once per element into
+ *         the double-buffered bf16 tiles. Shared memory ~227 KB at D = 256
+ *         (a third raw slot would not fit: 33 KB a stage), ~115 KB at 128,
+ *         ~59 KB at 64.
+ *   pipeline: as q4, but the copies of stage s + 2 go out after stage s's
+ *         barrier (wait for stage s + 1's copies, block barrier), into the
+ *         slot stage s left (converted at stage s - 1, before the barrier);
+ *         block ids of stage s + 3 with them (KVC_WG_IDS8 slots). Two stages
+ *         in flight across the barrier, one after it.
+ *   conversion (kvc_wg_convert_fp8, offsets kvc_wg_cv8): thread i of
+ *         warpgroup w takes token row 32 w + i / 4 and D / 64 pieces of 16
+ *         codes, the quarter-warp's two rows in complementary halves of
+ *         each 128-byte span, so the LDS.128 of the unpadded rows and the
+ *         STS.128 into the swizzled tiles are free of bank conflicts; per 2
+ *         codes one cvt.rn.f16x2.{e4m3x2,e5m2x2} (exact), two f32 products
+ *         with the row scale (1 without scales), one bf16x2 rounding
+ *         (kvc_deq_fp8x2, as the narrow and wide kernels).
+ *   dim order: natural in Q, K and V, as the 16-bit rows (their output
+ *         columns and their end: three O over the Q tile, tiles and ring).
+ *   precision: K, V (bf16 of scale * code) and P rounded to bf16, f32 sums:
+ *         "[K,V,P bf16]", the other fp8 tensor-core instances' contract. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 
