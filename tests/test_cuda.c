@@ -55,6 +55,7 @@ TEST(cuda_f16_wg512) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_block_table) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_fp8_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_fp8_wg_path) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
 
@@ -528,6 +529,12 @@ TEST(cuda_q4_wg_path) {
        * blocks) with softcap, sinks, f32 out, strided */
       {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_NONE, 0, 0, 0, 1, 0},
       {1, 40, 2, 4, 300, 128, 128, BF16, F32, 4, 4, 32, BF16, MASK_NONE, 0, 30.0f, 1, 0, 1},
+      /* windows of 1 and 2 keys: each row's running maximum stays -inf
+       * through every stage and split before its keys (P = 2^(x - 0) on
+       * all -inf logits), then a partial stage; softcap and sinks at 256,
+       * ragged; group 32 at 128, strided */
+      {2, 16, 4, 4, 700, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 1, 25.0f, 1, 1, 0},
+      {1, 24, 4, 8, 900, 128, 128, BF16, BF16, 4, 4, 32, BF16, MASK_WINDOW, 2, 0, 0, 0, 1},
   };
   setenv("KVA_CUDA_WG_MIN_Q", "1", 1); /* every case on it, whatever its vector count */
   run_case_table(wcases, sizeof wcases / sizeof wcases[0], NULL, 1, "warpgroup");
@@ -1774,7 +1781,9 @@ done:
  * long L) at "[exact f32]": the row scale applied to q . codes and to p,
  * f32 rounding only), each asserted by its name, against the oracle, random
  * and probe queries, NaN codes in the rows no query sees. Then cases for
- * the tensor-core kernels alone (fp8_tc_cases). */
+ * the tensor-core kernels alone (fp8_tc_cases). The warpgroup kernel is
+ * off here (KVA_CUDA_WG_FP8_MIN_Q=-1: on sm_90 it takes 16 and more vectors
+ * by default): cuda_fp8_wg_path checks it. */
 static const struct {
   att_case c;
   const char *want, *exact;
@@ -1832,10 +1841,18 @@ static void fp8_plant_unseen(att_data *d, int variant) {
   if (variant) d->params.flags |= KVA_ATTN_EXACT;
 }
 
+/* A CUDA context with the fp8 warpgroup path at min_q (read at creation). */
+static int make_cuda_ctx_wg8(kva_context **ctx, const char *min_q) {
+  setenv("KVA_CUDA_WG_FP8_MIN_Q", min_q, 1);
+  const int made = make_cuda_ctx(ctx, NULL);
+  unsetenv("KVA_CUDA_WG_FP8_MIN_Q");
+  return made;
+}
+
 TEST(cuda_fp8_vs_oracle) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   kva_context *ctx;
-  if (!make_cuda_ctx(&ctx, NULL)) return;
+  if (!make_cuda_ctx_wg8(&ctx, "-1")) return;
   for (size_t ci = 0; ci < sizeof fp8_cases / sizeof fp8_cases[0]; ++ci) {
     const att_case *c = &fp8_cases[ci].c;
     if (test_quick && c->N > 1000) continue;
@@ -1926,7 +1943,7 @@ done:
 TEST(cuda_fp8_block_table) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   /* want: the default kernel (tensor-core: decode instance up to 8 query
-   * vectors per KV head, else wide); exact: with KVA_ATTN_EXACT (NULL: not run) */
+   * vectors per KV head, else wide; the warpgroup kernel off); exact: with KVA_ATTN_EXACT (NULL: not run) */
   static const struct {
     att_case c;
     int64_t bs;
@@ -1946,7 +1963,7 @@ TEST(cuda_fp8_block_table) {
       {{1, 24, 4, 4, 999, 256, 256, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 64, W4_, NULL},
   };
   kva_context *ctx;
-  if (!make_cuda_ctx(&ctx, NULL)) return;
+  if (!make_cuda_ctx_wg8(&ctx, "-1")) return; /* the decode / wide instances (cuda_fp8_wg_path: the warpgroup one) */
   for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci) {
     if (test_quick && tc[ci].c.N > 1000) continue;
     for (int pr = 0; pr < ATT_PROBES; ++pr)
@@ -2323,5 +2340,77 @@ TEST(cuda_bf16_wg512) {
 TEST(cuda_f16_wg512) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   wg512_body(F16);
+}
+
+/* The warpgroup kernel over fp8 rows (attn_wg.cu: e4m3 / e5m2 codes times
+ * the row's f32 scale, rounded to bf16 into the wgmma tiles, "[K,V,P
+ * bf16]"; by default from 16 query vectors per KV head on sm_90,
+ * KVA_CUDA_WG_FP8_MIN_Q; here from 1), e4m3 and e5m2, per-token, shared and
+ * no scales: 8/4/256 L = 8 (16 vectors), 24/4/256 L = 8 (48) with sinks;
+ * GQA 2 at 128 with B = 3 ragged, window, softcap, sinks; GQA 6 at 64 (48
+ * vectors) ragged with window, softcap, sinks; GQA 4 at 128; 64 vectors at
+ * 64 (f32 out); no mask (ragged; 80 vectors: two blocks per KV head,
+ * softcap, sinks, f32 out); fewer keys than one stage; windows of 1 and 2
+ * keys; splits (N 3000 - 4100) at 256, 128 and 64; NaN codes in the rows no
+ * query sees (att_plant_unseen), random and probe queries; tree masks; block
+ * tables of 64, 16, 24 and 1 tokens (unused pool rows NaN). A second pass
+ * with the kernel off (-1) runs the same cases on the decode / wide
+ * tensor-core instances. */
+TEST(cuda_fp8_wg_path) {
+  if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
+  static const att_case wc[] = {
+      {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 4, 8, 700, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 0, 0},
+      {1, 24, 4, 8, 600, 256, 256, BF16, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {3, 16, 8, 8, 1001, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {3, 16, 8, 8, 1001, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E5, MASK_WINDOW, 100, 30.0f, 1, 1, 0},
+      {2, 12, 2, 8, 501, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_WINDOW, 70, 20.0f, 1, 1, 0},
+      {2, 12, 2, 8, 501, 64, 64, BF16, BF16, 0, 0, ATT_FP8_NONE, E4, MASK_CAUSAL, 0, 0, 0, 1, 0},
+      {1, 32, 8, 8, 500, 128, 128, BF16, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {1, 8, 2, 16, 400, 64, 64, BF16, F32, 0, 0, ATT_FP8_TENSOR, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 24, 4, 4, 400, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_NONE, 0, 0, 0, 1, 0},
+      {1, 40, 2, 4, 300, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_NONE, 0, 30.0f, 1, 0, 0},
+      {1, 16, 4, 4, 37, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 16, 4, 4, 700, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_WINDOW, 1, 25.0f, 1, 1, 0},
+      {1, 24, 4, 8, 900, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E5, MASK_WINDOW, 2, 0, 0, 0, 0},
+      {1, 24, 4, 8, 4100, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 1, 1, 0},
+      {1, 16, 8, 8, 3000, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      {2, 16, 4, 8, 3001, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 1, 0},
+  };
+  static const att_case trc[] = {
+      {3, 16, 4, 17, 600, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_TREE, 0, 0, 0, 1, 0},
+      {2, 8, 4, 64, 1500, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_TREE, 100, 0, 0, 1, 0},
+      {2, 16, 4, 33, 700, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_TREE, 0, 20.0f, 1, 1, 0},
+  };
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } tc[] = {
+      {{3, 24, 4, 8, 1500, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 1, 1, 0}, 64},
+      {{2, 16, 8, 8, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 50, 0, 0, 1, 0}, 16},
+      {{2, 24, 4, 8, 900, 64, 64, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24},
+      {{2, 8, 4, 8, 600, 128, 128, BF16, BF16, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 1},
+  };
+  const char *mins[2] = {"1", "-1"}, *wants[2] = {"warpgroup", "tensor-core kernel"};
+  for (int pass = 0; pass < 2 && !test_failed_flag; ++pass) {
+    kva_context *ctx;
+    if (!make_cuda_ctx_wg8(&ctx, mins[pass])) return;
+    for (size_t ci = 0; ci < sizeof wc / sizeof wc[0] && !test_failed_flag; ++ci)
+      if (!run_case_want(ctx, &wc[ci], fp8_plant_unseen, 0, wants[pass])) FAIL_("%s case %zu", wants[pass], ci);
+    for (size_t ci = 0; ci < sizeof trc / sizeof trc[0] && !test_failed_flag; ++ci)
+      for (int variant = 0; variant < 2; ++variant)
+        if (!run_case_want(ctx, &trc[ci], tree_bits, variant, wants[pass])) {
+          FAIL_("tree %s case %zu, variant %d", wants[pass], ci, variant);
+          break;
+        }
+    for (size_t ci = 0; ci < sizeof tc / sizeof tc[0] && !test_failed_flag; ++ci)
+      for (int pr = 0; pr < ATT_PROBES; ++pr)
+        if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, wants[pass], pr, 0)) {
+          FAIL_("%s table case %zu", wants[pass], ci);
+          break;
+        }
+    kva_context_destroy(ctx);
+  }
 }
 #endif

@@ -1117,7 +1117,7 @@ static const char *rot_how(unsigned flags) {
  * the kernel each must run (its name), and the context it needs: 1 the
  * per-warp q4 kernel at any size (KVA_CUDA_TCD_MIN_WORK = 0), 2 the
  * warpgroup kernel from one vector (KVA_CUDA_WG_MIN_Q = 1), 3 without it
- * (KVA_CUDA_WG_MIN_Q = KVA_CUDA_WG_BF16_MIN_Q = -1: the narrow / wide
+ * (KVA_CUDA_WG_MIN_Q = KVA_CUDA_WG_BF16_MIN_Q = KVA_CUDA_WG_FP8_MIN_Q = -1: the narrow / wide
  * kernels), 0 default; kfused: q rotated on load there (else by the pass:
  * only V fused); splits: 1 the plan has one split (the kernel stores
  * out = H o / l itself, no merge), 2 several (rotated states, the plain
@@ -1287,11 +1287,13 @@ TEST(cuda_rotation_vs_oracle) {
     if (f->env == 3) {
       setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
       setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
+      setenv("KVA_CUDA_WG_FP8_MIN_Q", "-1", 1);
     }
     kva_context *fc = cuda_ctx();
     unsetenv("KVA_CUDA_TCD_MIN_WORK");
     unsetenv("KVA_CUDA_WG_MIN_Q");
     unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
+    unsetenv("KVA_CUDA_WG_FP8_MIN_Q");
     if (!fc) {
       FAIL_("CUDA context: %s", kva_last_error());
       break;

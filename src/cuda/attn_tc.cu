@@ -117,19 +117,6 @@ __device__ __forceinline__ uint32_t kvc_deq8_pair(uint32_t wl, int kl, float sl,
                                                   float zh) {
   return kvc_bf16x2_of(fmaf(sl, kvc_byte_float(wl, kl), zl), fmaf(sh, kvc_byte_float(wh, kh), zh));
 }
-/* Two fp8 codes of format F (low byte: element lo) -> bf16x2 of (sl code_lo,
- * sh code_hi): code to f16 exactly (one cvt for both), to f32, times the
- * row's f32 scale, rounded to bf16 (a NaN code stays NaN). */
-template <int F> __device__ __forceinline__ uint32_t kvc_deq_fp8x2(uint32_t two, float sl, float sh) {
-  const uint32_t h = kvc_fp8x2_f16x2<F == KVC_E4M3>(two);
-  const float2 f = __half22float2(*(const __half2 *)&h);
-  return kvc_bf16x2_of(f.x * sl, f.y * sh);
-}
-/* The f32 scale of staged row r (scale rows at offset off of stage st): 1
- * without scales. */
-__device__ __forceinline__ float kvc_fp8_scale(const unsigned char *st, int off, int r, bool has) {
-  return has ? *(const float *)(st + off + 4 * r) : 1.0f;
-}
 
 __host__ __device__ inline kvc_tc_layout kvc_tc_layout_of(int f, int D, int gk, int gv, int ntm) {
   const int stages = kvc_tc_stages(ntm);

@@ -11,7 +11,9 @@
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
  * vectors per KV head): "16-bit rows" below; at head dim 512 those rows
  * take kvc_wg512_kernel (value dims split between the warpgroups: its
- * comment below).
+ * comment below); a third fp8 rows (e4m3 or e5m2 codes, one f32 scale per
+ * token and KV head, bf16 queries, >= KVC_WG_FP8_MIN_Q vectors): "fp8
+ * rows" below.
  * sm_90a only: selected on compute capability 9.0 when the build carries
  * sm_90a code (kvc_wg_compiled); splits are merged by the merge launch. A
  * rotated call: q rotated as it is staged (kvc_rotated_query_rows), each
@@ -73,8 +75,25 @@
  *         instance per head dim and layout (contiguous or BLOCK_TABLE: one
  *         loader path in the loop, with whole stages skipping the
  *         per-element mask compares).
- *   issue: per stage and SM ~7,700 warp instructions, 45 % of them the
- *         conversion.
+ *   issue: warpgroup index, descriptors and their per-k-step offsets are
+ *         warp-uniform (the index through a shuffle from lane 0), so each
+ *         wgmma costs its uniform-register adds only; the softcap and the
+ *         mask branch once per stage, not per element; P = 2^(x - m') with
+ *         m' = m, or 0 while m is -inf (no compare per element). SASS of the
+ *         loop at D = 256 (contiguous rows), per warp and stage on the usual
+ *         path (whole stage, no softcap): ~675 instructions (S issue 70,
+ *         conversion 305, softmax 170, P and P.V 110), ~5,400 per SM; the
+ *         conversion's per-thread offsets are computed once (kvc_wg_cv).
+ *         The conversion is at its floor for s c + b rounded once: per 32
+ *         codes 12 shifts, 16 LOP3, 32 HFMA2, one LDS.128, four STS.128.
+ *         Folding V's scale into P instead (V tile 128 + c, no HFMA2; A =
+ *         bf16(P s) per 64-dim group) costs one HMUL2 per two (row, token,
+ *         group) items plus the scale loads and the bias and -128 terms, and
+ *         at 64 query rows those items are as many as V's elements: it saves
+ *         at most a quarter of V's HFMA2 before the corrections. Folding K's
+ *         scale needs a per-group S accumulator (16 registers per group) and
+ *         two FFMA per (row, token, group): more than the two HFMA2 per pair
+ *         it saves.
  *
  * 16-bit rows (bf16, f16; instances kvc_wg_kernel<KVC_BF16 / KVC_F16, D, TBL>):
  *   the rows are the wgmma operands, so the tiles ARE the stages: a ring of
@@ -97,7 +116,32 @@
  *         block ids of stage s + 2 NS - 2); wait for S(s); softmax (the same
  *         code as q4); issue P.V(s).
  *   precision: P rounded to bf16 (f16 rows: f16 wgmma, P in f16), f32 sums;
- *         q, K and V as given. */
+ *         q, K and V as given.
+ *
+ * fp8 rows (e4m3, e5m2; instances kvc_wg_kernel<KVC_E4M3 / KVC_E5M2, D, TBL>):
+ *   the q4 pipeline with fp8 stages: raw code rows of D bytes (no row pad)
+ *         and the f32 row scales (tc_stage.cuh's loader, warpgroup 0) in a
+ *         ring of KVC_WG_RAW8 = 2 slots, converted once per element into
+ *         the double-buffered bf16 tiles. Shared memory ~227 KB at D = 256
+ *         (a third raw slot would not fit: 33 KB a stage), ~115 KB at 128,
+ *         ~59 KB at 64.
+ *   pipeline: as q4, but the copies of stage s + 2 go out after stage s's
+ *         barrier (wait for stage s + 1's copies, block barrier), into the
+ *         slot stage s left (converted at stage s - 1, before the barrier);
+ *         block ids of stage s + 3 with them (KVC_WG_IDS8 slots). Two stages
+ *         in flight across the barrier, one after it.
+ *   conversion (kvc_wg_convert_fp8, offsets kvc_wg_cv8): thread i of
+ *         warpgroup w takes token row 32 w + i / 4 and D / 64 pieces of 16
+ *         codes, the quarter-warp's two rows in complementary halves of
+ *         each 128-byte span, so the LDS.128 of the unpadded rows and the
+ *         STS.128 into the swizzled tiles are free of bank conflicts; per 2
+ *         codes one cvt.rn.f16x2.{e4m3x2,e5m2x2} (exact), two f32 products
+ *         with the row scale (1 without scales), one bf16x2 rounding
+ *         (kvc_deq_fp8x2, as the narrow and wide kernels).
+ *   dim order: natural in Q, K and V, as the 16-bit rows (their output
+ *         columns and their end: three O over the Q tile, tiles and ring).
+ *   precision: K, V (bf16 of scale * code) and P rounded to bf16, f32 sums:
+ *         "[K,V,P bf16]", the other fp8 tensor-core instances' contract. */
 #include "cuda/launch.cuh"
 #include "cuda/tc_stage.cuh"
 
@@ -110,19 +154,43 @@
 
 /* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
  * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
- * block ids of BLOCK_TABLE views, the final maxima and sums. */
+ * block ids of BLOCK_TABLE views, the final maxima and sums. fp8 rows (f =
+ * KVC_E4M3 / KVC_E5M2): a ring of KVC_WG_RAW8 slots of unpadded rows (D
+ * bytes; kvc_wg_cv8_of reads them without bank conflicts), KVC_WG_IDS8 id
+ * slots, and the three outputs, maxima and sums of the end over the Q tile,
+ * the tiles and the ring (as the 16-bit rows': ost), so that D = 256 fits
+ * (~227 KB). */
+#define KVC_WG_RAW8 2 /* fp8: raw stage slots (stage s + 2 copied into the slot that stage s left) */
+#define KVC_WG_IDS8 3 /* fp8: block-id slots */
 struct kvc_wg_layout {
   int tile; /* bytes of one bf16 tile: 64 rows x 2 D */
-  int qt, raw, ids, ms, ls, mw, total;
+  int qt, raw, ids, ost, ms, ls, mw, total;
   kvc_tc_layout st;
 };
-__host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv) {
+__host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, int gv) {
   kvc_wg_layout w;
-  kvc_tc_stage_layout(w.st, KVC_Q4, D, gk, gv);
   w.tile = 64 * 2 * D;
   w.qt = 0;
   w.raw = 5 * w.tile;
+  if (kvc_tc_fp8(f)) {
+    kvc_tc_layout &l = w.st;
+    l.rs = D;
+    l.kd = 0;
+    l.vd = KVC_TC_TOK * D;
+    l.ks = 2 * KVC_TC_TOK * D;
+    l.kb = l.vs = l.vb = l.ks + KVC_TC_TOK * 4;
+    l.stage = l.vs + KVC_TC_TOK * 4;
+    w.ids = w.raw + KVC_WG_RAW8 * l.stage;
+    w.total = w.ids + KVC_WG_IDS8 * KVC_TC_IDS * 4;
+    w.ost = 0; /* three O [64][D + 4], then the maxima and sums (after the loop) */
+    w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
+    w.ls = w.ms + KVC_WG_QV * 4;
+    w.mw = w.ls + KVC_WG_QV * 4;
+    return w;
+  }
+  kvc_tc_stage_layout(w.st, KVC_Q4, D, gk, gv);
   w.ids = w.raw + KVC_WG_RAW * w.st.stage;
+  w.ost = w.tile; /* both warpgroups' O [64][D + 4] over the tiles and the ring (after the loop) */
   w.ms = w.ids + 2 * KVC_WG_RAW * KVC_TC_IDS * 4;
   w.ls = w.ms + KVC_WG_QV * 4;
   w.mw = w.ls + KVC_WG_QV * 4; /* both warpgroups' m and l before they combine */
@@ -132,42 +200,114 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int D, int gk, int gv)
 __host__ __device__ inline int kvc_wg_kt(const kvc_wg_layout &w, int buf) { return w.tile * (1 + 2 * buf); }
 __host__ __device__ inline int kvc_wg_vt(const kvc_wg_layout &w, int buf) { return w.tile * (2 + 2 * buf); }
 /* dynamic shared memory: the layout plus the base's alignment (16-bit rows,
- * kvc_wgf_layout_of below: gk, gv unused) */
+ * kvc_wgf_layout_of below, and fp8 rows: gk, gv unused) */
 static int kvc_wgf_total(int D);
 static int kvc_wg512_total(void);
 int kvc_wg_smem(int f, int D, int gk, int gv) {
-  return (kvc_tc_float(f) ? (D == 512 ? kvc_wg512_total() : kvc_wgf_total(D)) : kvc_wg_layout_of(D, gk, gv).total) +
+  return (kvc_tc_float(f) ? (D == 512 ? kvc_wg512_total() : kvc_wgf_total(D)) : kvc_wg_layout_of(f, D, gk, gv).total) +
          1024;
 }
 
+/* A thread's share of the conversion (see the file comment), fixed for the
+ * block: its row r = 32 wg + wt % 32 and pieces c = c0 + 4 i (c0 = wt /
+ * 32); ld: byte offset of piece c0 in a raw K (V) row block (r rs + 16 c0;
+ * piece c at + 16 (c - c0)); st: offset of its first unit in a tile (r 128
+ * + (c0 / 2) chunks + unit ((c0 % 2) 4 ^ (r % 8)): unit j of piece c is
+ * at (st + (c / 2 - c0 / 2) chunks) ^ 16 j, the 128-byte swizzle, as the
+ * tile base and the chunks are 1024-byte multiples and st's unit has its
+ * two low bits r's); ks[i], vs[i]: offset of its K (V) scale entry for
+ * piece c0 + 4 i in the scale rows (2 (r groups + (32 c >> group shift))). */
+template <int D> struct kvc_wg_cv {
+  static constexpr int NP = (D + 127) / 128; /* pieces per thread and row (D = 64: threads c0 < 2) */
+  uint32_t ld, st, ks[NP], vs[NP];
+};
+template <int D>
+__device__ __forceinline__ kvc_wg_cv<D> kvc_wg_cv_of(const kvc_tc_layout &L, int wg, int wt, int gk, int gv, int gk_sh,
+                                                     int gv_sh) {
+  kvc_wg_cv<D> v;
+  const int r = 32 * wg + (wt & 31), c0 = wt >> 5;
+  v.ld = r * L.rs + 16 * c0;
+  v.st = r * 128 + (c0 >> 1) * KVC_WG_CHUNK + ((((c0 & 1) * 4) ^ (r & 7)) << 4);
+#pragma unroll
+  for (int i = 0; i < kvc_wg_cv<D>::NP; ++i) {
+    v.ks[i] = 2 * (r * gk + ((32 * (c0 + 4 * i)) >> gk_sh));
+    v.vs[i] = 2 * (r * gv + ((32 * (c0 + 4 * i)) >> gv_sh));
+  }
+  return v;
+}
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
- * bf16 K and V tiles (see the file comment); so: where the stage's scale
- * entries start with one group per row (kvc_tc_so). */
+ * bf16 K and V tiles at kt and kt + the tile size (see the file comment);
+ * so: where the stage's scale entries start with one group per row
+ * (kvc_tc_so). */
 template <int D>
 __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
-                                               unsigned char *vt, int wg, int gk, int gv, int gk_sh, int gv_sh, int so) {
-  const int wt = threadIdx.x % KVC_WG_THREADS, r = 32 * wg + (wt & 31), c0 = wt >> 5;
+                                               const kvc_wg_cv<D> &cv, int wt, int so) {
+  const int c0 = wt >> 5;
 #pragma unroll
   for (int op = 0; op < 2; ++op) {
-    const unsigned char *row = slot + (op ? L.vd : L.kd) + r * L.rs;
-    const int ng = op ? gv : gk, gsh = op ? gv_sh : gk_sh;
-    const unsigned char *sr = slot + (op ? L.vs : L.ks) + r * ng * 2, *zr = slot + (op ? L.vb : L.kb) + r * ng * 2;
-    unsigned char *dst = (op ? vt : kt) + r * 128;
+    const unsigned char *row = slot + (op ? L.vd : L.kd) + cv.ld;
+    const unsigned char *sr = slot + (op ? L.vs : L.ks) + 2 * so, *zr = slot + (op ? L.vb : L.kb) + 2 * so;
+    unsigned char *dst = kt + op * 64 * 2 * D;
 #pragma unroll
-    for (int i = 0; i < (D + 127) / 128; ++i) {
-      const int c = c0 + 4 * i; /* piece: dims 32 c .. 32 c + 31 */
-      if (D < 128 && c >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
-      const uint4 w = *(const uint4 *)(row + 16 * c);
-      const int gi = ((32 * c) >> gsh) + so; /* its scale entry */
-      const uint32_t s1 = kvc_lds16(sr + 2 * gi), z1 = kvc_lds16(zr + 2 * gi);
+    for (int i = 0; i < kvc_wg_cv<D>::NP; ++i) {
+      if (D < 128 && c0 + 4 * i >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
+      const uint4 w = *(const uint4 *)(row + 64 * i); /* piece c = c0 + 4 i: dims 32 c .. 32 c + 31 */
+      const uint32_t e = op ? cv.vs[i] : cv.ks[i]; /* its scale entry */
+      const uint32_t s1 = kvc_lds16(sr + e), z1 = kvc_lds16(zr + e);
       const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
       const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint4 o = make_uint4(kvc_deq_pair(ws[j], 0, s2, z2), kvc_deq_pair(ws[j], 1, s2, z2),
                                    kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
-        *(uint4 *)(dst + (c >> 1) * KVC_WG_CHUNK + ((((c & 1) * 4 + j) ^ (r & 7)) << 4)) = o;
+        *(uint4 *)(dst + 2 * i * KVC_WG_CHUNK + (cv.st ^ (j << 4))) = o;
       }
+    }
+  }
+}
+/* fp8 rows: a thread's share of the conversion, fixed for the block. Thread
+ * wt of warpgroup wg takes token row r = 32 wg + wt / 4 and the 16-byte
+ * pieces (16 codes, dims 16 p .. 16 p + 15: units 2 p, 2 p + 1 of chunk p /
+ * 4) p = wt % 4 + 4 (i ^ h), i < D / 64, h = r % 2 (D = 64: p = wt % 4): a
+ * quarter-warp (rows r, r + 1) reads pieces in 8 distinct 16-byte bank
+ * groups of the unpadded rows and stores units 2 p % 8 ^ r % 8, even for
+ * one row, odd for the other: no bank conflicts. ld[i & 1] + 128 (i / 2):
+ * piece i's offset in a raw K (V) row block; st[i & 1] + 2 (i / 2) chunks:
+ * its first unit in a tile (the second at ^ 16); sc: the row's scale entry. */
+struct kvc_wg_cv8 {
+  uint32_t ld[2], st[2], sc;
+};
+template <int D> __device__ __forceinline__ kvc_wg_cv8 kvc_wg_cv8_of(int wg, int wt) {
+  kvc_wg_cv8 v;
+  const int r = 32 * wg + (wt >> 2), pl = wt & 3, h = D >= 128 ? r & 1 : 0;
+  const uint32_t ld = r * D + 16 * pl, st = r * 128 + (((2 * pl) ^ (r & 7)) << 4);
+  v.ld[0] = ld + 64 * h;
+  v.ld[1] = ld + 64 * (1 - h);
+  v.st[0] = st + KVC_WG_CHUNK * h;
+  v.st[1] = st + KVC_WG_CHUNK * (1 - h);
+  v.sc = 4 * r;
+  return v;
+}
+/* Warpgroup w's token rows of the fp8 raw stage at slot -> bf16 K and V
+ * tiles at kt and kt + the tile size, natural dim order: bf16 of the row's
+ * f32 scale (1 without scales: ksc, vsc) times the code (exact in f16,
+ * kvc_deq_fp8x2). */
+template <int F, int D>
+__device__ __forceinline__ void kvc_wg_convert_fp8(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
+                                                   const kvc_wg_cv8 &cv, bool ksc, bool vsc) {
+#pragma unroll
+  for (int op = 0; op < 2; ++op) {
+    const unsigned char *row = slot + (op ? L.vd : L.kd);
+    const float sf = kvc_fp8_scale(slot + cv.sc, op ? L.vs : L.ks, 0, op ? vsc : ksc);
+    unsigned char *dst = kt + op * 64 * 2 * D;
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      const uint4 w = *(const uint4 *)(row + cv.ld[i & 1] + 128 * (i >> 1));
+      unsigned char *o = dst + 2 * (i >> 1) * KVC_WG_CHUNK;
+      *(uint4 *)(o + cv.st[i & 1]) = make_uint4(kvc_deq_fp8x2<F>(w.x, sf, sf), kvc_deq_fp8x2<F>(w.x >> 16, sf, sf),
+                                                kvc_deq_fp8x2<F>(w.y, sf, sf), kvc_deq_fp8x2<F>(w.y >> 16, sf, sf));
+      *(uint4 *)(o + (cv.st[i & 1] ^ 16)) = make_uint4(kvc_deq_fp8x2<F>(w.z, sf, sf), kvc_deq_fp8x2<F>(w.z >> 16, sf, sf),
+                                                       kvc_deq_fp8x2<F>(w.w, sf, sf), kvc_deq_fp8x2<F>(w.w >> 16, sf, sf));
     }
   }
 }
@@ -259,31 +399,41 @@ __device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int f
   if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
 }
 
-/* F: KVC_Q4 (raw stages converted into double-buffered tiles) or KVC_BF16 /
- * KVC_F16 (rows copied into a ring of tiles; f16: f16 wgmma, P in f16); the
- * S / softmax / P.V loop is the same code for all. */
+/* F: KVC_Q4 or KVC_E4M3 / KVC_E5M2 (raw stages converted into
+ * double-buffered tiles) or KVC_BF16 / KVC_F16 (rows copied into a ring of
+ * tiles; f16: f16 wgmma, P in f16); the S / softmax / P.V loop is the same
+ * code for all. */
 template <int F, int D, bool TBL>
 __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) kvc_wg_kernel(const kvc_args a) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int NC = D / 64, KS = D / 16;
   constexpr bool FL = kvc_tc_float(F), H = F == KVC_F16; /* 16-bit rows; f16 operands */
+  constexpr bool FP8 = kvc_tc_fp8(F), NAT = FL || FP8;  /* fp8 rows; natural dim order in the tiles */
   constexpr int NS = KVC_WG_NS(D);                      /* FL: tile slots of the ring */
+  constexpr int RAW = FP8 ? KVC_WG_RAW8 : KVC_WG_RAW, NI = FP8 ? KVC_WG_IDS8 : 2 * KVC_WG_RAW; /* raw, id slots */
   extern __shared__ unsigned char kvc_wg_buf[];
   const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
   unsigned char *base = kvc_wg_buf + (sbase - sraw);
-  const int tid = threadIdx.x, wg = tid / KVC_WG_THREADS, wt = tid % KVC_WG_THREADS;
+  const int tid = threadIdx.x, wt = tid % KVC_WG_THREADS;
+  /* warpgroup: through a shuffle, warp-uniform to the compiler (the wgmma descriptors in uniform registers) */
+  const int wg = __shfl_sync(KVC_FULL_MASK, tid / KVC_WG_THREADS, 0);
   const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
   const int qg = blockIdx.x, split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
-  const int gk = FL ? 0 : D / a.k.group, gv = FL ? 0 : D / a.v.group;
-  const int gk_sh = FL ? 0 : 31 - __clz(a.k.group), gv_sh = FL ? 0 : 31 - __clz(a.v.group);
-  const kvc_wg_layout W = kvc_wg_layout_of(D, gk, gv);
+  const int gk = NAT ? 0 : D / a.k.group, gv = NAT ? 0 : D / a.v.group;
+  const int gk_sh = NAT ? 0 : 31 - __clz(a.k.group), gv_sh = NAT ? 0 : 31 - __clz(a.v.group);
+  const kvc_wg_layout W = kvc_wg_layout_of(F, D, gk, gv);
   const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
+  kvc_wg_cv<D> cv{}; /* q4: this thread's conversion offsets */
+  if constexpr (!NAT) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
+  kvc_wg_cv8 cv8{}; /* fp8: this thread's conversion offsets */
+  if constexpr (FP8) cv8 = kvc_wg_cv8_of<D>(wg, wt);
+  const bool ksc = a.k.scales != nullptr, vsc = a.v.scales != nullptr; /* fp8: rows with scales */
   const long long len = kvc_seq_len(a, b);
-  const int fo = kvc_first_offset(a.k, b), e0 = FL ? 0 : kvc_tc_e0(a, b, hk, fo);
+  const int fo = kvc_first_offset(a.k, b), e0 = NAT ? 0 : kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
   const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
@@ -295,25 +445,26 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   uint32_t ring = 0, ids_sh = 0;
   int *ids = nullptr;
   if constexpr (!FL) {
-    /* prologue: the first KVC_WG_RAW - 1 stages in flight (one commit group each);
-     * BLOCK_TABLE ids as in the narrow kernel (stage x's in slot x % (2 RAW)) */
+    /* prologue: the first 2 stages in flight (one commit group each: q4
+     * KVC_WG_RAW - 1, fp8 KVC_WG_RAW8); BLOCK_TABLE ids as in the narrow
+     * kernel (stage x's in slot x % NI; q4: the ids of stages 2, 3 issued
+     * here, fp8: of stage 2) */
     ring = sbase + W.raw;
-    ld = kvc_tc_loader_of<KVC_Q4, D>(a, L, b, hk, t_lo);
+    ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
     ids = (int *)(base + W.ids);
     ids_sh = sbase + W.ids;
     if (tbl) {
       if (loads)
-        for (int s = 0; s < KVC_WG_RAW - 1; ++s)
+        for (int s = 0; s < 2; ++s)
           kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
       __syncthreads();
     }
 #pragma unroll
-    for (int s = 0; s < KVC_WG_RAW - 1; ++s) {
+    for (int s = 0; s < 2; ++s) {
       const long long ts = t_lo + (long long)s * KVC_TC_TOK;
-      if (loads && s < nst) kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
-      if (loads && tbl)
-        kvc_tc_issue_ids(a, b, fo, ts + (long long)(KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                         ids_sh + ((s + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+      if (loads && s < nst) kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
+      if (loads && tbl && (!FP8 || s == 0))
+        kvc_tc_issue_ids(a, b, fo, ts + 2LL * KVC_TC_TOK, t_hi, ids_sh + ((s + 2) % NI) * KVC_TC_IDS * 4);
       kvc_cp_commit();
     }
   } else {
@@ -346,7 +497,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 
   /* the Q tile: row r = query vector q0 + r (zeros past Q), logical unit u of
    * 8 dims from dims 8 u .. 8 u + 7 in the order (0, 4, 1, 5, 2, 6, 3, 7)
-   * (q4), in natural order (16-bit rows); a rotated call's query rotated
+   * (q4), in natural order (16-bit and fp8 rows); a rotated call's query rotated
    * first (a warp per vector) */
   if (a.rot_q)
     kvc_rotated_query_rows<D>(a, b, hk, q0, KVC_WG_QV, Q, tid / KVC_WARP, KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP,
@@ -354,7 +505,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
                                 const int un = d / 8, k = d % 8;
                                 *(unsigned short *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 +
                                                     (((un & 7) ^ (r & 7)) << 4) +
-                                                    2 * (FL ? k : k < 4 ? 2 * k : 2 * k - 7)) = x;
+                                                    2 * (NAT ? k : k < 4 ? 2 * k : 2 * k - 7)) = x;
                               });
   const int q_units = a.rot_q ? 0 : KVC_WG_QV * D / 8; /* rotated: staged above */
   for (int u = tid; u < q_units; u += KVC_WG_WGS * KVC_WG_THREADS) {
@@ -370,7 +521,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
         for (int k = 0; k < 4; ++k) w[k] = (uint32_t)qp[2 * k] | ((uint32_t)qp[2 * k + 1] << 16);
       }
-      if constexpr (FL)
+      if constexpr (NAT)
         o = make_uint4(w[0], w[1], w[2], w[3]);
       else
         o = make_uint4(__byte_perm(w[0], w[2], 0x5410), __byte_perm(w[0], w[2], 0x7632),
@@ -404,11 +555,13 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
 #pragma unroll
     for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
 
-  if (!FL && nst > 0) { /* q4: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
-    kvc_cp_wait<KVC_WG_RAW - 2>();
+  if (!FL && nst > 0) { /* q4, fp8: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
+    kvc_cp_wait<1>();
     __syncthreads();
-    kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), base + kvc_wg_vt(W, 0), wg, gk, gv, gk_sh, gv_sh,
-                      kvc_tc_so(gk, t_lo, e0));
+    if constexpr (FP8)
+      kvc_wg_convert_fp8<F, D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv8, ksc, vsc);
+    else
+      kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -460,23 +613,40 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       kvc_cp_commit();
       slot = slot + 1 == NS ? 0 : slot + 1;
     } else {
-      { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
+      if constexpr (!FP8) { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
         const int sn = s + KVC_WG_RAW - 1;
         if (loads && sn < nst)
-          kvc_tc_load_stage<KVC_Q4, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
-                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % (2 * KVC_WG_RAW)) * KVC_TC_IDS);
+          kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
+                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % NI) * KVC_TC_IDS);
         if (loads && tbl)
           kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                           ids_sh + ((sn + KVC_WG_RAW - 1) % (2 * KVC_WG_RAW)) * KVC_TC_IDS * 4);
+                           ids_sh + ((sn + KVC_WG_RAW - 1) % NI) * KVC_TC_IDS * 4);
         kvc_cp_commit();
       }
       if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-        kvc_cp_wait<KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-        __syncthreads();               /* visible to both; every slot's earlier conversions done */
-        kvc_wg_wait<1>();              /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
-        kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1),
-                          base + kvc_wg_vt(W, cb ^ 1), wg, gk, gv, gk_sh, gv_sh,
-                          kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
+        kvc_cp_wait<FP8 ? 0 : KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+        __syncthreads(); /* visible to both; every slot's earlier conversions done */
+        if constexpr (FP8) {
+          /* the copies of stage s + 2 into the slot stage s left (converted
+           * before this barrier), and the block ids of stage s + 3 (read
+           * at the next stage's loads, after its barrier) */
+          const int sn = s + 2;
+          if (loads && sn < nst)
+            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s & 1) * L.stage, fo,
+                                                       t_lo + (long long)sn * KVC_TC_TOK, t_hi,
+                                                       ids + (sn % NI) * KVC_TC_IDS);
+          if (loads && tbl)
+            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi,
+                             ids_sh + ((sn + 1) % NI) * KVC_TC_IDS * 4);
+          kvc_cp_commit();
+        }
+        kvc_wg_wait<1>(); /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
+        if constexpr (FP8)
+          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) & 1) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
+                                   vsc);
+        else
+          kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
+                            kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
       }
     }
     kvc_wg_wait<0>();
@@ -501,22 +671,28 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         hi[r] = (int)(min(max(h - t0, 0LL), (long long)KVC_TC_TOK));
         lo[r] = (int)(min(max(o - t0, 0LL), (long long)KVC_TC_TOK));
       }
+    /* the scale, the softcap and the mask each in a loop of its own: one
+     * branch per stage for the softcap and one for the mask */
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sacc[i] *= scl2;
+    if (capped)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sacc[i] = cap2 * tanhf(sacc[i] * cap2_inv);
+    if (!full)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
+          const bool vis = (tok >= lo[r] && tok < hi[r]) ||
+                           (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull));
+          sacc[4 * j + e] = vis ? sacc[4 * j + e] : -INFINITY;
+        }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, tok = 32 * wg + 8 * j + 2 * t4 + (e & 1);
-        float x = sacc[4 * j + e] * scl2;
-        if (capped) x = cap2 * tanhf(x * cap2_inv);
-        if (!full)
-          x = (tok >= lo[r] && tok < hi[r]) ||
-                      (tok >= nlo && tok < nhi && ((tbits[r] >> (t0 + tok - n0)) & 1ull))
-                  ? x
-                  : -INFINITY;
-        sacc[4 * j + e] = x;
-        mx[r] = kvc_max(mx[r], x);
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = kvc_max(mx[e >> 1], sacc[4 * j + e]);
     float corr[2];
     bool moved = false;
 #pragma unroll
@@ -542,6 +718,11 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
           oacc[c][4 * j + 2] *= corr[1];
           oacc[c][4 * j + 3] *= corr[1];
         }
+    /* the exponent's offset: m, or 0 while m is -inf (the row has seen no
+     * key: its logits are all -inf, and 2^(-inf - 0) = 0 without a compare
+     * per element; a NaN m gives NaN for every key, masked ones included:
+     * the row's output is NaN either way) */
+    const float mp[2] = {m[0] == -INFINITY ? 0.0f : m[0], m[1] == -INFINITY ? 0.0f : m[1]};
     /* P in bf16 (f16 rows: f16) as the A fragments of the 2 P.V k-steps:
      * a[2 h + r] = tokens 16 kq + 8 h + 2 t4, + 1 of row r; l sums the
      * rounded values */
@@ -554,8 +735,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         for (int r = 0; r < 2; ++r) {
           const int j = 2 * kq + h;
           const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
-          const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
-          const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
+          const float p0 = kvc_exp2(x0 - mp[r]), p1 = kvc_exp2(x1 - mp[r]); /* -inf (masked): 0 */
           uint32_t pk;
           if constexpr (H) {
             pk = kvc_f16x2_of(p0, p1);
@@ -596,18 +776,20 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   /* the two warpgroups' states through the idle tiles and ring: O [64][D + 4]
    * each (padded: no bank conflicts), accumulator (c, j, e) of lane (g, t4)
    * at column 64 c + 8 j + t4 + 4 (e & 1). q4 (V in pair order): that column
-   * is its dim; combined into warpgroup 0's. 16-bit rows (V in dim order):
+   * is its dim; combined into warpgroup 0's. 16-bit and fp8 rows (V in dim order):
    * the accumulator is dim 64 c + 8 j + 2 t4 + (e & 1), so dim d sits at
    * column dc(d); combined into a third O in dim order (stores in dim order
    * made ptxas serialize the loop's wgmmas: C7515) */
   constexpr int OLD = D + 4;
-  float *ost = (float *)(base + (FL ? WF.ost : kvc_wg_kt(W, 0))), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
+  float *ost = (float *)(base + (FL ? WF.ost : W.ost)), *ms = (float *)(base + (FL ? WF.ms : W.ms)),
         *ls = (float *)(base + (FL ? WF.ls : W.ls));
   float *own = ost + wg * KVC_WG_QV * OLD, *mw = (float *)(base + (FL ? WF.mw : W.mw));
   static_assert(KVC_WG_WGS * KVC_WG_QV * (D + 4) * 4 <= 4 * 64 * 2 * D + KVC_WG_RAW * 64 * (D / 2 + KVC_TC_ROWPAD),
                 "the tiles and the ring hold both warpgroups' outputs");
   static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= (1 + 2 * KVC_WG_NS(D)) * 64 * 2 * D,
                 "16-bit rows: the Q tile and the ring hold three outputs, the maxima and sums");
+  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= 5 * 64 * 2 * D + KVC_WG_RAW8 * 64 * 2 * D,
+                "fp8 rows: the Q tile, the tiles and the ring hold three outputs, the maxima and sums");
 #pragma unroll
   for (int c = 0; c < NC; ++c)
 #pragma unroll
@@ -623,12 +805,12 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     }
   __syncthreads();
   const int nq = min(KVC_WG_QV, Q - q0);
-  float *fin = FL ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
+  float *fin = NAT ? ost + KVC_WG_WGS * KVC_WG_QV * OLD : ost; /* the combined O */
   for (int i = tid; i < nq * D; i += KVC_WG_WGS * KVC_WG_THREADS) {
     const int v = i / D, d = i % D;
     float mn, f0, f1;
     kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
-    const int dc = FL ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
+    const int dc = NAT ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
     fin[v * OLD + d] = ost[v * OLD + dc] * f0 + ost[(KVC_WG_QV + v) * OLD + dc] * f1;
     if (d == 0) {
       ms[v] = mn;
@@ -1053,7 +1235,9 @@ template <int F, int D, bool T> static cudaError_t kvc_wg_prepare(void) {
 }
 /* (rows, head dim, BLOCK_TABLE rows): an instance per layout, so the loop holds one loader path */
 #define KVC_WG_INSTANCES_F(X, F) X(F, 64, false) X(F, 64, true) X(F, 128, false) X(F, 128, true) X(F, 256, false) X(F, 256, true)
-#define KVC_WG_INSTANCES(X) KVC_WG_INSTANCES_F(X, KVC_Q4) KVC_WG_INSTANCES_F(X, KVC_BF16) KVC_WG_INSTANCES_F(X, KVC_F16)
+#define KVC_WG_INSTANCES(X)                                                                                             \
+  KVC_WG_INSTANCES_F(X, KVC_Q4) KVC_WG_INSTANCES_F(X, KVC_BF16) KVC_WG_INSTANCES_F(X, KVC_F16)                         \
+  KVC_WG_INSTANCES_F(X, KVC_E4M3) KVC_WG_INSTANCES_F(X, KVC_E5M2)
 
 /* Both layouts' instances get the limit; their residency is the same (one
  * block per SM: shared memory at D = 256, registers at 128; two at 64). */
@@ -1088,6 +1272,8 @@ int kvc_wg_occupancy(int f, int D, int smem) {
   const cudaError_t e = f == KVC_Q4     ? kvc_wg_occupancy_f<KVC_Q4>(D, &n, smem)
                         : f == KVC_BF16 ? kvc_wg_occupancy_f<KVC_BF16>(D, &n, smem)
                         : f == KVC_F16  ? kvc_wg_occupancy_f<KVC_F16>(D, &n, smem)
+                        : f == KVC_E4M3 ? kvc_wg_occupancy_f<KVC_E4M3>(D, &n, smem)
+                        : f == KVC_E5M2 ? kvc_wg_occupancy_f<KVC_E5M2>(D, &n, smem)
                                         : cudaErrorInvalidValue;
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -1098,8 +1284,8 @@ int kvc_wg_occupancy(int f, int D, int smem) {
 
 int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) {
   dim3 grid(plan.qtiles, plan.nsplit, a.B * a.KVH);
-  const bool fl = kvc_tc_float(plan.fmt);
-  const int smem = kvc_wg_smem(plan.fmt, a.Dk, fl ? 0 : a.Dk / a.k.group, fl ? 0 : a.Dv / a.v.group);
+  const bool nat = kvc_tc_float(plan.fmt) || kvc_tc_fp8(plan.fmt); /* no groups */
+  const int smem = kvc_wg_smem(plan.fmt, a.Dk, nat ? 0 : a.Dk / a.k.group, nat ? 0 : a.Dv / a.v.group);
   cudaError_t e = cudaErrorInvalidValue;
 #define KVC_CASE(F_, D_, T_)                                                                       \
   if (plan.fmt == F_ && a.Dk == D_ && (a.k.tbl != nullptr) == T_) {                                \
@@ -1117,7 +1303,12 @@ int kvc_launch_wg(const kvc_args &a, const kvc_plan &plan, cudaStream_t stream) 
 #undef KVC_CASE
   if (e != cudaSuccess)
     return kva_seterr(KVA_ECUDA, "%s warpgroup verify kernel (D = %d, %d query vectors): %s",
-                      plan.fmt == KVC_BF16 ? "bf16" : plan.fmt == KVC_F16 ? "f16" : "q4", a.Dk, a.rep * a.L,
+                      plan.fmt == KVC_BF16   ? "bf16"
+                      : plan.fmt == KVC_F16  ? "f16"
+                      : plan.fmt == KVC_E4M3 ? "f8e4m3"
+                      : plan.fmt == KVC_E5M2 ? "f8e5m2"
+                                             : "q4",
+                      a.Dk, a.rep * a.L,
                       cudaGetErrorString(e));
   return 0;
 }

@@ -45,6 +45,10 @@ extern "C" {
                                         environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context for both,
                                         < 0: never): not yet measured against the narrow / wide kernels; at 512
                                         (kvc_wg512_kernel) below it the fused kernel (decode: ~90 % of copy) */
+#define KVC_WG_FP8_MIN_Q 16          /* fp8 rows (e4m3 or e5m2, both alike) at head dims 64 / 128 / 256 on the
+                                        warpgroup kernel from this many query vectors per KV head (sm_90 only; the
+                                        environment variable KVA_CUDA_WG_FP8_MIN_Q sets it per context, < 0:
+                                        never); below, the decode instance (up to 8) and the wide kernel */
 #define KVC_TC_FLOAT_MIN_Q 3         /* bf16 / f16 K/V on the tensor-core kernel from 3 query vectors per KV
                                         head (P in bf16 / f16: the bf16 allowance); at 2 vectors the fused
                                         kernel reads at the copy bandwidth (H200) */
@@ -73,8 +77,9 @@ struct kvc_state {
   int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
-  int wg_occupancy[3][4], wg_smem[3][4]; /* its resident blocks per SM by [q4, bf16, f16][head dim 128, 256, 64, 512
-                                            (16-bit rows)], for that shared memory */
+  int wg_fp8_min_q;                     /* ... fp8 rows (< 0: never) */
+  int wg_occupancy[5][4], wg_smem[5][4]; /* its resident blocks per SM by [q4, bf16, f16, e4m3, e5m2][head dim 128,
+                                            256, 64, 512 (16-bit rows)], for that shared memory */
   int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
                                            slot aims at (KVC_RING_SLOT_BYTES), 0: off */
   int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
@@ -146,6 +151,9 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
   st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
   if (st->tc_table_min_q < 2) st->tc_table_min_q = 2;
+  ev = getenv("KVA_CUDA_WG_FP8_MIN_Q"); /* tuning and tests: see KVC_WG_FP8_MIN_Q */
+  st->wg_fp8_min_q =
+      st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FP8_MIN_Q) : -1;
   ctx->cuda = st;
   return 0;
 }
@@ -480,20 +488,25 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                     KVC_TC_MIN_SPLIT_TOKENS);
     return pl;
   }
-  const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16;
-  const int wg_min = !st ? -1 : wg_float ? st->wg_float_min_q : tcf == KVC_Q4 ? st->wg_min_q : -1;
+  const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16, wg_fp8 = tcf == KVC_E4M3 || tcf == KVC_E5M2;
+  const int wg_min = !st         ? -1
+                     : wg_float  ? st->wg_float_min_q
+                     : wg_fp8    ? st->wg_fp8_min_q
+                     : tcf == KVC_Q4 ? st->wg_min_q
+                                     : -1;
   const bool wg512 = wg_float && p->Dk == 512; /* 16-bit rows at head dim 512: the warpgroup kernel or the fused one */
   if (di >= 0 && (p->Dk <= 256 || wg512) && wg_min >= 0 && Q >= wg_min && p->mask.kind != KVA_MASK_ARRAY &&
       !p->mask.segments.data) {
-    /* q4, bf16 and f16 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or tree
-     * without image segments, or no mask:
+    /* q4, fp8, bf16 and f16 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or
+     * tree without image segments, or no mask:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element
-     * from q4, or the 16-bit rows copied into the tiles; 64 query vectors
-     * per block) when its shared memory fits */
-    const int smem = wg_float ? kvc_wg_smem(tcf, (int)p->Dk, 0, 0)
-                              : kvc_wg_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
-                                            (int)(p->Dv / kv->v.group_size));
-    const int wi = p->Dk == 512 ? 3 : p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2, wf = tcf == KVC_BF16 ? 1 : tcf == KVC_F16 ? 2 : 0;
+     * from q4 or fp8, or the 16-bit rows copied into the tiles; 64 query
+     * vectors per block) when its shared memory fits */
+    const int smem = wg_float || wg_fp8 ? kvc_wg_smem(tcf, (int)p->Dk, 0, 0)
+                                        : kvc_wg_smem(tcf, (int)p->Dk, (int)(p->Dk / kv->k.group_size),
+                                                      (int)(p->Dv / kv->v.group_size));
+    const int wi = p->Dk == 512 ? 3 : p->Dk == 256 ? 1 : p->Dk == 128 ? 0 : 2,
+              wf = tcf == KVC_BF16 ? 1 : tcf == KVC_F16 ? 2 : tcf == KVC_E4M3 ? 3 : tcf == KVC_E5M2 ? 4 : 0;
     if (smem <= KVC_TC_SMEM_MAX) {
       if (st->wg_smem[wf][wi] != smem) {
         st->wg_occupancy[wf][wi] = kvc_wg_occupancy(tcf, (int)p->Dk, smem);
@@ -603,7 +616,7 @@ static int kvc_ws_bytes(const kva_problem *p, const kvc_plan &pl, size_t *bytes)
  *   per-warp q4: P times the V scale in bf16, the codes exact;
  * - the 32- and 48-vector instances and the warpgroup kernel: K and V
  *   dequantized to bf16 (the warpgroup kernel over 16-bit rows: P only);
- * - fp8 rows (decode and wide instances): K and V as bf16 of scale * code
+ * - fp8 rows (decode and wide instances, the warpgroup kernel): K and V as bf16 of scale * code
  *   (code exact in f16, times the f32 row scale in f32, then rounded to bf16). */
 static const char *kvc_roundings(const kvc_plan &pl) {
   if (pl.fmt < 0 || !pl.tc) return "[exact f32]";
