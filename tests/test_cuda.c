@@ -953,7 +953,7 @@ done:
  * lengths, random and probe queries (run_table_case). Slots of 16 rows (D = 128), 8 (D = 256; block
  * 8 at 256 and at 128: a chunk is a whole block, at 128 one step of the warp), 4 (D = 512: four
  * chunks a block), head dim 192 (lanes with one 16-byte piece of a row), Dk != Dv with f32 queries,
- * f16 rows, L = 2, window, softcap, sinks, segments, no mask, a 5-token cache; 2 vectors at D = 128
+ * f16 rows, L = 2, window, softcap, sinks, no mask, a 5-token cache (image segments over a table: test_paged.c); 2 vectors at D = 128
  * (KVA_CUDA_TC_TABLE_MIN_Q=3); then the first table with the loop off (KVA_CUDA_FUSED_RING=0: rows
  * loaded per lane through the table). */
 TEST(cuda_block_table_staged) {
@@ -964,7 +964,7 @@ TEST(cuda_block_table_staged) {
   } sc[] = {
       {{3, 8, 4, 1, 1500, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
       {{3, 8, 4, 1, 2100, 256, 256, BF16, F32, 0, 0, 0, BF16, MASK_WINDOW, 300, 30.0f, 1, 1, 0}, 64},
-      {{3, 4, 4, 2, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_SEG, 0, 0, 0, 1, 0}, 8},
+      {{3, 4, 4, 2, 700, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 8},
       {{3, 8, 8, 1, 1000, 128, 128, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
       {{2, 4, 4, 1, 600, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_NONE, 0, 0, 0, 1, 0}, 8},
       {{3, 8, 4, 1, 900, 192, 192, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 32},
@@ -975,7 +975,10 @@ TEST(cuda_block_table_staged) {
       {{3, 8, 4, 1, 1300, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 20.0f, 1, 1, 0}, 64},
   };
   kva_context *ctx;
-  if (!make_cuda_ctx(&ctx, NULL)) return;
+  setenv("KVA_CUDA_FUSED_RING", "8192", 1); /* the loop on, whatever the default */
+  const int made1 = make_cuda_ctx(&ctx, NULL);
+  unsetenv("KVA_CUDA_FUSED_RING");
+  if (!made1) return;
   for (size_t ci = 0; ci < sizeof sc / sizeof sc[0]; ++ci)
     if (!run_table_case(ctx, &sc[ci].c, sc[ci].bs, 61 + ci, "shared-memory ring")) {
       FAIL_("staged case %zu", ci);
@@ -992,8 +995,10 @@ TEST(cuda_block_table_staged) {
       {{3, 8, 4, 1, 1100, 128, 128, F16, F32, 0, 0, 0, F16, MASK_WINDOW, 200, 25.0f, 0, 1, 0}, 64},
   };
   setenv("KVA_CUDA_TC_TABLE_MIN_Q", "3", 1);
+  setenv("KVA_CUDA_FUSED_RING", "8192", 1);
   const int made3 = make_cuda_ctx(&ctx, NULL);
   unsetenv("KVA_CUDA_TC_TABLE_MIN_Q");
+  unsetenv("KVA_CUDA_FUSED_RING");
   if (!made3) return;
   for (size_t ci = 0; ci < sizeof s2 / sizeof s2[0]; ++ci)
     if (!run_table_case(ctx, &s2[ci].c, s2[ci].bs, 81 + ci, "shared-memory ring")) {
