@@ -890,7 +890,7 @@ __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_oper
   const char *row = TBL ? base : base + b * O.ds[0] + (t0 + r0) * O.ds[2]; /* contiguous: row r0, then + rs rows */
   const long long step = rs * O.ds[2];
   t += (u >> 3) * (KVC_WG512_TOK * 128);
-#pragma unroll 2 /* fully unrolled, the contiguous instances' address registers made ptxas serialize the wgmmas (C7515) */
+#pragma unroll 2 /* registers: fully unrolled, the contiguous instances took all 255 */
   for (int k = 0; k < 8; ++k) {
     const int r = r0 + rs * k;
     const long long tk = t0 + r;
@@ -1018,6 +1018,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
   for (int c = 0; c < NC; ++c)
 #pragma unroll
     for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+#pragma unroll /* opaque zeros: folded into the first P.V, their moves into its accumulators made ptxas serialize the wgmmas (C7515) */
+  for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile written, visible to the async proxy */
 

@@ -659,9 +659,8 @@ extern "C" int kva_cuda_kernel_name(const kva_context *ctx, const kva_problem *p
   if (pl.fmt < 0)
     snprintf(name, size, "cuda general kernel %s", r);
   else if (pl.tc == 3)
-    snprintf(name, size, "cuda %s tensor-core kernel: warpgroup (wgmma), head dim %d%s, %d query vectors per block, "
-             "%d split%s %s", fmts[pl.fmt], (int)p->Dk, p->Dk == 512 ? " (value dims split between the warpgroups)" : "",
-             pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
+    snprintf(name, size, "cuda %s tensor-core kernel: warpgroup (wgmma), head dim %d, %d query vectors per block, %d split%s %s",
+             fmts[pl.fmt], (int)p->Dk, pl.QW, pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
   else if (pl.tc == 2)
     snprintf(name, size, "cuda q4 tensor-core kernel: per-warp, %d query vectors, group compiled in, %d split%s %s",
              (int)(p->rep * p->L), pl.nsplit, pl.nsplit == 1 ? "" : "s", r);
