@@ -626,7 +626,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
            * at the next stage's loads, after its barrier) */
           const int sn = s + 2;
           if (loads && sn < nst)
-            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s & 1) * L.stage, fo,
+            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s % RAW) * L.stage, fo,
                                                        t_lo + (long long)sn * KVC_TC_TOK, t_hi,
                                                        ids + (sn % NI) * KVC_TC_IDS);
           if (loads && tbl)
@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         }
         kvc_wg_wait<1>(); /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
         if constexpr (FP8)
-          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) & 1) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
+          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) % RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
                                    vsc);
         else
           kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
