@@ -121,15 +121,17 @@
  * fp8 rows (e4m3, e5m2; instances kvc_wg_kernel<KVC_E4M3 / KVC_E5M2, D, TBL>):
  *   the q4 pipeline with fp8 stages: raw code rows of D bytes (no row pad)
  *         and the f32 row scales (tc_stage.cuh's loader, warpgroup 0) in a
- *         ring of KVC_WG_RAW8 = 2 slots, converted once per element into
- *         the double-buffered bf16 tiles. Shared memory ~227 KB at D = 256
- *         (a third raw slot would not fit: 33 KB a stage), ~115 KB at 128,
- *         ~59 KB at 64.
- *   pipeline: as q4, but the copies of stage s + 2 go out after stage s's
+ *         ring of RAW = KVC_WG_RAW8(D) slots (2 at D = 256, 4 at 128 and
+ *         64), converted once per element into the double-buffered bf16
+ *         tiles. Shared memory ~227 KB at D = 256 (a third raw slot would
+ *         not fit: 33 KB a stage), ~149 KB at 128, ~77 KB at 64 (two
+ *         blocks per SM).
+ *   pipeline: as q4, but the copies of stage s + RAW go out after stage s's
  *         barrier (wait for stage s + 1's copies, block barrier), into the
  *         slot stage s left (converted at stage s - 1, before the barrier);
- *         block ids of stage s + 3 with them (KVC_WG_IDS8 slots). Two stages
- *         in flight across the barrier, one after it.
+ *         the block ids of stage s + 2 RAW - 1 with them (KVC_WG_IDS8(D) =
+ *         2 RAW - 1 slots: the prologue's first 2 RAW - 1 stages distinct).
+ *         RAW stages in flight across the barrier, RAW - 1 after it.
  *   conversion (kvc_wg_convert_fp8, offsets kvc_wg_cv8): thread i of
  *         warpgroup w takes token row 32 w + i / 4 and D / 64 pieces of 16
  *         codes, the quarter-warp's two rows in complementary halves of
@@ -155,13 +157,13 @@
 /* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
  * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
  * block ids of BLOCK_TABLE views, the final maxima and sums. fp8 rows (f =
- * KVC_E4M3 / KVC_E5M2): a ring of KVC_WG_RAW8 slots of unpadded rows (D
- * bytes; kvc_wg_cv8_of reads them without bank conflicts), KVC_WG_IDS8 id
- * slots, and the three outputs, maxima and sums of the end over the Q tile,
- * the tiles and the ring (as the 16-bit rows': ost), so that D = 256 fits
- * (~227 KB). */
-#define KVC_WG_RAW8 2 /* fp8: raw stage slots (stage s + 2 copied into the slot that stage s left) */
-#define KVC_WG_IDS8 3 /* fp8: block-id slots */
+ * KVC_E4M3 / KVC_E5M2): a ring of KVC_WG_RAW8(D) slots of unpadded rows (D
+ * bytes; kvc_wg_cv8_of reads them without bank conflicts), KVC_WG_IDS8(D)
+ * id slots, and the three outputs, maxima and sums of the end over the Q
+ * tile, the tiles and the ring (as the 16-bit rows': ost), so that D = 256
+ * fits (~227 KB). */
+#define KVC_WG_RAW8(D) ((D) == 256 ? 2 : 4) /* fp8: raw stage slots (stage s + RAW8 copied into the slot stage s left) */
+#define KVC_WG_IDS8(D) (2 * KVC_WG_RAW8(D) - 1) /* fp8: block-id slots */
 struct kvc_wg_layout {
   int tile; /* bytes of one bf16 tile: 64 rows x 2 D */
   int qt, raw, ids, ost, ms, ls, mw, total;
@@ -180,8 +182,8 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, 
     l.ks = 2 * KVC_TC_TOK * D;
     l.kb = l.vs = l.vb = l.ks + KVC_TC_TOK * 4;
     l.stage = l.vs + KVC_TC_TOK * 4;
-    w.ids = w.raw + KVC_WG_RAW8 * l.stage;
-    w.total = w.ids + KVC_WG_IDS8 * KVC_TC_IDS * 4;
+    w.ids = w.raw + KVC_WG_RAW8(D) * l.stage;
+    w.total = w.ids + KVC_WG_IDS8(D) * KVC_TC_IDS * 4;
     w.ost = 0; /* three O [64][D + 4], then the maxima and sums (after the loop) */
     w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
     w.ls = w.ms + KVC_WG_QV * 4;
@@ -410,7 +412,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   constexpr bool FL = kvc_tc_float(F), H = F == KVC_F16; /* 16-bit rows; f16 operands */
   constexpr bool FP8 = kvc_tc_fp8(F), NAT = FL || FP8;  /* fp8 rows; natural dim order in the tiles */
   constexpr int NS = KVC_WG_NS(D);                      /* FL: tile slots of the ring */
-  constexpr int RAW = FP8 ? KVC_WG_RAW8 : KVC_WG_RAW, NI = FP8 ? KVC_WG_IDS8 : 2 * KVC_WG_RAW; /* raw, id slots */
+  constexpr int RAW = FP8 ? KVC_WG_RAW8(D) : KVC_WG_RAW, NI = FP8 ? KVC_WG_IDS8(D) : 2 * KVC_WG_RAW; /* raw, id slots */
+  constexpr int PRO = FP8 ? RAW : KVC_WG_RAW - 1; /* stages the prologue copies */
   extern __shared__ unsigned char kvc_wg_buf[];
   const uint32_t sraw = (uint32_t)__cvta_generic_to_shared(kvc_wg_buf);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -445,26 +448,26 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   uint32_t ring = 0, ids_sh = 0;
   int *ids = nullptr;
   if constexpr (!FL) {
-    /* prologue: the first 2 stages in flight (one commit group each: q4
-     * KVC_WG_RAW - 1, fp8 KVC_WG_RAW8); BLOCK_TABLE ids as in the narrow
-     * kernel (stage x's in slot x % NI; q4: the ids of stages 2, 3 issued
-     * here, fp8: of stage 2) */
+    /* prologue: the first PRO stages in flight (one commit group each: q4
+     * KVC_WG_RAW - 1, fp8 RAW); BLOCK_TABLE ids as in the narrow kernel
+     * (stage x's in slot x % NI; those of stages PRO .. 2 PRO - 1 issued
+     * here, fp8: PRO .. 2 PRO - 2) */
     ring = sbase + W.raw;
     ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
     ids = (int *)(base + W.ids);
     ids_sh = sbase + W.ids;
     if (tbl) {
       if (loads)
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < PRO; ++s)
           kvc_tc_store_ids(a, b, fo, t_lo + (long long)s * KVC_TC_TOK, t_hi, ids + s * KVC_TC_IDS);
       __syncthreads();
     }
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < PRO; ++s) {
       const long long ts = t_lo + (long long)s * KVC_TC_TOK;
       if (loads && s < nst) kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
-      if (loads && tbl && (!FP8 || s == 0))
-        kvc_tc_issue_ids(a, b, fo, ts + 2LL * KVC_TC_TOK, t_hi, ids_sh + ((s + 2) % NI) * KVC_TC_IDS * 4);
+      if (loads && tbl && (!FP8 || s < PRO - 1))
+        kvc_tc_issue_ids(a, b, fo, ts + (long long)PRO * KVC_TC_TOK, t_hi, ids_sh + ((s + PRO) % NI) * KVC_TC_IDS * 4);
       kvc_cp_commit();
     }
   } else {
@@ -556,7 +559,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
 
   if (!FL && nst > 0) { /* q4, fp8: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
-    kvc_cp_wait<1>();
+    kvc_cp_wait<PRO - 1>();
     __syncthreads();
     if constexpr (FP8)
       kvc_wg_convert_fp8<F, D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv8, ksc, vsc);
@@ -624,25 +627,25 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         kvc_cp_commit();
       }
       if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-        kvc_cp_wait<FP8 ? 0 : KVC_WG_RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-        __syncthreads(); /* visible to both; every slot's earlier conversions done */
+        kvc_cp_wait<RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+        __syncthreads();        /* visible to both; every slot's earlier conversions done */
         if constexpr (FP8) {
-          /* the copies of stage s + 2 into the slot stage s left (converted
-           * before this barrier), and the block ids of stage s + 3 (read
-           * at the next stage's loads, after its barrier) */
-          const int sn = s + 2;
+          /* the copies of stage s + RAW into the slot stage s left (converted
+           * before this barrier), and the block ids of stage s + 2 RAW - 1
+           * (landed by the wait of stage s + RAW - 1, whose loads read them) */
+          const int sn = s + RAW;
           if (loads && sn < nst)
-            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s & 1) * L.stage, fo,
+            kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s % RAW) * L.stage, fo,
                                                        t_lo + (long long)sn * KVC_TC_TOK, t_hi,
                                                        ids + (sn % NI) * KVC_TC_IDS);
           if (loads && tbl)
-            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + 1) * KVC_TC_TOK, t_hi,
-                             ids_sh + ((sn + 1) % NI) * KVC_TC_IDS * 4);
+            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + RAW - 1) * KVC_TC_TOK, t_hi,
+                             ids_sh + ((sn + RAW - 1) % NI) * KVC_TC_IDS * 4);
           kvc_cp_commit();
         }
         kvc_wg_wait<1>(); /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
         if constexpr (FP8)
-          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) & 1) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
+          kvc_wg_convert_fp8<F, D>(base + W.raw + ((s + 1) % RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv8, ksc,
                                    vsc);
         else
           kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
@@ -788,7 +791,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
                 "the tiles and the ring hold both warpgroups' outputs");
   static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= (1 + 2 * KVC_WG_NS(D)) * 64 * 2 * D,
                 "16-bit rows: the Q tile and the ring hold three outputs, the maxima and sums");
-  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= 5 * 64 * 2 * D + KVC_WG_RAW8 * 64 * 2 * D,
+  static_assert(3 * KVC_WG_QV * (D + 4) * 4 + 6 * KVC_WG_QV * 4 <= 5 * 64 * 2 * D + KVC_WG_RAW8(D) * 64 * 2 * D,
                 "fp8 rows: the Q tile, the tiles and the ring hold three outputs, the maxima and sums");
 #pragma unroll
   for (int c = 0; c < NC; ++c)
