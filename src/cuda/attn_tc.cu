@@ -37,9 +37,7 @@
  *         rep * L <= 8 * NTM). Each thread's copy addresses are set up once
  *         (kvc_tc_loader); contiguous rows: a warp copies 512 contiguous
  *         bytes per instruction; BLOCK_TABLE rows: the same pieces, each
- *         row located through the stage's block ids (16-bit rows over
- *         power-of-two blocks: a block's base formed once per table column
- *         a thread's rows cross, the row offset advanced in between), which cp.async copied
+ *         row located through the stage's block ids, which cp.async copied
  *         into a ring of 2 STAGES id slots (KVC_TC_IDS ints each) STAGES - 1
  *         stages earlier (the wide kernel: one table entry per thread and
  *         stage, loaded a stage ahead).
