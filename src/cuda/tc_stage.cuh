@@ -236,52 +236,19 @@ __device__ __forceinline__ void kvc_tc_load_stage(const kvc_args &a, const kvc_t
   } else {
     const kvc_operand &K = a.k, &V = a.v;
     const long long jf = kvc_table_col(t0 + fo, K.bsz, K.bsh); /* ids[0]'s column */
-    if (kvc_tc_float(F) && K.bsh >= 0) {
-      /* 16-bit rows over power-of-two blocks: the thread's rows r, r + TSTEP, .. (r = t0 + fo +
-       * tk) stay in one block for bsz / TSTEP pieces, so a block's base (its id times the block
-       * stride) and the row's offset are formed when the column changes, the offset advanced by
-       * TSTEP rows otherwise (warp-uniform where a warp copies one row per instruction: CPR >=
-       * 32, head dim 256). Its addresses take more registers (bf16 D = 128: 120 -> 138, D = 256:
-       * 168 -> 255, no spills; occupancy unchanged, the rows' shared memory bounds it); the
-       * quantized instances, capped at 128 registers, would spill, so they keep the per-piece form */
-      const long long r0 = t0 + fo + ld.tk;
-      long long jc = -1, ko = 0, vo = 0;
-      const char *kb = K.data, *vb = V.data;
 #pragma unroll
-      for (int k = 0; k < PER; ++k) {
-        const long long r = r0 + TSTEP * k, j = r >> K.bsh;
-        const bool ok = r - fo < t_hi;
-        if (j != jc) {
-          jc = j;
-          int id = ok ? ids[j - jf] : 0; /* rows past t_hi: nothing read */
-          id = id < 0 ? 0 : (id >= K.nblk ? K.nblk - 1 : id);
-          const long long rb = r & (K.bsz - 1);
-          kb = ld.k + id * K.ds[0];
-          vb = ld.v + id * V.ds[0];
-          ko = rb * K.ds[2];
-          vo = rb * V.ds[2];
-        } else {
-          ko += TSTEP * K.ds[2];
-          vo += TSTEP * V.ds[2];
-        }
-        kvc_cp_async<16>(slot + ld.dk + k * rstep, ok ? kb + ko : K.data, ok ? 16 : 0);
-        kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, ok ? vb + vo : V.data, ok ? 16 : 0);
+    for (int k = 0; k < PER; ++k) {
+      const long long t = t0 + ld.tk + TSTEP * k;
+      const bool ok = t < t_hi;
+      const char *kr = K.data, *vr = V.data; /* rows past t_hi: a valid address, nothing read */
+      if (ok) {
+        const long long r = t + fo, j = kvc_table_col(r, K.bsz, K.bsh);
+        const kvc_loc l = kvc_loc_of(ids[j - jf], r, j, K.bsz, K.nblk);
+        kr = ld.k + l.outer * K.ds[0] + l.row * K.ds[2];
+        vr = ld.v + l.outer * V.ds[0] + l.row * V.ds[2];
       }
-    } else {
-#pragma unroll
-      for (int k = 0; k < PER; ++k) {
-        const long long t = t0 + ld.tk + TSTEP * k;
-        const bool ok = t < t_hi;
-        const char *kr = K.data, *vr = V.data; /* rows past t_hi: a valid address, nothing read */
-        if (ok) {
-          const long long r = t + fo, j = kvc_table_col(r, K.bsz, K.bsh);
-          const kvc_loc l = kvc_loc_of(ids[j - jf], r, j, K.bsz, K.nblk);
-          kr = ld.k + l.outer * K.ds[0] + l.row * K.ds[2];
-          vr = ld.v + l.outer * V.ds[0] + l.row * V.ds[2];
-        }
-        kvc_cp_async<16>(slot + ld.dk + k * rstep, kr, ok ? 16 : 0);
-        kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, vr, ok ? 16 : 0);
-      }
+      kvc_cp_async<16>(slot + ld.dk + k * rstep, kr, ok ? 16 : 0);
+      kvc_cp_async<16>(slot + ld.dk + dv + k * rstep, vr, ok ? 16 : 0);
     }
     const long long t = t0 + (threadIdx.x >> 1); /* the scale rows' token */
     sok = t < t_hi;
