@@ -1181,7 +1181,12 @@ static const rot_fused_case rot_fused_cases[] = {
     {{1, 8, 2, 4, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
     {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
-     "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 2},
+     "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+    /* fp8 rows on the warpgroup kernel (default from 16 vectors): q rotated on load, out on store */
+    {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f8e4m3 tensor-core kernel: warpgroup", 0, 1, 2},
+    {{1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E5M2, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "f8e5m2 tensor-core kernel: warpgroup", 0, 1, 2},
     /* bf16 / f16 at head dim 512, L = 8 GQA 2 and 4: the warpgroup kernel's 512 instances (q rotated on load) */
     {{1, 16, 8, 8, 700, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "bf16 tensor-core kernel: warpgroup (wgmma), head dim 512", 0, 1, 0},

@@ -43,8 +43,11 @@ extern "C" {
 #define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 / 256 / 512 on
                                         the warpgroup kernel from this many query vectors per KV head (sm_90 only; the
                                         environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context for both,
-                                        < 0: never): not yet measured against the narrow / wide kernels; at 512
-                                        (kvc_wg512_kernel) below it the fused kernel (decode: ~90 % of copy) */
+                                        < 0: never): not yet measured against the narrow / wide kernels */
+#define KVC_WG512_MIN_Q 3            /* ... at head dim 512 (kvc_wg512_kernel) from this many (the same variable sets
+                                        it): below, the fused kernel (H200, 16/8/512 bf16 32k: 2 vectors at 86.7 %
+                                        of copy); from 3 its 4-vector instance reads at ~31 % (8/2/512 bf16 32k:
+                                        103.2 us where the warpgroup kernel takes 32 vectors in 75.7) */
 #define KVC_WG_FP8_MIN_Q 16          /* fp8 rows (e4m3 or e5m2, both alike) at head dims 64 / 128 / 256 on the
                                         warpgroup kernel from this many query vectors per KV head (sm_90 only; the
                                         environment variable KVA_CUDA_WG_FP8_MIN_Q sets it per context, < 0:
@@ -77,11 +80,12 @@ struct kvc_state {
   int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
+  int wg512_min_q;                      /* ... bf16 / f16 rows at head dim 512 (< 0: never) */
   int wg_fp8_min_q;                     /* ... fp8 rows (< 0: never) */
   int wg_occupancy[5][4], wg_smem[5][4]; /* its resident blocks per SM by [q4, bf16, f16, e4m3, e5m2][head dim 128,
                                             256, 64, 512 (16-bit rows)], for that shared memory */
   int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
-                                           slot aims at (KVC_RING_SLOT_BYTES), 0: off */
+                                           slot aims at (KVA_CUDA_FUSED_RING), 0: off */
   int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
   int ring_occupancy[2][2], ring_smem[2][2]; /* its resident blocks per SM by [bf16, f16][QW 1, 2], for that shared
                                                 memory */
@@ -144,9 +148,10 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
   st->wg_float_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
-  ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: 0 turns the staged BLOCK_TABLE loop off, else the
-                                        bytes a ring slot aims at (default KVC_RING_SLOT_BYTES) */
-  st->ring_bytes = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_RING_SLOT_BYTES;
+  st->wg512_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG512_MIN_Q) : -1;
+  ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: the bytes a slot of the staged BLOCK_TABLE loop aims
+                                        at; unset or 0: the loop off (launch.cuh, KVC_RING_SLOTS) */
+  st->ring_bytes = ev && *ev ? (int)strtol(ev, NULL, 0) : 0;
   if (st->ring_bytes < 0) st->ring_bytes = 0;
   ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
   st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
@@ -315,7 +320,7 @@ static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int *fmt) {
     /* bf16 or f16 rows with queries of the same type (the mma's operands) */
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
     /* head dim 512: the warpgroup kernel only (kvc_wg512_kernel; two 64-row slots of K and V rows would take
-     * 266 KB of the narrow kernel's shared memory), from KVC_WG_FLOAT_MIN_Q vectors (kvc_select) */
+     * 266 KB of the narrow kernel's shared memory), from KVC_WG512_MIN_Q vectors (kvc_select) */
     const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
                      : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? table_min_q
                                                                             : KVC_TC_FLOAT_MIN_Q;
@@ -363,7 +368,7 @@ static int kvc_tc_blocks_per_sm(const kva_context *ctx, int fmt, int di, int kin
  * set): table rows per ring slot, or 0 (rows loaded per lane through the table). It takes bf16 / f16
  * rows at E = 16 and QW <= 2 (kvc_fused_ring_inst) over a block size that is a power of two; a
  * slot holds C rows of K and V, C the power of two nearest below st->ring_bytes / (2 (Dk + Dv))
- * (KVC_RING_SLOT_BYTES unless KVA_CUDA_FUSED_RING sets it), at least one step of a warp (TPW U rows) and at most a block (so a chunk of C rows aligned
+ * (the bytes KVA_CUDA_FUSED_RING sets), at least one step of a warp (TPW U rows) and at most a block (so a chunk of C rows aligned
  * to C lies in one pool block). */
 static int kvc_fused_ring_tok(const kva_context *ctx, const kva_problem *p, const kvc_plan &pl) {
   const kvc_state *st = ctx ? (const kvc_state *)ctx->cuda : NULL;
@@ -490,7 +495,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   }
   const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16, wg_fp8 = tcf == KVC_E4M3 || tcf == KVC_E5M2;
   const int wg_min = !st         ? -1
-                     : wg_float  ? st->wg_float_min_q
+                     : wg_float  ? (p->Dk == 512 ? st->wg512_min_q : st->wg_float_min_q)
                      : wg_fp8    ? st->wg_fp8_min_q
                      : tcf == KVC_Q4 ? st->wg_min_q
                                      : -1;
@@ -638,10 +643,13 @@ static const char *kvc_roundings(const kvc_plan &pl) {
  * query vectors, by the fused kernel (kvc_rotated_query_warp, any rotatable
  * head dim), the per-warp q4 kernel and the narrow kernel's q4 / q8 decode
  * instances (kvc_stage_query), the narrow kernel's other instances, the
- * wide kernel (straight into its fragment slots) and the warpgroup kernel
- * (kvc_rotated_query_rows). */
+ * wide kernel (straight into its fragment slots; not for fp8 rows, whose
+ * rotated call faulted on the H200: q by the API's pass there) and the
+ * warpgroup kernel (kvc_rotated_query_rows). */
 static unsigned kvc_rotate_fused(const kvc_plan &pl) {
   if (pl.fmt < 0) return 0;
+  const bool wide = pl.tc == 1 && pl.QW == 8 * KVC_TC_NTM_WIDE;
+  if (wide && (pl.fmt == KVC_E4M3 || pl.fmt == KVC_E5M2)) return KVA_ATTN_ROTATED_V;
   return KVA_ATTN_ROTATED_V | KVA_ATTN_ROTATED_K;
 }
 

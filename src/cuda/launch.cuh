@@ -97,9 +97,11 @@ template <int FMT> int kvc_fused_ring_occupancy_fmt(int QW, int smem);
 /* The fused kernel's staged BLOCK_TABLE loop (bf16 / f16 rows, E = 16, QW <= 2): each warp copies the
  * K and V rows of its chunks of table rows (chunks of kvc_plan.ring rows, inside one pool block) into
  * its own ring of KVC_RING_SLOTS slots of shared memory, KVC_RING_SLOTS - 1 chunks ahead of its math.
- * A slot is about KVC_RING_SLOT_BYTES (tuning only: never changes results beyond rounding). */
+ * A slot is about the bytes KVA_CUDA_FUSED_RING names (tuning only: never changes results beyond
+ * rounding); the loop is off unless it is set: on the H200 (8/4/256 bf16 paged/16) it measured no
+ * faster than the per-lane table loads (4096: 62.2 / 700.7 / 188.8 us against 63.7 / 722.1 / 192.2
+ * at 32k B=1, 32k B=16, 128k B=1; 8192: 72.6 / 872.9 / 231.6). */
 #define KVC_RING_SLOTS 3
-#define KVC_RING_SLOT_BYTES 8192
 /* Dynamic shared memory of the staged loop: KVC_FUSED_WARPS rings of KVC_RING_SLOTS slots of `ring`
  * K rows (2 Dk bytes each) and V rows (2 Dv bytes). */
 __host__ __device__ constexpr int kvc_fused_ring_smem(int Dk, int Dv, int ring) {
