@@ -401,6 +401,39 @@ __device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int f
   if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
 }
 
+/* A stage's row maxima mx (this lane's two rows, g and g + 8 of its warp's
+ * 16) reduced over the quad, and the running state (m, l, O) moved to them
+ * when a maximum exceeds m by more than KVC_WG_SLACK or turns NaN (then it
+ * stays): l and the lane's O accumulators (NC chunks of 64 dims) scaled by
+ * 2^(m - mx), 0 from -inf; the warp skips the O scaling when no row moved. */
+template <int NC>
+__device__ __forceinline__ void kvc_wg_rescale(float (&mx)[2], float (&m)[2], float (&l)[2], float (&oacc)[NC][32]) {
+  float corr[2];
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
+    mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
+    corr[r] = 1.0f;
+    if (mx[r] > m[r] + KVC_WG_SLACK || (mx[r] != mx[r] && m[r] == m[r])) {
+      corr[r] = kvc_exp2(m[r] - mx[r]);
+      m[r] = mx[r];
+      l[r] *= corr[r];
+      moved = true;
+    }
+  }
+  if (__any_sync(KVC_FULL_MASK, moved))
+#pragma unroll
+    for (int c = 0; c < NC; ++c)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        oacc[c][4 * j] *= corr[0];
+        oacc[c][4 * j + 1] *= corr[0];
+        oacc[c][4 * j + 2] *= corr[1];
+        oacc[c][4 * j + 3] *= corr[1];
+      }
+}
+
 /* F: KVC_Q4 or KVC_E4M3 / KVC_E5M2 (raw stages converted into
  * double-buffered tiles) or KVC_BF16 / KVC_F16 (rows copied into a ring of
  * tiles; f16: f16 wgmma, P in f16); the S / softmax / P.V loop is the same
@@ -696,31 +729,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mx[e >> 1] = kvc_max(mx[e >> 1], sacc[4 * j + e]);
-    float corr[2];
-    bool moved = false;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-      corr[r] = 1.0f;
-      /* move up by more than the slack, or to NaN (which then stays) */
-      if (mx[r] > m[r] + KVC_WG_SLACK || (mx[r] != mx[r] && m[r] == m[r])) {
-        corr[r] = kvc_exp2(m[r] - mx[r]); /* 0 from -inf */
-        m[r] = mx[r];
-        l[r] *= corr[r];
-        moved = true;
-      }
-    }
-    if (__any_sync(KVC_FULL_MASK, moved))
-#pragma unroll
-      for (int c = 0; c < NC; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          oacc[c][4 * j] *= corr[0];
-          oacc[c][4 * j + 1] *= corr[0];
-          oacc[c][4 * j + 2] *= corr[1];
-          oacc[c][4 * j + 3] *= corr[1];
-        }
+    kvc_wg_rescale<NC>(mx, m, l, oacc);
     /* the exponent's offset: m, or 0 while m is -inf (the row has seen no
      * key: its logits are all -inf, and 2^(-inf - 0) = 0 without a compare
      * per element; a NaN m gives NaN for every key, masked ones included:
@@ -1101,31 +1110,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
         sacc[4 * j + e] = x;
         mx[r] = kvc_max(mx[r], x);
       }
-    float corr[2];
-    bool moved = false;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 1));
-      mx[r] = kvc_max(mx[r], __shfl_xor_sync(KVC_FULL_MASK, mx[r], 2));
-      corr[r] = 1.0f;
-      /* move up by more than the slack, or to NaN (which then stays) */
-      if (mx[r] > m[r] + KVC_WG_SLACK || (mx[r] != mx[r] && m[r] == m[r])) {
-        corr[r] = kvc_exp2(m[r] - mx[r]); /* 0 from -inf */
-        m[r] = mx[r];
-        l[r] *= corr[r];
-        moved = true;
-      }
-    }
-    if (__any_sync(KVC_FULL_MASK, moved))
-#pragma unroll
-      for (int c = 0; c < NC; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          oacc[c][4 * j] *= corr[0];
-          oacc[c][4 * j + 1] *= corr[0];
-          oacc[c][4 * j + 2] *= corr[1];
-          oacc[c][4 * j + 3] *= corr[1];
-        }
+    kvc_wg_rescale<NC>(mx, m, l, oacc);
     /* P in bf16 (f16 rows: f16) as the A fragments of the 2 P.V k-steps:
      * a[2 h + r] = tokens 16 kq + 8 h + 2 t4, + 1 of row r; l sums the
      * rounded values */
