@@ -543,18 +543,8 @@ static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scal
   int finite = 1;
   for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
   for (int g = 0; g < fp->ngroups; ++g) {
-    const int64_t g0 = (int64_t)g * fp->G;
-    float amax = 0.0f;
-    for (int64_t d = g0; d < g0 + fp->G; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
-    const float sig = amax / 127.0f;
-    float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
-    if (!finite || isinf(inv)) inv = 0.0f;
-    for (int64_t d = g0; d < g0 + fp->G; ++d) {
-      float c = rintf(q[d] * inv);
-      c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-      c8[d] = (int8_t)c;
-    }
-    fg[g] = !finite ? NAN : inv == 0.0f ? 0.0f : scale * sig;
+    int sum;
+    fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
   }
   const int CB = 8 / fp->bits, E = fp->E;
   const int64_t words = D / E;

@@ -458,20 +458,8 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   int finite = 1;
   for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
   for (int g = 0; g < fp->ngroups; ++g) {
-    const int64_t g0 = (int64_t)g * fp->G;
-    float amax = 0.0f;
-    for (int64_t d = g0; d < g0 + fp->G; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
-    const float sig = amax / 127.0f;
-    float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
-    if (!finite || isinf(inv)) inv = 0.0f;
-    int sum = 0;
-    for (int64_t d = g0; d < g0 + fp->G; ++d) {
-      float c = rintf(q[d] * inv);
-      c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-      c8[d] = (int8_t)c;
-      sum += (int)c;
-    }
-    sg[g] = !finite ? NAN : inv == 0.0f ? 0.0f : scale * sig;
+    int sum;
+    sg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
     beta[g] = sg[g] * (float)sum;
   }
   const int64_t words = D / fp->E;

@@ -43,6 +43,30 @@ static inline float simd_load_scale(const char *base, kva_dtype dt, int64_t g) {
   }
 }
 
+/* The integer kernels' query rounding ("q int8", kvattn.h kva_ref_rounding):
+ * dims g0 .. g0 + G - 1 of q as s8 codes c8[d] = rint(q[d] / sigma) clamped
+ * to +-127, sigma = max|q_g| / 127 (in f32); *sum: their sum. Returns the
+ * group's factor scale * sigma: 0 when 1 / sigma is 0 or not finite (the
+ * codes then all 0: an all-zero group, or max|q_g| below ~2^-119), NaN when
+ * the query has a non-finite element (finite == 0). */
+static inline float simd_query_group_s8(const float *q, int64_t g0, int64_t G, int finite, float scale, int8_t *c8,
+                                        int *sum) {
+  float amax = 0.0f;
+  for (int64_t d = g0; d < g0 + G; ++d) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+  const float sig = amax / 127.0f;
+  float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+  if (!finite || isinf(inv)) inv = 0.0f;
+  int s = 0;
+  for (int64_t d = g0; d < g0 + G; ++d) {
+    float c = rintf(q[d] * inv);
+    c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+    c8[d] = (int8_t)c;
+    s += (int)c;
+  }
+  *sum = s;
+  return !finite ? NAN : inv == 0.0f ? 0.0f : scale * sig;
+}
+
 static inline const int32_t *simd_segments_row(const kva_problem *p, int64_t b) {
   if (!p->mask.segments.data) return NULL;
   return (const int32_t *)((const char *)p->mask.segments.data + b * p->mask.segments.stride[0]);
