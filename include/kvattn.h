@@ -370,7 +370,8 @@ int kva_hadamard_dim_supported(int64_t D);
  * kva_ref_rounding describes, exact integer q.k on the codes). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
  * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
- * tables at 128), run on tensor cores: 16-bit rows round P only ("[P bf16]",
+ * tables at 128; at head dim 512 on sm_90 only), run on tensor cores:
+ * 16-bit rows round P only ("[P bf16]",
  * "[P f16]"); 4-bit and 8-bit K with up to 8 query vectors per KV head take
  * exact integer q.k on the codes with the query rounded to 15 bits (two s8
  * parts, one scale per vector), with V dequantized to bf16 ("[q int15,
@@ -386,8 +387,9 @@ int kva_hadamard_dim_supported(int64_t D);
  * else the general kernels: codes converted to f32 exactly, the row's scale
  * applied to q.codes and to p in f32, "[exact f32]"; on CUDA, bf16 queries
  * over fp8 rows at head dims 64 / 128 / 256 (Dk = Dv, rows 16-byte
- * aligned) run on tensor cores instead, K and V as bf16 of scale * code
- * (the code exact, times the f32 row scale in f32, rounded to bf16), "[K,V,P bf16]".
+ * aligned) run on tensor cores instead (from 16 query vectors per KV head
+ * on sm_90 the warpgroup kernel), K and V as bf16 of scale * code (the code
+ * exact, times the f32 row scale in f32, rounded to bf16), "[K,V,P bf16]".
  * The other kernels are "[exact f32]";
  * params->flags = KVA_ATTN_EXACT selects only those, on both backends.
  * README.md lists the shapes each path takes. out may not overlap any array
