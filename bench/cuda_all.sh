@@ -95,6 +95,10 @@ if has racecheck; then
     cuda_q4_wg_path >> "$OUT/sanitizer.log" 2>&1
   run racecheck-wgbf 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
     cuda_bf16_wg_path >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-wg512 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_bf16_wg512 >> "$OUT/sanitizer.log" 2>&1
+  run racecheck-wgfp8 180 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/kvattn_tests --quick \
+    cuda_fp8_wg_path >> "$OUT/sanitizer.log" 2>&1
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed" "$OUT/sanitizer.log" | tail -3
 fi
 if has kvbench; then # the target shapes, each checked against the oracle
@@ -120,6 +124,10 @@ if has kvbench; then # the issue's target shapes, each checked against the oracl
     run kvbench-d64 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 16 --rows 1 --kv q4,q8,bf16
     run kvbench-d64-verify 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 4 --rows 8 --kv q4,bf16
     run kvbench-d64-paged 240 $KB --heads 32:8 --dim 64 --ctx 32k --batch 16 --rows 1 --kv q4 --layout paged --block 16
+    # the warpgroup kernel's fp8 rows and its 16-bit instances at head dim 512 (decode from 3 vectors there)
+    run kvbench-fp8 240 $KB --preset gemma3-4b,gqa6-256 --ctx 128k --rows 1,8 --kv fp8
+    run kvbench-d512 240 $KB --heads 16:8 --dim 512 --ctx 32k,128k --rows 1,8 --kv bf16,q4
+    run kvbench-d512-gqa4 240 $KB --heads 8:2 --dim 512 --ctx 32k,128k --rows 1,8 --kv bf16
     # the pool's scatter apart from the kernel: the same paged cases with each sequence's blocks in order
     run kvbench-paged-inorder 240 $KB --preset gemma3-4b --ctx 32k --batch 16 --rows 1 --kv q4,bf16 --layout paged \
       --block 16 --block-order sequential
