@@ -1,5 +1,6 @@
-/* Runs every registered test: kvattn_tests [--quick] [--seed S] [filter...]
- * Each run draws a fresh seed (time, pid, /dev/urandom) and prints it;
+/* Runs every registered test: kvattn_tests [--quick] [--seed S] [--list] [filter...]
+ * (a filter selects the tests whose names contain it; "=name" the one test
+ * of that name). Each run draws a fresh seed (time, pid, /dev/urandom) and prints it;
  * --seed S or the environment variable KVATTN_TEST_SEED replays one. */
 #include "test.h"
 
@@ -100,7 +101,8 @@ int main(int argc, char **argv) {
          test_quick ? " (quick)" : "");
   for (int t = 0; t < ntests; ++t) {
     bool match = nf == 0;
-    for (int f = 0; f < nf; ++f) match |= strstr(tests[t].name, filters[f]) != NULL;
+    for (int f = 0; f < nf; ++f)
+      match |= filters[f][0] == '=' ? !strcmp(tests[t].name, filters[f] + 1) : strstr(tests[t].name, filters[f]) != NULL;
     if (!match) continue;
     if (test_quick && tests[t].slow) { skipped++; continue; }
     test_failed_flag = test_skipped_flag = 0;
