@@ -59,7 +59,8 @@ extern "C" {
                                         fused kernel's 2-vector instance read late through per-lane table
                                         loads (at D = 256 it stays; the environment variable
                                         KVA_CUDA_TC_TABLE_MIN_Q sets it per context: 3 sends 2 vectors at
-                                        D = 128 to the fused kernel's staged loop, not yet measured) */
+                                        D = 128 to the fused kernel, whose staged loop KVA_CUDA_FUSED_RING
+                                        turns on) */
 #define KVC_TC_FLOAT_MIN_Q_D64 2     /* ... and from 2 at head dim 64, where the fused kernel reads at 61 % of
                                         copy */
 
