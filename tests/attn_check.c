@@ -931,8 +931,10 @@ void att_mutate_tensor(kva_tensor *t) {
     t->dtype = (kva_dtype)dts[att_pick(9)];
     break;
   }
-  case 2: /* shape: shrink */
-    if (t->shape[d] > 1) t->shape[d] -= 1 + att_pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
+  case 2: /* shape: shrink (only along a real stride: an absurd one that case 5 grew the shape for would
+           * become a valid view far outside the buffer) */
+    if (t->shape[d] > 1 && t->stride[d] < ((int64_t)1 << 40))
+      t->shape[d] -= 1 + att_pick((int)(t->shape[d] - 1 < 8 ? t->shape[d] - 1 : 8));
     break;
   case 3: { /* shape: zero, negative, absurd; or an absurd innermost dim with every other dim shrunk to
              * 1 (one long row: no overlap refuses it before its size is used, e.g. words * 32 / bits) */
