@@ -58,7 +58,7 @@ static inline float simd_query_group_s8(const float *q, int64_t g0, int64_t G, i
   if (!finite || isinf(inv)) inv = 0.0f;
   int s = 0;
   for (int64_t d = g0; d < g0 + G; ++d) {
-    float c = rintf(q[d] * inv);
+    float c = inv == 0.0f ? 0.0f : rintf(q[d] * inv); /* (inv 0: also where q[d] is infinite) */
     c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
     c8[d] = (int8_t)c;
     s += (int)c;
