@@ -401,6 +401,33 @@ __device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int f
   if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
 }
 
+/* This thread's query rows q = qr + 8 r (r = 0, 1: rows g and g + 8 of its
+ * warp's 16) before the loop: pos[r] the row's position (-1: no query
+ * vector, sees nothing, as a row before token 0; no mask: every key up to
+ * t_hi), tbits[r] its tree bits (KVA_MASK_TREE, L <= 64: two words in a
+ * register pair), the empty softmax state and O accumulators. */
+template <int NC>
+__device__ __forceinline__ void kvc_wg_rows_init(const kvc_args &a, int b, long long len, int Q, int qr,
+                                                 long long (&pos)[2], uint64_t (&tbits)[2], float (&m)[2],
+                                                 float (&l)[2], float (&oacc)[NC][32]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qv = qr + 8 * r;
+    pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
+    tbits[r] = 0;
+    if (a.mask_kind == KVA_MASK_TREE && qv < Q) {
+      const uint32_t *row = (const uint32_t *)(a.tree + b * a.tree_s[0] + (qv % a.L) * a.tree_s[1]);
+      tbits[r] = (uint64_t)__ldg(row) | (a.L > 32 ? (uint64_t)__ldg(row + 1) << 32 : 0ull);
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+}
+
 /* A stage's row maxima mx (this lane's two rows, g and g + 8 of its warp's
  * 16) reduced over the quad, and the running state (m, l, O) moved to them
  * when a maximum exceeds m by more than KVC_WG_SLACK or turns NaN (then it
@@ -566,30 +593,12 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     *(uint4 *)(base + W.qt + (un >> 3) * KVC_WG_CHUNK + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
   }
 
-  /* this thread's query rows 16 warp + g + 8 r; TREE: the row's bits (L <= 64: two words in a register pair) */
   const bool tree = a.mask_kind == KVA_MASK_TREE;
   const long long n0 = len - a.L; /* TREE: the first new key */
   long long pos[2];
   uint64_t tbits[2];
-  float m[2], l[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int qv = q0 + 16 * warp + g + 8 * r;
-    /* -1: no query vector, sees nothing (as any row before token 0); no mask: every key up to t_hi */
-    pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
-    tbits[r] = 0;
-    if (tree && qv < Q) {
-      const uint32_t *row = (const uint32_t *)(a.tree + b * a.tree_s[0] + (qv % a.L) * a.tree_s[1]);
-      tbits[r] = (uint64_t)__ldg(row) | (a.L > 32 ? (uint64_t)__ldg(row + 1) << 32 : 0ull);
-    }
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
-  float oacc[NC][32];
-#pragma unroll
-  for (int c = 0; c < NC; ++c)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+  float m[2], l[2], oacc[NC][32];
+  kvc_wg_rows_init<NC>(a, b, len, Q, q0 + 16 * warp + g, pos, tbits, m, l, oacc);
 
   if (!FL && nst > 0) { /* q4, fp8: stage 0 into tile buffer 0 (16-bit rows: stage 0 landed at the loop's top) */
     kvc_cp_wait<PRO - 1>();
@@ -1006,30 +1015,12 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
     *(uint4 *)(base + W.qt + (un >> 3) * QCH + r * 128 + (((un & 7) ^ (r & 7)) << 4)) = o;
   }
 
-  /* this thread's query rows 16 warp + g + 8 r; TREE: the row's bits (L <= 64: two words in a register pair) */
   const bool tree = a.mask_kind == KVA_MASK_TREE;
   const long long n0 = len - a.L; /* TREE: the first new key */
   long long pos[2];
   uint64_t tbits[2];
-  float m[2], l[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int qv = q0 + 16 * warp + g + 8 * r;
-    /* -1: no query vector, sees nothing (as any row before token 0); no mask: every key up to t_hi */
-    pos[r] = qv >= Q ? -1 : a.mask_kind == KVA_MASK_NONE ? (1LL << 62) : len - a.L + qv % a.L;
-    tbits[r] = 0;
-    if (tree && qv < Q) {
-      const uint32_t *row = (const uint32_t *)(a.tree + b * a.tree_s[0] + (qv % a.L) * a.tree_s[1]);
-      tbits[r] = (uint64_t)__ldg(row) | (a.L > 32 ? (uint64_t)__ldg(row + 1) << 32 : 0ull);
-    }
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
-  float oacc[NC][32];
-#pragma unroll
-  for (int c = 0; c < NC; ++c)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) oacc[c][i] = 0.0f;
+  float m[2], l[2], oacc[NC][32];
+  kvc_wg_rows_init<NC>(a, b, len, Q, q0 + 16 * warp + g, pos, tbits, m, l, oacc);
 #pragma unroll /* opaque zeros: folded into the first P.V, their moves into its accumulators made ptxas serialize the wgmmas (C7515) */
   for (int c = 0; c < NC; ++c) kvc_wg_fence_regs(oacc[c]);
   kvc_fence_proxy_async();
