@@ -401,6 +401,20 @@ __device__ __forceinline__ void kvc_wg_store_ids(const kvc_args &a, int b, int f
   if (wt < kvc_tc_id_cols(a, fo, t0, t_hi, &jf)) dst[wt] = __ldg(a.k.tbl + b * a.k.tbl_rs + jf + wt);
 }
 
+/* Two softmax weights as one A-fragment word of P.V, f16 (H) or bf16; the
+ * row's sum l takes them as rounded, so that l and P.V see the same P. */
+template <bool H> __device__ __forceinline__ uint32_t kvc_wg_pack_p(float p0, float p1, float &l) {
+  if constexpr (H) {
+    const uint32_t pk = kvc_f16x2_of(p0, p1);
+    l += kvc_f16_lo(pk) + kvc_f16_lo(pk >> 16);
+    return pk;
+  } else {
+    const uint32_t pk = kvc_bf16x2_of(p0, p1);
+    l += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
+    return pk;
+  }
+}
+
 /* This thread's query rows q = qr + 8 r (r = 0, 1: rows g and g + 8 of its
  * warp's 16) before the loop: pos[r] the row's position (-1: no query
  * vector, sees nothing, as a row before token 0; no mask: every key up to
@@ -757,15 +771,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
           const int j = 2 * kq + h;
           const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
           const float p0 = kvc_exp2(x0 - mp[r]), p1 = kvc_exp2(x1 - mp[r]); /* -inf (masked): 0 */
-          uint32_t pk;
-          if constexpr (H) {
-            pk = kvc_f16x2_of(p0, p1);
-            l[r] += kvc_f16_lo(pk) + kvc_f16_lo(pk >> 16);
-          } else {
-            pk = kvc_bf16x2_of(p0, p1);
-            l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
-          }
-          pa[kq][2 * h + r] = pk;
+          pa[kq][2 * h + r] = kvc_wg_pack_p<H>(p0, p1, l[r]);
         }
     /* O += P V (k-step kq: this warpgroup's V rows 16 kq .., chunk c) */
     kvc_wg_fence();
@@ -1116,15 +1122,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
           const float x0 = sacc[4 * j + 2 * r], x1 = sacc[4 * j + 2 * r + 1];
           const float p0 = x0 == -INFINITY ? 0.0f : kvc_exp2(x0 - m[r]);
           const float p1 = x1 == -INFINITY ? 0.0f : kvc_exp2(x1 - m[r]);
-          uint32_t pk;
-          if constexpr (H) {
-            pk = kvc_f16x2_of(p0, p1);
-            l[r] += kvc_f16_lo(pk) + kvc_f16_lo(pk >> 16);
-          } else {
-            pk = kvc_bf16x2_of(p0, p1);
-            l[r] += __uint_as_float(pk << 16) + __uint_as_float(pk & 0xffff0000u);
-          }
-          pa[kq][2 * h + r] = pk;
+          pa[kq][2 * h + r] = kvc_wg_pack_p<H>(p0, p1, l[r]);
         }
     /* O += P V over this warpgroup's dims (k-step kq: V rows 16 kq .., chunk c) */
     kvc_wg_fence();
