@@ -1152,12 +1152,15 @@ static const rot_fused_case rot_fused_cases[] = {
     {{1, 12, 2, 8, 700, 64, 64, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1, 2},
     {{1, 12, 2, 8, 100, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "warpgroup", 2, 1, 1},
     /* the narrow kernel's 32-vector q4 instance (warpgroup kernel off) and bf16 / f16 decode
-     * instances */
+     * instances (at head dim 256 with the warpgroup kernel off) */
     {{1, 12, 2, 4, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "narrow", 3, 1, 2},
     {{1, 8, 2, 1, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
      "bf16 tensor-core kernel: decode", 0, 1, 2},
     {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
-     "f16 tensor-core kernel: decode", 0, 1, 2},
+     "f16 tensor-core kernel: decode", 3, 1, 2},
+    /* ... which at head dim 256 take the warpgroup kernel by default from 3 vectors */
+    {{1, 8, 2, 1, 900, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "f16 tensor-core kernel: warpgroup", 0, 1, 2},
     /* bf16 at 48 vectors (default): the warpgroup kernel's 16-bit rows */
     {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "bf16 tensor-core kernel: warpgroup", 0, 1, 2},

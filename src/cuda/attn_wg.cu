@@ -9,7 +9,8 @@
  * keys), or no mask (no image segments), softcap, sinks;
  * contiguous or BLOCK_TABLE rows. A second family of instances takes bf16
  * or f16 K/V rows with queries of the same type (>= KVC_WG_FLOAT_MIN_Q
- * vectors per KV head): "16-bit rows" below; at head dim 512 those rows
+ * vectors per KV head, KVC_WG256_MIN_Q at head dim 256): "16-bit rows"
+ * below; at head dim 512 those rows
  * take kvc_wg512_kernel (value dims split between the warpgroups: its
  * comment below); a third fp8 rows (e4m3 or e5m2 codes, one f32 scale per
  * token and KV head, bf16 queries, >= KVC_WG_FP8_MIN_Q vectors): "fp8

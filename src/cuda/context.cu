@@ -40,10 +40,14 @@ extern "C" {
                                         query vectors per KV head (sm_90 only; the environment variable
                                         KVA_CUDA_WG_MIN_Q sets it per context, < 0: never); at 16 vectors the
                                         narrow kernel is faster on long caches (H200, L = 8) */
-#define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 / 256 / 512 on
-                                        the warpgroup kernel from this many query vectors per KV head (sm_90 only; the
-                                        environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context for both,
-                                        < 0: never): not yet measured against the narrow / wide kernels */
+#define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 on the
+                                        warpgroup kernel from this many query vectors per KV head (sm_90 only; the
+                                        environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context at every
+                                        head dim, < 0: never); below, the narrow kernel (H100, 4 vectors: 32/8/128
+                                        paged/16 128k 199.5 us against 210.0 there; 32/8/64 paged 387 vs 411) */
+#define KVC_WG256_MIN_Q 3            /* ... at head dim 256 from this many (H100, bf16 paged/16: 24/4/256 32k B=16
+                                        1064.7 -> 736.7 us, 128k 274.1 -> 194.4; 8/4/256 L=4 274.1 -> 195.0);
+                                        below, the fused kernel's 2-vector instance */
 #define KVC_WG512_MIN_Q 3            /* ... at head dim 512 (kvc_wg512_kernel) from this many (the same variable sets
                                         it): below, the fused kernel (H200, 16/8/512 bf16 32k: 2 vectors at 86.7 %
                                         of copy); from 3 its 4-vector instance reads at ~31 % (8/2/512 bf16 32k:
@@ -80,7 +84,8 @@ struct kvc_state {
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
   int tcd_max_q;                        /* query vectors per KV head up to which q4 takes the per-warp kernel */
   int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
-  int wg_float_min_q;                   /* ... bf16 / f16 rows (< 0: never) */
+  int wg_float_min_q;                   /* ... bf16 / f16 rows at head dims 64 / 128 (< 0: never) */
+  int wg256_min_q;                      /* ... bf16 / f16 rows at head dim 256 (< 0: never) */
   int wg512_min_q;                      /* ... bf16 / f16 rows at head dim 512 (< 0: never) */
   int wg_fp8_min_q;                     /* ... fp8 rows (< 0: never) */
   int wg_occupancy[5][4], wg_smem[5][4]; /* its resident blocks per SM by [q4, bf16, f16, e4m3, e5m2][head dim 128,
@@ -149,6 +154,7 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
   st->wg_float_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
+  st->wg256_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG256_MIN_Q) : -1;
   st->wg512_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG512_MIN_Q) : -1;
   ev = getenv("KVA_CUDA_FUSED_RING"); /* tuning and tests: the bytes a slot of the staged BLOCK_TABLE loop aims
                                         at; unset or 0: the loop off (launch.cuh, KVC_RING_SLOTS) */
@@ -306,7 +312,7 @@ static bool kvc_one_group_rows(const kva_kv_view *kv) {
 static bool kvc_q8_narrow(const kva_problem *p) {
   return p->Dk >= 128 && p->Dk / 4 <= p->kv->v.group_size;
 }
-static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int *fmt) {
+static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int wg_min_q, int *fmt) {
   const kva_kv_view *kv = p->kv;
   if (p->q->stride[3] != 2 || p->Dk != p->Dv) return -1;
   const kva_kv *ops[2] = {&kv->k, &kv->v};
@@ -322,9 +328,10 @@ static int kvc_tc_dim_index(const kva_problem *p, int table_min_q, int *fmt) {
     if ((qt != KVA_BF16 && qt != KVA_F16) || kv->k.data.dtype != qt || kv->v.data.dtype != qt) return -1;
     /* head dim 512: the warpgroup kernel only (kvc_wg512_kernel; two 64-row slots of K and V rows would take
      * 266 KB of the narrow kernel's shared memory), from KVC_WG512_MIN_Q vectors (kvc_select) */
-    const int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
-                     : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? table_min_q
-                                                                            : KVC_TC_FLOAT_MIN_Q;
+    int minq = p->Dk == 64                                          ? KVC_TC_FLOAT_MIN_Q_D64
+               : kv->layout == KVA_LAYOUT_BLOCK_TABLE && p->Dk <= 128 ? table_min_q
+                                                                      : KVC_TC_FLOAT_MIN_Q;
+    if (wg_min_q > 0 && wg_min_q < minq) minq = wg_min_q; /* the warpgroup kernel from fewer (kvc_select) */
     if (p->rep * p->L < minq || !kvc_aligned(&kv->k.data, 16) || !kvc_aligned(&kv->v.data, 16)) return -1;
     *fmt = qt == KVA_BF16 ? KVC_BF16 : KVC_F16;
   } else {
@@ -464,7 +471,9 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   kvc_state *st = ctx ? (kvc_state *)ctx->cuda : NULL;
   const int sms = st ? st->sm_count : 1;
   int tcf = -1;
-  const int di = p->exact ? -1 : kvc_tc_dim_index(p, st ? st->tc_table_min_q : KVC_TC_FLOAT_MIN_Q_TABLE, &tcf);
+  const int wg16_min = !st ? -1 : p->Dk == 512 ? st->wg512_min_q : p->Dk == 256 ? st->wg256_min_q : st->wg_float_min_q;
+  const int di =
+      p->exact ? -1 : kvc_tc_dim_index(p, st ? st->tc_table_min_q : KVC_TC_FLOAT_MIN_Q_TABLE, wg16_min, &tcf);
   /* di < 0: no tensor-core kernel */
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
   const int tcd_max_q = st ? st->tcd_max_q : KVC_TCD_MAX_Q;
@@ -496,7 +505,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   }
   const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16, wg_fp8 = tcf == KVC_E4M3 || tcf == KVC_E5M2;
   const int wg_min = !st         ? -1
-                     : wg_float  ? (p->Dk == 512 ? st->wg512_min_q : st->wg_float_min_q)
+                     : wg_float  ? wg16_min
                      : wg_fp8    ? st->wg_fp8_min_q
                      : tcf == KVC_Q4 ? st->wg_min_q
                                      : -1;
