@@ -975,9 +975,12 @@ TEST(cuda_block_table_staged) {
       {{3, 8, 4, 1, 1300, 256, 256, F16, F16, 0, 0, 0, F16, MASK_CAUSAL, 0, 20.0f, 1, 1, 0}, 64},
   };
   kva_context *ctx;
-  setenv("KVA_CUDA_FUSED_RING", "8192", 1); /* the loop on, whatever the default */
+  /* the loop on, whatever the default; 2 vectors at head dim 256 on the fused kernel, not the warpgroup one */
+  setenv("KVA_CUDA_FUSED_RING", "8192", 1);
+  setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
   const int made1 = make_cuda_ctx(&ctx, NULL);
   unsetenv("KVA_CUDA_FUSED_RING");
+  unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
   if (!made1) return;
   for (size_t ci = 0; ci < sizeof sc / sizeof sc[0]; ++ci)
     if (!run_table_case(ctx, &sc[ci].c, sc[ci].bs, 61 + ci, "shared-memory ring")) {
@@ -1007,8 +1010,10 @@ TEST(cuda_block_table_staged) {
     }
   kva_context_destroy(ctx);
   setenv("KVA_CUDA_FUSED_RING", "0", 1);
+  setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
   const int made = make_cuda_ctx(&ctx, NULL);
   unsetenv("KVA_CUDA_FUSED_RING");
+  unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
   if (!made) return;
   for (size_t ci = 0; ci < sizeof sc / sizeof sc[0]; ++ci)
     if (!run_table_case(ctx, &sc[ci].c, sc[ci].bs, 61 + ci, "elements per lane, ")) { /* (not "lane via") */

@@ -867,6 +867,7 @@ TEST(rotation_cache_write_errors) {
 TEST(cuda_hadamard_bits) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rotation_cache_write_bits) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rotation_vs_oracle) { SKIP("built without CUDA (nvcc not found)"); }
+TEST(cuda_rotation_fp8_wide) { SKIP("built without CUDA (nvcc not found)"); }
 TEST(cuda_rotation_graph) { SKIP("built without CUDA (nvcc not found)"); }
 #else
 #include <cuda_runtime_api.h>
@@ -1081,17 +1082,33 @@ static int cuda_rot_case_want(kva_context *cu, const att_case *c, unsigned flags
   memset(&rl, 0, sizeof rl);
   ok = ok && lse_buf_make(&rl, c->B, c->H, c->L, 0) == 0;
   ok = ok && kva_reference_attention_rounded(&d.q, hv, &d.params, &ref, &rl.t, 0, &rr) == 0;
-  ok = ok && kva_attention_lse(cu, &dc.q, &dc.view, &dc.p, &dc.out, &dc.lse, 0, NULL, 0) == 0;
   if (!ok) fprintf(stderr, "    %s [%s]: %s\n", what, kname, kva_last_error());
-  ok = ok && cudaDeviceSynchronize() == cudaSuccess;
-  ok = ok && cudaMemcpy(out.data, dc.out.data, dc.ob, cudaMemcpyDeviceToHost) == cudaSuccess &&
-       cudaMemcpy(lh, dc.lse.data, dc.lb, cudaMemcpyDeviceToHost) == cudaSuccess;
   const double atol = att_name_atol(kname);
-  double err = 0;
-  ok = ok && att_compare(&out, &ref, atol, att_rtol(c->odt), &err, NULL);
-  ok = ok && lse_compare(&lse, &rl.t, atol == ATT_ATOL_F32 ? LSE_RTOL : ATT_ATOL_BF16, what);
-  if (!ok) FAIL_("%s [%s]: the device's rotated call differs from the oracle's (max err %.3g, allowed %.3g)", what,
-                 kname, err, atol);
+  /* without lse (kva_attention), then with it (kva_attention_lse) */
+  for (int wl = 0; wl < 2 && ok; ++wl) {
+    const int rc = wl ? kva_attention_lse(cu, &dc.q, &dc.view, &dc.p, &dc.out, &dc.lse, 0, NULL, 0)
+                      : kva_attention(cu, &dc.q, &dc.view, &dc.p, &dc.out, NULL, 0);
+    if (rc != 0) {
+      FAIL_("%s [%s]: the rotated call%s failed: %s", what, kname, wl ? " with lse" : "", kva_last_error());
+      ok = 0;
+      break;
+    }
+    cudaError_t ce = cudaDeviceSynchronize();
+    if (ce == cudaSuccess) ce = cudaMemcpy(out.data, dc.out.data, dc.ob, cudaMemcpyDeviceToHost);
+    if (ce == cudaSuccess && wl) ce = cudaMemcpy(lh, dc.lse.data, dc.lb, cudaMemcpyDeviceToHost);
+    if (ce != cudaSuccess) {
+      FAIL_("%s [%s]: the rotated call%s: %s (%s)", what, kname, wl ? " with lse" : "", cudaGetErrorName(ce),
+            cudaGetErrorString(ce));
+      ok = 0;
+      break;
+    }
+    double err = 0;
+    ok = att_compare(&out, &ref, atol, att_rtol(c->odt), &err, NULL) &&
+         (!wl || lse_compare(&lse, &rl.t, atol == ATT_ATOL_F32 ? LSE_RTOL : ATT_ATOL_BF16, what));
+    if (!ok)
+      FAIL_("%s [%s]: the device's rotated call%s differs from the oracle's (max err %.3g, allowed %.3g)", what,
+            kname, wl ? " with lse" : "", err, atol);
+  }
   lse_buf_free(&rl);
   free(out.data);
   free(lh);
@@ -1273,6 +1290,41 @@ TEST(cuda_rotation_graph) {
     if (!cuda_rot_graph_case(&cs[i])) break;
 }
 
+/* One fused case (rot_fused_cases): K and V, K, V rotated (contiguous, both
+ * query kinds), and K,V over a block table, in a context with the case's
+ * environment (rot_fused_case.env). */
+static int rot_fused_run(const rot_fused_case *f) {
+  static const unsigned flags[3] = {ROT_KV, KVA_ATTN_ROTATED_K, KVA_ATTN_ROTATED_V};
+  if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
+  if (f->env == 3) {
+    setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
+    setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
+    setenv("KVA_CUDA_WG_FP8_MIN_Q", "-1", 1);
+  }
+  kva_context *fc = cuda_ctx();
+  unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_WG_MIN_Q");
+  unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
+  unsetenv("KVA_CUDA_WG_FP8_MIN_Q");
+  if (!fc) {
+    FAIL_("CUDA context: %s", kva_last_error());
+    return 0;
+  }
+  int ok = 1;
+  for (int fi = 0; fi < 3 && ok; ++fi) {
+    const unsigned fl = flags[fi];
+    const char *how = f->kfused ? rot_how(fl) : fl == KVA_ATTN_ROTATED_K ? NULL : rot_how(KVA_ATTN_ROTATED_V);
+    for (int probe = 0; probe < 2 && ok; ++probe)
+      ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how, f->splits);
+  }
+  if (ok) /* over a block table: against the oracle, whichever kernel takes it (the per-warp kernel takes
+           * no block table at head dim 64; bf16 decode over a table runs the general kernel) */
+    ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, NULL, NULL, 0);
+  kva_context_destroy(fc);
+  return ok;
+}
+
 TEST(cuda_rotation_vs_oracle) {
   kva_context *cu = cuda_ctx();
   if (!cu) SKIP("no CUDA device");
@@ -1286,36 +1338,26 @@ TEST(cuda_rotation_vs_oracle) {
       ok = cuda_rot_case(cu, c, table ? ROT_KV : flags[ci % 3], (ci + table) % 2, table);
   }
   kva_context_destroy(cu);
-  /* the fused paths, by kernel name: each case with K and V, K, V rotated
-   * (contiguous, both query kinds), and K,V over a block table */
-  for (int ci = 0; ci < NROT_FUSED && ok; ++ci) {
-    const rot_fused_case *f = &rot_fused_cases[ci];
-    if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
-    if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
-    if (f->env == 3) {
-      setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
-      setenv("KVA_CUDA_WG_BF16_MIN_Q", "-1", 1);
-      setenv("KVA_CUDA_WG_FP8_MIN_Q", "-1", 1);
-    }
-    kva_context *fc = cuda_ctx();
-    unsetenv("KVA_CUDA_TCD_MIN_WORK");
-    unsetenv("KVA_CUDA_WG_MIN_Q");
-    unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
-    unsetenv("KVA_CUDA_WG_FP8_MIN_Q");
-    if (!fc) {
-      FAIL_("CUDA context: %s", kva_last_error());
-      break;
-    }
-    for (int fi = 0; fi < 3 && ok; ++fi) {
-      const unsigned fl = flags[fi];
-      const char *how = f->kfused ? rot_how(fl) : fl == KVA_ATTN_ROTATED_K ? NULL : rot_how(KVA_ATTN_ROTATED_V);
-      for (int probe = 0; probe < 2 && ok; ++probe)
-        ok = cuda_rot_case_want(fc, &f->c, fl, probe, 0, f->want, how, f->splits);
-    }
-    if (ok) /* over a block table: against the oracle, whichever kernel takes it (the per-warp kernel takes
-             * no block table at head dim 64; bf16 decode over a table runs the general kernel) */
-      ok = cuda_rot_case_want(fc, &f->c, ROT_KV, 1, 1, NULL, NULL, 0);
-    kva_context_destroy(fc);
-  }
+  /* the fused paths, by kernel name */
+  for (int ci = 0; ci < NROT_FUSED && ok; ++ci) ok = rot_fused_run(&rot_fused_cases[ci]);
+}
+
+/* fp8 rows on the wide kernel (warpgroup kernel off): q rotated by the API's
+ * pass, out on store; e4m3 and e5m2, head dims 64 / 128 / 256, out f32 and
+ * bf16, one split and several (a quick subset, also for a sanitizer run) */
+TEST(cuda_rotation_fp8_wide) {
+  if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
+  static const rot_fused_case cs[] = {
+      {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+      {{1, 8, 4, 8, 100, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 1},
+      {{1, 12, 2, 4, 600, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E5M2, MASK_CAUSAL, 0, 0, 1, 0, 0},
+       "f8e5m2 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+      {{1, 8, 2, 6, 500, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+  };
+  for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i)
+    if (!rot_fused_run(&cs[i])) break;
 }
 #endif

@@ -351,7 +351,8 @@ __host__ __device__ inline kvc_wgf_layout kvc_wgf_layout_of(int D) {
  * (dims 8 u .. 8 u + 7, natural order) of rows wt / (D / 8) + (1024 / D) k,
  * to chunk u / 8, unit (u % 8) ^ (r % 8) of tile row r. A warp copies 512
  * contiguous bytes of a contiguous layout. BLOCK_TABLE rows through the
- * stage's block ids (ids: landed, from the column of t0 + fo). */
+ * stage's block ids (ids: landed, from the column of t0 + fo): one id and
+ * address per block a thread's rows enter, RS rows further within it. */
 static int kvc_wgf_total(int D) { return kvc_wgf_layout_of(D).total; }
 template <int D, bool TBL>
 __device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int hk, int fo, int wg, int wt,
@@ -366,6 +367,10 @@ __device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int 
     kb += b * K.ds[0] + (t0 + 32 * wg + rr) * K.ds[2];
     vb += b * V.ds[0] + (t0 + 32 * wg + rr) * V.ds[2];
   }
+  /* BLOCK_TABLE: the row addresses of the block that row k - 1 was in (jc its column); row k
+   * (RS rows further) in the same block is RS rows past them, else located through its id */
+  long long jc = -1;
+  const char *kc = K.data, *vc = V.data;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const int r = 32 * wg + rr + RS * k;
@@ -376,9 +381,17 @@ __device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int 
     if (ok) {
       if (TBL) {
         const long long rw = t + fo, j = kvc_table_col(rw, K.bsz, K.bsh);
-        const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, K.bsz, K.nblk);
-        kr = kb + l.outer * K.ds[0] + l.row * K.ds[2];
-        vr = vb + l.outer * V.ds[0] + l.row * V.ds[2];
+        if (j == jc) { /* rows past t_hi come after every row that was read: row k - 1 was read */
+          kc += RS * K.ds[2];
+          vc += RS * V.ds[2];
+        } else {
+          const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, K.bsz, K.nblk);
+          kc = kb + l.outer * K.ds[0] + l.row * K.ds[2];
+          vc = vb + l.outer * V.ds[0] + l.row * V.ds[2];
+          jc = j;
+        }
+        kr = kc;
+        vr = vc;
       } else {
         kr = kb + (long long)(RS * k) * K.ds[2];
         vr = vb + (long long)(RS * k) * V.ds[2];
@@ -908,7 +921,7 @@ static int kvc_wg512_total(void) { return kvc_wg512_layout_of().total; }
  * the stage at t0 (zeros from t_hi on) from operand O into the tile at
  * shared address t: row r at chunk u / 8, byte r * 128 + 16 ((u % 8) ^ (r %
  * 8)). BLOCK_TABLE rows through the stage's block ids (ids: landed, from the
- * column of t0 + fo). */
+ * column of t0 + fo), one address per block the rows enter. */
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_operand &O, int b, int hk, int fo,
                                                uint32_t t, long long t0, long long t_hi, const int *ids, int u, int r0,
@@ -918,6 +931,8 @@ __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_oper
   const char *row = TBL ? base : base + b * O.ds[0] + (t0 + r0) * O.ds[2]; /* contiguous: row r0, then + rs rows */
   const long long step = rs * O.ds[2];
   t += (u >> 3) * (KVC_WG512_TOK * 128);
+  long long jc = -1; /* BLOCK_TABLE: the column of row k - 1, cur its address (kvc_wg_copy_stage) */
+  const char *cur = O.data;
 #pragma unroll 2 /* registers: fully unrolled, the contiguous instances took all 255 */
   for (int k = 0; k < 8; ++k) {
     const int r = r0 + rs * k;
@@ -927,8 +942,14 @@ __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_oper
     if (ok) {
       if (TBL) {
         const long long rw = tk + fo, j = kvc_table_col(rw, a.k.bsz, a.k.bsh);
-        const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, a.k.bsz, a.k.nblk);
-        src = base + l.outer * O.ds[0] + l.row * O.ds[2];
+        if (j == jc) {
+          cur += step;
+        } else {
+          const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, a.k.bsz, a.k.nblk);
+          cur = base + l.outer * O.ds[0] + l.row * O.ds[2];
+          jc = j;
+        }
+        src = cur;
       } else {
         src = row + k * step;
       }
