@@ -1008,10 +1008,13 @@ static int dcall_make(dcall *dc, dmem *m, const att_data *d, const kva_kv_view *
   for (int o = 0; o < 2; ++o) {
     const kva_tensor *ht[3] = {&hops[o]->data, &hops[o]->scales, &hops[o]->biases};
     kva_tensor *dt[3] = {&ops[o]->data, &ops[o]->scales, &ops[o]->biases};
-    for (int t = 0; t < (hops[o]->bits ? 3 : 1); ++t) {
+    /* the rows, and every scale / bias tensor present (quantized rows; fp8 rows' scales) */
+    for (int t = 0; t < 3; ++t) {
+      if (t && !ht[t]->data) continue;
       size_t span = kva_dtype_size(ht[t]->dtype);
-      for (int k = 0; k < 4; ++k) span += (size_t)((ht[t]->shape[k] - 1) * ht[t]->stride[k]);
+      for (int k = 0; k < ht[t]->ndim; ++k) span += (size_t)((ht[t]->shape[k] - 1) * ht[t]->stride[k]);
       *dt[t] = dview(m, ht[t], ht[t]->data, span);
+      if (!dt[t]->data) return 0;
     }
   }
   if (tb) {
@@ -1344,7 +1347,8 @@ TEST(cuda_rotation_vs_oracle) {
 
 /* fp8 rows on the wide kernel (warpgroup kernel off): q rotated by the API's
  * pass, out on store; e4m3 and e5m2, head dims 64 / 128 / 256, out f32 and
- * bf16, one split and several (a quick subset, also for a sanitizer run) */
+ * bf16, one split and several; one warpgroup case (a quick subset, also for
+ * a sanitizer run) */
 TEST(cuda_rotation_fp8_wide) {
   if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
   static const rot_fused_case cs[] = {
@@ -1356,6 +1360,9 @@ TEST(cuda_rotation_fp8_wide) {
        "f8e5m2 tensor-core kernel: wide (8 warps)", 3, 0, 2},
       {{1, 8, 2, 6, 500, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
        "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+      /* and on the warpgroup kernel (default from 16 vectors): q rotated on load there */
+      {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
+       "f8e4m3 tensor-core kernel: warpgroup", 0, 1, 2},
   };
   for (size_t i = 0; i < sizeof cs / sizeof cs[0]; ++i)
     if (!rot_fused_run(&cs[i])) break;
