@@ -113,8 +113,8 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
 #define ATT_ATOL_BF16 (1.0 / 128)
 #define ATT_QINT_EXACT_BITS 21
 /* "P int16" (kvattn.h: p times the V group scale rounded to s16 per (query
- * vector, tile of 32 keys, group), each weight within 2^-15 of its tile's
- * largest): per tile at most 32 * 2^-15 of the tile's largest weight times
+ * vector, tile of 32 keys, group), each weight within 1 / 32767.5 of its
+ * tile's largest): per tile at most 32 / 32767.5 of the tile's largest weight times
  * the group's code span |s| (2^bits - 1), the tiles' largest weights summing
  * to at most the softmax denominator, so |out - ref| <= 2^-10 * span <=
  * 2^-9 max|v|: the form of the bf16-P bound (2^-9 of each weight times

@@ -8,7 +8,7 @@
  *   q rounded to s8 per (vector, K group) ("[q int8]"; f32 products in exact
  *   mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
- *   lane; with >= 8 vectors (4-bit / 8-bit V, 16-bit queries, not exact
+ *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
  *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
  *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]").
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
@@ -357,7 +357,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 }
 
 #ifdef __AVX512VNNI__
-/* ---- V phase on 16-bit integers (verify-sized groups: >= PINT_MIN_VECTORS) ----
+/* ---- V phase on 16-bit integers (groups of >= PINT_MIN_VECTORS query vectors) ----
  * Quantized V (4-bit, 8-bit; groups of at least 8 words) with 16-bit
  * queries outside exact mode: per element of group g,
  *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
@@ -385,7 +385,13 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * tokens' s16 weights); the int32 sums are exchanged back before they are
  * added to o. Weights wg[vector][group][pair] (u32) for a block of PJB
  * vectors at a time. */
-#define PINT_MIN_VECTORS 8 /* query vectors per KV head from which the integer V phase runs */
+/* Query vectors per KV head from which the integer V phase runs: the vector
+ * counts that take the L1 tile (> 4). Hot, one thread, 16k tokens, q4 / q8
+ * at D = 256 (ns per token-head, f32 tile -> integer): 5 vectors 129 -> 75,
+ * 6 vectors 142 -> 82 (q8 171 -> 95), 16 vectors (L = 8) 258 -> 173; in
+ * place of the direct path below 5 vectors: 4 vectors q4 64 -> 66, q8 86 ->
+ * 75, 3 vectors 61 -> 64, 2 vectors 38 -> 45. */
+#define PINT_MIN_VECTORS 5
 #define PJB 4              /* query vectors per register block */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
 
