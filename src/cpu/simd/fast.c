@@ -358,7 +358,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 
 #ifdef __AVX512VNNI__
 /* ---- V phase on 16-bit integers (groups of >= PINT_MIN_VECTORS query vectors) ----
- * Quantized V (4-bit, 8-bit; groups of at least 8 words) with 16-bit
+ * Quantized V (4-bit, 8-bit; groups of a multiple of 8 code words) with 16-bit
  * queries outside exact mode: per element of group g,
  *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
  * with w = p * s rounded to s16 per (vector j, tile, group g), the bias
