@@ -367,7 +367,16 @@ int kva_hadamard_dim_supported(int64_t D);
  * VNNI, 16-bit queries over quantized K, and on AVX2, 4-bit and 8-bit K
  * ("[q int8]": q
  * rounded to 8 bits with one scale per vector and K group, the rounding
- * kva_ref_rounding describes, exact integer q.k on the codes). CUDA: bf16 queries over 4-bit or 8-bit K/V
+ * kva_ref_rounding describes, exact integer q.k on the codes); on AVX-512
+ * VNNI, 16-bit queries with >= 5 query vectors per KV head over 4-bit or
+ * 8-bit V whose groups span a multiple of 8 code words (q4: groups of 64
+ * or more; q8: 32 or more) also round P ("P int16", "[q int8, P int16]"
+ * with quantized K): w = p * s_g (the V group scale) rounded to s16 per
+ * (query vector, tile of 32 keys, group) with a power-of-two step, each
+ * weight within max|w| / 32767.5 of the tile's largest, the sum over the
+ * tile exact integer work on the codes, the biases b_g * sum(p) in f32
+ * (|out error| <= 2^-10 * |s_g| (2^bits - 1); tiles with a non-finite V
+ * scale or bias stay f32; not modelled by the oracle). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
  * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
  * tables at 128; at head dim 512 on sm_90 only), run on tensor cores:

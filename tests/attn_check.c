@@ -520,6 +520,7 @@ static int atol_item(const char *item, const char *sp, const char *end, void *ar
   if ((!strcmp(type, "bf16") || !strcmp(type, "f16")) && item[0] == 'q' && item[1] == ' ')
     a = ATT_ATOL_F32; /* a rotated call's q' rounded to 16 bits: the oracle applies it (q_dtype) */
   else if (!strcmp(type, "bf16") || !strcmp(type, "f16")) a = ATT_ATOL_BF16;
+  else if (!strcmp(type, "int16") && item[0] == 'P' && item[1] == ' ') a = ATT_ATOL_PINT16;
   else if (!strncmp(type, "int", 3) && atoi(type + 3) >= 8 && item[0] == 'q' && item[1] == ' ')
     a = atoi(type + 3) >= ATT_QINT_EXACT_BITS || atoi(type + 3) <= ATT_QINT_ORACLE_BITS ? ATT_ATOL_F32 : ATT_ATOL_BF16;
   else return -1;

@@ -107,10 +107,19 @@ int att_compare(const kva_tensor *out, const kva_tensor *ref, double atol_rel, d
  * rounding): f32 products over up to a few thousand keys against the double
  * oracle (3e-5); any operand rounded to bf16 or f16, and q rounded to bits
  * in between (always paired with a 16-bit P): bf16 products (2^-7; f16 is
- * not given a tighter allowance). The largest over the bracket's items. */
+ * not given a tighter allowance); "P int16": ATT_ATOL_PINT16. The largest
+ * over the bracket's items. */
 #define ATT_ATOL_F32 3e-5
 #define ATT_ATOL_BF16 (1.0 / 128)
 #define ATT_QINT_EXACT_BITS 21
+/* "P int16" (kvattn.h: p times the V group scale rounded to s16 per (query
+ * vector, tile of 32 keys, group), each weight within 1 / 32767.5 of its
+ * tile's largest): per tile at most 32 / 32767.5 of the tile's largest weight times
+ * the group's code span |s| (2^bits - 1), the tiles' largest weights summing
+ * to at most the softmax denominator, so |out - ref| <= 2^-10 * span <=
+ * 2^-9 max|v|: the form of the bf16-P bound (2^-9 of each weight times
+ * |v|), with the same 4x margin that ATT_ATOL_BF16 takes over it. */
+#define ATT_ATOL_PINT16 (1.0 / 256)
 /* The allowance of a kernel name; -1 (fails every comparison) when the name
  * has no bracket or one this table does not know. */
 double att_name_atol(const char *name);

@@ -208,10 +208,12 @@ TEST(attention_nan_inf_16bit) {
   const att_case cases16[] = {
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+      /* 16 vectors per KV head: the integer V phase ("P int16", AVX-512: from 5) */
+      {1, 4, 2, 8, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
   };
   kva_context *ctx;
   ASSERT_OK(kva_context_create(&ctx, NULL));
-  for (int ci = 0; ci < 2; ++ci) {
+  for (int ci = 0; ci < (int)(sizeof cases16 / sizeof cases16[0]); ++ci) {
     const att_case *c = &cases16[ci];
     for (int variant = 0; variant < 6; ++variant) {
       att_data d;

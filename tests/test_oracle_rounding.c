@@ -107,5 +107,13 @@ TEST(oracle_rounding_names) {
   ASSERT_TRUE(r.q_int_bits == 0 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32);
   ASSERT_OK(att_name_rounding("x [exact f32]", &r));
   ASSERT_TRUE(r.q_int_bits == 0 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32);
+  ASSERT_OK(att_name_rounding("cpu avx512 fused kernel [q int8, P int16]", &r)); /* P: the allowance */
+  ASSERT_TRUE(r.q_int_bits == 8 && r.k_dtype == KVA_F32 && r.v_dtype == KVA_F32);
   ASSERT_TRUE(att_name_rounding("no bracket", &r) == -1);
+  /* the allowances: the largest item's */
+  ASSERT_TRUE(att_name_atol("x [q int8]") == ATT_ATOL_F32);
+  ASSERT_TRUE(att_name_atol("x [q int8, P int16]") == ATT_ATOL_PINT16);
+  ASSERT_TRUE(att_name_atol("x [P int16]") == ATT_ATOL_PINT16);
+  ASSERT_TRUE(att_name_atol("x [q int8, P bf16]") == ATT_ATOL_BF16);
+  ASSERT_TRUE(att_name_atol("x [q int16]") == ATT_ATOL_BF16 && att_name_atol("x [V int16]") < 0);
 }

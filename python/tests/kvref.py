@@ -26,10 +26,30 @@ COMPUTE_ATOL = 2e-6
 BF16_PRODUCTS_ATOL = 2.0**-7
 
 
-def compute_atol(q, kv_heads):
-    """The arithmetic allowance for a call with queries q [B, H, L, D]."""
+# "P int16" (kvattn.h: the CPU AVX-512 kernel with >= 5 query vectors per KV
+# head over 4-bit / 8-bit V): p times the V group scale rounded to s16 per
+# (query vector, tile of 32 keys, group), each weight within 1 / 32767.5 of the
+# tile's largest: |out error| <= 2^-10 |s| (2^bits - 1) <= 2^-9 max|v|, the
+# form of the bf16-P bound, with the same 4x margin.
+PINT16_ATOL = 2.0**-8
+
+
+def compute_atol(q, kv_heads, kernel=None):
+    """The arithmetic allowance for a call with queries q [B, H, L, D] (kernel:
+    the name kvattn.attention_kernel gives for it, when known: its "P int16")."""
     B, H, L, _ = q.shape
-    return BF16_PRODUCTS_ATOL if q.dtype == BF16 and (H // kv_heads) * L >= 6 else COMPUTE_ATOL
+    atol = BF16_PRODUCTS_ATOL if q.dtype == BF16 and (H // kv_heads) * L >= 6 else COMPUTE_ATOL
+    if kernel is not None and "P int16" in kernel[kernel.rfind("["):]:
+        atol = max(atol, PINT16_ATOL)
+    return atol
+
+
+def kernel_atol(q, k, v, kv_heads, **kw):
+    """compute_atol for the kernel kvattn.attention(q, k, v, **kw) takes."""
+    import kvattn
+
+    kw.pop("out", None)
+    return compute_atol(q, kv_heads, kvattn.attention_kernel(q, k, v, **kw))
 
 
 def rng_for(request_or_name, salt=0):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F16, F32, assert_close, compute_atol, randn, ref_attention, ref_for_kernel, rng_for
+from kvref import (BF16, F16, F32, assert_close, compute_atol, kernel_atol, randn, ref_attention, ref_for_kernel,
+                   rng_for)
 
 
 def make_kv(rng, B, KVH, N, D, dtype, bits=0, group_size=64):
@@ -28,7 +29,8 @@ def run_case(request, B, H, KVH, L, N, Dk, Dv, kv_dtype, q_dtype, bits=0, group_
     # f32 rounding in the logits grows with their size: scale the allowance by
     # how much an explicit scale enlarges them over the default 1/sqrt(Dk).
     growth = max(1.0, abs(kw["scale"]) * Dk ** 0.5) if kw.get("scale") is not None else 1.0
-    assert_close(out, ref, request.node.name, compute_atol(q, KVH) * growth)
+    atol = kernel_atol(q, k, v, KVH, group_size=group_size, bits=bits, threads=threads, **kw)
+    assert_close(out, ref, request.node.name, atol * growth)
     return q, k, v, out, ref
 
 

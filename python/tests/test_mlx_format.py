@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvref import BF16, F16, F32, FLOATS, UNIT_ROUNDOFF, assert_close, compute_atol, randn, ref_for_kernel, rng_for
+from kvref import (BF16, F16, F32, FLOATS, UNIT_ROUNDOFF, assert_close, kernel_atol, randn, ref_for_kernel,
+                   rng_for)
 
 mx = pytest.importorskip("mlx.core")
 
@@ -137,7 +138,8 @@ def test_attention_vs_mlx_sdpa(request, dtype, bits, group_size, L, H, KVH):
     # the default kernel against the oracle carrying the query rounding it names
     fast = kvattn.attention(q, kqn, vqn, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits)
     ref = ref_for_kernel(q, kqn, vqn, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits)
-    assert_close(fast, ref, "default kernel", atol=compute_atol(q, KVH))
+    atol = kernel_atol(q, kqn, vqn, KVH, scale=scale, mask="causal", sinks=sinks, group_size=group_size, bits=bits)
+    assert_close(fast, ref, "default kernel", atol=atol)
     rtol = MLX_ATT_RTOL[np.dtype(dtype)]
     err = np.abs(got.astype(np.float64) - want)
     bound = rtol * np.maximum(np.abs(want), 1.0)

@@ -16,6 +16,8 @@ typedef struct fmt_plan {
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
   int exact;                      /* codes converted exactly (f32 queries, exact mode), see code_as_float */
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
+  int pint;                       /* 4-bit or 8-bit V, 16-bit queries, verify-sized groups (fast.c only): P.V on
+                                     s16 weights and the codes (vphase_pint) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
   int fp8;                        /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)

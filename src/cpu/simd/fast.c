@@ -8,7 +8,9 @@
  *   q rounded to s8 per (vector, K group) ("[q int8]"; f32 products in exact
  *   mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
- *   lane.
+ *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
+ *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
+ *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]").
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
  *   word w lands in lane w of vector k, so q (and the V accumulator) live in
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
@@ -20,7 +22,8 @@
  *   into L2 one per row of the K phase, its V rows one per row of the V
  *   phase, tiles.h); K codes are decoded in registers per block of <= 8
  *   query vectors; V codes in registers per block of <= 2 vectors when
- *   nq <= 4, else once per tile into L1.
+ *   nq <= 4, else once per tile into L1 (as f32, or for vphase_pint as
+ *   two tokens' s16 codes per u32 lane).
  *   Codes become floats exactly for f32 queries and in exact mode, by
  *   mantissa placement for other 16-bit queries (code_as_float). bf16
  *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
@@ -353,6 +356,232 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
   }
 }
 
+#ifdef __AVX512VNNI__
+/* ---- V phase on 16-bit integers (groups of >= PINT_MIN_VECTORS query vectors) ----
+ * Quantized V (4-bit, 8-bit; groups of a multiple of 8 code words) with 16-bit
+ * queries outside exact mode: per element of group g,
+ *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
+ * with w = p * s rounded to s16 per (vector j, tile, group g), the bias
+ * sums in f32 (the bias lanes, as the f32 path).
+ * The rounding ("P int16"): with M = max_t |w_jtg| over the tile's tokens,
+ * sigma = 2^-k, k = 14 - floor(log2 M) (one less where M 2^k would round
+ * to 2^15), w' = rint(w / sigma) (|w'| <= 32767), the scaling exact (powers
+ * of two), so |w' sigma - w| <= M / 32767.5. A group whose M is 0 adds nothing,
+ * one whose M is below 2^-135 (sigma below f32's range) is lost; a NaN
+ * weight (NaN logits) gives garbage codes, but its NaN reaches the bias sum
+ * and the vector's l, so the output is NaN as in the f32 path.
+ * Codes of two tokens sit in adjacent s16 halves of each u32 lane (token
+ * 2i low, 2i + 1 high) and vpdpwssd adds w'_2i c_2i + w'_2i+1 c_2i+1 into
+ * int32 lanes: per tile at most 16 pairs of 2 * 32767 * 255 < 2^28, no
+ * overflow; the int32 sums times sigma go to o in f32 once per tile. Tiles
+ * whose V rows hold a non-finite scale or bias take the f32 path (masked:
+ * keys with P == 0 add exactly nothing).
+ * Layout: ct[pair][pos] u32 lanes, decoded once per tile into L1 for all
+ * nq vectors, in o's permuted order (vector v = c*E + k: code k of the 16
+ * words of chunk c), except that with 8 words per group (two groups per
+ * vector) vectors 2m and 2m+1 of a chunk exchange halves: 2m holds the low
+ * 8 lanes (group 2c) of both, 2m+1 the high 8 (group 2c+1), so that every
+ * vector is one group's and its weights are one broadcast u32 (the two
+ * tokens' s16 weights); the int32 sums are exchanged back before they are
+ * added to o. Weights wg[vector][group][pair] (u32) for a block of PJB
+ * vectors at a time. */
+/* Query vectors per KV head from which the integer V phase runs: the vector
+ * counts that take the L1 tile (> 4). Hot, one thread, 16k tokens, q4 / q8
+ * at D = 256 (ns per token-head, f32 tile -> integer): 5 vectors 129 -> 75,
+ * 6 vectors 142 -> 82 (q8 171 -> 95), 16 vectors (L = 8) 258 -> 173; in
+ * place of the direct path below 5 vectors: 4 vectors q4 64 -> 66, q8 86 ->
+ * 75, 3 vectors 61 -> 64, 2 vectors 38 -> 45. */
+#define PINT_MIN_VECTORS 5
+#define PJB 4              /* query vectors per register block */
+#define PKB 4              /* code vectors (of 16 positions) per register block */
+
+/* acc += the s16 pair products of a and b (vpdpwssd); as asm because GCC 12
+ * copies the accumulator around the intrinsic in the unrolled block loop
+ * (two register moves per vpdpwssd). */
+ALWAYS __m512i dpwssd_acc(__m512i acc, __m512i a, __m512i b) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+/* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
+ * in the low s16 of its lane, of x1 in the high one, into dst[k][16]; HALVES:
+ * vectors 2m, 2m+1 with their halves exchanged (see above). */
+ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *dst) {
+  const __mmask32 hi = 0xAAAAAAAAu;
+  __m512i v[8];
+  if (bits == 8) {
+    const __m512i m = _mm512_set1_epi32(0x00FF00FF);
+    const __m512i e0 = _mm512_and_si512(x0, m), e1 = _mm512_and_si512(x1, m); /* codes 0 | 2 as s16 */
+    const __m512i o0 = _mm512_and_si512(_mm512_srli_epi32(x0, 8), m), o1 = _mm512_and_si512(_mm512_srli_epi32(x1, 8), m);
+    v[0] = _mm512_mask_blend_epi16(hi, e0, _mm512_slli_epi32(e1, 16));
+    v[1] = _mm512_mask_blend_epi16(hi, o0, _mm512_slli_epi32(o1, 16));
+    v[2] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(e0, 16), e1);
+    v[3] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(o0, 16), o1);
+  } else {
+    const __m512i m = _mm512_set1_epi32(0x000F000F);
+    for (int k = 0; k < 4; ++k) { /* y: code k in the low s16, code k + 4 in the high one */
+      const __m512i y0 = _mm512_and_si512(k ? _mm512_srli_epi32(x0, (unsigned)(4 * k)) : x0, m);
+      const __m512i y1 = _mm512_and_si512(k ? _mm512_srli_epi32(x1, (unsigned)(4 * k)) : x1, m);
+      v[k] = _mm512_mask_blend_epi16(hi, y0, _mm512_slli_epi32(y1, 16));
+      v[k + 4] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(y0, 16), y1);
+    }
+  }
+  for (int k = 0; k < 32 / bits; k += 2) {
+    const __m512i a = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0x44) : v[k];
+    const __m512i b = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0xEE) : v[k + 1];
+    _mm512_storeu_si512(dst + k * LANES, a);
+    _mm512_storeu_si512(dst + (k + 1) * LANES, b);
+  }
+}
+
+/* The tile's V codes as token pairs into ct[pair][P] and its group scales
+ * and biases transposed into st/bt[g][KVA_TILE] (zero past n). Returns
+ * whether any scale or bias is NaN or Inf. */
+ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, int halves, int32_t *ct,
+                       float *st, float *bt, const kva_prefetch *pf) {
+  const int E = 32 / bits;
+  int bad = 0;
+  for (int64_t t = 0; t < KVA_TILE; ++t)
+    for (int g = 0; g < fp->ngroups; ++g) {
+      const float s = t < n ? simd_load_scale(rows[t].vs, fp->sdt, g) : 0.0f;
+      const float b = t < n ? simd_load_scale(rows[t].vb, fp->sdt, g) : 0.0f;
+      bad |= !isfinite(s) || !isfinite(b);
+      st[g * KVA_TILE + t] = s;
+      bt[g * KVA_TILE + t] = b;
+    }
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (pf && two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+    int32_t *dst = ct + (t / 2) * fp->P;
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
+      const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
+      pint_codes(x0, x1, bits, halves, dst + (int64_t)c * E * LANES);
+    }
+  }
+  return bad;
+}
+
+/* Vector j's weights for the tile (P: its 32 weights, zero past n): wg[g][pair]
+ * s16 pairs, sigma per group into sig[16], sum_t p b into ob's chunk lanes. */
+static void pint_weights(const fmt_plan *fp, const float *P, const float *st, const float *bt, int32_t *wg,
+                         float *sig, float *ob) {
+  const __m512 p0 = _mm512_loadu_ps(P), p1 = _mm512_loadu_ps(P + LANES);
+  const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  float bs[LANES] = {0};
+  for (int g = 0; g < fp->ngroups; ++g) {
+    const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
+    const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
+    bs[g] = _mm512_reduce_add_ps(_mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg))));
+    const float M = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
+    float k = 0.0f;
+    if (M > 0.0f) {
+      const __m128 m = _mm_set_ss(M);
+      k = 14.0f - _mm_cvtss_f32(_mm_getexp_ss(m, m));
+      if (_mm_cvtss_f32(_mm_scalef_ss(m, _mm_set_ss(k))) >= 32767.5f) k -= 1.0f;
+    }
+    const __m128 one = _mm_set_ss(1.0f);
+    sig[g] = _mm_cvtss_f32(_mm_scalef_ss(one, _mm_set_ss(-k)));
+    const __m512 kv = _mm512_set1_ps(k);
+    const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), rn));
+    const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), rn));
+    _mm512_storeu_si512(wg + g * LANES, _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
+  }
+  if (fp->ngroups & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
+    sig[fp->ngroups] = 0.0f;
+    _mm512_storeu_si512(wg + fp->ngroups * LANES, _mm512_setzero_si512());
+  }
+  const __m512 bv = _mm512_loadu_ps(bs);
+  for (int c = 0; c < fp->nch; ++c)
+    _mm512_storeu_ps(ob + c * LANES, _mm512_add_ps(_mm512_loadu_ps(ob + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bv)));
+}
+
+/* o[j][pos0 .. pos0 + 16 PKB) += sigma_jg * sum_pairs w'_jg . codes for J
+ * vectors (wg, sig: PJB vectors' weights and sigmas); HALVES: the block's
+ * vectors alternate between the chunk's two groups. */
+ALWAYS void pint_block(const fmt_plan *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig,
+                       float *o, int64_t pos0, int J, int HALVES) {
+  enum { GB = 2 };
+  const int v0 = (int)(pos0 / LANES), c = v0 / fp->E;
+  const int g0 = HALVES ? 2 * c : (c * LANES * fp->E) / fp->G;
+  const int ng = HALVES ? 2 : 1;
+  __m512i acc[PJB][PKB];
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < PKB; ++kb) acc[j][kb] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < np; ++i) {
+    __m512i w[PJB][GB];
+    for (int j = 0; j < J; ++j)
+      for (int gb = 0; gb < ng; ++gb) w[j][gb] = _mm512_set1_epi32(wg[((int64_t)j * LANES + g0 + gb) * LANES + i]);
+    for (int kb = 0; kb < PKB; ++kb) {
+      const __m512i x = _mm512_loadu_si512(ct + i * fp->P + pos0 + kb * LANES);
+      for (int j = 0; j < J; ++j) acc[j][kb] = dpwssd_acc(acc[j][kb], x, w[j][HALVES ? kb & 1 : 0]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    float *oj = o + (int64_t)j * fp->P + pos0;
+    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]), s1 = _mm512_set1_ps(sig[j * LANES + g0 + (HALVES ? 1 : 0)]);
+    for (int kb = 0; kb < PKB; kb += 2) {
+      __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb]), s0), b = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb + 1]), s1);
+      if (HALVES) { /* back to o's order: the low halves of both, the high halves of both */
+        const __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44), hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+        a = lo;
+        b = hi;
+      }
+      _mm512_storeu_ps(oj + kb * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + kb * LANES), a));
+      _mm512_storeu_ps(oj + (kb + 1) * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + (kb + 1) * LANES), b));
+    }
+  }
+}
+#define PINT_BLOCK(J_)                                                                                 \
+  static void pint_block_##J_(const fmt_plan *fp, int64_t np, const int32_t *ct, const int32_t *wg,     \
+                              const float *sig, float *o, int64_t pos0) {                               \
+    if (fp->pint == 2) pint_block(fp, np, ct, wg, sig, o, pos0, J_, 1);                                 \
+    else pint_block(fp, np, ct, wg, sig, o, pos0, J_, 0);                                               \
+  }
+PINT_BLOCK(4)
+PINT_BLOCK(2)
+PINT_BLOCK(1)
+
+/* The integer V phase for one tile (fp->pint: 1, or 2 with 8 words per
+ * group); 0 without touching o or ob when a scale or bias of the tile is
+ * not finite (the caller then takes the f32 path). Scratch: ct (n/2 rows of
+ * P u32) in vt, st/bt in svt/bvt. */
+/* Whether an item of nq vectors over V rows vf takes vphase_pint (16-bit
+ * queries, not exact mode: q16): 0 no, 1 yes, 2 yes with two groups per
+ * code vector (8 words per group). */
+static int pint_kind(const kva_rowfmt *vf, int q16, int64_t nq) {
+  const int64_t wpg = vf->bits ? vf->group * vf->bits / 32 : 0; /* code words per group */
+  if (!q16 || (vf->bits != 4 && vf->bits != 8) || nq < PINT_MIN_VECTORS || wpg % 8) return 0;
+  return wpg == 8 ? 2 : 1;
+}
+
+static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *svt,
+                       float *bvt, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
+  int32_t *ct = (int32_t *)vt;
+  const int64_t np = (n + 1) / 2, obn = (int64_t)fp->nch * LANES;
+  const int h = fp->pint == 2;
+  const int bad = fp->bits == 4 ? (h ? pint_decode(fp, rows, n, 4, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 4, 0, ct, svt, bvt, pf))
+                                : (h ? pint_decode(fp, rows, n, 8, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 8, 0, ct, svt, bvt, pf));
+  if (bad) return 0;
+  int32_t wg[PJB * LANES * LANES];
+  float sig[PJB * LANES];
+  for (int64_t j0 = 0; j0 < nq; j0 += PJB) {
+    const int J = nq - j0 < PJB ? (int)(nq - j0) : PJB;
+    for (int j = 0; j < J; ++j)
+      pint_weights(fp, S + (j0 + j) * KVA_TILE, svt, bvt, wg + j * LANES * LANES, sig + j * LANES, ob + (j0 + j) * obn);
+    for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
+      int j = 0;
+      float *oj = o + j0 * fp->P;
+      if (J == 4) { pint_block_4(fp, np, ct, wg, sig, oj, pos); continue; }
+      if (J - j >= 2) { pint_block_2(fp, np, ct, wg, sig, oj, pos); j += 2; }
+      if (J - j >= 1) pint_block_1(fp, np, ct, wg + j * LANES * LANES, sig + j * LANES, oj + (int64_t)j * fp->P, pos);
+    }
+  }
+  return 1;
+}
+#endif
+
 /* Direct V accumulation for small blocks (J <= 2 vectors): codes or values
  * are decoded in registers and consumed at once, no L1 round trip.
  * w = P*scale lane; keys with P == 0 add exactly nothing (masked lanes). */
@@ -490,6 +719,9 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
     }
     return;
   }
+#ifdef __AVX512VNNI__
+  if (fp->pint && vphase_pint(fp, rows, n, S, vt, svt, bvt, o, ob, nq, pf)) return;
+#endif
   const int nonfinite = decode_v_tile(fp, rows, n, vt, svt, bvt, pf);
   vphase(fp, n, S, vt, svt, bvt, o, ob, nq, nonfinite);
 }
@@ -587,6 +819,7 @@ static void attend_fast(const kva_item *it) {
   float qrow[KVA_MAX_HEAD_DIM];
 #ifdef __AVX512VNNI__
   kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
+  vf.pint = pint_kind(&src->vf, !vf.exact, nq); /* vphase_pint (vf.exact: f32 queries or exact mode) */
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -648,13 +881,21 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * already (quantized rows: exact codes) and P always (times the V group
  * scale for quantized V); the vector kernel multiplies in f32, with quantized
  * K and 16-bit queries on integer dot products (q rounded to s8 per
- * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only). */
+ * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only), and
+ * for quantized V with >= PINT_MIN_VECTORS vectors in the first row group P times the V
+ * scale on s16 (vphase_pint). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
   if (!f) return NULL;
   if (f == attend_fast) {
 #ifdef __AVX512VNNI__
-    if (p->kv->k.bits && p->q->dtype != KVA_F32 && !p->exact) return "fused kernel [q int8]";
+    kva_rowfmt kr, vr;
+    simd_rowfmts(p, &kr, &vr);
+    const int64_t nq = p->rep * (p->L < KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS); /* the first row group's */
+    const int q16 = p->q->dtype != KVA_F32 && !p->exact;
+    const int pint = pint_kind(&vr, q16, nq) != 0;
+    if (q16 && kr.bits) return pint ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
+    if (pint) return "fused kernel [P int16]";
 #endif
     return "fused kernel [exact f32]";
   }
