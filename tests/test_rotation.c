@@ -1148,7 +1148,6 @@ typedef struct rot_fused_case {
   const char *want;
   int env, kfused, splits;
 } rot_fused_case;
-#define E4 KVA_F8E4M3
 static const rot_fused_case rot_fused_cases[] = {
     /* q4 decode, per-warp kernel: head dims 256, 128, 64; GQA 2 and 4; sinks, ragged, strided; one split */
     {{1, 8, 4, 1, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, "per-warp,", 1, 1, 2},
@@ -1203,11 +1202,8 @@ static const rot_fused_case rot_fused_cases[] = {
      "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
     {{1, 8, 2, 4, 600, 256, 256, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "q8 tensor-core kernel: wide (8 warps)", 3, 1, 2},
-    {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
-     "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+    /* (fp8 rows on the wide kernel and e4m3 on the warpgroup one: cuda_rotation_fp8_wide) */
     /* fp8 rows on the warpgroup kernel (default from 16 vectors): q rotated on load, out on store */
-    {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0},
-     "f8e4m3 tensor-core kernel: warpgroup", 0, 1, 2},
     {{1, 24, 4, 8, 600, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E5M2, MASK_CAUSAL, 0, 0, 1, 0, 0},
      "f8e5m2 tensor-core kernel: warpgroup", 0, 1, 2},
     /* bf16 / f16 at head dim 512, L = 8 GQA 2 and 4: the warpgroup kernel's 512 instances (q rotated on load) */
@@ -1226,7 +1222,6 @@ static const rot_fused_case rot_fused_cases[] = {
     {{1, 2, 1, 1, 40, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, "f32 fused kernel", 0, 1, 1},
     {{1, 8, 4, 3, 600, 96, 96, F32, BF16, 4, 4, 32, F32, MASK_WINDOW, 50, 0, 0, 0, 0}, "q4 fused kernel", 0, 1, 0},
 };
-#undef E4
 #define NROT_FUSED ((int)(sizeof rot_fused_cases / sizeof rot_fused_cases[0]))
 
 /* The rotated call captured in a CUDA graph (fused: the decode instance
