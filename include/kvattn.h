@@ -378,8 +378,9 @@ int kva_hadamard_dim_supported(int64_t D);
  * (|out error| <= 2^-10 * |s_g| (2^bits - 1); tiles with a non-finite V
  * scale or bias stay f32; not modelled by the oracle). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
- * with >= 3 query vectors per KV head (>= 2 at head dim 64, and over block
- * tables at 128; at head dim 512 on sm_90 only), run on tensor cores:
+ * with >= 3 query vectors per KV head (>= 2 at head dim 64, over block
+ * tables at 128 and, on sm_90, at 256; at head dim 512 on sm_90 only), run
+ * on tensor cores:
  * 16-bit rows round P only ("[P bf16]",
  * "[P f16]"); 4-bit and 8-bit K with up to 8 query vectors per KV head take
  * exact integer q.k on the codes with the query rounded to 15 bits (two s8
