@@ -21,7 +21,9 @@
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
  *   phase, tiles.h); K codes are decoded in registers per block of <= 8
- *   query vectors; V codes in registers per block of <= 2 vectors when
+ *   query vectors (kphase_quad, >= 5 vectors of 16-bit queries and 4-bit /
+ *   8-bit K in groups of a multiple of 4 words: per 4 rows and block of
+ *   <= 16 vectors); V codes in registers per block of <= 2 vectors when
  *   nq <= 4, else once per tile into L1 (as f32, or for vphase_pint as
  *   two tokens' s16 codes per u32 lane).
  *   Codes become floats exactly for f32 queries and in exact mode, by
@@ -37,6 +39,8 @@
 #define KQB 8      /* query vectors per register block in the K phase */
 #define VJB 4      /* query vectors per register block in the V phase */
 #define VKB 4      /* accumulator vectors per query in the V phase */
+#define KQQ 16     /* query vectors per register block in kphase_quad */
+#define KQUAD_MIN_VECTORS 5 /* kphase_quad from this many query vectors (fewer: kphase_q, faster there) */
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 /* Row t's J lane-partial score vectors into part; after every 16th row (or
@@ -201,11 +205,132 @@ KPHASE_BLOCK(2)
 KPHASE_BLOCK(4)
 KPHASE_BLOCK(8)
 
-/* All nq vectors, in register blocks of 8, 4, 2, 1; the first block issues
- * the prefetch. */
+#ifdef __AVX512VNNI__
+/* ---- K phase by quads of 4 rows (fp->quad) ----
+ * chunk_dots_vnni's integer lane dots, with the group factors applied once
+ * per 4 rows: when each aligned block of 4 lanes (words) of a chunk lies in
+ * one K group (G a multiple of 4E), the int32 lanes of rows t0 .. t0+3 are
+ * transposed and summed per block (quad_sum: lane 4b + r = row r's dot over
+ * block b, exact: |sum| <= 4*4*255*127 < 2^24), converted once, times the
+ * query's factor f of the block's group and the row's group scale s; the
+ * biases enter once per row and group, b_g * Q_g with Q_g = f_g * sum(c)
+ * over the group (exact integer sum, one rounding). Per 16 rows, quad_fold
+ * sums each row's 16 lanes. The roundings: q to s8 (as kphase_q), and the
+ * f32 epilogue. Queries (query_int8_quad), floats from qv for all nq
+ * vectors: the bytes [chunk][i][nq][64] (byte vector i as chunk_dots_vnni),
+ * the block factors [chunk][nq][16] (lane 4b + r: f of block b), the group
+ * sums [kq][nq][16] (lane 4b + r: Q of group 4k + b, 0 past ngroups). */
+ALWAYS __m512i quad_sum(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+/* Lane 4q + r = the sum of the 4 lanes 4b + r (b = 0..3) of v[q]. */
+ALWAYS __m512 quad_fold(const __m512 v[4]) {
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+/* Lane 4b + r = lane idx & 15 of v[r] (idx: + 16 on odd r). */
+ALWAYS __m512 quad_pick(const __m512 v[4], __m512i idx) {
+  return _mm512_mask_blend_ps(0xCCCC, _mm512_permutex2var_ps(v[0], idx, v[1]), _mm512_permutex2var_ps(v[2], idx, v[3]));
+}
+
+ALWAYS void kphase_quad(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qv, int64_t nq, int J,
+                        int bits, float *S, const kva_prefetch *pf) {
+  enum { CBX = 2 }; /* byte vectors per chunk at most (4-bit codes) */
+  const int CB = 8 / bits, nch = fp->nch, kq = (fp->ngroups + 3) / 4;
+  const char *qb = (const char *)qv;
+  const float *qf = qv + (int64_t)nch * CB * nq * LANES, *qg = qf + (int64_t)nch * nq * LANES;
+  const __m512i cmask = _mm512_set1_epi8((char)((1 << bits) - 1));
+  const __m512i bidx = _mm512_set_epi32(19, 3, 19, 3, 18, 2, 18, 2, 17, 1, 17, 1, 16, 0, 16, 0);
+  __m512 part[KQQ][4];
+  for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    __m512 Sv[4], Bv[4];
+    const char *row[4];
+    for (int r = 0; r < 4; ++r) {
+      const int64_t t = t0 + r;
+      if (t < n) {
+        if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+        row[r] = rows[t].k;
+        Bv[r] = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
+        Sv[r] = k_scales_nan(load_groups(rows[t].ks, fp->sdt, fp->ngroups), Bv[r]);
+      } else {
+        row[r] = NULL;
+        Sv[r] = Bv[r] = _mm512_setzero_ps();
+      }
+    }
+    __m512 acc[KQQ];
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < nch; ++c) {
+      __m512i v[4][CBX];
+      for (int r = 0; r < 4; ++r) {
+        const __m512i x = row[r] ? _mm512_maskz_loadu_epi32(fp->chmask[c], row[r] + c * 64) : _mm512_setzero_si512();
+        for (int i = 0; i < CB; ++i)
+          v[r][i] = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
+      }
+      const __m512 sv = quad_pick(Sv, fp->qidx[c]);
+      const char *qc = qb + (int64_t)c * CB * nq * 64;
+      const float *fc = qf + (int64_t)c * nq * LANES;
+      for (int j = 0; j < J; ++j) {
+        __m512i a[4];
+        for (int r = 0; r < 4; ++r) a[r] = _mm512_setzero_si512();
+        for (int i = 0; i < CB; ++i) {
+          const __m512i qx = _mm512_loadu_si512(qc + ((int64_t)i * nq + j) * 64);
+          for (int r = 0; r < 4; ++r) a[r] = _mm512_dpbusd_epi32(a[r], v[r][i], qx);
+        }
+        const __m512 X = _mm512_cvtepi32_ps(quad_sum(a[0], a[1], a[2], a[3]));
+        acc[j] = _mm512_fmadd_ps(sv, _mm512_mul_ps(X, _mm512_loadu_ps(fc + (int64_t)j * LANES)), acc[j]);
+      }
+    }
+    for (int k = 0; k < kq; ++k) {
+      const __m512 bv = quad_pick(Bv, _mm512_add_epi32(bidx, _mm512_set1_epi32(4 * k)));
+      const float *gk = qg + (int64_t)k * nq * LANES;
+      for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(gk + (int64_t)j * LANES), acc[j]);
+    }
+    const int q = (int)((t0 / 4) % 4);
+    for (int j = 0; j < J; ++j) part[j][q] = acc[j];
+    if (q == 3 || t0 + 4 >= n) {
+      const int64_t b0 = t0 - 4 * q, left = n - b0;
+      const __mmask16 live = left >= LANES ? 0xffff : (__mmask16)((1u << left) - 1u);
+      for (int j = 0; j < J; ++j) {
+        for (int u = q + 1; u < 4; ++u) part[j][u] = _mm512_setzero_ps();
+        _mm512_storeu_ps(S + j * KVA_TILE + b0, _mm512_maskz_mov_ps(live, quad_fold(part[j])));
+      }
+    }
+  }
+}
+
+#define KPHASE_QUAD(J_)                                                                                        \
+  static void kphase_quad_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qv,           \
+                               int64_t nq, float *S, const kva_prefetch *pf) {                                 \
+    if (fp->bits == 4) kphase_quad(fp, rows, n, qv, nq, J_, 4, S, pf);                                         \
+    else kphase_quad(fp, rows, n, qv, nq, J_, 8, S, pf);                                                       \
+  }
+KPHASE_QUAD(1)
+KPHASE_QUAD(2)
+KPHASE_QUAD(4)
+KPHASE_QUAD(8)
+KPHASE_QUAD(16)
+#endif
+
+/* All nq vectors, in register blocks of 8, 4, 2, 1 (kphase_quad: 16, 8, 4,
+ * 2, 1); the first block issues the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                    const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
+#ifdef __AVX512VNNI__
+  if (fp->quad) { /* vector j's data at qp + j * 16 floats in each of kphase_quad's arrays */
+#define QARGS(J) rows, n, qp + (J) * LANES, nq, S + (J) * KVA_TILE, pf
+    for (; j + 16 <= nq; j += 16, pf = NULL) kphase_quad_16(fp, QARGS(j));
+    if (j + 8 <= nq) { kphase_quad_8(fp, QARGS(j)); j += 8; pf = NULL; }
+    if (j + 4 <= nq) { kphase_quad_4(fp, QARGS(j)); j += 4; pf = NULL; }
+    if (j + 2 <= nq) { kphase_quad_2(fp, QARGS(j)); j += 2; pf = NULL; }
+    if (j < nq) kphase_quad_1(fp, QARGS(j));
+#undef QARGS
+    return;
+  }
+#endif
 #define KARGS(J) rows, n, qp + (J) * fp->P, qs + (J) * fp->nch * LANES, S + (J) * KVA_TILE, pf
   for (; j + 8 <= nq; j += 8, pf = NULL) kphase_block_8(fp, KARGS(j));
   if (j + 4 <= nq) { kphase_block_4(fp, KARGS(j)); j += 4; pf = NULL; }
@@ -798,6 +923,37 @@ static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scal
 }
 #endif
 
+#ifdef __AVX512VNNI__
+/* Query j of nq as kphase_quad's bytes, block factors and group sums (the
+ * s8 rounding and the factors f of query_int8) into its arrays at qv. */
+static void query_int8_quad(const fmt_plan *fp, int64_t D, const float *q, float scale, int64_t nq, int64_t j,
+                            float *qv) {
+  int8_t c8[KVA_MAX_HEAD_DIM];
+  float fg[LANES];
+  int gs[LANES];
+  int finite = 1;
+  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
+  for (int g = 0; g < fp->ngroups; ++g) fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
+  const int CB = 8 / fp->bits, E = fp->E, nch = fp->nch, kq = (fp->ngroups + 3) / 4;
+  const int64_t words = D / E;
+  char *qb = (char *)qv;
+  float *qf = qv + (int64_t)nch * CB * nq * LANES, *qg = qf + (int64_t)nch * nq * LANES;
+  for (int c = 0; c < nch; ++c)
+    for (int l = 0; l < LANES; ++l) {
+      const int64_t w = (int64_t)c * LANES + l, w4 = (int64_t)c * LANES + 4 * (l / 4);
+      for (int i = 0; i < CB; ++i)
+        for (int b = 0; b < 4; ++b)
+          qb[(((int64_t)c * CB + i) * nq + j) * 64 + 4 * l + b] = (char)(w < words ? c8[w * E + b * CB + i] : 0);
+      qf[((int64_t)c * nq + j) * LANES + l] = w4 < words ? fg[(w4 * E) / fp->G] : 0.0f;
+    }
+  for (int k = 0; k < kq; ++k)
+    for (int l = 0; l < LANES; ++l) {
+      const int g = 4 * k + l / 4;
+      qg[((int64_t)k * nq + j) * LANES + l] = g < fp->ngroups ? fg[g] * (float)gs[g] : 0.0f;
+    }
+}
+#endif
+
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
  * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
 static void attend_fast(const kva_item *it) {
@@ -820,6 +976,13 @@ static void attend_fast(const kva_item *it) {
 #ifdef __AVX512VNNI__
   kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
   vf.pint = pint_kind(&src->vf, !vf.exact, nq); /* vphase_pint (vf.exact: f32 queries or exact mode) */
+  kf.quad = kf.vnni && nq >= KQUAD_MIN_VECTORS && (kf.bits == 4 || kf.bits == 8) && kf.G % (4 * kf.E) == 0;
+  for (int c = 0; c < kf.nch && kf.quad; ++c) {
+    int32_t gi[LANES], qi[LANES];
+    _mm512_storeu_si512(gi, kf.gidx[c]);
+    for (int l = 0; l < LANES; ++l) qi[l] = gi[4 * (l / 4)] + 16 * (l & 1);
+    kf.qidx[c] = _mm512_loadu_si512(qi);
+  }
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -827,6 +990,10 @@ static void attend_fast(const kva_item *it) {
     l[j] = 0.0f;
     load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
 #ifdef __AVX512VNNI__
+    if (kf.quad) {
+      query_int8_quad(&kf, p->Dk, qrow, p->scale, nq, j, qp);
+      continue;
+    }
     if (kf.vnni) {
       query_int8(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs);
       continue;
