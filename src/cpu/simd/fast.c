@@ -588,12 +588,14 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
   return bad;
 }
 
+/* round to nearest even, no exceptions (an integer constant expression: clang
+ * takes the rounding of _mm512_cvt_roundps_epi32 only as one) */
+#define PINT_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* Vector j's weights for the tile (P: its 32 weights, zero past n): wg[g][pair]
  * s16 pairs, sigma per group into sig[16], sum_t p b into ob's chunk lanes. */
 static void pint_weights(const fmt_plan *fp, const float *P, const float *st, const float *bt, int32_t *wg,
                          float *sig, float *ob) {
   const __m512 p0 = _mm512_loadu_ps(P), p1 = _mm512_loadu_ps(P + LANES);
-  const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   float bs[LANES] = {0};
   for (int g = 0; g < fp->ngroups; ++g) {
     const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
@@ -609,8 +611,8 @@ static void pint_weights(const fmt_plan *fp, const float *P, const float *st, co
     const __m128 one = _mm_set_ss(1.0f);
     sig[g] = _mm_cvtss_f32(_mm_scalef_ss(one, _mm_set_ss(-k)));
     const __m512 kv = _mm512_set1_ps(k);
-    const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), rn));
-    const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), rn));
+    const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN));
+    const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), PINT_RN));
     _mm512_storeu_si512(wg + g * LANES, _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
   }
   if (fp->ngroups & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
