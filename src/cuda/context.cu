@@ -45,11 +45,10 @@ extern "C" {
                                         environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context at every
                                         head dim, < 0: never); below, the narrow kernel (H100, 4 vectors: 32/8/128
                                         paged/16 128k 199.5 us against 210.0 there; 32/8/64 paged 387 vs 411) */
-#define KVC_WG256_MIN_Q 2            /* ... at head dim 256 from this many (bf16 paged/16 against the narrow kernel,
-                                        H100: 24/4/256 32k B=16 1064.7 -> 736.7 us, 128k 274.1 -> 194.4; 8/4/256
-                                        L=4 274.1 -> 195.0; against the fused kernel's 2-vector instance, H200:
-                                        8/4/256 32k B=16 724.5 -> 673.2, 128k 192.4 -> 179.5, contiguous 141.2 ->
-                                        131.6); one vector: the fused kernel */
+#define KVC_WG256_MIN_Q 2            /* ... at head dim 256 from this many: faster there than the fused kernel's
+                                        2-vector instance (H200, bf16 8/4/256 32k B=16 paged/16: 673.2 us against
+                                        724.5) and the narrow kernel (H100, 24/4/256: 736.7 against 1064.7); one
+                                        vector: the fused kernel */
 #define KVC_WG512_MIN_Q 3            /* ... at head dim 512 (kvc_wg512_kernel) from this many (the same variable sets
                                         it): below, the fused kernel (H200, 16/8/512 bf16 32k: 2 vectors at 86.7 %
                                         of copy); from 3 its 4-vector instance reads at ~31 % (8/2/512 bf16 32k:

@@ -511,11 +511,9 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * added to o. Weights wg[vector][group][pair] (u32) for a block of PJB
  * vectors at a time. */
 /* Query vectors per KV head from which the integer V phase runs: the vector
- * counts that take the L1 tile (> 4). Hot, one thread, 16k tokens, q4 / q8
- * at D = 256 (ns per token-head, f32 tile -> integer): 5 vectors 129 -> 75,
- * 6 vectors 142 -> 82 (q8 171 -> 95), 16 vectors (L = 8) 258 -> 173; in
- * place of the direct path below 5 vectors: 4 vectors q4 64 -> 66, q8 86 ->
- * 75, 3 vectors 61 -> 64, 2 vectors 38 -> 45. */
+ * counts that take the L1 tile (> 4), where it measured faster than the f32
+ * tile (BENCHMARKS.md, AVX-512 host: 5, 6 and 16 vectors); below 5 the
+ * direct path (registers) is as fast or faster. */
 #define PINT_MIN_VECTORS 5
 #define PJB 4              /* query vectors per register block */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
@@ -896,15 +894,17 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
  * the lane's group; 0 for a group whose 1 / sigma is not finite: all zeros,
  * or max|q_g| below ~2^-119, which then adds nothing; NaN for every group of
  * a query with a non-finite element, whose scores are then NaN). */
+/* The s8 codes c8 of one query and, per K group, its factor fg and code sum gs. */
+static void query_s8_groups(const fmt_plan *fp, int64_t D, const float *q, float scale, int8_t *c8, float *fg, int *gs) {
+  int finite = 1;
+  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
+  for (int g = 0; g < fp->ngroups; ++g) fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
+}
 static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs) {
   int8_t c8[KVA_MAX_HEAD_DIM];
   float fg[LANES];
-  int finite = 1;
-  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
-  for (int g = 0; g < fp->ngroups; ++g) {
-    int sum;
-    fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
-  }
+  int gs[LANES];
+  query_s8_groups(fp, D, q, scale, c8, fg, gs);
   const int CB = 8 / fp->bits, E = fp->E;
   const int64_t words = D / E;
   float *f = (float *)(qb + (int64_t)fp->nch * CB * 64);
@@ -933,9 +933,7 @@ static void query_int8_quad(const fmt_plan *fp, int64_t D, const float *q, float
   int8_t c8[KVA_MAX_HEAD_DIM];
   float fg[LANES];
   int gs[LANES];
-  int finite = 1;
-  for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
-  for (int g = 0; g < fp->ngroups; ++g) fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
+  query_s8_groups(fp, D, q, scale, c8, fg, gs);
   const int CB = 8 / fp->bits, E = fp->E, nch = fp->nch, kq = (fp->ngroups + 3) / 4;
   const int64_t words = D / E;
   char *qb = (char *)qv;
