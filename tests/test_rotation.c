@@ -1183,6 +1183,12 @@ static const rot_fused_case rot_fused_cases[] = {
     /* bf16 at 48 vectors (default): the warpgroup kernel's 16-bit rows */
     {{1, 12, 2, 8, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
      "bf16 tensor-core kernel: warpgroup", 0, 1, 2},
+    /* head dim 512 on the warpgroup kernel (kvc_wg512_kernel, from 3 vectors): bf16 and f16, sinks,
+     * one split and several */
+    {{1, 16, 8, 8, 700, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+     "bf16 tensor-core kernel: warpgroup (wgmma), head dim 512", 0, 1, 2},
+    {{1, 8, 2, 2, 100, 512, 512, F16, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+     "f16 tensor-core kernel: warpgroup (wgmma), head dim 512", 0, 1, 1},
     /* the wide kernel (48 vectors per block; warpgroup kernel off): q rotated straight into its
      * fragment slots, every format's dim order (bf16 / f16 rows, q4, q8, fp8), head dims 64, 128,
      * 256, one split and several */
@@ -1340,21 +1346,21 @@ TEST(cuda_rotation_vs_oracle) {
   for (int ci = 0; ci < NROT_FUSED && ok; ++ci) ok = rot_fused_run(&rot_fused_cases[ci]);
 }
 
-/* fp8 rows on the wide kernel (warpgroup kernel off): q rotated by the API's
- * pass, out on store; e4m3 and e5m2, head dims 64 / 128 / 256, out f32 and
+/* fp8 rows on the wide kernel (warpgroup kernel off): q rotated on load, out
+ * on store; e4m3 and e5m2, head dims 64 / 128 / 256, out f32 and
  * bf16, one split and several; one warpgroup case (a quick subset, also for
  * a sanitizer run) */
 TEST(cuda_rotation_fp8_wide) {
   if (kva_cuda_device_count() <= 0) SKIP("no CUDA device");
   static const rot_fused_case cs[] = {
       {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
-       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 2},
       {{1, 8, 4, 8, 100, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
-       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 1},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 1},
       {{1, 12, 2, 4, 600, 256, 256, BF16, BF16, 0, 0, ATT_FP8_TOKEN, KVA_F8E5M2, MASK_CAUSAL, 0, 0, 1, 0, 0},
-       "f8e5m2 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+       "f8e5m2 tensor-core kernel: wide (8 warps)", 3, 1, 2},
       {{1, 8, 2, 6, 500, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
-       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 0, 2},
+       "f8e4m3 tensor-core kernel: wide (8 warps)", 3, 1, 2},
       /* and on the warpgroup kernel (default from 16 vectors): q rotated on load there */
       {{1, 8, 4, 8, 800, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, KVA_F8E4M3, MASK_CAUSAL, 0, 0, 0, 0, 0},
        "f8e4m3 tensor-core kernel: warpgroup", 0, 1, 2},

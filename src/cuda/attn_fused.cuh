@@ -342,12 +342,20 @@ __device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, in
  * from there; else in place in shared memory (kvc_hadamard_warp: a
  * __syncwarp per stage, any rotatable D); the emit writes the split's state
  * or, with one split, out = H O / l directly (no merge launch; the merge of
- * rotated states is the plain one). The caller's barrier precedes (ost
+ * rotated states is the plain one). Dim d of row v sits at ost[v ld +
+ * col(d)] (col other than the natural order with DC only). The caller's
+ * barrier precedes (ost
  * written by the block). */
-template <int DC = 0>
+struct kvc_col_natural { /* dim d of a row at column d */
+  static constexpr bool natural = true;
+  __device__ int operator()(int d) const { return d; }
+};
+template <int DC = 0, typename Col = kvc_col_natural>
 __device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int b, int hk, int q0, int nq, int D,
-                                               int ld, float *ost, const float *ms, const float *ls, int nthreads) {
+                                               int ld, float *ost, const float *ms, const float *ls, int nthreads,
+                                               Col col = Col()) {
   static_assert(DC == 0 || (DC >= KVC_WARP && (DC & (DC - 1)) == 0), "DC: a power of two from 32, or 0");
+  static_assert(DC > 0 || Col::natural, "rows in another column order (col): DC > 0 only");
   const int lane = threadIdx.x % KVC_WARP;
 #pragma unroll 1
   for (int v = threadIdx.x / KVC_WARP; v < nq; v += nthreads / KVC_WARP) {
@@ -358,7 +366,7 @@ __device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int
         constexpr int DPT = DC / KVC_WARP;
         float x[DPT];
 #pragma unroll
-        for (int j = 0; j < DPT; ++j) x[j] = row[lane + KVC_WARP * j];
+        for (int j = 0; j < DPT; ++j) x[j] = row[col(lane + KVC_WARP * j)];
         kvc_hadamard_lanes<DPT>(x, lane, a.rot_oc);
 #pragma unroll
         for (int j = 0; j < DPT; ++j) kvc_emit_elem(a, r, lane + KVC_WARP * j, ms[v], x[j]);
@@ -368,7 +376,7 @@ __device__ __forceinline__ void kvc_emit_block(const kvc_args &a, int split, int
       kvc_hadamard_warp(row, D, a.rot_om, a.rot_oc, lane);
     }
 #pragma unroll 1
-    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], row[d]);
+    for (int d = lane; d < D; d += KVC_WARP) kvc_emit_elem(a, r, d, ms[v], row[col(d)]);
   }
 }
 

@@ -155,6 +155,14 @@
 #define KVC_WG_SLACK 8.0f    /* log2 units: P <= 2^8 between rescales */
 #define KVC_WG_CHUNK 8192    /* bytes of a 64-row x 128-byte column chunk of a tile */
 
+/* The column of dim d in the 16-bit rows' O staging (accumulator (j, e) of
+ * lane t4 at column 8 j + t4 + 4 (e & 1) for dim 8 j + 2 t4 + (e & 1):
+ * kvc_wg_kernel's NAT order and kvc_wg512_kernel's) */
+struct kvc_wg_col {
+  static constexpr bool natural = false;
+  __device__ int operator()(int d) const { return (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2); }
+};
+
 /* Shared-memory layout (bytes from the 1024-aligned base): the Q tile, K/V
  * tile buffers 0 and 1, the raw ring (stage layout of tc_stage.cuh), the
  * block ids of BLOCK_TABLE views, the final maxima and sums. fp8 rows (f =
@@ -360,45 +368,47 @@ __device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int 
                                                   const int *ids) {
   constexpr int UPR = D / 8, PER = 32 * UPR / KVC_WG_THREADS, RS = KVC_WG_THREADS / UPR;
   const kvc_operand &K = a.k, &V = a.v;
-  const int u = wt % UPR, rr = wt / UPR;
-  const long long jf = TBL ? kvc_table_col(t0 + fo, K.bsz, K.bsh) : 0;
+  const int u = wt % UPR, r0 = 32 * wg + wt / UPR;
+  /* row k (r0 + RS k) is read iff RS k < lim */
+  const long long left = t_hi - t0 - r0;
+  const int lim = left <= 0 ? 0 : left >= RS * PER ? RS * PER : (int)left;
+  const long long ks = RS * K.ds[2], vs = RS * V.ds[2];
   const char *kb = K.data + hk * K.ds[1] + 16 * u, *vb = V.data + hk * V.ds[1] + 16 * u;
-  if (!TBL) {
-    kb += b * K.ds[0] + (t0 + 32 * wg + rr) * K.ds[2];
-    vb += b * V.ds[0] + (t0 + 32 * wg + rr) * V.ds[2];
+  const char *kc, *vc; /* row k's addresses */
+  /* BLOCK_TABLE: row k's block column and row in it (kvc_table_walk); its id
+   * read where row k enters another block, else RS rows past row k - 1 */
+  kvc_table_walk w = {0, 0};
+  const long long jf = TBL ? kvc_table_col(t0 + fo, K.bsz, K.bsh) : 0;
+  auto locate = [&]() {
+    const kvc_loc l = kvc_loc_of(ids[w.j - jf], w.rb, 0, K.bsz, K.nblk);
+    kc = kb + l.outer * K.ds[0] + l.row * K.ds[2];
+    vc = vb + l.outer * V.ds[0] + l.row * V.ds[2];
+  };
+  if (TBL) {
+    w = kvc_table_walk_of(t0 + r0 + fo, K.bsz, K.bsh);
+    kc = K.data;
+    vc = V.data;
+    if (lim > 0) locate();
+  } else {
+    kc = kb + b * K.ds[0] + (t0 + r0) * K.ds[2];
+    vc = vb + b * V.ds[0] + (t0 + r0) * V.ds[2];
   }
-  /* BLOCK_TABLE: the row addresses of the block that row k - 1 was in (jc its column); row k
-   * (RS rows further) in the same block is RS rows past them, else located through its id */
-  long long jc = -1;
-  const char *kc = K.data, *vc = V.data;
 #pragma unroll
   for (int k = 0; k < PER; ++k) {
-    const int r = 32 * wg + rr + RS * k;
-    const long long t = t0 + r;
-    const bool ok = t < t_hi;
-    const uint32_t d = (u >> 3) * KVC_WG_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
-    const char *kr = K.data, *vr = V.data; /* rows past t_hi: a valid address, nothing read */
-    if (ok) {
-      if (TBL) {
-        const long long rw = t + fo, j = kvc_table_col(rw, K.bsz, K.bsh);
-        if (j == jc) { /* rows past t_hi come after every row that was read: row k - 1 was read */
-          kc += RS * K.ds[2];
-          vc += RS * V.ds[2];
-        } else {
-          const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, K.bsz, K.nblk);
-          kc = kb + l.outer * K.ds[0] + l.row * K.ds[2];
-          vc = vb + l.outer * V.ds[0] + l.row * V.ds[2];
-          jc = j;
-        }
-        kr = kc;
-        vr = vc;
+    const int r = r0 + RS * k;
+    const bool ok = RS * k < lim; /* false from some k on: rows past t_hi are never located */
+    if (k > 0 && ok) {
+      if (TBL && kvc_table_step(w, RS, K.bsz, K.bsh)) {
+        locate();
       } else {
-        kr = kb + (long long)(RS * k) * K.ds[2];
-        vr = vb + (long long)(RS * k) * V.ds[2];
+        kc += ks;
+        vc += vs;
       }
     }
-    kvc_cp_async<16>(kt + d, kr, ok ? 16 : 0);
-    kvc_cp_async<16>(vt + d, vr, ok ? 16 : 0);
+    const uint32_t d = (u >> 3) * KVC_WG_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+    /* rows past t_hi: a valid address, nothing read */
+    kvc_cp_async<16>(kt + d, ok ? kc : K.data, ok ? 16 : 0);
+    kvc_cp_async<16>(vt + d, ok ? vc : V.data, ok ? 16 : 0);
   }
 }
 /* The block ids of the stage at t0 (kvc_tc_id_cols), one per thread wt of a
@@ -851,7 +861,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     const int v = i / D, d = i % D;
     float mn, f0, f1;
     kvc_factors2(mw[v], mw[KVC_WG_QV + v], mn, f0, f1);
-    const int dc = NAT ? (d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2) : d; /* where dim d's column is */
+    const int dc = NAT ? kvc_wg_col()(d) : d; /* where dim d's column is */
     fin[v * OLD + d] = ost[v * OLD + dc] * f0 + ost[(KVC_WG_QV + v) * OLD + dc] * f1;
     if (d == 0) {
       ms[v] = mn;
@@ -926,35 +936,36 @@ template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_operand &O, int b, int hk, int fo,
                                                uint32_t t, long long t0, long long t_hi, const int *ids, int u, int r0,
                                                int rs) {
-  const long long jf = TBL ? kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh) : 0;
   const char *base = O.data + hk * O.ds[1] + 16 * u;
-  const char *row = TBL ? base : base + b * O.ds[0] + (t0 + r0) * O.ds[2]; /* contiguous: row r0, then + rs rows */
   const long long step = rs * O.ds[2];
+  const long long left = t_hi - t0 - r0;
+  const int lim = left <= 0 ? 0 : left >= 8 * rs ? 8 * rs : (int)left; /* row k read iff rs k < lim */
   t += (u >> 3) * (KVC_WG512_TOK * 128);
-  long long jc = -1; /* BLOCK_TABLE: the column of row k - 1, cur its address (kvc_wg_copy_stage) */
+  /* BLOCK_TABLE: row k's block column and row in it (kvc_table_walk), its id
+   * read where row k enters another block (kvc_wg_copy_stage) */
+  const long long jf = TBL ? kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh) : 0;
+  kvc_table_walk w = {0, 0};
   const char *cur = O.data;
+  auto locate = [&]() {
+    const kvc_loc l = kvc_loc_of(ids[w.j - jf], w.rb, 0, a.k.bsz, a.k.nblk);
+    cur = base + l.outer * O.ds[0] + l.row * O.ds[2];
+  };
+  if (TBL) {
+    w = kvc_table_walk_of(t0 + r0 + fo, a.k.bsz, a.k.bsh);
+    if (lim > 0) locate();
+  } else {
+    cur = base + b * O.ds[0] + (t0 + r0) * O.ds[2];
+  }
 #pragma unroll 2 /* registers: fully unrolled, the contiguous instances took all 255 */
   for (int k = 0; k < 8; ++k) {
     const int r = r0 + rs * k;
-    const long long tk = t0 + r;
-    const bool ok = tk < t_hi;
-    const char *src = O.data; /* rows past t_hi: a valid address, nothing read */
-    if (ok) {
-      if (TBL) {
-        const long long rw = tk + fo, j = kvc_table_col(rw, a.k.bsz, a.k.bsh);
-        if (j == jc) {
-          cur += step;
-        } else {
-          const kvc_loc l = kvc_loc_of(ids[j - jf], rw, j, a.k.bsz, a.k.nblk);
-          cur = base + l.outer * O.ds[0] + l.row * O.ds[2];
-          jc = j;
-        }
-        src = cur;
-      } else {
-        src = row + k * step;
-      }
+    const bool ok = rs * k < lim; /* false from some k on: rows past t_hi are never located */
+    if (k > 0 && ok) {
+      if (TBL && kvc_table_step(w, rs, a.k.bsz, a.k.bsh)) locate();
+      else cur += step;
     }
-    kvc_cp_async<16>(t + r * 128 + (((u & 7) ^ (r & 7)) << 4), src, ok ? 16 : 0);
+    /* rows past t_hi: a valid address, nothing read */
+    kvc_cp_async<16>(t + r * 128 + (((u & 7) ^ (r & 7)) << 4), ok ? cur : O.data, ok ? 16 : 0);
   }
 }
 /* warpgroup wg's K rows 16 wg + wt / 64 + 2 k (unit wt % 64); its V dims
@@ -1189,14 +1200,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
       ls[16 * warp + g + 8 * r] = l[r];
     }
   __syncthreads();
-  const int nq = min(KVC_WG_QV, Q - q0);
-#pragma unroll 1
-  for (int v = tid / KVC_WARP; v < nq; v += KVC_WG_WGS * KVC_WG_THREADS / KVC_WARP) {
-    const kvc_emit_row er = kvc_emit_row_of(a, split, b, hk, q0 + v, ms[v], ls[v]);
-#pragma unroll 1
-    for (int d = lane; d < D; d += KVC_WARP)
-      kvc_emit_elem(a, er, d, ms[v], ost[v * OLD + ((d & ~7) | ((d & 7) >> 1) | ((d & 1) << 2))]);
-  }
+  kvc_emit_block<D>(a, split, b, hk, q0, min(KVC_WG_QV, Q - q0), D, OLD, ost, ms, ls, KVC_WG_WGS * KVC_WG_THREADS,
+                    kvc_wg_col());
 #else
   __trap(); /* built without sm_90a code: the selector does not pick this kernel (kvc_wg_compiled) */
 #endif

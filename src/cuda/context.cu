@@ -655,13 +655,10 @@ static const char *kvc_roundings(const kvc_plan &pl) {
  * query vectors, by the fused kernel (kvc_rotated_query_warp, any rotatable
  * head dim), the per-warp q4 kernel and the narrow kernel's q4 / q8 decode
  * instances (kvc_stage_query), the narrow kernel's other instances, the
- * wide kernel (straight into its fragment slots; not for fp8 rows, whose
- * rotated call faulted on the H200: q by the API's pass there) and the
- * warpgroup kernel (kvc_rotated_query_rows). */
+ * wide kernel (straight into its fragment slots) and the warpgroup kernel
+ * (kvc_rotated_query_rows). */
 static unsigned kvc_rotate_fused(const kvc_plan &pl) {
   if (pl.fmt < 0) return 0;
-  const bool wide = pl.tc == 1 && pl.QW == 8 * KVC_TC_NTM_WIDE;
-  if (wide && (pl.fmt == KVC_E4M3 || pl.fmt == KVC_E5M2)) return KVA_ATTN_ROTATED_V;
   return KVA_ATTN_ROTATED_V | KVA_ATTN_ROTATED_K;
 }
 
