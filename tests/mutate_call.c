@@ -265,7 +265,12 @@ int mut_check_accepted(kva_context *ctx, const mut_call *c, const mut_base *m, d
   if (ctx && kva_attention_kernel(ctx, &c->q, &c->view, &c->p, &c->out, kname, sizeof kname) >= 0)
     att_name_rounding(kname, &rr);
   const int rrc = kva_reference_attention_rounded(&c->q, &c->view, &c->p, &ref, NULL, 0, &rr);
-  const int compare = rrc == 0 && strides_kept(c, m);
+  /* |scale| >= 1e20 under a softcap makes each logit cap * sign(q.k): a dot
+   * within the kernel's rounding of zero flips its weight by e^(2 cap), so
+   * the output is not a continuous function of the roundings and no
+   * tolerance bounds it; such calls only have to run in bounds */
+  const int sign_only = c->p.softcap > 0.0f && c->p.softcap < INFINITY && fabsf(c->p.scale) >= 1e20f;
+  const int compare = rrc == 0 && strides_kept(c, m) && !sign_only;
   *compared += compare;
   if (rrc < 0 && !lenient) {
     FAIL_("iteration %d: kva_attention accepted what the oracle refuses (%d: %s); the mutations:", it, rrc,
