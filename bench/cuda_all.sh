@@ -75,10 +75,10 @@ if has seeds; then # the CUDA oracle tests over fresh seeds (each run prints its
   done
   grep -E "FAIL" "$OUT/tests.log" | tail -5
 fi
-if has cpu; then # every SIMD level of this host's CPU: the full binary at the best, --quick below it
+if has cpu; then # every SIMD level of the host CPU (no GPU visible: CUDA tests skip); full at the best, --quick below
   for lvl in avx512 avx2 portable; do
     q=--quick; [ "$lvl" = avx512 ] && q=
-    run cpu-$lvl 420 env KVATTN_SIMD=$lvl ./build/kvattn_tests $q > "$OUT/cpu_$lvl.log" 2>&1
+    run cpu-$lvl 420 env KVATTN_SIMD=$lvl CUDA_VISIBLE_DEVICES= ./build/kvattn_tests $q > "$OUT/cpu_$lvl.log" 2>&1
     grep -E "simd|FAIL|passed" "$OUT/cpu_$lvl.log" | head -8
   done
   cat "$OUT"/cpu_*.log > "$OUT/cpu.log"
