@@ -791,13 +791,15 @@ void att_plant_last_v(att_data *d, float x) {
 /* ------------------------------------------------ caller-owned block pools */
 /* One pool array [nblk, KVH, bs, W] shaped like `like` (a [B, KVH, N, W]
  * operand) with padded strides, every byte `fill`. */
-static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, unsigned char fill, void **mem) {
+static kva_tensor pool_array(const kva_tensor *like, int64_t nblk, int64_t bs, unsigned char fill, void **mem,
+                             int align16) {
   const int64_t es = (int64_t)kva_dtype_size(like->dtype), W = like->shape[3], KVH = like->shape[1];
   kva_tensor t = *like;
   t.shape[0] = nblk;
   t.shape[2] = bs;
   t.stride[3] = es;
-  t.stride[2] = (W + (es == 1 ? 16 : 4)) * es; /* padded rows (fp8: 16 bytes, keeping the rows 16-byte aligned) */
+  /* padded rows (fp8, and every type when align16: by 16 bytes, keeping the rows 16-byte aligned) */
+  t.stride[2] = (W + (es == 1 || align16 ? 16 / es : 4)) * es;
   t.stride[1] = (bs + 1) * t.stride[2]; /* a padding row after each head */
   t.stride[0] = KVH * t.stride[1] + 64;
   size_t bytes = (size_t)(nblk * t.stride[0]);
@@ -826,19 +828,20 @@ static void pool_copy_row(const kva_tensor *dst, int64_t blk, int64_t row, const
          (size_t)src->shape[3] * kva_dtype_size(src->dtype));
 }
 
-static int pool_kv_make(kva_kv *p, void **mem, const kva_kv *like, int64_t nblk, int64_t bs, unsigned char fill) {
+static int pool_kv_make(kva_kv *p, void **mem, const kva_kv *like, int64_t nblk, int64_t bs, unsigned char fill,
+                        int align16) {
   *p = *like;
-  p->data = pool_array(&like->data, nblk, bs, fill, &mem[0]);
+  p->data = pool_array(&like->data, nblk, bs, fill, &mem[0], align16);
   if (!like->bits && like->scales.data && like->scales.stride[2]) { /* fp8 per-token scales */
-    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1]);
+    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1], align16);
     if (!mem[1]) return -1;
   } else if (!like->bits && like->scales.data) { /* one shared scale (strides 0): the pool's shape */
     p->scales.shape[0] = nblk;
     p->scales.shape[2] = bs;
   }
   if (like->bits) {
-    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1]);
-    p->biases = pool_array(&like->biases, nblk, bs, fill, &mem[2]);
+    p->scales = pool_array(&like->scales, nblk, bs, fill, &mem[1], align16);
+    p->biases = pool_array(&like->biases, nblk, bs, fill, &mem[2], align16);
     if (!mem[1] || !mem[2]) return -1;
   }
   return mem[0] ? 0 : -1;
@@ -853,7 +856,7 @@ static void pool_kv_write(kva_kv *p, int64_t blk, int64_t row, const kva_kv *src
   }
 }
 
-int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill) {
+static int table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill, int align16) {
   const att_case *c = &d->c;
   memset(tb, 0, sizeof *tb);
   tb->bs = bs;
@@ -873,8 +876,8 @@ int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char f
   /* blocks: a random permutation of the pool, taken in order */
   int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)tb->nblk);
   tb->blocks = (int32_t *)malloc(sizeof(int32_t) * (size_t)(c->B * mb));
-  if (!perm || !tb->blocks || pool_kv_make(&tb->k, tb->mem, &d->k, tb->nblk, bs, fill) ||
-      pool_kv_make(&tb->v, tb->mem + 3, &d->v, tb->nblk, bs, fill)) {
+  if (!perm || !tb->blocks || pool_kv_make(&tb->k, tb->mem, &d->k, tb->nblk, bs, fill, align16) ||
+      pool_kv_make(&tb->v, tb->mem + 3, &d->v, tb->nblk, bs, fill, align16)) {
     free(perm);
     return -1;
   }
@@ -896,6 +899,13 @@ int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char f
   tb->t = (kva_block_table){c->B, mb, 0, tb->blocks, tb->lens, tb->fo};
   tb->view = kva_view_block_table(&tb->k, &tb->v, &tb->t);
   return 0;
+}
+
+int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill) {
+  return table_make(tb, d, bs, fill, 0);
+}
+int att_table_make_aligned(att_table *tb, const att_data *d, int64_t bs, unsigned char fill) {
+  return table_make(tb, d, bs, fill, 1);
 }
 
 void att_table_free(att_table *tb) {

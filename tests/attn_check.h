@@ -202,6 +202,9 @@ kva_tensor att_tree_array(att_data *d);
 /* perm = a random permutation of 0..n-1 (the test generator) */
 void att_random_perm(int32_t *perm, int64_t n);
 int att_table_make(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);
+/* The same with every row stride a multiple of 16 bytes (16-bit rows padded
+ * by 16 bytes rather than 8: the rows the CUDA backend's vector kernels take). */
+int att_table_make_aligned(att_table *tb, const att_data *d, int64_t bs, unsigned char fill);
 void att_table_free(att_table *tb);
 
 /* Random mutations of descriptors for the bad-input tests (test_mutations.c,

@@ -1887,11 +1887,12 @@ done:
   kva_context_destroy(ctx);
 }
 
-/* Caller pools [blocks, KVH, bs, D] of fp8 rows and their scales (padded
- * strides, unused rows 0xff: NaN codes and NaN scales), a shuffled block
- * table with first offsets (att_table_make), mirrored to the device; the
+/* Caller pools [blocks, KVH, bs, D] of the case's rows and their scales
+ * (rows padded by 16 bytes, unused rows 0xff: NaN codes and NaN scales; any
+ * block size, below the pools' KVA_BLOCK_SIZE_MIN too), a shuffled block
+ * table with first offsets (att_table_make_aligned), mirrored to the device; the
  * oracle over the host's contiguous cache (the same tokens). */
-static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, const char *want, int probe,
+static int run_caller_table_case(kva_context *ctx, const att_case *c, int64_t bs, const char *want, int probe,
                               unsigned flags) {
   char cs[256], name[300];
   att_case_str(c, cs, sizeof cs);
@@ -1903,7 +1904,7 @@ static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, c
   memset(&dd, 0, sizeof dd);
   memset(&tb, 0, sizeof tb);
   int ok = 0;
-  if (att_make_q(&hd, c, probe) || att_table_make(&tb, &hd, bs, 0xff)) {
+  if (att_make_q(&hd, c, probe) || att_table_make_aligned(&tb, &hd, bs, 0xff)) {
     FAIL_("%s: could not build operands", name);
     goto done;
   }
@@ -1938,7 +1939,7 @@ static int run_fp8_table_case(kva_context *ctx, const att_case *c, int64_t bs, c
   }
   double max_err = 0;
   if (!att_compare(&hd.out, &ref, atol, att_rtol(c->odt), &max_err, NULL)) {
-    FAIL_("%s: CUDA over the fp8 block table differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
+    FAIL_("%s: CUDA over the caller block table differs from the oracle (max err %.3g, allowed %.3g of max|ref|)", name,
           max_err, atol);
     goto done;
   }
@@ -1977,8 +1978,8 @@ TEST(cuda_fp8_block_table) {
   for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci) {
     if (test_quick && tc[ci].c.N > 1000) continue;
     for (int pr = 0; pr < ATT_PROBES; ++pr)
-      if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].want, pr, 0) ||
-          (tc[ci].exact && !run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].exact, pr, KVA_ATTN_EXACT)))
+      if (!run_caller_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].want, pr, 0) ||
+          (tc[ci].exact && !run_caller_table_case(ctx, &tc[ci].c, tc[ci].bs, tc[ci].exact, pr, KVA_ATTN_EXACT)))
         goto done;
   }
 done:
@@ -2176,7 +2177,9 @@ TEST(cuda_fp8_cache_write_bits) {
  * at D = 128 with window, softcap, sinks; fewer keys than one stage; no
  * mask (80 vectors: two blocks per KV head, softcap, sinks, f32 out,
  * strided); splits (N 3001 - 4100) at 256 and 64; block tables of 16, 24
- * and 64 tokens; lse (natural and base 2, splits); tree masks. A second pass with the kernel off
+ * and 64 tokens, caller tables of one copy run (8, 4, 2 tokens at head dims
+ * 256, 128, 64) and of half a run (the tensor-core kernel); lse (natural
+ * and base 2, splits); tree masks. A second pass with the kernel off
  * (KVA_CUDA_WG_BF16_MIN_Q=-1) runs the same cases on the narrow / wide
  * tensor-core kernels. */
 static int wg_case_runs(kva_context *ctx, const att_case *c, const char *want) {
@@ -2217,6 +2220,15 @@ static void wg_float_body(kva_dtype t) {
       {{2, 16, 4, 8, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24},
       {{2, 8, 2, 16, 3000, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
   };
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } rc[] = {
+      {{2, 8, 4, 8, 300, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 8},
+      {{2, 16, 4, 8, 250, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 40, 0, 1, 1, 0}, 4},
+      {{2, 8, 2, 16, 200, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 2},
+      {{1, 8, 4, 8, 130, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 4},
+  };
   static const att_case lc[] = {
       {1, 24, 4, 8, 1000, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 24, 4, 8, 3000, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
@@ -2244,6 +2256,16 @@ static void wg_float_body(kva_dtype t) {
       c = tc[ci].c;
       c.qdt = c.kvdt = t;
       if (!run_table_case(ctx, &c, tc[ci].bs, 31 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
+    }
+    /* caller tables with blocks of one copy run (KVC_WG_FLOAT_RUN rows: a
+     * run crosses a block at every first offset but 0) and of half a run
+     * at head dim 256 (the selector sends those to the tensor-core kernel) */
+    for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
+      c = rc[ci].c;
+      c.qdt = c.kvdt = t;
+      const char *want = rc[ci].bs < c.Dk / 32 ? wants[1] : wants[pass];
+      for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr)
+        if (!run_caller_table_case(ctx, &c, rc[ci].bs, want, pr, 0)) FAIL_("%s run case %zu", want, ci);
     }
     for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
       c = lc[ci];
@@ -2277,7 +2299,8 @@ TEST(cuda_f16_wg_path) {
  * 2 and 4 (16 and 32 vectors) with N 1000 and 3000 (no multiple of 32),
  * causal and window, softcap, sinks; B = 3 ragged; 128 vectors (two blocks
  * per KV head) strided; fewer keys than one stage; no mask; splits (N 4100);
- * block tables of 16 and 24 tokens; lse (natural and base 2); tree masks
+ * block tables of 16 and 24 tokens, caller tables of 8 (one copy run) and 4
+ * (the fused kernel); lse (natural and base 2); tree masks
  * (L 17 and 64). Random and probe queries (run_case_want), against the
  * oracle with the kernel's roundings ([P bf16] / [P f16]: its name). A
  * second pass with the kernel off (KVA_CUDA_WG_BF16_MIN_Q=-1) runs the same
@@ -2299,6 +2322,14 @@ static void wg512_body(kva_dtype t) {
   } tc[] = {
       {{3, 16, 4, 8, 1500, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
       {{2, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 50, 10.0f, 0, 1, 0}, 24},
+  };
+  /* caller tables: blocks of one copy run (8 rows) and of half a run (the fused kernel) */
+  static const struct {
+    att_case c;
+    int64_t bs;
+  } rc[] = {
+      {{2, 16, 8, 8, 300, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 8},
+      {{1, 8, 2, 8, 100, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 4},
   };
   static const att_case lc[] = {
       {1, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
@@ -2325,6 +2356,13 @@ static void wg512_body(kva_dtype t) {
       c = tc[ci].c;
       c.qdt = c.kvdt = t;
       if (!run_table_case(ctx, &c, tc[ci].bs, 131 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
+    }
+    for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
+      c = rc[ci].c;
+      c.qdt = c.kvdt = t;
+      const char *want = rc[ci].bs < 8 ? wants[1] : wants[pass];
+      for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr)
+        if (!run_caller_table_case(ctx, &c, rc[ci].bs, want, pr, 0)) FAIL_("%s run case %zu", want, ci);
     }
     for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
       c = lc[ci];
@@ -2416,7 +2454,7 @@ TEST(cuda_fp8_wg_path) {
         }
     for (size_t ci = 0; ci < sizeof tc / sizeof tc[0] && !test_failed_flag; ++ci)
       for (int pr = 0; pr < ATT_PROBES; ++pr)
-        if (!run_fp8_table_case(ctx, &tc[ci].c, tc[ci].bs, wants[pass], pr, 0)) {
+        if (!run_caller_table_case(ctx, &tc[ci].c, tc[ci].bs, wants[pass], pr, 0)) {
           FAIL_("%s table case %zu", wants[pass], ci);
           break;
         }

@@ -353,63 +353,79 @@ __host__ __device__ inline kvc_wgf_layout kvc_wgf_layout_of(int D) {
   w.mw = w.ls + KVC_WG_QV * 4;
   return w;
 }
+/* A thread's run of N consecutive rows r0 .. r0 + N - 1 of the stage at t0
+ * (rows from lim on are past t_hi): rows k < sp in block o0 from its row
+ * rb + k, rows k >= sp in the block of id slot i1 from its row k - sp.
+ * Contiguous: one run (o0 = b, rb = t0 + r0, sp = N). BLOCK_TABLE through
+ * the stage's block ids (ids: landed, from the column of t0 + fo), blocks
+ * of >= N rows (the selector: KVC_WG_FLOAT_RUN): at most two blocks, the
+ * second looked up only where the run reaches it. */
+struct kvc_wg_run {
+  long long o0, rb;
+  int sp, i1;
+};
+template <int N, bool TBL>
+__device__ __forceinline__ kvc_wg_run kvc_wg_run_of(const kvc_operand &K, int b, int fo, long long t0, int r0, int lim,
+                                                    const int *ids) {
+  kvc_wg_run w;
+  w.sp = N, w.i1 = 0;
+  if (!TBL) {
+    w.o0 = b, w.rb = t0 + r0;
+    return w;
+  }
+  w.o0 = 0, w.rb = 0;
+  if (lim <= 0) return w; /* nothing read: no lookup past the landed ids */
+  const long long rw = t0 + r0 + fo, jf = kvc_table_col(t0 + fo, K.bsz, K.bsh), j = kvc_table_col(rw, K.bsz, K.bsh);
+  const int rb = (int)(rw - j * K.bsz), sp = K.bsz - rb, i0 = (int)(j - jf);
+  w.o0 = kvc_loc_of(ids[i0], 0, 0, K.bsz, K.nblk).outer;
+  w.rb = rb, w.sp = sp < N ? sp : N, w.i1 = i0 + 1;
+  return w;
+}
+/* Unit copies of run w's rows k < lim of operand O (head hk, byte u16 of a
+ * row) to shared addresses dst(k): 16 bytes each, rows from lim on read
+ * nothing (a valid address). One pointer add per row within a block. */
+template <int N, bool TBL, class Dst>
+__device__ __forceinline__ void kvc_wg_run_copy(const kvc_operand &O, const kvc_wg_run &w, const int *ids, int nblk,
+                                                int hk, int u16, int lim, Dst dst) {
+  const char *head = O.data + hk * O.ds[1] + u16;
+  const long long st = O.ds[2];
+  const char *p = head + w.o0 * O.ds[0] + w.rb * st;
+  if (!TBL || w.sp >= lim) { /* contiguous, or one block */
+#pragma unroll
+    for (int k = 0; k < N; ++k, p += st) kvc_cp_async<16>(dst(k), k < lim ? p : O.data, k < lim ? 16 : 0);
+  } else { /* rows sp .. lim - 1 in the next block: row k at q + k st */
+    const long long o1 = kvc_loc_of(ids[w.i1], 0, 0, 1, nblk).outer;
+    const char *q = head + o1 * O.ds[0] - w.sp * st;
+#pragma unroll
+    for (int k = 0; k < N; ++k, p += st, q += st)
+      kvc_cp_async<16>(dst(k), k < lim ? (k < w.sp ? p : q) : O.data, k < lim ? 16 : 0);
+  }
+}
+
 /* Warpgroup wg's token rows 32 wg .. 32 wg + 31 of the stage at t0 (zeros
  * from t_hi on), by cp.async of 16-byte units straight into the K and V
  * tiles at shared addresses kt, vt: thread wt copies unit u = wt % (D / 8)
- * (dims 8 u .. 8 u + 7, natural order) of rows wt / (D / 8) + (1024 / D) k,
- * to chunk u / 8, unit (u % 8) ^ (r % 8) of tile row r. A warp copies 512
- * contiguous bytes of a contiguous layout. BLOCK_TABLE rows through the
- * stage's block ids (ids: landed, from the column of t0 + fo): one id and
- * address per block a thread's rows enter, RS rows further within it. */
+ * (dims 8 u .. 8 u + 7, natural order) of its run of PER = D / 32 rows from
+ * 32 wg + PER (wt / (D / 8)) (kvc_wg_run), to chunk u / 8, unit (u % 8) ^ (r
+ * % 8) of tile row r. A warp's copy of one k takes whole rows: one (512
+ * bytes) at D = 256, two at 128, four at 64. */
 static int kvc_wgf_total(int D) { return kvc_wgf_layout_of(D).total; }
 template <int D, bool TBL>
 __device__ __forceinline__ void kvc_wg_copy_stage(const kvc_args &a, int b, int hk, int fo, int wg, int wt,
                                                   uint32_t kt, uint32_t vt, long long t0, long long t_hi,
                                                   const int *ids) {
-  constexpr int UPR = D / 8, PER = 32 * UPR / KVC_WG_THREADS, RS = KVC_WG_THREADS / UPR;
-  const kvc_operand &K = a.k, &V = a.v;
-  const int u = wt % UPR, r0 = 32 * wg + wt / UPR;
-  /* row k (r0 + RS k) is read iff RS k < lim */
+  constexpr int UPR = D / 8, PER = KVC_WG_FLOAT_RUN(D);
+  static_assert(PER * KVC_WG_THREADS == 32 * UPR, "a warpgroup's 32 rows: one run per thread");
+  const int u = wt % UPR, r0 = 32 * wg + PER * (wt / UPR);
   const long long left = t_hi - t0 - r0;
-  const int lim = left <= 0 ? 0 : left >= RS * PER ? RS * PER : (int)left;
-  const long long ks = RS * K.ds[2], vs = RS * V.ds[2];
-  const char *kb = K.data + hk * K.ds[1] + 16 * u, *vb = V.data + hk * V.ds[1] + 16 * u;
-  const char *kc, *vc; /* row k's addresses */
-  /* BLOCK_TABLE: row k's block column and row in it (kvc_table_walk); its id
-   * read where row k enters another block, else RS rows past row k - 1 */
-  kvc_table_walk w = {0, 0};
-  const long long jf = TBL ? kvc_table_col(t0 + fo, K.bsz, K.bsh) : 0;
-  auto locate = [&]() {
-    const kvc_loc l = kvc_loc_of(ids[w.j - jf], w.rb, 0, K.bsz, K.nblk);
-    kc = kb + l.outer * K.ds[0] + l.row * K.ds[2];
-    vc = vb + l.outer * V.ds[0] + l.row * V.ds[2];
+  const int lim = left <= 0 ? 0 : left >= PER ? PER : (int)left;
+  const kvc_wg_run w = kvc_wg_run_of<PER, TBL>(a.k, b, fo, t0, r0, lim, ids);
+  auto dst = [&](int k) {
+    const int r = r0 + k;
+    return (uint32_t)((u >> 3) * KVC_WG_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4));
   };
-  if (TBL) {
-    w = kvc_table_walk_of(t0 + r0 + fo, K.bsz, K.bsh);
-    kc = K.data;
-    vc = V.data;
-    if (lim > 0) locate();
-  } else {
-    kc = kb + b * K.ds[0] + (t0 + r0) * K.ds[2];
-    vc = vb + b * V.ds[0] + (t0 + r0) * V.ds[2];
-  }
-#pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int r = r0 + RS * k;
-    const bool ok = RS * k < lim; /* false from some k on: rows past t_hi are never located */
-    if (k > 0 && ok) {
-      if (TBL && kvc_table_step(w, RS, K.bsz, K.bsh)) {
-        locate();
-      } else {
-        kc += ks;
-        vc += vs;
-      }
-    }
-    const uint32_t d = (u >> 3) * KVC_WG_CHUNK + r * 128 + (((u & 7) ^ (r & 7)) << 4);
-    /* rows past t_hi: a valid address, nothing read */
-    kvc_cp_async<16>(kt + d, ok ? kc : K.data, ok ? 16 : 0);
-    kvc_cp_async<16>(vt + d, ok ? vc : V.data, ok ? 16 : 0);
-  }
+  kvc_wg_run_copy<PER, TBL>(a.k, w, ids, a.k.nblk, hk, 16 * u, lim, [&](int k) { return kt + dst(k); });
+  kvc_wg_run_copy<PER, TBL>(a.v, w, ids, a.k.nblk, hk, 16 * u, lim, [&](int k) { return vt + dst(k); });
 }
 /* The block ids of the stage at t0 (kvc_tc_id_cols), one per thread wt of a
  * warpgroup below the column count: by cp.async into the ids slot at shared
@@ -927,59 +943,35 @@ __host__ __device__ inline kvc_wg512_layout kvc_wg512_layout_of(void) {
   return w;
 }
 static int kvc_wg512_total(void) { return kvc_wg512_layout_of().total; }
-/* Unit u (dims 8 u .. 8 u + 7) of K or V tile rows r0 + k rs (k < 8) of
- * the stage at t0 (zeros from t_hi on) from operand O into the tile at
- * shared address t: row r at chunk u / 8, byte r * 128 + 16 ((u % 8) ^ (r %
- * 8)). BLOCK_TABLE rows through the stage's block ids (ids: landed, from the
- * column of t0 + fo), one address per block the rows enter. */
+/* Unit u (dims 8 u .. 8 u + 7) of K or V tile rows r0 .. r0 + 7 of the
+ * stage at t0 (zeros from t_hi on; kvc_wg_run) from operand O into the tile
+ * at shared address t: row r at chunk u / 8, byte r * 128 + 16 ((u % 8) ^ (r
+ * % 8)). */
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy(const kvc_args &a, const kvc_operand &O, int b, int hk, int fo,
-                                               uint32_t t, long long t0, long long t_hi, const int *ids, int u, int r0,
-                                               int rs) {
-  const char *base = O.data + hk * O.ds[1] + 16 * u;
-  const long long step = rs * O.ds[2];
+                                               uint32_t t, long long t0, long long t_hi, const int *ids, int u,
+                                               int r0) {
   const long long left = t_hi - t0 - r0;
-  const int lim = left <= 0 ? 0 : left >= 8 * rs ? 8 * rs : (int)left; /* row k read iff rs k < lim */
+  const int lim = left <= 0 ? 0 : left >= 8 ? 8 : (int)left;
+  const kvc_wg_run w = kvc_wg_run_of<KVC_WG_FLOAT_RUN(512), TBL>(a.k, b, fo, t0, r0, lim, ids);
   t += (u >> 3) * (KVC_WG512_TOK * 128);
-  /* BLOCK_TABLE: row k's block column and row in it (kvc_table_walk), its id
-   * read where row k enters another block (kvc_wg_copy_stage) */
-  const long long jf = TBL ? kvc_table_col(t0 + fo, a.k.bsz, a.k.bsh) : 0;
-  kvc_table_walk w = {0, 0};
-  const char *cur = O.data;
-  auto locate = [&]() {
-    const kvc_loc l = kvc_loc_of(ids[w.j - jf], w.rb, 0, a.k.bsz, a.k.nblk);
-    cur = base + l.outer * O.ds[0] + l.row * O.ds[2];
-  };
-  if (TBL) {
-    w = kvc_table_walk_of(t0 + r0 + fo, a.k.bsz, a.k.bsh);
-    if (lim > 0) locate();
-  } else {
-    cur = base + b * O.ds[0] + (t0 + r0) * O.ds[2];
-  }
-#pragma unroll 2 /* registers: fully unrolled, the contiguous instances took all 255 */
-  for (int k = 0; k < 8; ++k) {
-    const int r = r0 + rs * k;
-    const bool ok = rs * k < lim; /* false from some k on: rows past t_hi are never located */
-    if (k > 0 && ok) {
-      if (TBL && kvc_table_step(w, rs, a.k.bsz, a.k.bsh)) locate();
-      else cur += step;
-    }
-    /* rows past t_hi: a valid address, nothing read */
-    kvc_cp_async<16>(t + r * 128 + (((u & 7) ^ (r & 7)) << 4), ok ? cur : O.data, ok ? 16 : 0);
-  }
+  kvc_wg_run_copy<8, TBL>(O, w, ids, a.k.nblk, hk, 16 * u, lim, [&](int k) {
+    const int r = r0 + k;
+    return t + r * 128 + (((u & 7) ^ (r & 7)) << 4);
+  });
 }
-/* warpgroup wg's K rows 16 wg + wt / 64 + 2 k (unit wt % 64); its V dims
- * 256 wg .. 256 wg + 255 (unit 32 wg + wt % 32) of rows wt / 32 + 4 k: a
- * warp copies 512 contiguous bytes of a row */
+/* warpgroup wg's K rows 16 wg + 8 (wt / 64) .. + 7 (unit wt % 64); its V
+ * dims 256 wg .. 256 wg + 255 (unit 32 wg + wt % 32) of rows 8 (wt / 32) ..
+ * + 7: a warp's copy of one k takes 512 contiguous bytes of a row */
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy_k(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
                                                  long long t0, long long t_hi, const int *ids) {
-  kvc_wg512_copy<TBL>(a, a.k, b, hk, fo, t, t0, t_hi, ids, wt % 64, 16 * wg + wt / 64, 2);
+  kvc_wg512_copy<TBL>(a, a.k, b, hk, fo, t, t0, t_hi, ids, wt % 64, 16 * wg + 8 * (wt / 64));
 }
 template <bool TBL>
 __device__ __forceinline__ void kvc_wg512_copy_v(const kvc_args &a, int b, int hk, int fo, int wg, int wt, uint32_t t,
                                                  long long t0, long long t_hi, const int *ids) {
-  kvc_wg512_copy<TBL>(a, a.v, b, hk, fo, t, t0, t_hi, ids, 32 * wg + wt % 32, wt / 32, 4);
+  kvc_wg512_copy<TBL>(a, a.v, b, hk, fo, t, t0, t_hi, ids, 32 * wg + wt % 32, 8 * (wt / 32));
 }
 
 template <int F, bool TBL>

@@ -177,27 +177,6 @@ __device__ __forceinline__ kvc_loc kvc_loc_of(int id, long long r, long long j, 
   l.row = r - j * bsz;
   return l;
 }
-/* A thread's walk over table rows rw, rw + rs, rw + 2 rs, ..: its column j
- * and row rb in that column's block (32-bit), one step at a time; a step
- * says whether the row entered another block (then located by its id). */
-struct kvc_table_walk {
-  long long j;
-  int rb;
-};
-__device__ __forceinline__ kvc_table_walk kvc_table_walk_of(long long rw, int bsz, int bsh) {
-  kvc_table_walk w;
-  w.j = kvc_table_col(rw, bsz, bsh);
-  w.rb = (int)(rw - w.j * bsz);
-  return w;
-}
-__device__ __forceinline__ bool kvc_table_step(kvc_table_walk &w, int rs, int bsz, int bsh) {
-  w.rb += rs;
-  if (w.rb < bsz) return false;
-  const int dj = bsh >= 0 ? w.rb >> bsh : w.rb / bsz;
-  w.j += dj;
-  w.rb -= dj * bsz;
-  return true;
-}
 /* The table entry of token t of sequence b (the load alone, so a kernel can
  * issue it ahead of use), and the location from such an entry. */
 __device__ __forceinline__ int kvc_table_id(const kvc_operand &op, int b, int fo, long long t) {

@@ -512,8 +512,10 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                      : tcf == KVC_Q4 ? st->wg_min_q
                                      : -1;
   const bool wg512 = wg_float && p->Dk == 512; /* 16-bit rows at head dim 512: the warpgroup kernel or the fused one */
+  const bool wg_blocks = !wg_float || kv->layout != KVA_LAYOUT_BLOCK_TABLE ||
+                         kv->k.data.shape[2] >= KVC_WG_FLOAT_RUN(p->Dk); /* 16-bit rows: a copy run in <= 2 blocks */
   if (di >= 0 && (p->Dk <= 256 || wg512) && wg_min >= 0 && Q >= wg_min && p->mask.kind != KVA_MASK_ARRAY &&
-      !p->mask.segments.data) {
+      !p->mask.segments.data && wg_blocks) {
     /* q4, fp8, bf16 and f16 verify-sized calls (and wide GQA, cascade prefixes, tree verify) on Hopper, causal or
      * tree without image segments, or no mask:
      * the warpgroup kernel (wgmma on bf16 tiles converted once per element

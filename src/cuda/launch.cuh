@@ -56,6 +56,11 @@ struct kvc_plan {
 #define KVC_TCD_WARPS 4
 #define KVC_TCD_THREADS (KVC_TCD_WARPS * KVC_WARP)
 
+/* The warpgroup kernel over 16-bit rows (attn_wg.cu): each thread copies a
+ * run of this many consecutive rows per stage, which a block table's
+ * blocks must hold (a run then spans at most two blocks: kvc_wg_run). */
+#define KVC_WG_FLOAT_RUN(D) ((D) == 512 ? 8 : (D) / 32)
+
 /* Formats with a fused instance (K and V share one). */
 enum kvc_fmt { KVC_F32 = 0, KVC_F16, KVC_BF16, KVC_Q2, KVC_Q4, KVC_Q8, KVC_E4M3, KVC_E5M2, KVC_NFMT };
 
