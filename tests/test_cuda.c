@@ -712,8 +712,8 @@ static void graph_replay(int tcd, int wg, int ctx_ws) {
   if (!cuda_ok(ce, "end capture") || !cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate")) goto done;
   for (size_t si = 0; si < sizeof lens_sets / sizeof lens_sets[0]; ++si) {
     for (int b = 0; b < c.B; ++b) hd.lens[b] = lens_sets[si][b];
-    kva_tensor ref = att_alloc_like(&hd, &hd.out);
-    if (kva_reference_attention(&hd.q, &hd.view, &hd.params, &ref)) {
+    kva_tensor ref = att_alloc_like(&hd, &hd.out); /* the oracle with the kernel's roundings */
+    if (att_kernel_reference(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &hd.q, &hd.view, &hd.params, &ref)) {
       FAIL_("oracle: %s", kva_last_error());
       goto done;
     }
