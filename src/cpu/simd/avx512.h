@@ -16,8 +16,8 @@ typedef struct fmt_plan {
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
   int exact;                      /* codes converted exactly (f32 queries, exact mode), see code_as_float */
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
-  int quad;                       /* vnni with every aligned block of 4 lanes of a chunk in one group (fast.c
-                                     only): q.k by 4-row quads (kphase_quad) */
+  int tok;                        /* vnni with enough query vectors (fast.c only): q.k with tokens in lanes
+                                     (kphase_tok) */
   int pint;                       /* 4-bit or 8-bit V, 16-bit queries, verify-sized groups (fast.c only): P.V on
                                      s16 weights and the codes (vphase_pint) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
@@ -28,8 +28,6 @@ typedef struct fmt_plan {
   __mmask16 chmask[MAXCH];        /* valid words of each chunk */
   __m512i gidx[MAXCH];            /* group of each lane of each chunk */
   __m512i gidxw[MAXCH];           /* the same as vpermw indices: word 2l+1 = group of lane l (chunk_groups) */
-  __m512i qidx[MAXCH];            /* kphase_quad's vpermt2ps indices: lane 4b + r = group of block b of
-                                     the chunk, + 16 for odd r */
   __mmask32 gmask;                /* the ngroups low words */
 } fmt_plan;
 
