@@ -212,18 +212,20 @@ ALWAYS void affine_for(__m512 *sv, __m512 *bv, int bits, int exact) {
   if (!exact) affine_f(sv, bv, bits);
 }
 
-/* Lane t of the result = the sum of the 16 lanes of v[t] (a shuffle-add tree). */
-ALWAYS __m512 reduce16(const __m512 v[16]) {
+/* Lane t of the result = the sum (MAX: the maximum) of the 16 lanes of v[t]
+ * (a shuffle tree; MAX is a constant after inlining). */
+ALWAYS __m512 reduce16_op(const __m512 v[16], int MAX) {
+#define R16OP(x, y) (MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y))
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    a[i] = R16OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    b[i] = R16OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    c[i] = R16OP(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = R16OP(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+#undef R16OP
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
 }
+ALWAYS __m512 reduce16(const __m512 v[16]) { return reduce16_op(v, 0); }
 #endif

@@ -228,6 +228,15 @@ KPHASE_BLOCK(8)
 #define KTJ 8 /* query vectors per register block in kphase_tok */
 #define KTOK_MIN_VECTORS 5 /* kphase_tok from this many query vectors (fewer: kphase_q) */
 
+/* acc += the u8 x s8 dots of codes with the 4 bytes at q broadcast
+ * (vpdpbusd, memory operand {1to16}); as asm because GCC 12 copies the
+ * accumulator around the intrinsic and broadcasts q in a separate
+ * instruction. */
+ALWAYS __m512i dpbusd_bcast(__m512i acc, __m512i codes, const int32_t *q) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*q));
+  return acc;
+}
+
 /* r[t] (word w in lane w) -> r[w] (token t in lane t), 16 x 16 dwords. */
 ALWAYS void transpose16x16(__m512i r[16]) {
   __m512i a[16], c[16];
@@ -339,8 +348,7 @@ ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, c
         const int64_t wi = (int64_t)g * WG * CB + u;
         const __m512i x = _mm512_load_si512(cb + wi * 64);
         for (int j = 0; j < J; ++j) {
-          const int32_t qw = ((const int32_t *)(qv + (int64_t)j * fp->P))[wi];
-          I[u % NA][j] = _mm512_dpbusd_epi32(I[u % NA][j], x, _mm512_set1_epi32(qw));
+          I[u % NA][j] = dpbusd_bcast(I[u % NA][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
         }
       }
       const __m512 s = _mm512_load_ps(sb + g * LANES), b = _mm512_load_ps(bb + g * LANES);
@@ -653,37 +661,61 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 /* round to nearest even, no exceptions (an integer constant expression: clang
  * takes the rounding of _mm512_cvt_roundps_epi32 only as one) */
 #define PINT_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* Vector j's weights for the tile (P: its 32 weights, zero past n): wg[g][pair]
- * s16 pairs, sigma per group into sig[16], sum_t p b into ob's chunk lanes. */
-static void pint_weights(const fmt_plan *fp, const float *P, const float *st, const float *bt, int32_t *wg,
-                         float *sig, float *ob) {
-  const __m512 p0 = _mm512_loadu_ps(P), p1 = _mm512_loadu_ps(P + LANES);
-  float bs[LANES] = {0};
-  for (int g = 0; g < fp->ngroups; ++g) {
-    const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
-    const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
-    bs[g] = _mm512_reduce_add_ps(_mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg))));
-    const float M = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
-    float k = 0.0f;
-    if (M > 0.0f) {
-      const __m128 m = _mm_set_ss(M);
-      k = 14.0f - _mm_cvtss_f32(_mm_getexp_ss(m, m));
-      if (_mm_cvtss_f32(_mm_scalef_ss(m, _mm_set_ss(k))) >= 32767.5f) k -= 1.0f;
+/* The weights of J <= PJB vectors for the tile (P: vector j's 32 weights
+ * at P + j*KVA_TILE, zero past n): for vector j, wg[j][g][pair] s16 pairs,
+ * sigma per group into sig[j][16], sum_t p b into ob's chunk lanes (at ob +
+ * j*obn). The J*ngroups (vector, group) maxima M and bias sums are reduced
+ * 16 at a time (reduce16_op), the exponents k computed for 16 at once. */
+static void pint_weights(const fmt_plan *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
+                         float *sig, float *ob, int64_t obn) {
+  const int ng = fp->ngroups, npair = J * ng;
+  float kk[PJB * LANES], bs[PJB * LANES + LANES];
+  for (int u0 = 0; u0 < npair; u0 += LANES) {
+    __m512 mv[LANES], bv[LANES];
+    for (int u = 0; u < LANES; ++u) {
+      const int x = u0 + u, j = x / ng, g = x % ng;
+      if (x >= npair) {
+        mv[u] = bv[u] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+      const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
+      const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
+      mv[u] = _mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1));
+      bv[u] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg)));
     }
-    const __m128 one = _mm_set_ss(1.0f);
-    sig[g] = _mm_cvtss_f32(_mm_scalef_ss(one, _mm_set_ss(-k)));
-    const __m512 kv = _mm512_set1_ps(k);
-    const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN));
-    const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), PINT_RN));
-    _mm512_storeu_si512(wg + g * LANES, _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
+    /* k = 14 - floor(log2 M), one less where M 2^k rounds to 2^15; 0 where M is not > 0 */
+    const __m512 M = reduce16_op(mv, 1);
+    const __mmask16 pos = _mm512_cmp_ps_mask(M, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 k = _mm512_maskz_sub_ps(pos, _mm512_set1_ps(14.0f), _mm512_getexp_ps(M));
+    const __mmask16 over = _mm512_mask_cmp_ps_mask(pos, _mm512_scalef_ps(M, k), _mm512_set1_ps(32767.5f), _CMP_GE_OQ);
+    k = _mm512_mask_sub_ps(k, over, k, _mm512_set1_ps(1.0f));
+    _mm512_storeu_ps(kk + u0, k);
+    _mm512_storeu_ps(bs + u0, reduce16_op(bv, 0));
+    const __m512 sg = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_sub_ps(_mm512_setzero_ps(), k));
+    for (int u = 0; u < LANES && u0 + u < npair; ++u) sig[(u0 + u) / ng * LANES + (u0 + u) % ng] = sg[u];
   }
-  if (fp->ngroups & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
-    sig[fp->ngroups] = 0.0f;
-    _mm512_storeu_si512(wg + fp->ngroups * LANES, _mm512_setzero_si512());
+  const __m512i qord = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0); /* packs' 128-bit interleave back to token order */
+  for (int j = 0; j < J; ++j) {
+    const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+    int32_t *wj = wg + j * LANES * LANES;
+    for (int g = 0; g < ng; ++g) {
+      const float *sg = st + g * KVA_TILE;
+      const __m512 kv = _mm512_set1_ps(kk[j * ng + g]);
+      const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
+      const __m512i c0 = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN);
+      const __m512i c1 = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), PINT_RN);
+      _mm512_storeu_si512(wj + g * LANES, _mm512_permutexvar_epi64(qord, _mm512_packs_epi32(c0, c1)));
+    }
+    if (ng & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
+      sig[j * LANES + ng] = 0.0f;
+      _mm512_storeu_si512(wj + ng * LANES, _mm512_setzero_si512());
+    }
+    const __m512 bj = _mm512_loadu_ps(bs + j * ng);
+    float *obj = ob + j * obn;
+    for (int c = 0; c < fp->nch; ++c)
+      _mm512_storeu_ps(obj + c * LANES, _mm512_add_ps(_mm512_loadu_ps(obj + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bj)));
   }
-  const __m512 bv = _mm512_loadu_ps(bs);
-  for (int c = 0; c < fp->nch; ++c)
-    _mm512_storeu_ps(ob + c * LANES, _mm512_add_ps(_mm512_loadu_ps(ob + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bv)));
 }
 
 /* o[j][pos0 .. pos0 + 16 PKB) += sigma_jg * sum_pairs w'_jg . codes for J
@@ -757,8 +789,7 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
   float sig[PJB * LANES];
   for (int64_t j0 = 0; j0 < nq; j0 += PJB) {
     const int J = nq - j0 < PJB ? (int)(nq - j0) : PJB;
-    for (int j = 0; j < J; ++j)
-      pint_weights(fp, S + (j0 + j) * KVA_TILE, svt, bvt, wg + j * LANES * LANES, sig + j * LANES, ob + (j0 + j) * obn);
+    pint_weights(fp, S + j0 * KVA_TILE, J, svt, bvt, wg, sig, ob + j0 * obn, obn);
     for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
       int j = 0;
       float *oj = o + j0 * fp->P;
