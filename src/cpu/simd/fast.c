@@ -597,6 +597,11 @@ ALWAYS __m512i dpwssd_acc(__m512i acc, __m512i a, __m512i b) {
   __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
+/* The same with the u32 (two s16 weights) at w broadcast as the memory operand. */
+ALWAYS __m512i dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
+}
 
 /* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
  * in the low s16 of its lane, of x1 in the high one, into dst[k][16]; HALVES:
@@ -613,12 +618,13 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *ds
     v[2] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(e0, 16), e1);
     v[3] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(o0, 16), o1);
   } else {
+    /* y: codes 0-3 of x0 in the low s16, of x1 in the high one; z: codes 4-7 */
     const __m512i m = _mm512_set1_epi32(0x000F000F);
-    for (int k = 0; k < 4; ++k) { /* y: code k in the low s16, code k + 4 in the high one */
-      const __m512i y0 = _mm512_and_si512(k ? _mm512_srli_epi32(x0, (unsigned)(4 * k)) : x0, m);
-      const __m512i y1 = _mm512_and_si512(k ? _mm512_srli_epi32(x1, (unsigned)(4 * k)) : x1, m);
-      v[k] = _mm512_mask_blend_epi16(hi, y0, _mm512_slli_epi32(y1, 16));
-      v[k + 4] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(y0, 16), y1);
+    const __m512i y = _mm512_mask_blend_epi16(hi, x0, _mm512_slli_epi32(x1, 16));
+    const __m512i z = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(x0, 16), x1);
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm512_and_si512(k ? _mm512_srli_epi32(y, (unsigned)(4 * k)) : y, m);
+      v[k + 4] = _mm512_and_si512(k ? _mm512_srli_epi32(z, (unsigned)(4 * k)) : z, m);
     }
   }
   for (int k = 0; k < 32 / bits; k += 2) {
@@ -634,16 +640,21 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *ds
  * whether any scale or bias is NaN or Inf. */
 ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, int halves, int32_t *ct,
                        float *st, float *bt, const kva_prefetch *pf) {
-  const int E = 32 / bits;
-  int bad = 0;
-  for (int64_t t = 0; t < KVA_TILE; ++t)
-    for (int g = 0; g < fp->ngroups; ++g) {
-      const float s = t < n ? simd_load_scale(rows[t].vs, fp->sdt, g) : 0.0f;
-      const float b = t < n ? simd_load_scale(rows[t].vb, fp->sdt, g) : 0.0f;
-      bad |= !isfinite(s) || !isfinite(b);
-      st[g * KVA_TILE + t] = s;
-      bt[g * KVA_TILE + t] = b;
+  const int E = 32 / bits, ng = fp->ngroups;
+  __mmask16 bad = 0;
+  for (int64_t t0 = 0; t0 < KVA_TILE; t0 += LANES) { /* groups_t16: 4 groups of 16 tokens at a time */
+    const int nt = n - t0 >= LANES ? LANES : n > t0 ? (int)(n - t0) : 0;
+    for (int q = 0; 4 * q < ng; ++q) {
+      __m512 sv[4], bv[4];
+      groups_t16(rows, KVA_ARR_VS, t0, nt, fp->sdt, q, ng, sv);
+      groups_t16(rows, KVA_ARR_VB, t0, nt, fp->sdt, q, ng, bv);
+      for (int g = 0; g < 4 && 4 * q + g < ng; ++g) {
+        bad |= _mm512_fpclass_ps_mask(sv[g], FPCLASS_NONFINITE) | _mm512_fpclass_ps_mask(bv[g], FPCLASS_NONFINITE);
+        _mm512_storeu_ps(st + (4 * q + g) * KVA_TILE + t0, sv[g]);
+        _mm512_storeu_ps(bt + (4 * q + g) * KVA_TILE + t0, bv[g]);
+      }
     }
+  }
   for (int64_t t = 0; t < n; t += 2) {
     const int two = t + 1 < n;
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
@@ -655,7 +666,7 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
       pint_codes(x0, x1, bits, halves, dst + (int64_t)c * E * LANES);
     }
   }
-  return bad;
+  return bad != 0;
 }
 
 /* round to nearest even, no exceptions (an integer constant expression: clang
@@ -723,20 +734,16 @@ static void pint_weights(const fmt_plan *fp, const float *P, int J, const float 
  * vectors alternate between the chunk's two groups. */
 ALWAYS void pint_block(const fmt_plan *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig,
                        float *o, int64_t pos0, int J, int HALVES) {
-  enum { GB = 2 };
   const int v0 = (int)(pos0 / LANES), c = v0 / fp->E;
   const int g0 = HALVES ? 2 * c : (c * LANES * fp->E) / fp->G;
-  const int ng = HALVES ? 2 : 1;
   __m512i acc[PJB][PKB];
   for (int j = 0; j < J; ++j)
     for (int kb = 0; kb < PKB; ++kb) acc[j][kb] = _mm512_setzero_si512();
   for (int64_t i = 0; i < np; ++i) {
-    __m512i w[PJB][GB];
-    for (int j = 0; j < J; ++j)
-      for (int gb = 0; gb < ng; ++gb) w[j][gb] = _mm512_set1_epi32(wg[((int64_t)j * LANES + g0 + gb) * LANES + i]);
     for (int kb = 0; kb < PKB; ++kb) {
       const __m512i x = _mm512_loadu_si512(ct + i * fp->P + pos0 + kb * LANES);
-      for (int j = 0; j < J; ++j) acc[j][kb] = dpwssd_acc(acc[j][kb], x, w[j][HALVES ? kb & 1 : 0]);
+      for (int j = 0; j < J; ++j)
+        acc[j][kb] = dpwssd_bcast(acc[j][kb], x, wg + ((int64_t)j * LANES + g0 + (HALVES ? kb & 1 : 0)) * LANES + i);
     }
   }
   for (int j = 0; j < J; ++j) {
