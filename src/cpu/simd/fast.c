@@ -344,13 +344,12 @@ ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, c
       __m512i I[2][KTJ];
       for (int a = 0; a < NA; ++a)
         for (int j = 0; j < J; ++j) I[a][j] = _mm512_setzero_si512();
-      for (int u = 0; u < WG * CB; ++u) { /* word g*WG + u / CB, byte vector u % CB */
-        const int64_t wi = (int64_t)g * WG * CB + u;
-        const __m512i x = _mm512_load_si512(cb + wi * 64);
-        for (int j = 0; j < J; ++j) {
-          I[u % NA][j] = dpbusd_bcast(I[u % NA][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
+      for (int u = 0; u < WG * CB; u += NA) /* word g*WG + u / CB, byte vector u % CB (WG*CB = G/4: even) */
+        for (int a = 0; a < NA; ++a) {
+          const int64_t wi = (int64_t)g * WG * CB + u + a;
+          const __m512i x = _mm512_load_si512(cb + wi * 64);
+          for (int j = 0; j < J; ++j) I[a][j] = dpbusd_bcast(I[a][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
         }
-      }
       const __m512 s = _mm512_load_ps(sb + g * LANES), b = _mm512_load_ps(bb + g * LANES);
       for (int j = 0; j < J; ++j) {
         const float *fq = qv + (int64_t)j * fp->P + fo;
@@ -374,6 +373,7 @@ ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, c
 KPHASE_TOK(1)
 KPHASE_TOK(2)
 KPHASE_TOK(4)
+KPHASE_TOK(6)
 KPHASE_TOK(8)
 
 static void kphase_tok_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, uint8_t *ct, float *st, float *bt,
@@ -384,8 +384,9 @@ static void kphase_tok_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n,
 }
 #endif
 
-/* All nq vectors, in register blocks of 8, 4, 2, 1 (the first block issues
- * the prefetch; kphase_tok: the code transpose, once per tile). */
+/* All nq vectors, in register blocks of 8, 4, 2, 1 (kphase_tok: 8, 6, 4, 2,
+ * 1); the first block issues the prefetch (kphase_tok: the code transpose,
+ * once per tile). */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                    const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
@@ -396,6 +397,7 @@ static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const fl
     kphase_tok_tile(fp, rows, n, ct, st, bt, pf);
 #define TARGS(J) ct, st, bt, n, qp + (J) * fp->P, S + (J) * KVA_TILE
     for (; j + 8 <= nq; j += 8) kphase_tok_8(fp, TARGS(j));
+    if (j + 6 <= nq) { kphase_tok_6(fp, TARGS(j)); j += 6; }
     if (j + 4 <= nq) { kphase_tok_4(fp, TARGS(j)); j += 4; }
     if (j + 2 <= nq) { kphase_tok_2(fp, TARGS(j)); j += 2; }
     if (j < nq) kphase_tok_1(fp, TARGS(j));
@@ -603,35 +605,47 @@ ALWAYS __m512i dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
   return acc;
 }
 
+/* pint_codes' vpermt2w indices (u32 lane l: its low s16 from x0, its high one
+ * from x1, index 32 + ...): word w's low (hw 0) or high (hw 1) 16 bits; plain:
+ * word l; halves: words l % 8 (tables 0, 2) or 8 + l % 8 (1, 3). */
+#define PIW(w, hw) ((2 * (w) + (hw)) | (32 + 2 * (w) + (hw)) << 16)
+static const int32_t pint_iw_plain[2][LANES] = {
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+static const int32_t pint_iw_halves[4][LANES] = {
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0)},
+    {PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0), PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1)},
+    {PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1), PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+#undef PIW
+
 /* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
  * in the low s16 of its lane, of x1 in the high one, into dst[k][16]; HALVES:
- * vectors 2m, 2m+1 with their halves exchanged (see above). */
+ * vectors 2m, 2m+1 with their halves exchanged (see above). One vpermt2w
+ * pairs the two tokens' low (codes 0 .. C-1, C = 16/bits) or high 16 bits
+ * of each word (with HALVES: of words 0-7 or 8-15, each twice); a shift
+ * (per half, with HALVES) and an and then give each vector. */
 ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *dst) {
-  const __mmask32 hi = 0xAAAAAAAAu;
-  __m512i v[8];
-  if (bits == 8) {
-    const __m512i m = _mm512_set1_epi32(0x00FF00FF);
-    const __m512i e0 = _mm512_and_si512(x0, m), e1 = _mm512_and_si512(x1, m); /* codes 0 | 2 as s16 */
-    const __m512i o0 = _mm512_and_si512(_mm512_srli_epi32(x0, 8), m), o1 = _mm512_and_si512(_mm512_srli_epi32(x1, 8), m);
-    v[0] = _mm512_mask_blend_epi16(hi, e0, _mm512_slli_epi32(e1, 16));
-    v[1] = _mm512_mask_blend_epi16(hi, o0, _mm512_slli_epi32(o1, 16));
-    v[2] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(e0, 16), e1);
-    v[3] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(o0, 16), o1);
-  } else {
-    /* y: codes 0-3 of x0 in the low s16, of x1 in the high one; z: codes 4-7 */
-    const __m512i m = _mm512_set1_epi32(0x000F000F);
-    const __m512i y = _mm512_mask_blend_epi16(hi, x0, _mm512_slli_epi32(x1, 16));
-    const __m512i z = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(x0, 16), x1);
-    for (int k = 0; k < 4; ++k) {
-      v[k] = _mm512_and_si512(k ? _mm512_srli_epi32(y, (unsigned)(4 * k)) : y, m);
-      v[k + 4] = _mm512_and_si512(k ? _mm512_srli_epi32(z, (unsigned)(4 * k)) : z, m);
+  const int C = 16 / bits, E = 32 / bits;
+  const __m512i m = _mm512_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  __m512i src[4]; /* halves: y words 0-7, y words 8-15, z 0-7, z 8-15; else y, z */
+  const int nsrc = halves ? 4 : 2;
+  for (int h = 0; h < nsrc; ++h)
+    src[h] = _mm512_permutex2var_epi16(x0, _mm512_loadu_si512(halves ? pint_iw_halves[h] : pint_iw_plain[h]), x1);
+  for (int k = 0; k < E; ++k) {
+    const int kk = k % C; /* code kk of its 16-bit half */
+    __m512i v;
+    if (halves) { /* vector k: code k - (k & 1) of words 0-7 and code k - (k & 1) + 1 of words 0-7 (k even), or
+                     of words 8-15 (k odd) */
+      const int k0 = (k & ~1) % C;
+      const __m512i x = src[((k & ~1) >= C) * 2 + (k & 1)];
+      const __m512i sh = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(bits * k0), _mm512_set1_epi32(bits * (k0 + 1)));
+      v = _mm512_and_si512(_mm512_srlv_epi32(x, sh), m);
+    } else {
+      const __m512i x = src[k >= C];
+      v = _mm512_and_si512(kk ? _mm512_srli_epi32(x, (unsigned)(bits * kk)) : x, m);
     }
-  }
-  for (int k = 0; k < 32 / bits; k += 2) {
-    const __m512i a = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0x44) : v[k];
-    const __m512i b = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0xEE) : v[k + 1];
-    _mm512_storeu_si512(dst + k * LANES, a);
-    _mm512_storeu_si512(dst + (k + 1) * LANES, b);
+    _mm512_storeu_si512(dst + k * LANES, v);
   }
 }
 
