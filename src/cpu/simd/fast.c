@@ -985,8 +985,10 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
       continue;
     }
     any = 1;
-    float mn, a_old, a_new;
-    kva_softmax_factors(m[j], mx, &mn, &a_old, &a_new);
+    /* kva_softmax_factors' new max and old-state factor, without its calls
+     * where the max did not change: exp(0) = 1 (exp(inf - inf) stays NaN) */
+    const float mn = (m[j] > mx || m[j] != m[j]) ? m[j] : mx;
+    const float a_old = mn == m[j] && mn != INFINITY ? 1.0f : expf(m[j] - mn);
     const __m512 vmn = _mm512_set1_ps(mn);
     a = exp512(_mm512_sub_ps(a, vmn));
     b = exp512(_mm512_sub_ps(b, vmn));
