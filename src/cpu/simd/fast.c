@@ -706,7 +706,7 @@ static void pint_weights(const fmt_plan *fp, const float *P, int J, const float 
       const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
       const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
       const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
-      mv[u] = _mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1));
+      mv[u] = _mm512_range_ps(w0, w1, 0x0B); /* max(|w0|, |w1|) (vrangeps: larger magnitude, sign cleared) */
       bv[u] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg)));
     }
     /* k = 14 - floor(log2 M), one less where M 2^k rounds to 2^15; 0 where M is not > 0 */
@@ -760,18 +760,24 @@ ALWAYS void pint_block(const fmt_plan *fp, int64_t np, const int32_t *ct, const 
         acc[j][kb] = dpwssd_bcast(acc[j][kb], x, wg + ((int64_t)j * LANES + g0 + (HALVES ? kb & 1 : 0)) * LANES + i);
     }
   }
+  /* o += sigma * float(acc), one FMA per vector; HALVES: the int32 sums are
+   * first moved back to o's order (the low halves of a vector pair, then the
+   * high halves), whose lanes 0-7 then take the pair's first group's sigma and
+   * lanes 8-15 the second's */
   for (int j = 0; j < J; ++j) {
     float *oj = o + (int64_t)j * fp->P + pos0;
-    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]), s1 = _mm512_set1_ps(sig[j * LANES + g0 + (HALVES ? 1 : 0)]);
+    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]);
+    const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[j * LANES + g0 + 1])) : s0;
     for (int kb = 0; kb < PKB; kb += 2) {
-      __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb]), s0), b = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb + 1]), s1);
-      if (HALVES) { /* back to o's order: the low halves of both, the high halves of both */
-        const __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44), hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+      __m512i a = acc[j][kb], b = acc[j][kb + 1];
+      if (HALVES) {
+        const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
         a = lo;
         b = hi;
       }
-      _mm512_storeu_ps(oj + kb * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + kb * LANES), a));
-      _mm512_storeu_ps(oj + (kb + 1) * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + (kb + 1) * LANES), b));
+      _mm512_storeu_ps(oj + kb * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(oj + kb * LANES)));
+      _mm512_storeu_ps(oj + (kb + 1) * LANES,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(oj + (kb + 1) * LANES)));
     }
   }
 }
