@@ -592,14 +592,10 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 #define PJB 4              /* query vectors per register block */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
 
-/* acc += the s16 pair products of a and b (vpdpwssd); as asm because GCC 12
- * copies the accumulator around the intrinsic in the unrolled block loop
- * (two register moves per vpdpwssd). */
-ALWAYS __m512i dpwssd_acc(__m512i acc, __m512i a, __m512i b) {
-  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
-/* The same with the u32 (two s16 weights) at w broadcast as the memory operand. */
+/* acc += the s16 pair products of a and the u32 (two s16 weights) at w
+ * broadcast (vpdpwssd, memory operand {1to16}); as asm because GCC 12 copies
+ * the accumulator around the intrinsic in the unrolled block loop (two
+ * register moves per vpdpwssd) and broadcasts w in a separate instruction. */
 ALWAYS __m512i dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
   __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
   return acc;
