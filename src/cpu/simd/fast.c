@@ -690,31 +690,29 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 static void pint_weights(const fmt_plan *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
                          float *sig, float *ob, int64_t obn) {
   const int ng = fp->ngroups, npair = J * ng;
-  float kk[PJB * LANES], bs[PJB * LANES + LANES];
-  for (int u0 = 0; u0 < npair; u0 += LANES) {
-    __m512 mv[LANES], bv[LANES];
-    for (int u = 0; u < LANES; ++u) {
-      const int x = u0 + u, j = x / ng, g = x % ng;
-      if (x >= npair) {
-        mv[u] = bv[u] = _mm512_setzero_ps();
-        continue;
-      }
-      const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+  float kk[PJB * LANES], bs[PJB * LANES + LANES], sgv[PJB * LANES];
+  __m512 mv[PJB * LANES], bv[PJB * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
+  int x = 0;
+  for (int j = 0; j < J; ++j) {
+    const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+    for (int g = 0; g < ng; ++g, ++x) {
       const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
       const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
-      mv[u] = _mm512_range_ps(w0, w1, 0x0B); /* max(|w0|, |w1|) (vrangeps: larger magnitude, sign cleared) */
-      bv[u] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg)));
+      mv[x] = _mm512_range_ps(w0, w1, 0x0B); /* max(|w0|, |w1|) (vrangeps: larger magnitude, sign cleared) */
+      bv[x] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg)));
     }
+  }
+  for (; x % LANES; ++x) mv[x] = bv[x] = _mm512_setzero_ps();
+  for (int u0 = 0; u0 < npair; u0 += LANES) {
     /* k = 14 - floor(log2 M), one less where M 2^k rounds to 2^15; 0 where M is not > 0 */
-    const __m512 M = reduce16_op(mv, 1);
+    const __m512 M = reduce16_op(mv + u0, 1);
     const __mmask16 pos = _mm512_cmp_ps_mask(M, _mm512_setzero_ps(), _CMP_GT_OQ);
     __m512 k = _mm512_maskz_sub_ps(pos, _mm512_set1_ps(14.0f), _mm512_getexp_ps(M));
     const __mmask16 over = _mm512_mask_cmp_ps_mask(pos, _mm512_scalef_ps(M, k), _mm512_set1_ps(32767.5f), _CMP_GE_OQ);
     k = _mm512_mask_sub_ps(k, over, k, _mm512_set1_ps(1.0f));
     _mm512_storeu_ps(kk + u0, k);
-    _mm512_storeu_ps(bs + u0, reduce16_op(bv, 0));
-    const __m512 sg = _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_sub_ps(_mm512_setzero_ps(), k));
-    for (int u = 0; u < LANES && u0 + u < npair; ++u) sig[(u0 + u) / ng * LANES + (u0 + u) % ng] = sg[u];
+    _mm512_storeu_ps(bs + u0, reduce16_op(bv + u0, 0));
+    _mm512_storeu_ps(sgv + u0, _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_sub_ps(_mm512_setzero_ps(), k)));
   }
   const __m512i qord = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0); /* packs' 128-bit interleave back to token order */
   for (int j = 0; j < J; ++j) {
@@ -722,6 +720,7 @@ static void pint_weights(const fmt_plan *fp, const float *P, int J, const float 
     int32_t *wj = wg + j * LANES * LANES;
     for (int g = 0; g < ng; ++g) {
       const float *sg = st + g * KVA_TILE;
+      sig[j * LANES + g] = sgv[j * ng + g];
       const __m512 kv = _mm512_set1_ps(kk[j * ng + g]);
       const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
       const __m512i c0 = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN);
