@@ -4,9 +4,9 @@
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
- *   an exact integer dot product (vpdpbusd, chunk_dots_vnni) of the codes with
- *   q rounded to s8 per (vector, K group) ("[q int8]"; f32 products in exact
- *   mode, p->exact).
+ *   an exact integer dot product (vpdpbusd: chunk_dots_vnni, kphase_tok) of
+ *   the codes with q rounded to s8 per (vector, K group) ("[q int8]"; f32
+ *   products in exact mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
  *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
  *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
@@ -21,10 +21,11 @@
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
  *   phase, tiles.h); K codes are decoded in registers per block of <= 8
- *   query vectors (kphase_tok, >= 5 vectors of 16-bit queries: once per
- *   tile into L1, transposed to tokens in lanes); V codes in registers per block of <= 2 vectors when
- *   nq <= 4, else once per tile into L1 (as f32, or for vphase_pint as
- *   two tokens' s16 codes per u32 lane).
+ *   query vectors, or (kphase_tok: >= 5 vectors of 16-bit queries) once per
+ *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
+ *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
+ *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
+ *   per u32 lane).
  *   Codes become floats exactly for f32 queries and in exact mode, by
  *   mantissa placement for other 16-bit queries (code_as_float). bf16
  *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
@@ -222,7 +223,9 @@ KPHASE_BLOCK(8)
  * scales and biases (NaN as k_scales_nan) into st/bt [block][g][16 tokens]
  * by 4 x 4 transposes of 4 groups at a time. Per (vector, 16 tokens):
  * D/4 vpdpbusd and 4 epilogue operations per group; per 16 tokens and
- * chunk: 16 loads, 64 shuffles, (2 CB - 1) * 16 unpack operations. Query
+ * chunk: 16 loads, 64 shuffles, (2 CB - 1) * 16 unpack operations (none
+ * at 8 bits), CB * 16 stores; per 16 tokens and 4 groups ~70 operations
+ * for the scales and biases. Query
  * vector j at qv + j*P floats: its s8 bytes [word][i] (one u32 each), then
  * f[16] and Q[16] per group (query_int8_tok). */
 #define KTJ 8 /* query vectors per register block in kphase_tok */
