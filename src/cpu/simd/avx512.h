@@ -218,9 +218,11 @@ ALWAYS __m512 reduce16_op(const __m512 v[16], int MAX) {
 #define R16OP(x, y) (MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y))
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = R16OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    a[i] =
+        R16OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    b[i] = R16OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    b[i] =
+        R16OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
     c[i] = R16OP(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
   const __m512 d = R16OP(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));

@@ -257,7 +257,8 @@ ALWAYS void transpose16x16(__m512i r[16]) {
   /* the 4 x 4 transpose of 128-bit blocks: r[4L + k] block A = c[4A + k] block L */
   for (int k = 0; k < 4; ++k) {
     const __m512i e0 = _mm512_shuffle_i32x4(c[k], c[4 + k], 0x44), e1 = _mm512_shuffle_i32x4(c[k], c[4 + k], 0xEE);
-    const __m512i e2 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0x44), e3 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0xEE);
+    const __m512i e2 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0x44),
+                  e3 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0xEE);
     r[k] = _mm512_shuffle_i32x4(e0, e2, 0x88);
     r[4 + k] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
     r[8 + k] = _mm512_shuffle_i32x4(e1, e3, 0x88);
@@ -313,7 +314,8 @@ ALWAYS void kphase_tok_codes(const fmt_plan *fp, const kva_rows *rows, int64_t n
       transpose16x16(r);
       for (int w = 0; w < LANES; ++w)
         for (int i = 0; i < CB; ++i) {
-          const __m512i v = bits == 8 ? r[w] : _mm512_and_si512(i ? _mm512_srli_epi32(r[w], (unsigned)(bits * i)) : r[w], cmask);
+          const __m512i v =
+              bits == 8 ? r[w] : _mm512_and_si512(i ? _mm512_srli_epi32(r[w], (unsigned)(bits * i)) : r[w], cmask);
           _mm512_store_si512(cb + ((int64_t)(c * LANES + w) * CB + i) * 64, v);
         }
     }
@@ -351,7 +353,8 @@ ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, c
         for (int a = 0; a < NA; ++a) {
           const int64_t wi = (int64_t)g * WG * CB + u + a;
           const __m512i x = _mm512_load_si512(cb + wi * 64);
-          for (int j = 0; j < J; ++j) I[a][j] = dpbusd_bcast(I[a][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
+          for (int j = 0; j < J; ++j)
+            I[a][j] = dpbusd_bcast(I[a][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
         }
       const __m512 s = _mm512_load_ps(sb + g * LANES), b = _mm512_load_ps(bb + g * LANES);
       for (int j = 0; j < J; ++j) {
@@ -609,13 +612,19 @@ ALWAYS __m512i dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
  * word l; halves: words l % 8 (tables 0, 2) or 8 + l % 8 (1, 3). */
 #define PIW(w, hw) ((2 * (w) + (hw)) | (32 + 2 * (w) + (hw)) << 16)
 static const int32_t pint_iw_plain[2][LANES] = {
-    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
-    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(8, 0), PIW(9, 0),
+     PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(8, 1), PIW(9, 1),
+     PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
 static const int32_t pint_iw_halves[4][LANES] = {
-    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0)},
-    {PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0), PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
-    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1)},
-    {PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1), PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(0, 0), PIW(1, 0),
+     PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0)},
+    {PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0), PIW(8, 0), PIW(9, 0),
+     PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(0, 1), PIW(1, 1),
+     PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1)},
+    {PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1), PIW(8, 1), PIW(9, 1),
+     PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
 #undef PIW
 
 /* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
@@ -638,7 +647,8 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *ds
                      of words 8-15 (k odd) */
       const int k0 = (k & ~1) % C;
       const __m512i x = src[((k & ~1) >= C) * 2 + (k & 1)];
-      const __m512i sh = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(bits * k0), _mm512_set1_epi32(bits * (k0 + 1)));
+      const __m512i sh =
+          _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(bits * k0), _mm512_set1_epi32(bits * (k0 + 1)));
       v = _mm512_and_si512(_mm512_srlv_epi32(x, sh), m);
     } else {
       const __m512i x = src[k >= C];
@@ -737,7 +747,8 @@ static void pint_weights(const fmt_plan *fp, const float *P, int J, const float 
     const __m512 bj = _mm512_loadu_ps(bs + j * ng);
     float *obj = ob + j * obn;
     for (int c = 0; c < fp->nch; ++c)
-      _mm512_storeu_ps(obj + c * LANES, _mm512_add_ps(_mm512_loadu_ps(obj + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bj)));
+      _mm512_storeu_ps(obj + c * LANES,
+                       _mm512_add_ps(_mm512_loadu_ps(obj + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bj)));
   }
 }
 
@@ -1061,7 +1072,8 @@ static void query_int8_tok(const fmt_plan *fp, int64_t D, const float *q, float 
   char *qb = (char *)qv;
   for (int w = 0; w < words; ++w)
     for (int i = 0; i < CB; ++i)
-      for (int m = 0; m < 4; ++m) qb[((int64_t)w * CB + i) * 4 + m] = (char)(w < valid ? c8[(int64_t)w * E + m * CB + i] : 0);
+      for (int m = 0; m < 4; ++m)
+        qb[((int64_t)w * CB + i) * 4 + m] = (char)(w < valid ? c8[(int64_t)w * E + m * CB + i] : 0);
   float *f = qv + (int64_t)words * CB;
   for (int g = 0; g < LANES; ++g) {
     f[g] = g < fp->ngroups ? fg[g] : 0.0f;
