@@ -388,26 +388,33 @@ static void kphase_tok_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n,
   else if (fp->bits == 8) kphase_tok_codes(fp, rows, n, 8, ct, st, bt, pf);
   else kphase_tok_codes(fp, rows, n, 2, ct, st, bt, pf);
 }
+
+/* All nq vectors by kphase_tok: the tile's codes once, then blocks of 8, 6,
+ * 4, 2, 1 vectors (its L1 staging lives in this frame only). */
+__attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const kva_rows *rows, int64_t n,
+                                                     const float *qp, int64_t nq, float *S, const kva_prefetch *pf) {
+  _Alignas(64) uint8_t ct[KVA_TILE * KVA_MAX_HEAD_DIM];
+  _Alignas(64) float st[2 * LANES * LANES], bt[2 * LANES * LANES];
+  kphase_tok_tile(fp, rows, n, ct, st, bt, pf);
+  int64_t j = 0;
+#define TARGS(J) ct, st, bt, n, qp + (J) * fp->P, S + (J) * KVA_TILE
+  for (; j + 8 <= nq; j += 8) kphase_tok_8(fp, TARGS(j));
+  if (j + 6 <= nq) { kphase_tok_6(fp, TARGS(j)); j += 6; }
+  if (j + 4 <= nq) { kphase_tok_4(fp, TARGS(j)); j += 4; }
+  if (j + 2 <= nq) { kphase_tok_2(fp, TARGS(j)); j += 2; }
+  if (j < nq) kphase_tok_1(fp, TARGS(j));
+#undef TARGS
+}
 #endif
 
-/* All nq vectors, in register blocks of 8, 4, 2, 1 (kphase_tok: 8, 6, 4, 2,
- * 1); the first block issues the prefetch (kphase_tok: the code transpose,
- * once per tile). */
+/* All nq vectors, in register blocks of 8, 4, 2, 1 (or kphase_tok_all); the
+ * first block issues the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                    const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
 #ifdef __AVX512VNNI__
   if (fp->tok) {
-    _Alignas(64) uint8_t ct[KVA_TILE * KVA_MAX_HEAD_DIM];
-    _Alignas(64) float st[2 * LANES * LANES], bt[2 * LANES * LANES];
-    kphase_tok_tile(fp, rows, n, ct, st, bt, pf);
-#define TARGS(J) ct, st, bt, n, qp + (J) * fp->P, S + (J) * KVA_TILE
-    for (; j + 8 <= nq; j += 8) kphase_tok_8(fp, TARGS(j));
-    if (j + 6 <= nq) { kphase_tok_6(fp, TARGS(j)); j += 6; }
-    if (j + 4 <= nq) { kphase_tok_4(fp, TARGS(j)); j += 4; }
-    if (j + 2 <= nq) { kphase_tok_2(fp, TARGS(j)); j += 2; }
-    if (j < nq) kphase_tok_1(fp, TARGS(j));
-#undef TARGS
+    kphase_tok_all(fp, rows, n, qp, nq, S, pf);
     return;
   }
 #endif
