@@ -58,6 +58,12 @@ static const att_case cases[] = {
     {1, 4, 2, 1, 500, 128, 128, F16, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     {1, 4, 2, 1, 300, 64, 64, BF16, F32, 2, 2, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 4, 1, 200, 512, 512, BF16, F32, 2, 4, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* kphase_tok's blocks of 8, 6, 4, 2, 1 vectors at 8, 4 and 2 bits (nq 7,
+     * 10, 6; partial 16-token blocks) and vphase_pint with two groups per
+     * code vector (q8 g32) and one (q4 g128, q8 g64) */
+    {1, 7, 1, 1, 300, 128, 128, BF16, F32, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 5, 1, 2, 200, 128, 128, BF16, F32, 4, 8, 64, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 6, 1, 1, 300, 256, 256, F16, F32, 2, 4, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     {1, 5, 1, 1, 200, 256, 256, F16, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
     {1, 8, 4, 1, 500, 256, 256, BF16, F32, 4, 8, 64, BF16, MASK_CAUSAL, 0, 30.0f, 1, 0, 0},
     /* AVX2 variants: quantized K through the dequantized L1 tile (> 4

@@ -16,8 +16,8 @@ typedef struct fmt_plan {
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */
   int exact;                      /* codes converted exactly (f32 queries, exact mode), see code_as_float */
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
-  int quad;                       /* vnni with every aligned block of 4 lanes of a chunk in one group (fast.c
-                                     only): q.k by 4-row quads (kphase_quad) */
+  int tok;                        /* vnni with enough query vectors (fast.c only): q.k with tokens in lanes
+                                     (kphase_tok) */
   int pint;                       /* 4-bit or 8-bit V, 16-bit queries, verify-sized groups (fast.c only): P.V on
                                      s16 weights and the codes (vphase_pint) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
@@ -28,8 +28,6 @@ typedef struct fmt_plan {
   __mmask16 chmask[MAXCH];        /* valid words of each chunk */
   __m512i gidx[MAXCH];            /* group of each lane of each chunk */
   __m512i gidxw[MAXCH];           /* the same as vpermw indices: word 2l+1 = group of lane l (chunk_groups) */
-  __m512i qidx[MAXCH];            /* kphase_quad's vpermt2ps indices: lane 4b + r = group of block b of
-                                     the chunk, + 16 for odd r */
   __mmask32 gmask;                /* the ngroups low words */
 } fmt_plan;
 
@@ -214,18 +212,22 @@ ALWAYS void affine_for(__m512 *sv, __m512 *bv, int bits, int exact) {
   if (!exact) affine_f(sv, bv, bits);
 }
 
-/* Lane t of the result = the sum of the 16 lanes of v[t] (a shuffle-add tree). */
-ALWAYS __m512 reduce16(const __m512 v[16]) {
+/* Lane t of the result = the sum (MAX: the maximum) of the 16 lanes of v[t]
+ * (a shuffle tree; MAX is a constant after inlining). */
+ALWAYS __m512 reduce16_op(const __m512 v[16], int MAX) {
+#define R16OP(x, y) (MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y))
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    a[i] =
+        R16OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    b[i] =
+        R16OP(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    c[i] = R16OP(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = R16OP(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+#undef R16OP
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
 }
+ALWAYS __m512 reduce16(const __m512 v[16]) { return reduce16_op(v, 0); }
 #endif

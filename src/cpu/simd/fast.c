@@ -4,9 +4,9 @@
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
- *   an exact integer dot product (vpdpbusd, chunk_dots_vnni) of the codes with
- *   q rounded to s8 per (vector, K group) ("[q int8]"; f32 products in exact
- *   mode, p->exact).
+ *   an exact integer dot product (vpdpbusd: chunk_dots_vnni, kphase_tok) of
+ *   the codes with q rounded to s8 per (vector, K group) ("[q int8]"; f32
+ *   products in exact mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
  *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
  *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
@@ -21,11 +21,11 @@
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
  *   phase, tiles.h); K codes are decoded in registers per block of <= 8
- *   query vectors (kphase_quad, >= 5 vectors of 16-bit queries and 4-bit /
- *   8-bit K in groups of a multiple of 4 words: per 4 rows and block of
- *   <= 16 vectors); V codes in registers per block of <= 2 vectors when
- *   nq <= 4, else once per tile into L1 (as f32, or for vphase_pint as
- *   two tokens' s16 codes per u32 lane).
+ *   query vectors, or (kphase_tok: >= 5 vectors of 16-bit queries) once per
+ *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
+ *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
+ *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
+ *   per u32 lane).
  *   Codes become floats exactly for f32 queries and in exact mode, by
  *   mantissa placement for other 16-bit queries (code_as_float). bf16
  *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
@@ -39,8 +39,6 @@
 #define KQB 8      /* query vectors per register block in the K phase */
 #define VJB 4      /* query vectors per register block in the V phase */
 #define VKB 4      /* accumulator vectors per query in the V phase */
-#define KQQ 16     /* query vectors per register block in kphase_quad */
-#define KQUAD_MIN_VECTORS 5 /* kphase_quad from this many query vectors (fewer: kphase_q, faster there) */
 
 /* ---- K phase: S[j][t] = q_j · k_t for a block of J query vectors ---- */
 /* Row t's J lane-partial score vectors into part; after every 16th row (or
@@ -206,128 +204,217 @@ KPHASE_BLOCK(4)
 KPHASE_BLOCK(8)
 
 #ifdef __AVX512VNNI__
-/* ---- K phase by quads of 4 rows (fp->quad) ----
- * chunk_dots_vnni's integer lane dots, with the group factors applied once
- * per 4 rows: when each aligned block of 4 lanes (words) of a chunk lies in
- * one K group (G a multiple of 4E), the int32 lanes of rows t0 .. t0+3 are
- * transposed and summed per block (quad_sum: lane 4b + r = row r's dot over
- * block b, exact: |sum| <= 4*4*255*127 < 2^24), converted once, times the
- * query's factor f of the block's group and the row's group scale s; the
- * biases enter once per row and group, b_g * Q_g with Q_g = f_g * sum(c)
- * over the group (exact integer sum, one rounding). Per 16 rows, quad_fold
- * sums each row's 16 lanes. The roundings: q to s8 (as kphase_q), and the
- * f32 epilogue. Queries (query_int8_quad), floats from qv for all nq
- * vectors: the bytes [chunk][i][nq][64] (byte vector i as chunk_dots_vnni),
- * the block factors [chunk][nq][16] (lane 4b + r: f of block b), the group
- * sums [kq][nq][16] (lane 4b + r: Q of group 4k + b, 0 past ngroups). */
-ALWAYS __m512i quad_sum(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
-  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-}
-/* Lane 4q + r = the sum of the 4 lanes 4b + r (b = 0..3) of v[q]. */
-ALWAYS __m512 quad_fold(const __m512 v[4]) {
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x88), _mm512_shuffle_f32x4(v[2], v[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
-}
-/* Lane 4b + r = lane idx & 15 of v[r] (idx: + 16 on odd r). */
-ALWAYS __m512 quad_pick(const __m512 v[4], __m512i idx) {
-  return _mm512_mask_blend_ps(0xCCCC, _mm512_permutex2var_ps(v[0], idx, v[1]), _mm512_permutex2var_ps(v[2], idx, v[3]));
+/* ---- K phase with tokens in lanes (fp->tok) ----
+ * The integer dots of chunk_dots_vnni (q rounded to s8 per vector and K
+ * group, the same codes x bytes products), with lane t of every vector
+ * holding token t of a block of 16: per (query vector j, group g) the int32
+ * dot I_jg[t] = sum over the group's words of vpdpbusd(codes of word w of
+ * the 16 tokens, q_j's 4 bytes of that word broadcast), exact (|I| <= G *
+ * 255 * 127 < 2^24, so also exact as f32), then
+ *   S_j[t] += s_g[t] * (f_jg * I_jg[t]) + b_g[t] * Q_jg
+ * with f_jg = scale * sigma_jg and Q_jg = f_jg * (sum of q_j's s8 codes
+ * over group g) (query_int8_tok). The roundings: q to s8, and the f32
+ * epilogue. No lane reduction: each score is one lane.
+ * kphase_tok_codes moves a tile's codes to token-in-lanes order once for
+ * all nq vectors: per chunk a 16 x 16 dword transpose of 16 rows (64
+ * shuffles), unpacked to CB = 8/bits byte vectors per word (byte m of
+ * vector i = code m*CB + i of the word, as chunk_dots_vnni), into ct
+ * [block of 16][word][i][64 bytes] (L1, 16 D bytes per block); the group
+ * scales and biases (NaN as k_scales_nan) into st/bt [block][g][16 tokens]
+ * by 4 x 4 transposes of 4 groups at a time. Per (vector, 16 tokens):
+ * D/4 vpdpbusd and 4 epilogue operations per group; per 16 tokens and
+ * chunk: 16 loads, 64 shuffles, (2 CB - 1) * 16 unpack operations (none
+ * at 8 bits), CB * 16 stores; per 16 tokens and 4 groups ~70 operations
+ * for the scales and biases. Query
+ * vector j at qv + j*P floats: its s8 bytes [word][i] (one u32 each), then
+ * f[16] and Q[16] per group (query_int8_tok). */
+#define KTJ 8 /* query vectors per register block in kphase_tok */
+#define KTOK_MIN_VECTORS 5 /* kphase_tok from this many query vectors (fewer: kphase_q) */
+
+/* acc += the u8 x s8 dots of codes with the 4 bytes at q broadcast
+ * (vpdpbusd, memory operand {1to16}); as asm because GCC 12 copies the
+ * accumulator around the intrinsic and broadcasts q in a separate
+ * instruction. */
+ALWAYS __m512i dpbusd_bcast(__m512i acc, __m512i codes, const int32_t *q) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*q));
+  return acc;
 }
 
-ALWAYS void kphase_quad(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qv, int64_t nq, int J,
-                        int bits, float *S, const kva_prefetch *pf) {
-  enum { CBX = 2 }; /* byte vectors per chunk at most (4-bit codes) */
-  const int CB = 8 / bits, nch = fp->nch, kq = (fp->ngroups + 3) / 4;
-  const char *qb = (const char *)qv;
-  const float *qf = qv + (int64_t)nch * CB * nq * LANES, *qg = qf + (int64_t)nch * nq * LANES;
+/* r[t] (word w in lane w) -> r[w] (token t in lane t), 16 x 16 dwords. */
+ALWAYS void transpose16x16(__m512i r[16]) {
+  __m512i a[16], c[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  /* c[4A + k], 128-bit lane L, dword r: word 4L + k of token 4A + r */
+  for (int A = 0; A < 4; ++A) {
+    c[4 * A + 0] = _mm512_unpacklo_epi64(a[4 * A], a[4 * A + 2]);
+    c[4 * A + 1] = _mm512_unpackhi_epi64(a[4 * A], a[4 * A + 2]);
+    c[4 * A + 2] = _mm512_unpacklo_epi64(a[4 * A + 1], a[4 * A + 3]);
+    c[4 * A + 3] = _mm512_unpackhi_epi64(a[4 * A + 1], a[4 * A + 3]);
+  }
+  /* the 4 x 4 transpose of 128-bit blocks: r[4L + k] block A = c[4A + k] block L */
+  for (int k = 0; k < 4; ++k) {
+    const __m512i e0 = _mm512_shuffle_i32x4(c[k], c[4 + k], 0x44), e1 = _mm512_shuffle_i32x4(c[k], c[4 + k], 0xEE);
+    const __m512i e2 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0x44),
+                  e3 = _mm512_shuffle_i32x4(c[8 + k], c[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(e0, e2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(e1, e3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
+  }
+}
+
+/* Groups 4q .. 4q+3 (those below ng, else 0) of the scale row at p, as f32. */
+ALWAYS __m128 groups4(const char *p, kva_dtype dt, int q, int ng) {
+  const int left = ng - 4 * q;
+  const __mmask8 m = (__mmask8)(left >= 4 ? 0xF : (1u << left) - 1u);
+  if (dt == KVA_F32) return _mm_maskz_loadu_ps(m, p + 16 * q);
+  const __m128i h = _mm_maskz_loadu_epi16(m, p + 8 * q);
+  if (dt == KVA_F16) return _mm_cvtph_ps(h);
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+/* out[g] lane t = group 4q + g of the scale rows of tokens t0 + t (t < nt; 0 past). */
+ALWAYS void groups_t16(const kva_rows *rows, int a, int64_t t0, int nt, kva_dtype dt, int q, int ng, __m512 out[4]) {
+  __m512 z[4];
+  for (int r = 0; r < 4; ++r) {
+    __m128 x[4];
+    for (int L = 0; L < 4; ++L) {
+      const int t = 4 * L + r;
+      x[L] = t < nt ? groups4(rows[t0 + t].a[a], dt, q, ng) : _mm_setzero_ps();
+    }
+    z[r] = _mm512_insertf32x4(_mm512_insertf32x4(_mm512_insertf32x4(_mm512_castps128_ps512(x[0]), x[1], 1), x[2], 2),
+                              x[3], 3);
+  }
+  const __m512 t0v = _mm512_unpacklo_ps(z[0], z[1]), t1v = _mm512_unpackhi_ps(z[0], z[1]);
+  const __m512 t2v = _mm512_unpacklo_ps(z[2], z[3]), t3v = _mm512_unpackhi_ps(z[2], z[3]);
+  out[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0v), _mm512_castps_pd(t2v)));
+  out[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0v), _mm512_castps_pd(t2v)));
+  out[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1v), _mm512_castps_pd(t3v)));
+  out[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1v), _mm512_castps_pd(t3v)));
+}
+
+/* The tile's K codes, scales and biases in token-in-lanes order (see above);
+ * row t of the next tile is prefetched with row t. */
+ALWAYS void kphase_tok_codes(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, uint8_t *ct, float *st,
+                             float *bt, const kva_prefetch *pf) {
+  const int CB = 8 / bits, words = fp->nch * LANES, ng = fp->ngroups;
   const __m512i cmask = _mm512_set1_epi8((char)((1 << bits) - 1));
-  const __m512i bidx = _mm512_set_epi32(19, 3, 19, 3, 18, 2, 18, 2, 17, 1, 17, 1, 16, 0, 16, 0);
-  __m512 part[KQQ][4];
-  for (int64_t t0 = 0; t0 < n; t0 += 4) {
-    __m512 Sv[4], Bv[4];
-    const char *row[4];
-    for (int r = 0; r < 4; ++r) {
-      const int64_t t = t0 + r;
-      if (t < n) {
-        if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
-        row[r] = rows[t].k;
-        Bv[r] = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
-        Sv[r] = k_scales_nan(load_groups(rows[t].ks, fp->sdt, fp->ngroups), Bv[r]);
-      } else {
-        row[r] = NULL;
-        Sv[r] = Bv[r] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    const int nt = n - t0 < LANES ? (int)(n - t0) : LANES;
+    uint8_t *cb = ct + (t0 / LANES) * (int64_t)words * CB * 64;
+    for (int c = 0; c < fp->nch; ++c) {
+      __m512i r[LANES];
+      for (int t = 0; t < LANES; ++t) {
+        if (c == 0 && pf && t0 + t < pf->n) prefetch_row(pf, t0 + t, KVA_ARR_K, KVA_ARR_V);
+        r[t] = t < nt ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t0 + t].k + c * 64) : _mm512_setzero_si512();
       }
-    }
-    __m512 acc[KQQ];
-    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
-    for (int c = 0; c < nch; ++c) {
-      __m512i v[4][CBX];
-      for (int r = 0; r < 4; ++r) {
-        const __m512i x = row[r] ? _mm512_maskz_loadu_epi32(fp->chmask[c], row[r] + c * 64) : _mm512_setzero_si512();
-        for (int i = 0; i < CB; ++i)
-          v[r][i] = bits == 8 ? x : _mm512_and_si512(i ? _mm512_srli_epi32(x, (unsigned)(bits * i)) : x, cmask);
-      }
-      const __m512 sv = quad_pick(Sv, fp->qidx[c]);
-      const char *qc = qb + (int64_t)c * CB * nq * 64;
-      const float *fc = qf + (int64_t)c * nq * LANES;
-      for (int j = 0; j < J; ++j) {
-        __m512i a[4];
-        for (int r = 0; r < 4; ++r) a[r] = _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int w = 0; w < LANES; ++w)
         for (int i = 0; i < CB; ++i) {
-          const __m512i qx = _mm512_loadu_si512(qc + ((int64_t)i * nq + j) * 64);
-          for (int r = 0; r < 4; ++r) a[r] = _mm512_dpbusd_epi32(a[r], v[r][i], qx);
+          const __m512i v =
+              bits == 8 ? r[w] : _mm512_and_si512(i ? _mm512_srli_epi32(r[w], (unsigned)(bits * i)) : r[w], cmask);
+          _mm512_store_si512(cb + ((int64_t)(c * LANES + w) * CB + i) * 64, v);
         }
-        const __m512 X = _mm512_cvtepi32_ps(quad_sum(a[0], a[1], a[2], a[3]));
-        acc[j] = _mm512_fmadd_ps(sv, _mm512_mul_ps(X, _mm512_loadu_ps(fc + (int64_t)j * LANES)), acc[j]);
-      }
     }
-    for (int k = 0; k < kq; ++k) {
-      const __m512 bv = quad_pick(Bv, _mm512_add_epi32(bidx, _mm512_set1_epi32(4 * k)));
-      const float *gk = qg + (int64_t)k * nq * LANES;
-      for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(gk + (int64_t)j * LANES), acc[j]);
-    }
-    const int q = (int)((t0 / 4) % 4);
-    for (int j = 0; j < J; ++j) part[j][q] = acc[j];
-    if (q == 3 || t0 + 4 >= n) {
-      const int64_t b0 = t0 - 4 * q, left = n - b0;
-      const __mmask16 live = left >= LANES ? 0xffff : (__mmask16)((1u << left) - 1u);
-      for (int j = 0; j < J; ++j) {
-        for (int u = q + 1; u < 4; ++u) part[j][u] = _mm512_setzero_ps();
-        _mm512_storeu_ps(S + j * KVA_TILE + b0, _mm512_maskz_mov_ps(live, quad_fold(part[j])));
+    float *sb = st + (t0 / LANES) * LANES * LANES, *bb = bt + (t0 / LANES) * LANES * LANES;
+    for (int q = 0; 4 * q < ng; ++q) {
+      __m512 s[4], b[4];
+      groups_t16(rows, KVA_ARR_KS, t0, nt, fp->sdt, q, ng, s);
+      groups_t16(rows, KVA_ARR_KB, t0, nt, fp->sdt, q, ng, b);
+      for (int g = 0; g < 4 && 4 * q + g < ng; ++g) {
+        _mm512_store_ps(sb + (4 * q + g) * LANES, k_scales_nan(s[g], b[g]));
+        _mm512_store_ps(bb + (4 * q + g) * LANES, b[g]);
       }
     }
   }
 }
 
-#define KPHASE_QUAD(J_)                                                                                        \
-  static void kphase_quad_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qv,           \
-                               int64_t nq, float *S, const kva_prefetch *pf) {                                 \
-    if (fp->bits == 4) kphase_quad(fp, rows, n, qv, nq, J_, 4, S, pf);                                         \
-    else kphase_quad(fp, rows, n, qv, nq, J_, 8, S, pf);                                                       \
+/* S[j][t] for J vectors (at qv + j*P) and the tile's n tokens from
+ * kphase_tok_codes' ct/st/bt; tokens past n get 0. NA = 2: two accumulator
+ * chains per vector (few vectors: the vpdpbusd latency). */
+ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, const float *bt, int64_t n,
+                       const float *qv, int J, int bits, float *S) {
+  const int CB = 8 / bits, words = fp->nch * LANES, ng = fp->ngroups, WG = fp->G / fp->E;
+  const int NA = J <= 2 ? 2 : 1;
+  const int64_t fo = (int64_t)words * CB; /* f[16], Q[16] after the bytes (floats) */
+  for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    const uint8_t *cb = ct + (t0 / LANES) * (int64_t)words * CB * 64;
+    const float *sb = st + (t0 / LANES) * LANES * LANES, *bb = bt + (t0 / LANES) * LANES * LANES;
+    __m512 sc[KTJ];
+    for (int j = 0; j < J; ++j) sc[j] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      __m512i I[2][KTJ];
+      for (int a = 0; a < NA; ++a)
+        for (int j = 0; j < J; ++j) I[a][j] = _mm512_setzero_si512();
+      for (int u = 0; u < WG * CB; u += NA) /* word g*WG + u / CB, byte vector u % CB (WG*CB = G/4: even) */
+        for (int a = 0; a < NA; ++a) {
+          const int64_t wi = (int64_t)g * WG * CB + u + a;
+          const __m512i x = _mm512_load_si512(cb + wi * 64);
+          for (int j = 0; j < J; ++j)
+            I[a][j] = dpbusd_bcast(I[a][j], x, (const int32_t *)(qv + (int64_t)j * fp->P) + wi);
+        }
+      const __m512 s = _mm512_load_ps(sb + g * LANES), b = _mm512_load_ps(bb + g * LANES);
+      for (int j = 0; j < J; ++j) {
+        const float *fq = qv + (int64_t)j * fp->P + fo;
+        const __m512i Ij = NA == 2 ? _mm512_add_epi32(I[0][j], I[1][j]) : I[0][j];
+        const __m512 X = _mm512_mul_ps(_mm512_cvtepi32_ps(Ij), _mm512_set1_ps(fq[g]));
+        sc[j] = _mm512_fmadd_ps(b, _mm512_set1_ps(fq[LANES + g]), _mm512_fmadd_ps(X, s, sc[j]));
+      }
+    }
+    const __mmask16 live = n - t0 >= LANES ? 0xffff : (__mmask16)((1u << (n - t0)) - 1u);
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(S + j * KVA_TILE + t0, _mm512_maskz_mov_ps(live, sc[j]));
   }
-KPHASE_QUAD(1)
-KPHASE_QUAD(2)
-KPHASE_QUAD(4)
-KPHASE_QUAD(8)
-KPHASE_QUAD(16)
+}
+
+#define KPHASE_TOK(J_)                                                                                         \
+  static void kphase_tok_##J_(const fmt_plan *fp, const uint8_t *ct, const float *st, const float *bt,         \
+                              int64_t n, const float *qv, float *S) {                                          \
+    if (fp->bits == 4) kphase_tok(fp, ct, st, bt, n, qv, J_, 4, S);                                            \
+    else if (fp->bits == 8) kphase_tok(fp, ct, st, bt, n, qv, J_, 8, S);                                       \
+    else kphase_tok(fp, ct, st, bt, n, qv, J_, 2, S);                                                          \
+  }
+KPHASE_TOK(1)
+KPHASE_TOK(2)
+KPHASE_TOK(4)
+KPHASE_TOK(6)
+KPHASE_TOK(8)
+
+static void kphase_tok_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, uint8_t *ct, float *st, float *bt,
+                            const kva_prefetch *pf) {
+  if (fp->bits == 4) kphase_tok_codes(fp, rows, n, 4, ct, st, bt, pf);
+  else if (fp->bits == 8) kphase_tok_codes(fp, rows, n, 8, ct, st, bt, pf);
+  else kphase_tok_codes(fp, rows, n, 2, ct, st, bt, pf);
+}
+
+/* All nq vectors by kphase_tok: the tile's codes once, then blocks of 8, 6,
+ * 4, 2, 1 vectors (its L1 staging lives in this frame only). */
+__attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const kva_rows *rows, int64_t n,
+                                                     const float *qp, int64_t nq, float *S, const kva_prefetch *pf) {
+  _Alignas(64) uint8_t ct[KVA_TILE * KVA_MAX_HEAD_DIM];
+  _Alignas(64) float st[2 * LANES * LANES], bt[2 * LANES * LANES];
+  kphase_tok_tile(fp, rows, n, ct, st, bt, pf);
+  int64_t j = 0;
+#define TARGS(J) ct, st, bt, n, qp + (J) * fp->P, S + (J) * KVA_TILE
+  for (; j + 8 <= nq; j += 8) kphase_tok_8(fp, TARGS(j));
+  if (j + 6 <= nq) { kphase_tok_6(fp, TARGS(j)); j += 6; }
+  if (j + 4 <= nq) { kphase_tok_4(fp, TARGS(j)); j += 4; }
+  if (j + 2 <= nq) { kphase_tok_2(fp, TARGS(j)); j += 2; }
+  if (j < nq) kphase_tok_1(fp, TARGS(j));
+#undef TARGS
+}
 #endif
 
-/* All nq vectors, in register blocks of 8, 4, 2, 1 (kphase_quad: 16, 8, 4,
- * 2, 1); the first block issues the prefetch. */
+/* All nq vectors, in register blocks of 8, 4, 2, 1 (or kphase_tok_all); the
+ * first block issues the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
                    const float *qs, int64_t nq, float *S, const kva_prefetch *pf) {
   int64_t j = 0;
 #ifdef __AVX512VNNI__
-  if (fp->quad) { /* vector j's data at qp + j * 16 floats in each of kphase_quad's arrays */
-#define QARGS(J) rows, n, qp + (J) * LANES, nq, S + (J) * KVA_TILE, pf
-    for (; j + 16 <= nq; j += 16, pf = NULL) kphase_quad_16(fp, QARGS(j));
-    if (j + 8 <= nq) { kphase_quad_8(fp, QARGS(j)); j += 8; pf = NULL; }
-    if (j + 4 <= nq) { kphase_quad_4(fp, QARGS(j)); j += 4; pf = NULL; }
-    if (j + 2 <= nq) { kphase_quad_2(fp, QARGS(j)); j += 2; pf = NULL; }
-    if (j < nq) kphase_quad_1(fp, QARGS(j));
-#undef QARGS
+  if (fp->tok) {
+    kphase_tok_all(fp, rows, n, qp, nq, S, pf);
     return;
   }
 #endif
@@ -518,42 +605,63 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 #define PJB 4              /* query vectors per register block */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
 
-/* acc += the s16 pair products of a and b (vpdpwssd); as asm because GCC 12
- * copies the accumulator around the intrinsic in the unrolled block loop
- * (two register moves per vpdpwssd). */
-ALWAYS __m512i dpwssd_acc(__m512i acc, __m512i a, __m512i b) {
-  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+/* acc += the s16 pair products of a and the u32 (two s16 weights) at w
+ * broadcast (vpdpwssd, memory operand {1to16}); as asm because GCC 12 copies
+ * the accumulator around the intrinsic in the unrolled block loop (two
+ * register moves per vpdpwssd) and broadcasts w in a separate instruction. */
+ALWAYS __m512i dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
   return acc;
 }
 
+/* pint_codes' vpermt2w indices (u32 lane l: its low s16 from x0, its high one
+ * from x1, index 32 + ...): word w's low (hw 0) or high (hw 1) 16 bits; plain:
+ * word l; halves: words l % 8 (tables 0, 2) or 8 + l % 8 (1, 3). */
+#define PIW(w, hw) ((2 * (w) + (hw)) | (32 + 2 * (w) + (hw)) << 16)
+static const int32_t pint_iw_plain[2][LANES] = {
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(8, 0), PIW(9, 0),
+     PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(8, 1), PIW(9, 1),
+     PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+static const int32_t pint_iw_halves[4][LANES] = {
+    {PIW(0, 0), PIW(1, 0), PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0), PIW(0, 0), PIW(1, 0),
+     PIW(2, 0), PIW(3, 0), PIW(4, 0), PIW(5, 0), PIW(6, 0), PIW(7, 0)},
+    {PIW(8, 0), PIW(9, 0), PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0), PIW(8, 0), PIW(9, 0),
+     PIW(10, 0), PIW(11, 0), PIW(12, 0), PIW(13, 0), PIW(14, 0), PIW(15, 0)},
+    {PIW(0, 1), PIW(1, 1), PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1), PIW(0, 1), PIW(1, 1),
+     PIW(2, 1), PIW(3, 1), PIW(4, 1), PIW(5, 1), PIW(6, 1), PIW(7, 1)},
+    {PIW(8, 1), PIW(9, 1), PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1), PIW(8, 1), PIW(9, 1),
+     PIW(10, 1), PIW(11, 1), PIW(12, 1), PIW(13, 1), PIW(14, 1), PIW(15, 1)}};
+#undef PIW
+
 /* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
  * in the low s16 of its lane, of x1 in the high one, into dst[k][16]; HALVES:
- * vectors 2m, 2m+1 with their halves exchanged (see above). */
+ * vectors 2m, 2m+1 with their halves exchanged (see above). One vpermt2w
+ * pairs the two tokens' low (codes 0 .. C-1, C = 16/bits) or high 16 bits
+ * of each word (with HALVES: of words 0-7 or 8-15, each twice); a shift
+ * (per half, with HALVES) and an and then give each vector. */
 ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *dst) {
-  const __mmask32 hi = 0xAAAAAAAAu;
-  __m512i v[8];
-  if (bits == 8) {
-    const __m512i m = _mm512_set1_epi32(0x00FF00FF);
-    const __m512i e0 = _mm512_and_si512(x0, m), e1 = _mm512_and_si512(x1, m); /* codes 0 | 2 as s16 */
-    const __m512i o0 = _mm512_and_si512(_mm512_srli_epi32(x0, 8), m), o1 = _mm512_and_si512(_mm512_srli_epi32(x1, 8), m);
-    v[0] = _mm512_mask_blend_epi16(hi, e0, _mm512_slli_epi32(e1, 16));
-    v[1] = _mm512_mask_blend_epi16(hi, o0, _mm512_slli_epi32(o1, 16));
-    v[2] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(e0, 16), e1);
-    v[3] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(o0, 16), o1);
-  } else {
-    const __m512i m = _mm512_set1_epi32(0x000F000F);
-    for (int k = 0; k < 4; ++k) { /* y: code k in the low s16, code k + 4 in the high one */
-      const __m512i y0 = _mm512_and_si512(k ? _mm512_srli_epi32(x0, (unsigned)(4 * k)) : x0, m);
-      const __m512i y1 = _mm512_and_si512(k ? _mm512_srli_epi32(x1, (unsigned)(4 * k)) : x1, m);
-      v[k] = _mm512_mask_blend_epi16(hi, y0, _mm512_slli_epi32(y1, 16));
-      v[k + 4] = _mm512_mask_blend_epi16(hi, _mm512_srli_epi32(y0, 16), y1);
+  const int C = 16 / bits, E = 32 / bits;
+  const __m512i m = _mm512_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  __m512i src[4]; /* halves: y words 0-7, y words 8-15, z 0-7, z 8-15; else y, z */
+  const int nsrc = halves ? 4 : 2;
+  for (int h = 0; h < nsrc; ++h)
+    src[h] = _mm512_permutex2var_epi16(x0, _mm512_loadu_si512(halves ? pint_iw_halves[h] : pint_iw_plain[h]), x1);
+  for (int k = 0; k < E; ++k) {
+    const int kk = k % C; /* code kk of its 16-bit half */
+    __m512i v;
+    if (halves) { /* vector k: code k - (k & 1) of words 0-7 and code k - (k & 1) + 1 of words 0-7 (k even), or
+                     of words 8-15 (k odd) */
+      const int k0 = (k & ~1) % C;
+      const __m512i x = src[((k & ~1) >= C) * 2 + (k & 1)];
+      const __m512i sh =
+          _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(bits * k0), _mm512_set1_epi32(bits * (k0 + 1)));
+      v = _mm512_and_si512(_mm512_srlv_epi32(x, sh), m);
+    } else {
+      const __m512i x = src[k >= C];
+      v = _mm512_and_si512(kk ? _mm512_srli_epi32(x, (unsigned)(bits * kk)) : x, m);
     }
-  }
-  for (int k = 0; k < 32 / bits; k += 2) {
-    const __m512i a = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0x44) : v[k];
-    const __m512i b = halves ? _mm512_shuffle_i64x2(v[k], v[k + 1], 0xEE) : v[k + 1];
-    _mm512_storeu_si512(dst + k * LANES, a);
-    _mm512_storeu_si512(dst + (k + 1) * LANES, b);
+    _mm512_storeu_si512(dst + k * LANES, v);
   }
 }
 
@@ -562,16 +670,21 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *ds
  * whether any scale or bias is NaN or Inf. */
 ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, int halves, int32_t *ct,
                        float *st, float *bt, const kva_prefetch *pf) {
-  const int E = 32 / bits;
-  int bad = 0;
-  for (int64_t t = 0; t < KVA_TILE; ++t)
-    for (int g = 0; g < fp->ngroups; ++g) {
-      const float s = t < n ? simd_load_scale(rows[t].vs, fp->sdt, g) : 0.0f;
-      const float b = t < n ? simd_load_scale(rows[t].vb, fp->sdt, g) : 0.0f;
-      bad |= !isfinite(s) || !isfinite(b);
-      st[g * KVA_TILE + t] = s;
-      bt[g * KVA_TILE + t] = b;
+  const int E = 32 / bits, ng = fp->ngroups;
+  __mmask16 bad = 0;
+  for (int64_t t0 = 0; t0 < KVA_TILE; t0 += LANES) { /* groups_t16: 4 groups of 16 tokens at a time */
+    const int nt = n - t0 >= LANES ? LANES : n > t0 ? (int)(n - t0) : 0;
+    for (int q = 0; 4 * q < ng; ++q) {
+      __m512 sv[4], bv[4];
+      groups_t16(rows, KVA_ARR_VS, t0, nt, fp->sdt, q, ng, sv);
+      groups_t16(rows, KVA_ARR_VB, t0, nt, fp->sdt, q, ng, bv);
+      for (int g = 0; g < 4 && 4 * q + g < ng; ++g) {
+        bad |= _mm512_fpclass_ps_mask(sv[g], FPCLASS_NONFINITE) | _mm512_fpclass_ps_mask(bv[g], FPCLASS_NONFINITE);
+        _mm512_storeu_ps(st + (4 * q + g) * KVA_TILE + t0, sv[g]);
+        _mm512_storeu_ps(bt + (4 * q + g) * KVA_TILE + t0, bv[g]);
+      }
     }
+  }
   for (int64_t t = 0; t < n; t += 2) {
     const int two = t + 1 < n;
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
@@ -583,43 +696,67 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
       pint_codes(x0, x1, bits, halves, dst + (int64_t)c * E * LANES);
     }
   }
-  return bad;
+  return bad != 0;
 }
 
 /* round to nearest even, no exceptions (an integer constant expression: clang
  * takes the rounding of _mm512_cvt_roundps_epi32 only as one) */
 #define PINT_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* Vector j's weights for the tile (P: its 32 weights, zero past n): wg[g][pair]
- * s16 pairs, sigma per group into sig[16], sum_t p b into ob's chunk lanes. */
-static void pint_weights(const fmt_plan *fp, const float *P, const float *st, const float *bt, int32_t *wg,
-                         float *sig, float *ob) {
-  const __m512 p0 = _mm512_loadu_ps(P), p1 = _mm512_loadu_ps(P + LANES);
-  float bs[LANES] = {0};
-  for (int g = 0; g < fp->ngroups; ++g) {
-    const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
-    const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
-    bs[g] = _mm512_reduce_add_ps(_mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg))));
-    const float M = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
-    float k = 0.0f;
-    if (M > 0.0f) {
-      const __m128 m = _mm_set_ss(M);
-      k = 14.0f - _mm_cvtss_f32(_mm_getexp_ss(m, m));
-      if (_mm_cvtss_f32(_mm_scalef_ss(m, _mm_set_ss(k))) >= 32767.5f) k -= 1.0f;
+/* The weights of J <= PJB vectors for the tile (P: vector j's 32 weights
+ * at P + j*KVA_TILE, zero past n): for vector j, wg[j][g][pair] s16 pairs,
+ * sigma per group into sig[j][16], sum_t p b into ob's chunk lanes (at ob +
+ * j*obn). The J*ngroups (vector, group) maxima M and bias sums are reduced
+ * 16 at a time (reduce16_op), the exponents k computed for 16 at once. */
+static void pint_weights(const fmt_plan *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
+                         float *sig, float *ob, int64_t obn) {
+  const int ng = fp->ngroups, npair = J * ng;
+  float kk[PJB * LANES], bs[PJB * LANES + LANES], sgv[PJB * LANES];
+  __m512 mv[PJB * LANES], bv[PJB * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
+  int x = 0;
+  for (int j = 0; j < J; ++j) {
+    const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+    for (int g = 0; g < ng; ++g, ++x) {
+      const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
+      const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
+      mv[x] = _mm512_range_ps(w0, w1, 0x0B); /* max(|w0|, |w1|) (vrangeps: larger magnitude, sign cleared) */
+      bv[x] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(bg + LANES), _mm512_mul_ps(p0, _mm512_loadu_ps(bg)));
     }
-    const __m128 one = _mm_set_ss(1.0f);
-    sig[g] = _mm_cvtss_f32(_mm_scalef_ss(one, _mm_set_ss(-k)));
-    const __m512 kv = _mm512_set1_ps(k);
-    const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN));
-    const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), PINT_RN));
-    _mm512_storeu_si512(wg + g * LANES, _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
   }
-  if (fp->ngroups & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
-    sig[fp->ngroups] = 0.0f;
-    _mm512_storeu_si512(wg + fp->ngroups * LANES, _mm512_setzero_si512());
+  for (; x % LANES; ++x) mv[x] = bv[x] = _mm512_setzero_ps();
+  for (int u0 = 0; u0 < npair; u0 += LANES) {
+    /* k = 14 - floor(log2 M), one less where M 2^k rounds to 2^15; 0 where M is not > 0 */
+    const __m512 M = reduce16_op(mv + u0, 1);
+    const __mmask16 pos = _mm512_cmp_ps_mask(M, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 k = _mm512_maskz_sub_ps(pos, _mm512_set1_ps(14.0f), _mm512_getexp_ps(M));
+    const __mmask16 over = _mm512_mask_cmp_ps_mask(pos, _mm512_scalef_ps(M, k), _mm512_set1_ps(32767.5f), _CMP_GE_OQ);
+    k = _mm512_mask_sub_ps(k, over, k, _mm512_set1_ps(1.0f));
+    _mm512_storeu_ps(kk + u0, k);
+    _mm512_storeu_ps(bs + u0, reduce16_op(bv + u0, 0));
+    _mm512_storeu_ps(sgv + u0, _mm512_scalef_ps(_mm512_set1_ps(1.0f), _mm512_sub_ps(_mm512_setzero_ps(), k)));
   }
-  const __m512 bv = _mm512_loadu_ps(bs);
-  for (int c = 0; c < fp->nch; ++c)
-    _mm512_storeu_ps(ob + c * LANES, _mm512_add_ps(_mm512_loadu_ps(ob + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bv)));
+  const __m512i qord = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0); /* packs' 128-bit interleave back to token order */
+  for (int j = 0; j < J; ++j) {
+    const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
+    int32_t *wj = wg + j * LANES * LANES;
+    for (int g = 0; g < ng; ++g) {
+      const float *sg = st + g * KVA_TILE;
+      sig[j * LANES + g] = sgv[j * ng + g];
+      const __m512 kv = _mm512_set1_ps(kk[j * ng + g]);
+      const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sg)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sg + LANES));
+      const __m512i c0 = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(w0, kv), PINT_RN);
+      const __m512i c1 = _mm512_cvt_roundps_epi32(_mm512_scalef_ps(w1, kv), PINT_RN);
+      _mm512_storeu_si512(wj + g * LANES, _mm512_permutexvar_epi64(qord, _mm512_packs_epi32(c0, c1)));
+    }
+    if (ng & 1) { /* two groups per vector: the last chunk's missing second group (codes 0) */
+      sig[j * LANES + ng] = 0.0f;
+      _mm512_storeu_si512(wj + ng * LANES, _mm512_setzero_si512());
+    }
+    const __m512 bj = _mm512_loadu_ps(bs + j * ng);
+    float *obj = ob + j * obn;
+    for (int c = 0; c < fp->nch; ++c)
+      _mm512_storeu_ps(obj + c * LANES,
+                       _mm512_add_ps(_mm512_loadu_ps(obj + c * LANES), _mm512_permutexvar_ps(fp->gidx[c], bj)));
+  }
 }
 
 /* o[j][pos0 .. pos0 + 16 PKB) += sigma_jg * sum_pairs w'_jg . codes for J
@@ -627,34 +764,36 @@ static void pint_weights(const fmt_plan *fp, const float *P, const float *st, co
  * vectors alternate between the chunk's two groups. */
 ALWAYS void pint_block(const fmt_plan *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig,
                        float *o, int64_t pos0, int J, int HALVES) {
-  enum { GB = 2 };
   const int v0 = (int)(pos0 / LANES), c = v0 / fp->E;
   const int g0 = HALVES ? 2 * c : (c * LANES * fp->E) / fp->G;
-  const int ng = HALVES ? 2 : 1;
   __m512i acc[PJB][PKB];
   for (int j = 0; j < J; ++j)
     for (int kb = 0; kb < PKB; ++kb) acc[j][kb] = _mm512_setzero_si512();
   for (int64_t i = 0; i < np; ++i) {
-    __m512i w[PJB][GB];
-    for (int j = 0; j < J; ++j)
-      for (int gb = 0; gb < ng; ++gb) w[j][gb] = _mm512_set1_epi32(wg[((int64_t)j * LANES + g0 + gb) * LANES + i]);
     for (int kb = 0; kb < PKB; ++kb) {
       const __m512i x = _mm512_loadu_si512(ct + i * fp->P + pos0 + kb * LANES);
-      for (int j = 0; j < J; ++j) acc[j][kb] = dpwssd_acc(acc[j][kb], x, w[j][HALVES ? kb & 1 : 0]);
+      for (int j = 0; j < J; ++j)
+        acc[j][kb] = dpwssd_bcast(acc[j][kb], x, wg + ((int64_t)j * LANES + g0 + (HALVES ? kb & 1 : 0)) * LANES + i);
     }
   }
+  /* o += sigma * float(acc), one FMA per vector; HALVES: the int32 sums are
+   * first moved back to o's order (the low halves of a vector pair, then the
+   * high halves), whose lanes 0-7 then take the pair's first group's sigma and
+   * lanes 8-15 the second's */
   for (int j = 0; j < J; ++j) {
     float *oj = o + (int64_t)j * fp->P + pos0;
-    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]), s1 = _mm512_set1_ps(sig[j * LANES + g0 + (HALVES ? 1 : 0)]);
+    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]);
+    const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[j * LANES + g0 + 1])) : s0;
     for (int kb = 0; kb < PKB; kb += 2) {
-      __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb]), s0), b = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][kb + 1]), s1);
-      if (HALVES) { /* back to o's order: the low halves of both, the high halves of both */
-        const __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44), hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+      __m512i a = acc[j][kb], b = acc[j][kb + 1];
+      if (HALVES) {
+        const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
         a = lo;
         b = hi;
       }
-      _mm512_storeu_ps(oj + kb * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + kb * LANES), a));
-      _mm512_storeu_ps(oj + (kb + 1) * LANES, _mm512_add_ps(_mm512_loadu_ps(oj + (kb + 1) * LANES), b));
+      _mm512_storeu_ps(oj + kb * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(oj + kb * LANES)));
+      _mm512_storeu_ps(oj + (kb + 1) * LANES,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(oj + (kb + 1) * LANES)));
     }
   }
 }
@@ -693,8 +832,7 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
   float sig[PJB * LANES];
   for (int64_t j0 = 0; j0 < nq; j0 += PJB) {
     const int J = nq - j0 < PJB ? (int)(nq - j0) : PJB;
-    for (int j = 0; j < J; ++j)
-      pint_weights(fp, S + (j0 + j) * KVA_TILE, svt, bvt, wg + j * LANES * LANES, sig + j * LANES, ob + (j0 + j) * obn);
+    pint_weights(fp, S + j0 * KVA_TILE, J, svt, bvt, wg, sig, ob + j0 * obn, obn);
     for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
       int j = 0;
       float *oj = o + j0 * fp->P;
@@ -869,8 +1007,10 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
       continue;
     }
     any = 1;
-    float mn, a_old, a_new;
-    kva_softmax_factors(m[j], mx, &mn, &a_old, &a_new);
+    /* kva_softmax_factors' new max and old-state factor, without its calls
+     * where the max did not change: exp(0) = 1 (exp(inf - inf) stays NaN) */
+    const float mn = (m[j] > mx || m[j] != m[j]) ? m[j] : mx;
+    const float a_old = mn == m[j] && mn != INFINITY ? 1.0f : expf(m[j] - mn);
     const __m512 vmn = _mm512_set1_ps(mn);
     a = exp512(_mm512_sub_ps(a, vmn));
     b = exp512(_mm512_sub_ps(b, vmn));
@@ -926,31 +1066,26 @@ static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scal
 #endif
 
 #ifdef __AVX512VNNI__
-/* Query j of nq as kphase_quad's bytes, block factors and group sums (the
- * s8 rounding and the factors f of query_int8) into its arrays at qv. */
-static void query_int8_quad(const fmt_plan *fp, int64_t D, const float *q, float scale, int64_t nq, int64_t j,
-                            float *qv) {
+/* One query as kphase_tok's s8 bytes (word w, byte vector i: the codes of
+ * dims w*E + m*CB + i, m = 0..3, one u32), then per group f = scale * sigma
+ * (query_int8's factor) and Q = f * sum(c) (0 past ngroups), at qv. */
+static void query_int8_tok(const fmt_plan *fp, int64_t D, const float *q, float scale, float *qv) {
   int8_t c8[KVA_MAX_HEAD_DIM];
   float fg[LANES];
   int gs[LANES];
   query_s8_groups(fp, D, q, scale, c8, fg, gs);
-  const int CB = 8 / fp->bits, E = fp->E, nch = fp->nch, kq = (fp->ngroups + 3) / 4;
-  const int64_t words = D / E;
+  const int CB = 8 / fp->bits, E = fp->E, words = fp->nch * LANES;
+  const int64_t valid = D / E;
   char *qb = (char *)qv;
-  float *qf = qv + (int64_t)nch * CB * nq * LANES, *qg = qf + (int64_t)nch * nq * LANES;
-  for (int c = 0; c < nch; ++c)
-    for (int l = 0; l < LANES; ++l) {
-      const int64_t w = (int64_t)c * LANES + l, w4 = (int64_t)c * LANES + 4 * (l / 4);
-      for (int i = 0; i < CB; ++i)
-        for (int b = 0; b < 4; ++b)
-          qb[(((int64_t)c * CB + i) * nq + j) * 64 + 4 * l + b] = (char)(w < words ? c8[w * E + b * CB + i] : 0);
-      qf[((int64_t)c * nq + j) * LANES + l] = w4 < words ? fg[(w4 * E) / fp->G] : 0.0f;
-    }
-  for (int k = 0; k < kq; ++k)
-    for (int l = 0; l < LANES; ++l) {
-      const int g = 4 * k + l / 4;
-      qg[((int64_t)k * nq + j) * LANES + l] = g < fp->ngroups ? fg[g] * (float)gs[g] : 0.0f;
-    }
+  for (int w = 0; w < words; ++w)
+    for (int i = 0; i < CB; ++i)
+      for (int m = 0; m < 4; ++m)
+        qb[((int64_t)w * CB + i) * 4 + m] = (char)(w < valid ? c8[(int64_t)w * E + m * CB + i] : 0);
+  float *f = qv + (int64_t)words * CB;
+  for (int g = 0; g < LANES; ++g) {
+    f[g] = g < fp->ngroups ? fg[g] : 0.0f;
+    f[LANES + g] = g < fp->ngroups ? fg[g] * (float)gs[g] : 0.0f;
+  }
 }
 #endif
 
@@ -976,13 +1111,7 @@ static void attend_fast(const kva_item *it) {
 #ifdef __AVX512VNNI__
   kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
   vf.pint = pint_kind(&src->vf, !vf.exact, nq); /* vphase_pint (vf.exact: f32 queries or exact mode) */
-  kf.quad = kf.vnni && nq >= KQUAD_MIN_VECTORS && (kf.bits == 4 || kf.bits == 8) && kf.G % (4 * kf.E) == 0;
-  for (int c = 0; c < kf.nch && kf.quad; ++c) {
-    int32_t gi[LANES], qi[LANES];
-    _mm512_storeu_si512(gi, kf.gidx[c]);
-    for (int l = 0; l < LANES; ++l) qi[l] = gi[4 * (l / 4)] + 16 * (l & 1);
-    kf.qidx[c] = _mm512_loadu_si512(qi);
-  }
+  kf.tok = kf.vnni && nq >= KTOK_MIN_VECTORS;
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -990,8 +1119,8 @@ static void attend_fast(const kva_item *it) {
     l[j] = 0.0f;
     load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
 #ifdef __AVX512VNNI__
-    if (kf.quad) {
-      query_int8_quad(&kf, p->Dk, qrow, p->scale, nq, j, qp);
+    if (kf.tok) {
+      query_int8_tok(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
       continue;
     }
     if (kf.vnni) {
