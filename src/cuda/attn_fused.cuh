@@ -344,8 +344,7 @@ __device__ __forceinline__ void kvc_emit(const kvc_args &a, int split, int b, in
  * or, with one split, out = H O / l directly (no merge launch; the merge of
  * rotated states is the plain one). Dim d of row v sits at ost[v ld +
  * col(d)] (col other than the natural order with DC only). The caller's
- * barrier precedes (ost
- * written by the block). */
+ * barrier precedes (ost written by the block). */
 struct kvc_col_natural { /* dim d of a row at column d */
   static constexpr bool natural = true;
   __device__ int operator()(int d) const { return d; }
