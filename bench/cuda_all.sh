@@ -14,6 +14,11 @@
 # at avx512, --quick at avx2 and portable), and a CPU verify/decode bench.
 #   STAGES="build test seeds cpu cpubench asan memcheck racecheck kvbench bench torch pytest" (default: all)
 #   J=16 (make jobs)
+#   PREBUILT=<file.txz>: build/kvattn and build/kvattn_tests made elsewhere
+#   (`make`, then `strip --strip-debug` and `tar -cJf F -C build kvattn
+#   kvattn_tests`: ~35 MB, within a device call's carry), unpacked into build/
+#   so that the device spends no time compiling; run it without the build
+#   stage (and without bench and pytest, which need the libraries)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 RET=${OUT:-}
@@ -38,6 +43,10 @@ date -u +"%Y-%m-%dT%H:%M:%SZ" | tee "$OUT/summary.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/summary.log"
 nvcc --version | tail -2 | tee -a "$OUT/summary.log"
 
+if [ -n "${PREBUILT:-}" ]; then
+  mkdir -p build && tar -xJf "$PREBUILT" -C build || { note "cannot unpack $PREBUILT"; exit 1; }
+  note "prebuilt: $(cd build && ls -l kvattn kvattn_tests | awk '{print $5, $NF}' | tr '\n' ' ')"
+fi
 if has build; then
   run build 300 make -k -j"$J" all > "$OUT/build.log" 2>&1
   run build-bench 200 nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude bench/cuda_bench.cu \
