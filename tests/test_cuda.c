@@ -2169,6 +2169,25 @@ TEST(cuda_fp8_cache_write_bits) {
   kva_context_destroy(gpu);
   kva_context_destroy(cpu);
 }
+/* A case over caller block tables of bs tokens per block. */
+typedef struct {
+  att_case c;
+  int64_t bs;
+} wg_run_case;
+/* The 16-bit warpgroup kernel's caller-table cases, rows and queries of type
+ * t, every probe: blocks of at least one copy run (D / 32 tokens, 8 at head
+ * dim 512: a run crosses a block at every first offset but 0) on `want`,
+ * smaller blocks on `other` (the selector's alternative). */
+static void wg_run_cases(kva_context *ctx, const wg_run_case *rc, size_t n, kva_dtype t, const char *want,
+                         const char *other) {
+  for (size_t ci = 0; ci < n && !test_failed_flag; ++ci) {
+    att_case c = rc[ci].c;
+    c.qdt = c.kvdt = t;
+    const char *w = rc[ci].bs < (c.Dk == 512 ? 8 : c.Dk / 32) ? other : want;
+    for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr)
+      if (!run_caller_table_case(ctx, &c, rc[ci].bs, w, pr, 0)) FAIL_("%s run case %zu", w, ci);
+  }
+}
 /* The warpgroup kernel over 16-bit rows (attn_wg.cu: bf16 / f16 K/V copied
  * into the wgmma tiles, P rounded to the rows' type; by default from 16 query
  * vectors per KV head, KVA_CUDA_WG_BF16_MIN_Q; here from 1), t = BF16 or
@@ -2220,10 +2239,9 @@ static void wg_float_body(kva_dtype t) {
       {{2, 16, 4, 8, 900, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24},
       {{2, 8, 2, 16, 3000, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},
   };
-  static const struct {
-    att_case c;
-    int64_t bs;
-  } rc[] = {
+  /* caller tables: blocks of one copy run at head dims 256, 128, 64 and of
+   * half a run at 256 (the tensor-core kernel) */
+  static const wg_run_case rc[] = {
       {{2, 8, 4, 8, 300, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 8},
       {{2, 16, 4, 8, 250, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 40, 0, 1, 1, 0}, 4},
       {{2, 8, 2, 16, 200, 64, 64, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 2},
@@ -2257,16 +2275,7 @@ static void wg_float_body(kva_dtype t) {
       c.qdt = c.kvdt = t;
       if (!run_table_case(ctx, &c, tc[ci].bs, 31 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
     }
-    /* caller tables with blocks of one copy run (KVC_WG_FLOAT_RUN rows: a
-     * run crosses a block at every first offset but 0) and of half a run
-     * at head dim 256 (the selector sends those to the tensor-core kernel) */
-    for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
-      c = rc[ci].c;
-      c.qdt = c.kvdt = t;
-      const char *want = rc[ci].bs < c.Dk / 32 ? wants[1] : wants[pass];
-      for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr)
-        if (!run_caller_table_case(ctx, &c, rc[ci].bs, want, pr, 0)) FAIL_("%s run case %zu", want, ci);
-    }
+    wg_run_cases(ctx, rc, sizeof rc / sizeof rc[0], t, wants[pass], wants[1]);
     for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
       c = lc[ci];
       c.qdt = c.kvdt = t;
@@ -2324,10 +2333,7 @@ static void wg512_body(kva_dtype t) {
       {{2, 16, 8, 8, 1000, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 50, 10.0f, 0, 1, 0}, 24},
   };
   /* caller tables: blocks of one copy run (8 rows) and of half a run (the fused kernel) */
-  static const struct {
-    att_case c;
-    int64_t bs;
-  } rc[] = {
+  static const wg_run_case rc[] = {
       {{2, 16, 8, 8, 300, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 8},
       {{1, 8, 2, 8, 100, 512, 512, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, 4},
   };
@@ -2357,13 +2363,7 @@ static void wg512_body(kva_dtype t) {
       c.qdt = c.kvdt = t;
       if (!run_table_case(ctx, &c, tc[ci].bs, 131 + ci, wants[pass])) FAIL_("%s table case %zu", wants[pass], ci);
     }
-    for (size_t ci = 0; ci < sizeof rc / sizeof rc[0] && !test_failed_flag; ++ci) {
-      c = rc[ci].c;
-      c.qdt = c.kvdt = t;
-      const char *want = rc[ci].bs < 8 ? wants[1] : wants[pass];
-      for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr)
-        if (!run_caller_table_case(ctx, &c, rc[ci].bs, want, pr, 0)) FAIL_("%s run case %zu", want, ci);
-    }
+    wg_run_cases(ctx, rc, sizeof rc / sizeof rc[0], t, wants[pass], wants[1]);
     for (size_t ci = 0; ci < sizeof lc / sizeof lc[0] && !test_failed_flag; ++ci) {
       c = lc[ci];
       c.qdt = c.kvdt = t;
