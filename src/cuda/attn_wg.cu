@@ -390,7 +390,10 @@ __device__ __forceinline__ void kvc_wg_run_copy(const kvc_operand &O, const kvc_
   const char *head = O.data + hk * O.ds[1] + u16;
   const long long st = O.ds[2];
   const char *p = head + w.o0 * O.ds[0] + w.rb * st;
-  if (!TBL || w.sp >= lim) { /* contiguous, or one block */
+  if (lim == N && (!TBL || w.sp >= N)) { /* every row, one block: no per-row test */
+#pragma unroll
+    for (int k = 0; k < N; ++k, p += st) kvc_cp_async<16>(dst(k), p, 16);
+  } else if (!TBL || w.sp >= lim) { /* contiguous, or one block */
 #pragma unroll
     for (int k = 0; k < N; ++k, p += st) kvc_cp_async<16>(dst(k), k < lim ? p : O.data, k < lim ? 16 : 0);
   } else { /* rows sp .. lim - 1 in the next block: row k at q + k st */
