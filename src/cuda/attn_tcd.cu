@@ -89,7 +89,7 @@
 #define KVC_TCD_NS 4       /* ring slots per warp: 3 tiles in flight */
 #endif
 #ifndef KVC_TCD_MINB
-#define KVC_TCD_MINB 2     /* blocks per SM the registers are capped for */
+#define KVC_TCD_MINB 2     /* blocks per SM the registers are capped for (3 for the decode instances at D = 128) */
 #endif
 #define KVC_TCD_SLACK 8.0f /* log2 units the running max may trail a tile's max */
 #define KVC_TCD_QV 16      /* query vectors per KV head, at most */
@@ -135,17 +135,19 @@ template <int D> struct kvc_tcd_geom {
  *   contiguous bytes of contiguous rows); lane i < 16 copies the K scale
  *   and bias rows of tile token i, lane 16 + i the V ones. Contiguous rows
  *   (running pointers: a tile costs its cp.async and four pointer
- *   additions), and at D = 256 BLOCK_TABLE tiles that lie in one block (one
- *   base per tile, from the block id of the tile's first token).
- * - pair (BLOCK_TABLE rows at D = 64 and 128, and tiles across blocks at 256):
+ *   additions); BLOCK_TABLE tiles at D = 128 when every tile of the
+ *   block lies in one block (kvc_tcd_aligned: one base per tile from the
+ *   id of its first token, loaded by every lane), and at D = 256 whole
+ *   tiles that lie in one block (lane 0's id).
+ * - pair (the other BLOCK_TABLE tiles):
  *   lane l takes token r = l / 2, the pair (2 r, 2 r + 1) its K and V rows
  *   (lane h = l % 2 the pieces 2 j + h: a warp instruction covers 32 whole
  *   32-byte sectors), even lanes its K scale and bias rows, odd lanes the V
  *   ones; each lane locates its own token only (no shuffles).
  * Over contiguous rows the pair pattern is slower (four times the sectors
  * per instruction). The block ids (kvc_tcd_id) are
- * those of token t0 + l / 2, loaded a tile ahead; lane 0's is the tile's
- * first token's. */
+ * those of token t0 + l / 2 (aligned tiles: of t0), loaded a tile ahead;
+ * lane 0's is the tile's first token's. */
 struct kvc_tcd_loader {
   const char *k, *v, *s, *z; /* contiguous: this lane's first piece / scale row in the next tile */
   const char *hk, *hv, *hs, *hz; /* block tiles: the same in block 0 at row 0 (head and lane parts) */
@@ -154,7 +156,26 @@ struct kvc_tcd_loader {
   long long kp, vp;          /* bytes between this lane's pieces (rows 32 / CPR apart) */
   long long kt, vt, st, zt;  /* bytes per advance of W tiles */
   int ptok, pdst;            /* one group per row: this lane's piece's first token - t0, its slot offset */
+  bool al;                   /* block tables, every tile of the block inside one block (kvc_tcd_aligned) */
 };
+/* Block tables whose tiles each lie in one block, at head dim 128: blocks
+ * of a multiple of 16 rows, the split's first tile at a multiple of 16 rows
+ * into its block ((t_lo + fo) % 16 = 0, so every tile t_lo + 16 n is), and
+ * the row offsets inside a block within 32 bits (bsz * stride < 2^31 for
+ * the codes, scales and biases of K and V). Then each tile costs one block
+ * id (the same for the warp's lanes) and the coalesced copies of contiguous
+ * rows, with 32-bit block-row products. (At 256 the per-tile test of the
+ * coalesced path measured faster; at 64 the scale pieces have their own
+ * copies.) */
+template <int D> __device__ __forceinline__ bool kvc_tcd_aligned(const kvc_args &a, int fo, long long t_lo) {
+  if (D != 128 || a.k.bsz % KVC_TCD_TOK != 0 || (t_lo + fo) % KVC_TCD_TOK != 0) return false;
+  const long long lim = 1ll << 31, n = a.k.bsz;
+  const long long st[6] = {a.k.ds[2], a.v.ds[2], a.k.ss[2], a.v.ss[2], a.k.bs[2], a.v.bs[2]};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) ok = ok && st[i] >= 0 && st[i] * n < lim;
+  return ok;
+}
 /* One group per row (D = 64 with group 64): a scale or bias row is 2
  * bytes, below cp.async's 4, so the entries of 8 tokens are copied as one
  * aligned 16-byte piece (the selector's kvc_one_group_rows: adjacent tokens
@@ -196,6 +217,7 @@ __device__ __forceinline__ kvc_tcd_loader kvc_tcd_loader_of(const kvc_args &a, i
   ld.st = adv * O.ss[2];
   ld.zt = adv * O.bs[2];
   ld.ptok = 0, ld.pdst = 0;
+  ld.al = ld.trow && kvc_tcd_aligned<D>(a, fo, t0);
   if constexpr (D / KVC_TC_GROUP == 1) {
     using Gm = kvc_tcd_geom<D>;
     const int x = lane / 3, p = lane % 3, so = kvc_tcd_so(a, b, hk, fo, t0);
@@ -226,8 +248,16 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
   bool coal = true;
   if constexpr (TBL) {
     const long long r0 = t0 + fo, c0 = kvc_table_col(r0, K.bsz, K.bsh);
-    coal = D >= KVC_TCD_COAL_MIN_D && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0;
-    if (coal) { /* the tile lies in one block: its rows are consecutive; the
+    if (ld.al) { /* the tile's rows: rb .. rb + 15 of block id (the lanes' common id) */
+      const unsigned outer = (unsigned)(id < 0 ? 0 : id >= K.nblk ? K.nblk - 1 : id);
+      const int rb = (int)(r0 - c0 * K.bsz);
+      kb = ld.hk + outer * (unsigned long long)K.ds[0] + rb * (int)K.ds[2];
+      vb = ld.hv + outer * (unsigned long long)V.ds[0] + rb * (int)V.ds[2];
+      sb = ld.hs + outer * (unsigned long long)ld.so0 + rb * (int)ld.so2;
+      zb = ld.hz + outer * (unsigned long long)ld.zo0 + rb * (int)ld.zo2;
+    }
+    coal = ld.al || (D >= KVC_TCD_COAL_MIN_D && whole && kvc_table_col(r0 + KVC_TCD_TOK - 1, K.bsz, K.bsh) == c0);
+    if (coal && !ld.al) { /* the tile lies in one block: its rows are consecutive; the
                  * head and lane parts of the addresses were added once (the
                  * loader), each array adds block and row offsets (64-bit
                  * products: 32-bit ones, pools permitting, measured 1.5 %
@@ -254,7 +284,7 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
         kvc_cp_async<Gm::SB>(so, sb, Gm::SB);
         kvc_cp_async<Gm::SB>(zo, zb, Gm::SB);
       }
-    } else { /* contiguous rows only (a partial block tile takes the pair pattern) */
+    } else { /* contiguous rows, or an aligned block tile (a partial unaligned one takes the pair pattern) */
 #pragma unroll
       for (int k = 0; k < KVC_TCD_TOK / RPI; ++k) {
         const int row = lane / CPR + k * RPI;
@@ -321,10 +351,11 @@ __device__ __forceinline__ void kvc_tcd_issue(const kvc_args &a, kvc_tcd_loader 
   }
 }
 
-/* The block id of token t0 + lane / 2 (0 when contiguous or past t_hi). */
+/* The block id of token t0 + lane / 2, or of t0 in every lane with aligned
+ * tiles (0 when contiguous or past t_hi). */
 __device__ __forceinline__ int kvc_tcd_id(const kvc_args &a, const kvc_tcd_loader &ld, int fo, long long t0,
                                           long long t_hi) {
-  const long long t = t0 + (threadIdx.x % KVC_WARP) / 2;
+  const long long t = t0 + (ld.al ? 0 : (threadIdx.x % KVC_WARP) / 2);
   return ld.trow && t < t_hi ? __ldg(ld.trow + kvc_table_col(t + fo, a.k.bsz, a.k.bsh)) : 0;
 }
 
@@ -575,21 +606,37 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
     }
 
     /* ---- softmax (log2 units), per slot row ---- */
-    const bool full = kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len);
+    /* one uniform branch each for the softcap and the per-key mask test
+     * (not one per element) */
     bool vis[R][4];
     float tmax[R];
+    if (capped)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[r][e] = cap2 * tanhf(sc[r][e] * cap2_inv);
+    if (kvc_keys_all_visible(a, t0, KVC_TCD_TOK, t_hi, len)) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) vis[r][e] = vok[r];
+    } else {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
+          bool v = vok[r] && t < t_hi;
+          if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, t, pos[r], segp[r], len);
+          vis[r][e] = v;
+        }
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       tmax[r] = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (capped) sc[r][e] = cap2 * tanhf(sc[r][e] * cap2_inv);
-        bool v = vok[r];
-        if (!full) {
-          const long long t = t0 + 8 * (e >> 1) + 2 * t4 + (e & 1);
-          v = v && t < t_hi;
-          if (v && kvc_causal_family(a)) v = kvc_causal_visible(a, b, t, pos[r], segp[r], len);
-        }
+        const bool v = vis[r][e];
         const float xl = v ? sc[r][e] : -INFINITY;
         vis[r][e] = v && xl != -INFINITY;
         sc[r][e] = xl;
@@ -783,7 +830,7 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
 }
 
 template <int D, int GPT, bool HI, bool TBL>
-__global__ void __launch_bounds__(KVC_TCD_THREADS, KVC_TCD_MINB) kvc_tcd_kernel(const kvc_args a) {
+__global__ void __launch_bounds__(KVC_TCD_THREADS, D == 128 && !HI ? 3 : KVC_TCD_MINB) kvc_tcd_kernel(const kvc_args a) {
   kvc_tcd_body<D, GPT, HI, TBL>(a);
 }
 
