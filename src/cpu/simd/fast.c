@@ -441,7 +441,7 @@ ALWAYS __m512 dpbf16_bcast(__m512 acc, __m512i a, const int32_t *w) {
  * vdpbf16ps latency). */
 ALWAYS void kbft_block(const int32_t *ct, int words, const float *qv, int64_t qstride, float scale, __mmask16 live,
                        float *S, int J) {
-  const int NA = J <= 4 ? 2 : 1;
+  const int NA = 2;
   __m512 acc[2][KBJ];
   for (int a = 0; a < NA; ++a)
     for (int j = 0; j < J; ++j) acc[a][j] = _mm512_setzero_ps();
