@@ -694,7 +694,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * 8 lanes (group 2c) of both, 2m+1 the high 8 (group 2c+1), so that every
  * vector is one group's and its weights are one broadcast u32 (the two
  * tokens' s16 weights); the int32 sums are exchanged back before they are
- * added to o. Weights wg[vector][group][pair] (u32) for a block of PJB
+ * added to o. Weights wg[vector][group][pair] (u32) for a block of PWJ
  * vectors at a time. */
 /* Query vectors per KV head from which the integer V phase runs: the vector
  * counts that take the L1 tile (> 4), where it measured faster than the f32
@@ -702,6 +702,8 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * direct path (registers) is as fast or faster. */
 #define PINT_MIN_VECTORS 5
 #define PJB 4              /* query vectors per register block */
+#define PWJ 8              /* query vectors per pint_weights call: 16 / ngroups (16 maxima per reduction),
+                              at least PJB */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
 
 /* acc += the s16 pair products of a and the u32 (two s16 weights) at w
@@ -801,7 +803,7 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 /* round to nearest even, no exceptions (an integer constant expression: clang
  * takes the rounding of _mm512_cvt_roundps_epi32 only as one) */
 #define PINT_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* The weights of J <= PJB vectors for the tile (P: vector j's 32 weights
+/* The weights of J <= PWJ vectors (J * ngroups <= 4 * LANES) for the tile (P: vector j's 32 weights
  * at P + j*KVA_TILE, zero past n): for vector j, wg[j][g][pair] s16 pairs,
  * sigma per group into sig[j][16], sum_t p b into ob's chunk lanes (at ob +
  * j*obn). The J*ngroups (vector, group) maxima M and bias sums are reduced
@@ -809,8 +811,8 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 static void pint_weights(const fmt_plan *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
                          float *sig, float *ob, int64_t obn) {
   const int ng = fp->ngroups, npair = J * ng;
-  float kk[PJB * LANES], bs[PJB * LANES + LANES], sgv[PJB * LANES];
-  __m512 mv[PJB * LANES], bv[PJB * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
+  float kk[4 * LANES], bs[4 * LANES + LANES], sgv[4 * LANES];
+  __m512 mv[4 * LANES], bv[4 * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
   int x = 0;
   for (int j = 0; j < J; ++j) {
     const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
@@ -927,17 +929,24 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
   const int bad = fp->bits == 4 ? (h ? pint_decode(fp, rows, n, 4, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 4, 0, ct, svt, bvt, pf))
                                 : (h ? pint_decode(fp, rows, n, 8, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 8, 0, ct, svt, bvt, pf));
   if (bad) return 0;
-  int32_t wg[PJB * LANES * LANES];
-  float sig[PJB * LANES];
-  for (int64_t j0 = 0; j0 < nq; j0 += PJB) {
-    const int J = nq - j0 < PJB ? (int)(nq - j0) : PJB;
-    pint_weights(fp, S + j0 * KVA_TILE, J, svt, bvt, wg, sig, ob + j0 * obn, obn);
-    for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
-      int j = 0;
-      float *oj = o + j0 * fp->P;
-      if (J == 4) { pint_block_4(fp, np, ct, wg, sig, oj, pos); continue; }
-      if (J - j >= 2) { pint_block_2(fp, np, ct, wg, sig, oj, pos); j += 2; }
-      if (J - j >= 1) pint_block_1(fp, np, ct, wg + j * LANES * LANES, sig + j * LANES, oj + (int64_t)j * fp->P, pos);
+  int32_t wg[PWJ * LANES * LANES];
+  float sig[PWJ * LANES];
+  /* weights for WJ vectors at a time: 16 (vector, group) maxima per reduction in pint_weights */
+  const int WJ = fp->ngroups >= LANES / PJB ? PJB : LANES / fp->ngroups < PWJ ? LANES / fp->ngroups : PWJ;
+  for (int64_t w0 = 0; w0 < nq; w0 += WJ) {
+    const int JW = nq - w0 < WJ ? (int)(nq - w0) : WJ;
+    pint_weights(fp, S + w0 * KVA_TILE, JW, svt, bvt, wg, sig, ob + w0 * obn, obn);
+    for (int jb = 0; jb < JW; jb += PJB) {
+      const int J = JW - jb < PJB ? JW - jb : PJB;
+      const int32_t *wj = wg + jb * LANES * LANES;
+      const float *sj = sig + jb * LANES;
+      float *oj = o + (w0 + jb) * fp->P;
+      for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
+        int j = 0;
+        if (J == 4) { pint_block_4(fp, np, ct, wj, sj, oj, pos); continue; }
+        if (J - j >= 2) { pint_block_2(fp, np, ct, wj, sj, oj, pos); j += 2; }
+        if (J - j >= 1) pint_block_1(fp, np, ct, wj + j * LANES * LANES, sj + j * LANES, oj + (int64_t)j * fp->P, pos);
+      }
     }
   }
   return 1;
