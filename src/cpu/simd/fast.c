@@ -25,7 +25,8 @@
  * Traffic: each K/V row of the item's range is read once for all nq vectors
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
- *   phase, tiles.h); K codes are decoded in registers per block of <= 8
+ *   phase, tiles.h; kphase_bft and vphase_bfp spread them over their
+ *   register blocks); K codes are decoded in registers per block of <= 8
  *   query vectors, or (kphase_tok: >= 5 vectors of 16-bit queries) once per
  *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
  *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
@@ -1438,7 +1439,9 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * K and 16-bit queries on integer dot products (q rounded to s8 per
  * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only), and
  * for quantized V with >= PINT_MIN_VECTORS vectors in the first row group P times the V
- * scale on s16 (vphase_pint). */
+ * scale on s16 (vphase_pint); for bf16 V with 16-bit queries and >= KBT_MIN_VECTORS
+ * vectors P on bf16 (vphase_bfp; bf16 K with bf16 queries: exact products on bf16
+ * pairs, kphase_bft, no item). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
   if (!f) return NULL;
