@@ -24,6 +24,7 @@ static double now(void) {
 static int D;
 static int make_cache(kva_kv *kv, int bits, int64_t N) {
   float *w = malloc(sizeof(float) * (size_t)(N * D));
+  if (!w) return -1;
   for (int64_t j = 0; j < N * D; ++j)
     w[j] = rnd();
   kva_tensor wt = kva_tensor_4d(w, KVA_F32, 1, 1, N, D);
@@ -35,10 +36,10 @@ static int make_cache(kva_kv *kv, int bits, int64_t N) {
     kv->data = kva_tensor_4d(malloc((size_t)(N * D * bits / 8)), KVA_U32, 1, 1, N, D * bits / 32);
     kv->scales = kva_tensor_4d(malloc((size_t)(N * D / 64 * 2)), KVA_BF16, 1, 1, N, D / 64);
     kv->biases = kva_tensor_4d(malloc((size_t)(N * D / 64 * 2)), KVA_BF16, 1, 1, N, D / 64);
-    rc = kva_quantize(&wt, kv);
+    rc = kv->data.data && kv->scales.data && kv->biases.data ? kva_quantize(&wt, kv) : -1;
   } else {
     kv->data = kva_tensor_4d(malloc((size_t)(N * D * 2)), KVA_BF16, 1, 1, N, D);
-    rc = kva_convert(&wt, &kv->data);
+    rc = kv->data.data ? kva_convert(&wt, &kv->data) : -1;
   }
   free(w);
   return rc ? -1 : 0;
