@@ -61,6 +61,7 @@ int main(int argc, char **argv) {
   }
   float *qf = malloc(sizeof(float) * (size_t)(H * L * D));
   void *qb = malloc((size_t)(H * L * D * 2)), *ob = malloc(sizeof(float) * (size_t)(H * L * D));
+  if (!qf || !qb || !ob) return 1;
   for (int j = 0; j < H * L * D; ++j)
     qf[j] = rnd();
   kva_tensor q32 = kva_tensor_4d(qf, KVA_F32, 1, H, L, D), q = kva_tensor_4d(qb, KVA_BF16, 1, H, L, D);
