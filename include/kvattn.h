@@ -376,7 +376,12 @@ int kva_hadamard_dim_supported(int64_t D);
  * weight within max|w| / 32767.5 of the tile's largest, the sum over the
  * tile exact integer work on the codes, the biases b_g * sum(p) in f32
  * (|out error| <= 2^-10 * |s_g| (2^bits - 1); tiles with a non-finite V
- * scale or bias stay f32; not modelled by the oracle). CUDA: bf16 queries over 4-bit or 8-bit K/V
+ * scale or bias stay f32; not modelled by the oracle); on AVX-512 BF16
+ * (without AMX), >= 5 query vectors per KV head: bf16 queries over bf16 K
+ * take q.k on bf16 pairs (products exact, f32 sums, denormals flushed to
+ * zero as in AMX tiles), and 16-bit queries over bf16 V round P to bf16
+ * for a bf16-pair P.V ("[P bf16]"; tiles with a NaN or Inf V value stay
+ * f32). CUDA: bf16 queries over 4-bit or 8-bit K/V
  * with bf16 scales and biases, and bf16 (f16) queries over bf16 (f16) K/V
  * with >= 3 query vectors per KV head (>= 2 at head dim 64, over block
  * tables at 128 and, on sm_90, at 256; at head dim 512 on sm_90 only), run

@@ -20,6 +20,11 @@ typedef struct fmt_plan {
                                      (kphase_tok) */
   int pint;                       /* 4-bit or 8-bit V, 16-bit queries, verify-sized groups (fast.c only): P.V on
                                      s16 weights and the codes (vphase_pint) */
+  int bft;                        /* bf16 K rows, bf16 queries, enough query vectors (fast.c only): q.k on
+                                     bf16 pairs with tokens in lanes (kphase_bft); qscale scales the dots */
+  float qscale;
+  int bfp;                        /* bf16 V rows, 16-bit queries, enough query vectors (fast.c only): P.V on
+                                     bf16 pairs of two tokens (vphase_bfp) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
   int fp8;                        /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)

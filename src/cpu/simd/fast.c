@@ -11,6 +11,11 @@
  *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
  *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
  *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]").
+ *   bf16 K with bf16 queries and >= 5 vectors: q.k on bf16 pairs by
+ *   vdpbf16ps (kphase_bft; products exact, f32 sums, denormals flushed),
+ *   the scale on the dot; bf16 V with 16-bit queries and >= 5 vectors
+ *   (not exact mode): P rounded to bf16, two tokens per vdpbf16ps
+ *   (vphase_bfp, "[P bf16]").
  * Layout: a quantized row is read 16 u32 words (one zmm) at a time; code k of
  *   word w lands in lane w of vector k, so q (and the V accumulator) live in
  *   that permuted order: position (chunk*E + k)*16 + lane <-> element
@@ -20,12 +25,15 @@
  * Traffic: each K/V row of the item's range is read once for all nq vectors
  *   (tiles run across paged blocks; the next tile's K rows are prefetched
  *   into L2 one per row of the K phase, its V rows one per row of the V
- *   phase, tiles.h); K codes are decoded in registers per block of <= 8
+ *   phase, tiles.h; kphase_bft and vphase_bfp spread them over their
+ *   register blocks); K codes are decoded in registers per block of <= 8
  *   query vectors, or (kphase_tok: >= 5 vectors of 16-bit queries) once per
  *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
  *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
  *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
- *   per u32 lane).
+ *   per u32 lane). kphase_bft: bf16 K rows transposed to tokens in lanes
+ *   per 16 tokens (L1, 64 D bytes); vphase_bfp: bf16 V rows as token pairs
+ *   per u32 lane once per tile (L1).
  *   Codes become floats exactly for f32 queries and in exact mode, by
  *   mantissa placement for other 16-bit queries (code_as_float). bf16
  *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
@@ -407,6 +415,92 @@ __attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const k
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+/* ---- bf16 K with bf16 queries on bf16 pairs (fp->bft) ----
+ * S_j[t] = scale * sum_w dot2(q_j word w, k_t word w), word w = the bf16
+ * pair of dims 2w, 2w+1 (one u32 of the row), by vdpbf16ps: each pair's two
+ * products are exact in f32 and added to the f32 lane one at a time (round
+ * to nearest even), bf16 denormal inputs and denormal results flushed to
+ * zero (as in the AMX tiles); no rounding of q or K (both are bf16). Tokens
+ * in lanes: per 16 tokens the rows' words are transposed (transpose16x16 per
+ * 16 words: D/32 x 64 shuffles) into ct[word][16 tokens] (L1, 64 D bytes),
+ * then per (query vector, 16 tokens) D/2 vdpbf16ps with the query's word
+ * broadcast, one mul by the scale. Query vector j at qv + j*P floats: its
+ * bf16 row as D/2 words. */
+#define KBT_MIN_VECTORS 5 /* kphase_bft from this many query vectors (fewer: kphase_float) */
+#define KBJ 8             /* query vectors per register block */
+
+/* acc += the bf16 pair products of a and the u32 (two bf16) at w broadcast
+ * (vdpbf16ps, memory operand {1to16}; asm as dpbusd_bcast). */
+ALWAYS __m512 dpbf16_bcast(__m512 acc, __m512i a, const int32_t *w) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
+}
+
+/* S[j][0..16) of J vectors against the 16 tokens of ct (live: the valid
+ * ones; others get 0). NA accumulator chains per vector (few vectors: the
+ * vdpbf16ps latency). */
+ALWAYS void kbft_block(const int32_t *ct, int words, const float *qv, int64_t qstride, float scale, __mmask16 live,
+                       float *S, int J) {
+  const int NA = 2;
+  __m512 acc[2][KBJ];
+  for (int a = 0; a < NA; ++a)
+    for (int j = 0; j < J; ++j) acc[a][j] = _mm512_setzero_ps();
+  for (int w = 0; w < words; w += NA) /* words: a multiple of 16 */
+    for (int a = 0; a < NA; ++a) {
+      const __m512i x = _mm512_load_si512(ct + (int64_t)(w + a) * LANES);
+      for (int j = 0; j < J; ++j) acc[a][j] = dpbf16_bcast(acc[a][j], x, (const int32_t *)(qv + j * qstride) + w + a);
+    }
+  for (int j = 0; j < J; ++j) {
+    const __m512 r = NA == 2 ? _mm512_add_ps(acc[0][j], acc[1][j]) : acc[0][j];
+    _mm512_storeu_ps(S + j * KVA_TILE, _mm512_maskz_mul_ps(live, r, _mm512_set1_ps(scale)));
+  }
+}
+#define KBFT_BLOCK(J_)                                                                                  \
+  static void kbft_block_##J_(const int32_t *ct, int words, const float *qv, int64_t qstride, float scale, \
+                              __mmask16 live, float *S) {                                               \
+    kbft_block(ct, words, qv, qstride, scale, live, S, J_);                                             \
+  }
+KBFT_BLOCK(8)
+KBFT_BLOCK(4)
+KBFT_BLOCK(2)
+KBFT_BLOCK(1)
+
+/* All nq vectors, 16 tokens at a time: transpose, then blocks of 8, 4, 2, 1
+ * vectors; rows t0 .. t0 + 15 of the next tile are prefetched spread over
+ * the blocks of 8 (at once, 8 lines a row at D = 256, they stall on the
+ * fill buffers: K 118 -> 91 ns per token-head spread, 32 vectors, one
+ * thread, N = 64k). */
+static void kphase_bft(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, int64_t nq, float *S,
+                       const kva_prefetch *pf) {
+  _Alignas(64) int32_t ct[KVA_MAX_HEAD_DIM / 2 * LANES];
+  const int words = fp->P / 2;
+  for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    const int nt = n - t0 < LANES ? (int)(n - t0) : LANES;
+    for (int c = 0; c < words / LANES; ++c) {
+      __m512i r[LANES];
+      for (int t = 0; t < LANES; ++t)
+        r[t] = t < nt ? _mm512_loadu_si512(rows[t0 + t].k + c * 64) : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int w = 0; w < LANES; ++w) _mm512_store_si512(ct + (int64_t)(c * LANES + w) * LANES, r[w]);
+    }
+    const __mmask16 live = (__mmask16)(nt == LANES ? 0xffff : (1u << nt) - 1u);
+    int64_t j = 0, r = t0; /* rows t0 .. t0 + 15 of the next tile prefetched, spread over the blocks */
+    const int64_t per = (LANES * 8 + nq - 1) / nq, r1 = pf && t0 + LANES < pf->n ? t0 + LANES : pf ? pf->n : 0;
+#define BARGS(J) ct, words, qp + (J) * fp->P, fp->P, fp->qscale, live, S + (J) * KVA_TILE + t0
+    for (; j + 8 <= nq; j += 8) {
+      for (int64_t e = r + per < r1 ? r + per : r1; r < e; ++r) prefetch_row(pf, r, KVA_ARR_K, KVA_ARR_V);
+      kbft_block_8(BARGS(j));
+    }
+    for (; r < r1; ++r) prefetch_row(pf, r, KVA_ARR_K, KVA_ARR_V);
+    if (j + 4 <= nq) { kbft_block_4(BARGS(j)); j += 4; }
+    if (j + 2 <= nq) { kbft_block_2(BARGS(j)); j += 2; }
+    if (j < nq) kbft_block_1(BARGS(j));
+#undef BARGS
+  }
+}
+#endif
+
 /* All nq vectors, in register blocks of 8, 4, 2, 1 (or kphase_tok_all); the
  * first block issues the prefetch. */
 static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp,
@@ -415,6 +509,12 @@ static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const fl
 #ifdef __AVX512VNNI__
   if (fp->tok) {
     kphase_tok_all(fp, rows, n, qp, nq, S, pf);
+    return;
+  }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  if (fp->bft) {
+    kphase_bft(fp, rows, n, qp, nq, S, pf);
     return;
   }
 #endif
@@ -595,7 +695,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * 8 lanes (group 2c) of both, 2m+1 the high 8 (group 2c+1), so that every
  * vector is one group's and its weights are one broadcast u32 (the two
  * tokens' s16 weights); the int32 sums are exchanged back before they are
- * added to o. Weights wg[vector][group][pair] (u32) for a block of PJB
+ * added to o. Weights wg[vector][group][pair] (u32) for a block of PWJ
  * vectors at a time. */
 /* Query vectors per KV head from which the integer V phase runs: the vector
  * counts that take the L1 tile (> 4), where it measured faster than the f32
@@ -603,6 +703,8 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * direct path (registers) is as fast or faster. */
 #define PINT_MIN_VECTORS 5
 #define PJB 4              /* query vectors per register block */
+#define PWJ 8              /* query vectors per pint_weights call: 16 / ngroups (16 maxima per reduction),
+                              at least PJB */
 #define PKB 4              /* code vectors (of 16 positions) per register block */
 
 /* acc += the s16 pair products of a and the u32 (two s16 weights) at w
@@ -702,7 +804,7 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 /* round to nearest even, no exceptions (an integer constant expression: clang
  * takes the rounding of _mm512_cvt_roundps_epi32 only as one) */
 #define PINT_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* The weights of J <= PJB vectors for the tile (P: vector j's 32 weights
+/* The weights of J <= PWJ vectors (J * ngroups <= 4 * LANES) for the tile (P: vector j's 32 weights
  * at P + j*KVA_TILE, zero past n): for vector j, wg[j][g][pair] s16 pairs,
  * sigma per group into sig[j][16], sum_t p b into ob's chunk lanes (at ob +
  * j*obn). The J*ngroups (vector, group) maxima M and bias sums are reduced
@@ -710,8 +812,8 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
 static void pint_weights(const fmt_plan *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
                          float *sig, float *ob, int64_t obn) {
   const int ng = fp->ngroups, npair = J * ng;
-  float kk[PJB * LANES], bs[PJB * LANES + LANES], sgv[PJB * LANES];
-  __m512 mv[PJB * LANES], bv[PJB * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
+  float kk[4 * LANES], bs[4 * LANES + LANES], sgv[4 * LANES];
+  __m512 mv[4 * LANES], bv[4 * LANES]; /* pair x = j*ng + g: max |p s| lanes, p b lanes */
   int x = 0;
   for (int j = 0; j < J; ++j) {
     const __m512 p0 = _mm512_loadu_ps(P + j * KVA_TILE), p1 = _mm512_loadu_ps(P + j * KVA_TILE + LANES);
@@ -828,19 +930,144 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
   const int bad = fp->bits == 4 ? (h ? pint_decode(fp, rows, n, 4, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 4, 0, ct, svt, bvt, pf))
                                 : (h ? pint_decode(fp, rows, n, 8, 1, ct, svt, bvt, pf) : pint_decode(fp, rows, n, 8, 0, ct, svt, bvt, pf));
   if (bad) return 0;
-  int32_t wg[PJB * LANES * LANES];
-  float sig[PJB * LANES];
-  for (int64_t j0 = 0; j0 < nq; j0 += PJB) {
-    const int J = nq - j0 < PJB ? (int)(nq - j0) : PJB;
-    pint_weights(fp, S + j0 * KVA_TILE, J, svt, bvt, wg, sig, ob + j0 * obn, obn);
-    for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
-      int j = 0;
-      float *oj = o + j0 * fp->P;
-      if (J == 4) { pint_block_4(fp, np, ct, wg, sig, oj, pos); continue; }
-      if (J - j >= 2) { pint_block_2(fp, np, ct, wg, sig, oj, pos); j += 2; }
-      if (J - j >= 1) pint_block_1(fp, np, ct, wg + j * LANES * LANES, sig + j * LANES, oj + (int64_t)j * fp->P, pos);
+  int32_t wg[PWJ * LANES * LANES];
+  float sig[PWJ * LANES];
+  /* weights for WJ vectors at a time: 16 (vector, group) maxima per reduction in pint_weights */
+  const int WJ = fp->ngroups >= LANES / PJB ? PJB : LANES / fp->ngroups < PWJ ? LANES / fp->ngroups : PWJ;
+  for (int64_t w0 = 0; w0 < nq; w0 += WJ) {
+    const int JW = nq - w0 < WJ ? (int)(nq - w0) : WJ;
+    pint_weights(fp, S + w0 * KVA_TILE, JW, svt, bvt, wg, sig, ob + w0 * obn, obn);
+    for (int jb = 0; jb < JW; jb += PJB) {
+      const int J = JW - jb < PJB ? JW - jb : PJB;
+      const int32_t *wj = wg + jb * LANES * LANES;
+      const float *sj = sig + jb * LANES;
+      float *oj = o + (w0 + jb) * fp->P;
+      for (int64_t pos = 0; pos < fp->P; pos += PKB * LANES) {
+        int j = 0;
+        if (J == 4) { pint_block_4(fp, np, ct, wj, sj, oj, pos); continue; }
+        if (J - j >= 2) { pint_block_2(fp, np, ct, wj, sj, oj, pos); j += 2; }
+        if (J - j >= 1) pint_block_1(fp, np, ct, wj + j * LANES * LANES, sj + j * LANES, oj + (int64_t)j * fp->P, pos);
+      }
     }
   }
+  return 1;
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+/* ---- V phase on bf16 pairs (fp->bfp: bf16 V rows, 16-bit queries, >= 5
+ * query vectors, not exact mode) ----
+ * o_j += sum_t p_jt v_t with p rounded to bf16 ("P bf16", round to nearest
+ * even, as the AMX kernel's P) and two tokens per vdpbf16ps: ct[pair
+ * i][pos] u32 = (v_2i[elem], v_2i+1[elem]) (token 2i low, a zero row past
+ * n), pos in the split order of o (float_pos), decoded once per tile into
+ * L1 for all nq vectors (two vpermt2w per 32 elements of a pair);
+ * wb[j][i] u32 = (p_j,2i, p_j,2i+1) in bf16 (one vcvtne2ps2bf16 per vector).
+ * The products are exact and summed into the f32 accumulators (o itself)
+ * one at a time (denormals flushed, as kphase_bft). The vector's l stays
+ * the f32 sum of the unrounded p (tile_softmax). A tile with a NaN or Inf in
+ * its V rows takes the f32 path (masked: keys with P == 0 add exactly
+ * nothing). Per (vector, pair, 16 positions): one vdpbf16ps; per tile and
+ * (vector, 16 positions): one load and one store of o. */
+#define BPJ 4 /* query vectors per register block */
+#define BPK 4 /* accumulator vectors (16 positions) per query per register block */
+
+/* vpermt2w indices: u32 lane l = (element 2l + par of x0, the same of x1). */
+#define BPW(l, par) ((2 * (l) + (par)) | (32 + 2 * (l) + (par)) << 16)
+static const int32_t bfp_iw[2][LANES] = {
+    {BPW(0, 0), BPW(1, 0), BPW(2, 0), BPW(3, 0), BPW(4, 0), BPW(5, 0), BPW(6, 0), BPW(7, 0), BPW(8, 0), BPW(9, 0),
+     BPW(10, 0), BPW(11, 0), BPW(12, 0), BPW(13, 0), BPW(14, 0), BPW(15, 0)},
+    {BPW(0, 1), BPW(1, 1), BPW(2, 1), BPW(3, 1), BPW(4, 1), BPW(5, 1), BPW(6, 1), BPW(7, 1), BPW(8, 1), BPW(9, 1),
+     BPW(10, 1), BPW(11, 1), BPW(12, 1), BPW(13, 1), BPW(14, 1), BPW(15, 1)}};
+#undef BPW
+
+/* o[j][pos0 .. pos0 + 16 KB) += sum_pairs wb[j][i] . ct[i] for J vectors. */
+ALWAYS void bfp_block(int64_t np, int64_t P, const int32_t *ct, const int32_t *wb, float *o, int64_t pos0, int J,
+                      int KB) {
+  __m512 acc[BPJ][BPK];
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm512_loadu_ps(o + j * P + pos0 + kb * LANES);
+  for (int64_t i = 0; i < np; ++i)
+    for (int kb = 0; kb < KB; ++kb) {
+      const __m512i x = _mm512_loadu_si512(ct + i * P + pos0 + kb * LANES);
+      for (int j = 0; j < J; ++j) acc[j][kb] = dpbf16_bcast(acc[j][kb], x, wb + j * LANES + i);
+    }
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) _mm512_storeu_ps(o + j * P + pos0 + kb * LANES, acc[j][kb]);
+}
+#define BFP_BLOCK(J_, KB_)                                                                                 \
+  static void bfp_block_##J_##_##KB_(int64_t np, int64_t P, const int32_t *ct, const int32_t *wb, float *o, \
+                                     int64_t pos0) {                                                        \
+    bfp_block(np, P, ct, wb, o, pos0, J_, KB_);                                                             \
+  }
+BFP_BLOCK(4, 4)
+BFP_BLOCK(2, 4)
+BFP_BLOCK(1, 4)
+BFP_BLOCK(4, 2)
+BFP_BLOCK(2, 2)
+BFP_BLOCK(1, 2)
+
+/* Returns 0 without touching o when a V value of the tile is NaN or Inf.
+ * Scratch: ct (n/2 rows of P u32) in vt. The next tile's V rows are
+ * prefetched spread over the register blocks (as kphase_bft; with the
+ * pairing instead, 32 rows of 8 lines at once: V 113 -> 97 ns spread). */
+static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *o,
+                      int64_t nq, const kva_prefetch *pf) {
+  int32_t *ct = (int32_t *)vt;
+  const int64_t np = (n + 1) / 2, P = fp->P;
+  const __m512i i0 = _mm512_loadu_si512(bfp_iw[0]), i1 = _mm512_loadu_si512(bfp_iw[1]);
+  const __m512i ex = _mm512_set1_epi16(0x7F80); /* bf16 exponent bits: all set for NaN and Inf */
+  __mmask32 bad = 0;
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    int32_t *dst = ct + (t / 2) * P;
+    for (int64_t d = 0; d < P; d += 2 * LANES) {
+      const __m512i x0 = _mm512_loadu_si512(rows[t].v + 2 * d);
+      const __m512i x1 = two ? _mm512_loadu_si512(rows[t + 1].v + 2 * d) : _mm512_setzero_si512();
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x0, ex), ex) | _mm512_cmpeq_epi16_mask(_mm512_and_si512(x1, ex), ex);
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x0, i0, x1));
+      _mm512_storeu_si512(dst + d + LANES, _mm512_permutex2var_epi16(x0, i1, x1));
+    }
+  }
+  if (bad) return 0;
+  _Alignas(64) int32_t wb[BPJ * LANES];
+  /* the next tile's V rows prefetched, spread over the register blocks */
+  const int64_t nblk = (nq + BPJ - 1) / BPJ * ((P + BPK * LANES - 1) / (BPK * LANES)), pn = pf ? pf->n : 0;
+  const int64_t per = (pn + nblk - 1) / (nblk ? nblk : 1);
+  int64_t r = 0;
+#define BFP_PF() for (int64_t e = r + per < pn ? r + per : pn; r < e; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS)
+  for (int64_t j0 = 0; j0 < nq; j0 += BPJ) {
+    const int J = nq - j0 < BPJ ? (int)(nq - j0) : BPJ;
+    for (int j = 0; j < J; ++j) { /* P is 0 past n (tile_softmax) */
+      const float *Pj = S + (j0 + j) * KVA_TILE;
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(Pj + LANES), _mm512_loadu_ps(Pj));
+      _mm512_store_si512(wb + j * LANES, (__m512i)w);
+    }
+    float *oj = o + j0 * P;
+    int64_t pos = 0;
+    for (; pos + BPK * LANES <= P; pos += BPK * LANES) {
+      BFP_PF();
+      if (J == 4) bfp_block_4_4(np, P, ct, wb, oj, pos);
+      else if (J == 2) bfp_block_2_4(np, P, ct, wb, oj, pos);
+      else if (J == 1) bfp_block_1_4(np, P, ct, wb, oj, pos);
+      else {
+        bfp_block_2_4(np, P, ct, wb, oj, pos);
+        bfp_block_1_4(np, P, ct, wb + 2 * LANES, oj + 2 * P, pos);
+      }
+    }
+    if (pos < P) { /* the last 32 positions (P: a multiple of 32) */
+      BFP_PF();
+      if (J == 4) bfp_block_4_2(np, P, ct, wb, oj, pos);
+      else if (J == 2) bfp_block_2_2(np, P, ct, wb, oj, pos);
+      else if (J == 1) bfp_block_1_2(np, P, ct, wb, oj, pos);
+      else {
+        bfp_block_2_2(np, P, ct, wb, oj, pos);
+        bfp_block_1_2(np, P, ct, wb + 2 * LANES, oj + 2 * P, pos);
+      }
+    }
+  }
+  for (; r < pn; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS);
+#undef BFP_PF
   return 1;
 }
 #endif
@@ -985,6 +1212,9 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
 #ifdef __AVX512VNNI__
   if (fp->pint && vphase_pint(fp, rows, n, S, vt, svt, bvt, o, ob, nq, pf)) return;
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  if (fp->bfp && vphase_bfp(fp, rows, n, S, vt, o, nq, pf)) return;
+#endif
   const int nonfinite = decode_v_tile(fp, rows, n, vt, svt, bvt, pf);
   vphase(fp, n, S, vt, svt, bvt, o, ob, nq, nonfinite);
 }
@@ -1089,6 +1319,20 @@ static void query_int8_tok(const fmt_plan *fp, int64_t D, const float *q, float 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+/* Whether an item of nq vectors takes kphase_bft: bf16 K rows (D a multiple
+ * of 32), bf16 queries, not exact mode. */
+static int bft_kind(const kva_rowfmt *kf, const kva_problem *p, int64_t nq) {
+  return !kf->bits && kf->dtype == KVA_BF16 && kf->D % 32 == 0 && p->q->dtype == KVA_BF16 && !p->exact &&
+         nq >= KBT_MIN_VECTORS;
+}
+/* Whether it takes vphase_bfp: bf16 V rows (D a multiple of 32), 16-bit
+ * queries, not exact mode (q16). */
+static int bfp_kind(const kva_rowfmt *vf, int q16, int64_t nq) {
+  return !vf->bits && vf->dtype == KVA_BF16 && vf->D % 32 == 0 && q16 && nq >= KBT_MIN_VECTORS;
+}
+#endif
+
 /* Scratch (floats, 64-byte aligned pieces): qp[nq][Pk], qs[nq][nchk*16],
  * o[nq][Pv], ob[nq][nchv*16], m/l[nq], S[nq][T], vt[T][Pv], svt/bvt[T][nchv*16]. */
 static void attend_fast(const kva_item *it) {
@@ -1113,11 +1357,27 @@ static void attend_fast(const kva_item *it) {
   vf.pint = pint_kind(&src->vf, !vf.exact, nq); /* vphase_pint (vf.exact: f32 queries or exact mode) */
   kf.tok = kf.vnni && nq >= KTOK_MIN_VECTORS;
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  kf.bft = bft_kind(&src->kf, p, nq);
+  kf.qscale = p->scale;
+  vf.bfp = bfp_kind(&src->vf, !vf.exact, nq);
+#endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
     m[j] = -INFINITY;
     l[j] = 0.0f;
     load_row_f32(kva_at4(p->q, it->b, h, i, 0), p->q->dtype, p->Dk, qrow);
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+    if (kf.bft) { /* the bf16 row as loaded (qrow holds its exact f32 values) */
+      uint16_t *qb = (uint16_t *)(qp + j * kf.P);
+      for (int64_t d = 0; d < p->Dk; ++d) {
+        uint32_t u;
+        memcpy(&u, &qrow[d], 4);
+        qb[d] = (uint16_t)(u >> 16);
+      }
+      continue;
+    }
+#endif
 #ifdef __AVX512VNNI__
     if (kf.tok) {
       query_int8_tok(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
@@ -1179,7 +1439,9 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * K and 16-bit queries on integer dot products (q rounded to s8 per
  * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only), and
  * for quantized V with >= PINT_MIN_VECTORS vectors in the first row group P times the V
- * scale on s16 (vphase_pint). */
+ * scale on s16 (vphase_pint); for bf16 V with 16-bit queries and >= KBT_MIN_VECTORS
+ * vectors P on bf16 (vphase_bfp; bf16 K with bf16 queries: exact products on bf16
+ * pairs, kphase_bft, no item). */
 const char *KFN(fast_name)(const kva_problem *p) {
   const kva_item_fn f = KFN(select_fast)(p);
   if (!f) return NULL;
@@ -1190,6 +1452,9 @@ const char *KFN(fast_name)(const kva_problem *p) {
     const int64_t nq = p->rep * (p->L < KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS); /* the first row group's */
     const int q16 = p->q->dtype != KVA_F32 && !p->exact;
     const int pint = pint_kind(&vr, q16, nq) != 0;
+#ifdef __AVX512BF16__
+    if (bfp_kind(&vr, q16, nq)) return q16 && kr.bits ? "fused kernel [q int8, P bf16]" : "fused kernel [P bf16]";
+#endif
     if (q16 && kr.bits) return pint ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
     if (pint) return "fused kernel [P int16]";
 #endif
