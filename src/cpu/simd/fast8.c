@@ -11,10 +11,15 @@
  *   q_g·c_g an exact integer dot product (kphase_i8: vpmaddubsw / vpmaddwd,
  *   "[q int8]"); otherwise (exact mode, 2-bit K, the portable level) the
  *   codes converted to f32 exactly (shift, and, convert) times f32 q.
- *   Quantized V: for <= 4 vectors, O += (P*s_g)*c per element with the
- *   codes decoded in registers and sum_t P*b_g kept per group (vweights8);
- *   for more vectors the tile's rows are dequantized once into L1 as
- *   s*c + b and every vector reads them from there.
+ *   Quantized V at the avx2 level with 16-bit queries outside exact mode,
+ *   4-bit codes in groups of >= 64 or 8-bit in groups of >= 32: P*s_g
+ *   rounded to s16 per (vector, tile, group) and summed over the tile's
+ *   codes by vpmaddwd on token pairs of 16-bit codes (vphase_int, "[P
+ *   int16]"), sum_t P*b_g in f32. Otherwise, for <= 4 vectors, O +=
+ *   (P*s_g)*c per element with the codes decoded in registers and sum_t
+ *   P*b_g kept per group (vweights8); for more vectors the tile's rows are
+ *   dequantized once into L1 as s*c + b and every vector reads them from
+ *   there.
  * Layout: a quantized row is read 8 u32 words (one v8i, a "chunk") at a
  *   time; code k of word w lands in lane w of vector k: position
  *   (chunk*E + k)*8 + w <-> element (chunk*8 + w)*E + k (E = 32/bits codes
@@ -50,6 +55,7 @@ typedef struct fmt8 {
   int fp8;                         /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)
                                       on its scores (K) and on P (V) */
   int iq;                          /* K: the integer K phase (kphase_int8) runs */
+  int iv;                          /* V: the integer V phase (vphase_int) runs */
   int halves;                      /* two groups per chunk (4-bit codes in groups of 32) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
@@ -843,6 +849,199 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
   vtile8(fp, n, S, vt, o, nq, nonfinite);
 }
 
+#if defined(__AVX2__)
+/* ---- V phase on 16-bit integers (avx2; never in exact mode) ----
+ * Quantized V with every chunk of 8 words in one group (4-bit codes in
+ * groups of >= 64, 8-bit in groups of >= 32): per element of group g,
+ *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
+ * with w = p * s rounded to s16 per (vector j, tile, group g) ("P int16",
+ * the rounding of the AVX-512 level's vphase_pint): with M = max_t |w_jtg|
+ * over the tile's tokens, sigma = 2^-k, k = 14 - floor(log2 M) (one less
+ * where M 2^k would round to 2^15), w' = rint(w / sigma) (|w'| <= 32767),
+ * the scaling exact (powers of two), so |w' sigma - w| <= M / 32767.5. A
+ * group whose M is 0 adds nothing, one whose M is below 2^-135 (sigma below
+ * f32's range) is lost; a NaN weight (NaN logits) gives garbage codes, but
+ * its NaN reaches the bias sum and the vector's l, so the output is NaN as
+ * in the f32 path. The bias sums sum_t p b stay f32 (ob, as the f32 path).
+ * Codes of two tokens sit in the s16 halves of each u32 lane (token 2i low,
+ * 2i + 1 high), decoded once per tile into L1 (ct[pair][P], o's permuted
+ * order: 16 KiB at P = 256); vpmaddwd with the u32 of the two tokens' s16
+ * weights broadcast adds w'_2i c_2i + w'_2i+1 c_2i+1 into int32 lanes, at
+ * most 16 pairs of 2 * 32767 * 255 < 2^28 per tile (no overflow); the
+ * int32 sums times sigma go to o in f32 once per tile. Tiles whose V rows
+ * hold a non-finite scale or bias take the f32 path (vphase8). Per token
+ * pair and chunk: two loads, a shift and a blend per 16-bit half (the two
+ * tokens' low or high halves of each word), a shift and an and per code
+ * vector, its store; per vector and code vector one vpmaddwd and one
+ * vpaddd (16 products), the weight one broadcast per block. */
+#define IVB 4 /* query vectors per weight block */
+
+static int iv_format_ok(const fmt8 *fp) { return (fp->bits == 4 || fp->bits == 8) && fp->one_group; }
+
+/* x * 2^k, exactly, for |x| 2^k below 2^15 and k in [-126, 190]. */
+ALWAYS __m256 iv_scale(__m256 x, int k) {
+  if (k > 127) {
+    x = _mm256_mul_ps(x, _mm256_set1_ps(0x1p64f));
+    k -= 64;
+  }
+  return _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((k + 127) << 23)));
+}
+
+/* The tile's V group scales and biases (vgs/vgb[t][GLD]) transposed into
+ * st/bt[g][KVA_TILE], zero past n. Returns whether any is NaN or Inf. */
+static int iv_groups(const fmt8 *fp, const float *gs, const float *gb, int64_t n, float *st, float *bt) {
+  const v8i expo = v8i_set1(0x7f800000);
+  v8i bad = v8i_zero();
+  for (int g = 0; g < fp->ngroups; ++g)
+    for (int64_t t0 = 0; t0 < KVA_TILE; t0 += L8) {
+      float s[L8], b[L8];
+      for (int64_t u = 0; u < L8; ++u) {
+        s[u] = t0 + u < n ? gs[(t0 + u) * GLD + g] : 0.0f;
+        b[u] = t0 + u < n ? gb[(t0 + u) * GLD + g] : 0.0f;
+      }
+      const v8f sv = v8f_load(s), bv = v8f_load(b);
+      bad = v8i_or(bad, v8i_or(NONFINITE(sv), NONFINITE(bv)));
+      v8f_store(st + g * KVA_TILE + t0, sv);
+      v8f_store(bt + g * KVA_TILE + t0, bv);
+    }
+  return v8i_any(bad);
+}
+
+/* Code vectors of a token pair (chunks x0 of token 2i, x1 of 2i + 1): code
+ * k of each word of x0 in the low s16 of its lane, of x1 in the high one,
+ * into dst[k][8]. */
+ALWAYS void iv_codes(__m256i x0, __m256i x1, int bits, int32_t *dst) {
+  const int C = 16 / bits; /* codes per 16-bit half */
+  const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  const __m256i lo = _mm256_blend_epi16(x0, _mm256_slli_epi32(x1, 16), 0xAA);
+  const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
+  for (int k = 0; k < 2 * C; ++k) {
+    const __m256i y = k < C ? lo : hi;
+    const int s = (k % C) * bits;
+    _mm256_storeu_si256((__m256i *)(dst + k * L8), _mm256_and_si256(s ? _mm256_srli_epi32(y, s) : y, m));
+  }
+}
+ALWAYS void iv_decode(const fmt8 *fp, const kva_rows *rows, int64_t n, int bits, int32_t *ct,
+                      const kva_prefetch *pf) {
+  const int E = 32 / bits;
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (pf && two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+    int32_t *dst = ct + (t / 2) * fp->P;
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m256i x0 = v8i_load(rows[t].v + c * 32);
+      const __m256i x1 = two ? v8i_load(rows[t + 1].v + c * 32) : _mm256_setzero_si256();
+      iv_codes(x0, x1, bits, dst + (int64_t)c * E * L8);
+    }
+  }
+}
+
+/* The weights of J <= IVB vectors for the tile (P: vector j's 32 weights
+ * at P + j*KVA_TILE, zero past n): wg[j][g][pair] (two s16 weights per
+ * u32), sigma into sig[j][g], sum_t p b added to ob[j][g] (MAXG apart). */
+static void iv_weights(const fmt8 *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
+                       float *sig, float *ob) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int j = 0; j < J; ++j) {
+    __m256 p[4];
+    for (int u = 0; u < 4; ++u) p[u] = _mm256_loadu_ps(P + j * KVA_TILE + u * L8);
+    for (int g = 0; g < fp->ngroups; ++g) {
+      const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
+      __m256 w[4], mx = _mm256_setzero_ps(), bs = _mm256_setzero_ps();
+      for (int u = 0; u < 4; ++u) {
+        w[u] = _mm256_mul_ps(p[u], _mm256_loadu_ps(sg + u * L8));
+        mx = _mm256_max_ps(mx, _mm256_and_ps(w[u], absm));
+        bs = _mm256_fmadd_ps(p[u], _mm256_loadu_ps(bg + u * L8), bs);
+      }
+      ob[j * MAXG + g] += v8f_hsum(bs);
+      const float M = v8f_hmax(mx);
+      int32_t *wj = wg + (j * MAXG + g) * (KVA_TILE / 2);
+      if (!(M > 0.0f) || !isfinite(M)) { /* nothing to add, or NaN weights (ob is NaN) */
+        sig[j * MAXG + g] = 0.0f;
+        memset(wj, 0, sizeof(int32_t) * KVA_TILE / 2);
+        continue;
+      }
+      uint32_t u;
+      memcpy(&u, &M, 4);
+      const int fl = (u >> 23) ? (int)(u >> 23) - 127 : 31 - __builtin_clz(u) - 149; /* floor(log2 M) */
+      int k = 14 - fl;
+      if (_mm256_cvtss_f32(iv_scale(_mm256_set1_ps(M), k)) >= 32767.5f) --k;
+      sig[j * MAXG + g] = -k >= -126 ? (float)_mm256_cvtss_f32(iv_scale(_mm256_set1_ps(1.0f), -k)) : ldexpf(1.0f, -k);
+      __m256i c[4];
+      for (int v = 0; v < 4; ++v) c[v] = _mm256_cvtps_epi32(iv_scale(w[v], k)); /* nearest even */
+      /* packs interleaves 128-bit halves: 64-bit elements back to token order */
+      _mm256_storeu_si256((__m256i *)wj, _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+      _mm256_storeu_si256((__m256i *)(wj + L8), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+    }
+  }
+}
+
+/* o[j][pos0 .. pos0 + 8 KB) += sigma_jg * sum_pairs w'_jg . codes for J
+ * vectors over np token pairs (the block's KB code vectors in one chunk,
+ * so one group g). */
+ALWAYS void iv_block(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, float *o,
+                     int64_t pos0, int J, int KB) {
+  const int g = fp->g0[pos0 / (L8 * fp->E)];
+  __m256i acc[IVB][4];
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < np; ++i) {
+    __m256i w[IVB];
+    for (int j = 0; j < J; ++j) w[j] = _mm256_set1_epi32(wg[(j * MAXG + g) * (KVA_TILE / 2) + i]);
+    for (int kb = 0; kb < KB; ++kb) {
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(ct + i * fp->P + pos0 + kb * L8));
+      for (int j = 0; j < J; ++j) acc[j][kb] = _mm256_add_epi32(acc[j][kb], _mm256_madd_epi16(x, w[j]));
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    float *oj = o + (int64_t)j * fp->P + pos0;
+    const __m256 sv = _mm256_set1_ps(sig[j * MAXG + g]);
+    for (int kb = 0; kb < KB; ++kb)
+      _mm256_storeu_ps(oj + kb * L8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][kb]), sv, _mm256_loadu_ps(oj + kb * L8)));
+  }
+}
+#define IV_BLOCK(J_, KB_)                                                                                      \
+  static void iv_block_##J_(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, \
+                            float *o, int64_t pos0) {                                                          \
+    iv_block(fp, np, ct, wg, sig, o, pos0, J_, KB_);                                                           \
+  }
+IV_BLOCK(4, 2)
+IV_BLOCK(2, 4)
+IV_BLOCK(1, 4)
+
+/* The integer V phase for one tile; 0 without touching o or ob when a scale
+ * or bias of the tile is not finite (the caller then takes the f32 path).
+ * Scratch: ct (n/2 rows of P u32) in vt, st/bt [MAXG][T], wg/sig in ws. */
+static int vphase_int(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *S, const float *gs,
+                      const float *gb, float *vt, float *st, float *bt, float *ws, float *o, float *ob, int64_t nq,
+                      const kva_prefetch *pf) {
+  if (iv_groups(fp, gs, gb, n, st, bt)) return 0;
+  int32_t *ct = (int32_t *)vt, *wg = (int32_t *)ws;
+  float *sig = ws + IVB * MAXG * (KVA_TILE / 2);
+  if (fp->bits == 4) iv_decode(fp, rows, n, 4, ct, pf);
+  else iv_decode(fp, rows, n, 8, ct, pf);
+  const int64_t np = (n + 1) / 2;
+  for (int64_t j0 = 0; j0 < nq; j0 += IVB) {
+    const int J = nq - j0 < IVB ? (int)(nq - j0) : IVB;
+    iv_weights(fp, S + j0 * KVA_TILE, J, st, bt, wg, sig, ob + j0 * MAXG);
+    float *oj = o + j0 * fp->P;
+    int j = 0;
+    if (J == 4) {
+      for (int64_t pos = 0; pos < fp->P; pos += 2 * L8) iv_block_4(fp, np, ct, wg, sig, oj, pos);
+      continue;
+    }
+    for (; j + 2 <= J; j += 2)
+      for (int64_t pos = 0; pos < fp->P; pos += 4 * L8)
+        iv_block_2(fp, np, ct, wg + j * MAXG * (KVA_TILE / 2), sig + j * MAXG, oj + j * fp->P, pos);
+    for (; j < J; ++j)
+      for (int64_t pos = 0; pos < fp->P; pos += 4 * L8)
+        iv_block_1(fp, np, ct, wg + j * MAXG * (KVA_TILE / 2), sig + j * MAXG, oj + j * fp->P, pos);
+  }
+  return 1;
+}
+#endif
+
 /* ---- online softmax over a tile ---- */
 /* exp(x) for x <= 88 (NaN -> NaN, -inf -> 0, below -87 -> 0): 2^n * p(f). */
 ALWAYS v8f exp8(v8f x) {
@@ -908,7 +1107,8 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
 /* Scratch (floats): qp[nq][Pk], qs[nq][nchk*8] (the integer K phase: the
  * query bytes in qp, sg/beta in qs), o[nq][Pv], ob[nq][MAXG] (V's group bias
  * sums), m/l[nq], S[nq][T], vt[T][Pv], kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD]
- * (vweights8), kst/kbt[MAXG][T] (avx2). vt: T rows of VT_LD. */
+ * (vweights8; vphase_int's weights), kst/kbt/vst/vbt[MAXG][T] (avx2). vt: T
+ * rows of VT_LD (vphase_int: its token-pair codes). */
 static void attend_fast8(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -922,8 +1122,10 @@ static void attend_fast8(const kva_item *it) {
   float *kgs = vt + KVA_TILE * VT_LD(&vf), *kgb = kgs + KVA_TILE * GLD, *vgs = kgb + KVA_TILE * GLD,
         *vgb = vgs + KVA_TILE * GLD, *ws = vgb + KVA_TILE * GLD;
 #if defined(__AVX2__)
-  float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE;
+  float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE, *vst = kbt + MAXG * KVA_TILE,
+        *vbt = vst + MAXG * KVA_TILE;
   kf.iq = !p->exact && iq_format_ok(&kf);
+  vf.iv = !p->exact && p->q->dtype != KVA_F32 && iv_format_ok(&vf); /* 16-bit queries */
 #endif
   float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
@@ -967,6 +1169,9 @@ static void attend_fast8(const kva_item *it) {
     simd_mask_tile(it, seg, S, nq, tf, n);
     if (!tile_softmax8(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
     if (vf.bits) tile_groups(&vf, rows, n, KVA_ARR_VS, KVA_ARR_VB, vgs, vgb);
+#if defined(__AVX2__)
+    if (vf.iv && vphase_int(&vf, rows, n, S, vgs, vgb, vt, vst, vbt, ws, o, ob, nq, &tl.pf)) continue;
+#endif
     vphase8(&vf, rows, n, S, vgs, vgb, vt, ws, o, ob, nq, &tl.pf);
   }
   /* Back to element order, bias lanes added: the kva_softmax_state layout. */
@@ -993,16 +1198,21 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
 /* The name with its roundings in brackets (kvattn.h, kva_attention_kernel):
  * at the avx2 level, quantized K that the integer K phase takes (4-bit,
  * 8-bit) rounds the query to s8 per (vector, group) ("[q int8]", the
- * rounding kva_ref_rounding models); everything else, and exact mode,
- * multiplies in f32. */
+ * rounding kva_ref_rounding models); quantized V that the integer V phase
+ * takes (16-bit queries) rounds P times the group scale to s16 per
+ * (vector, tile, group) ("P int16", the tests' ATT_ATOL_PINT16);
+ * everything else, and exact mode, multiplies in f32. */
 const char *KFN(fast_name)(const kva_problem *p) {
   if (!KFN(select_fast)(p)) return NULL;
 #if defined(__AVX2__)
   kva_rowfmt kr, vr;
   simd_rowfmts(p, &kr, &vr);
-  fmt8 kf;
+  fmt8 kf, vf;
   plan8(&kr, &kf);
-  if (!p->exact && iq_format_ok(&kf)) return "fused kernel [q int8]";
+  plan8(&vr, &vf);
+  const int iq = !p->exact && iq_format_ok(&kf), iv = !p->exact && p->q->dtype != KVA_F32 && iv_format_ok(&vf);
+  if (iq) return iv ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
+  if (iv) return "fused kernel [P int16]";
 #endif
   return "fused kernel [exact f32]";
 }
