@@ -1010,6 +1010,92 @@ IV_BLOCK(4, 2)
 IV_BLOCK(2, 4)
 IV_BLOCK(1, 4)
 
+/* Direct form for J <= 2 vectors (decode): the token pairs' code vectors
+ * built in registers and consumed at once, no L1 round trip; passes of 4
+ * code vectors per chunk (4-bit: the two tokens' low 16-bit halves, then
+ * the high ones; 8-bit: both), 4 J int32 accumulators, flushed to o times
+ * sigma per pass. The first pass prefetches the next tile's V rows. */
+/* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
+ * into a new register and copies it back, one move per accumulator). */
+ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
+  const __m256i t = _mm256_madd_epi16(a, b);
+  __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
+  return acc;
+}
+/* Row r of the prefetch tile's V arrays (data, scales, biases) into L2, as
+ * prefetch_row with the arrays unrolled: the data row's lines, and each
+ * group row's line unless row r - 1 ended in it. */
+ALWAYS void iv_prefetch_v(const kva_prefetch *pf, int64_t r) {
+  const uintptr_t p = (uintptr_t)pf->rows[r].v, end = p + (uintptr_t)pf->bytes[KVA_ARR_V];
+  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
+  const int64_t gb = pf->bytes[KVA_ARR_VS];
+  for (int a = KVA_ARR_VS; a <= KVA_ARR_VB; ++a) {
+    const uintptr_t q = (uintptr_t)pf->rows[r].a[a];
+    if (r == 0 || ((q ^ ((uintptr_t)pf->rows[r - 1].a[a] + (uintptr_t)gb - 1)) & ~(uintptr_t)63))
+      __builtin_prefetch((const char *)q, 0, 2);
+  }
+}
+ALWAYS void iv_pair(__m256i x0, __m256i x1, const int32_t *wp, int h, int J, int bits, __m256i (*acc)[4]) {
+  const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  __m256i w[2];
+  for (int j = 0; j < J; ++j) w[j] = _mm256_set1_epi32(wp[j * MAXG * (KVA_TILE / 2)]);
+  for (int k = 0; k < 4; ++k) {
+    __m256i y; /* the 16-bit halves that hold code vector k */
+    if (bits == 4 ? h == 0 : k < 2) y = _mm256_blend_epi16(x0, _mm256_slli_epi32(x1, 16), 0xAA);
+    else y = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
+    const int sh = bits == 4 ? 4 * k : 8 * (k & 1);
+    const __m256i v = _mm256_and_si256(sh ? _mm256_srli_epi32(y, sh) : y, m);
+    for (int j = 0; j < J; ++j) acc[j][k] = iv_madd_acc(acc[j][k], v, w[j]);
+  }
+}
+/* One pass: chunk c, half h (a constant), over the tile's token pairs; PF:
+ * this pass prefetches the next tile's V rows (pf). */
+ALWAYS void iv_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig, float *o,
+                    int c, int h, int J, int bits, const kva_prefetch *pf, int PF) {
+  const int E = 32 / bits, g = fp->g0[c];
+  const int32_t *wc = wg + g * (KVA_TILE / 2);
+  __m256i acc[2][4];
+  for (int j = 0; j < J; ++j)
+    for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_si256();
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) {
+    if (PF && t < pf->n) {
+      iv_prefetch_v(pf, t);
+      if (t + 1 < pf->n) iv_prefetch_v(pf, t + 1);
+    }
+    iv_pair(v8i_load(rows[t].v + c * 32), v8i_load(rows[t + 1].v + c * 32), wc + t / 2, h, J, bits, acc);
+  }
+  if (t < n) { /* odd n: the last token alone (its pair's weight 0) */
+    if (PF && t < pf->n) iv_prefetch_v(pf, t);
+    iv_pair(v8i_load(rows[t].v + c * 32), _mm256_setzero_si256(), wc + t / 2, h, J, bits, acc);
+  }
+  for (int j = 0; j < J; ++j) {
+    float *oj = o + (int64_t)j * fp->P + (c * E + 4 * h) * L8;
+    const __m256 sv = _mm256_set1_ps(sig[j * MAXG + g]);
+    for (int k = 0; k < 4; ++k)
+      _mm256_storeu_ps(oj + k * L8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][k]), sv, _mm256_loadu_ps(oj + k * L8)));
+  }
+}
+ALWAYS void iv_direct(const fmt8 *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig, float *o,
+                      int J, int bits, const kva_prefetch *pf) {
+  for (int c = 0; c < fp->nch; ++c) {
+    if (c == 0 && pf) iv_pass(fp, rows, n, wg, sig, o, c, 0, J, bits, pf, 1);
+    else iv_pass(fp, rows, n, wg, sig, o, c, 0, J, bits, pf, 0);
+    if (bits == 4) iv_pass(fp, rows, n, wg, sig, o, c, 1, J, bits, pf, 0);
+  }
+}
+/* (out of line: inlined into attend_fast8, GCC 12 spilled the accumulators) */
+#define IV_DIRECT(BITS, J_)                                                                                     \
+  __attribute__((noinline)) static void iv_direct_##BITS##_##J_(const fmt8 *fp, const kva_rows *rows,        \
+                                      int64_t n, const int32_t *wg, const float *sig, float *o,                \
+                                      const kva_prefetch *pf) {                                                \
+    iv_direct(fp, rows, n, wg, sig, o, J_, BITS, pf);                                                          \
+  }
+IV_DIRECT(4, 1)
+IV_DIRECT(4, 2)
+IV_DIRECT(8, 1)
+IV_DIRECT(8, 2)
+
 /* The integer V phase for one tile; 0 without touching o or ob when a scale
  * or bias of the tile is not finite (the caller then takes the f32 path).
  * Scratch: ct (n/2 rows of P u32) in vt, st/bt [MAXG][T], wg/sig in ws. */
@@ -1019,6 +1105,16 @@ static int vphase_int(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
   if (iv_groups(fp, gs, gb, n, st, bt)) return 0;
   int32_t *ct = (int32_t *)vt, *wg = (int32_t *)ws;
   float *sig = ws + IVB * MAXG * (KVA_TILE / 2);
+  if (nq <= 2) {
+    iv_weights(fp, S, (int)nq, st, bt, wg, sig, ob);
+    switch (fp->bits * 2 + (int)nq) {
+    case 9: iv_direct_4_1(fp, rows, n, wg, sig, o, pf); break;
+    case 10: iv_direct_4_2(fp, rows, n, wg, sig, o, pf); break;
+    case 17: iv_direct_8_1(fp, rows, n, wg, sig, o, pf); break;
+    default: iv_direct_8_2(fp, rows, n, wg, sig, o, pf); break;
+    }
+    return 1;
+  }
   if (fp->bits == 4) iv_decode(fp, rows, n, 4, ct, pf);
   else iv_decode(fp, rows, n, 8, ct, pf);
   const int64_t np = (n + 1) / 2;
