@@ -488,15 +488,47 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   }
 }
 
-/* The tile's K group scales and biases (kgs/kgb[t][GLD], after
- * k_groups_nan) transposed into kst/kbt[g][KVA_TILE], zero past n. */
-static void k_groups_transpose(const fmt8 *fp, const float *gs, const float *gb, int64_t n, float *kst, float *kbt) {
-  for (int g = 0; g < fp->ngroups; ++g)
-    for (int64_t t = 0; t < KVA_TILE; ++t) {
-      kst[g * KVA_TILE + t] = t < n ? gs[t * GLD + g] : 0.0f;
-      kbt[g * KVA_TILE + t] = t < n ? gb[t * GLD + g] : 0.0f;
+/* The tile's group scales and biases of one operand (arrays as, ab of the
+ * rows) as f32 straight into st/bt[g][KVA_TILE] (token-major per group, as
+ * the integer phases read them), zero past n; one loop per scale dtype and
+ * for 4 groups (head dim 256 in groups of 64). */
+#define GROUPS_T_LOOP(LOAD, NG)                                                                                \
+  for (int64_t t = 0; t < n; ++t) {                                                                            \
+    const char *sp = rows[t].a[as], *bp = rows[t].a[ab];                                                       \
+    for (int g = 0; g < (NG); ++g) {                                                                           \
+      st[g * KVA_TILE + t] = LOAD(sp, g);                                                                      \
+      bt[g * KVA_TILE + t] = LOAD(bp, g);                                                                      \
+    }                                                                                                          \
+  }
+#define LOAD_BF16(p, g) simd_bf16f(((const uint16_t *)(p))[g])
+#define LOAD_ANY(p, g) simd_load_scale((p), fp->sdt, (g))
+static void groups_t(const fmt8 *fp, const kva_rows *rows, int64_t n, int as, int ab, float *st, float *bt) {
+  const int ng = fp->ngroups;
+  if (fp->sdt == KVA_BF16 && ng == 4) GROUPS_T_LOOP(LOAD_BF16, 4)
+  else if (fp->sdt == KVA_BF16) GROUPS_T_LOOP(LOAD_BF16, ng)
+  else GROUPS_T_LOOP(LOAD_ANY, ng)
+  if (n < KVA_TILE)
+    for (int g = 0; g < ng; ++g) {
+      memset(st + g * KVA_TILE + n, 0, sizeof(float) * (size_t)(KVA_TILE - n));
+      memset(bt + g * KVA_TILE + n, 0, sizeof(float) * (size_t)(KVA_TILE - n));
     }
 }
+#undef GROUPS_T_LOOP
+#undef LOAD_BF16
+#undef LOAD_ANY
+/* K: as k_groups_nan on the transposed tables (a scale NaN where it or its
+ * bias is +-inf). */
+static void k_groups_nan_t(const fmt8 *fp, float *st, const float *bt) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
+  for (int g = 0; g < fp->ngroups; ++g)
+    for (int t = 0; t < KVA_TILE; t += L8) {
+      const __m256 sv = _mm256_loadu_ps(st + g * KVA_TILE + t), bv = _mm256_loadu_ps(bt + g * KVA_TILE + t);
+      const __m256 bad = _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(sv, absm), inf, _CMP_EQ_OQ),
+                                      _mm256_cmp_ps(_mm256_and_ps(bv, absm), inf, _CMP_EQ_OQ));
+      _mm256_storeu_ps(st + g * KVA_TILE + t, _mm256_blendv_ps(sv, _mm256_set1_ps(NAN), bad));
+    }
+}
+
 #endif
 
 /* All nq vectors in register blocks of 4, 2, 1; the first block issues the prefetch. */
@@ -876,7 +908,13 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
  * vpaddd (16 products), the weight one broadcast per block. */
 #define IVB 4 /* query vectors per weight block */
 
-static int iv_format_ok(const fmt8 *fp) { return (fp->bits == 4 || fp->bits == 8) && fp->one_group; }
+/* Whether problem p takes the integer V phase on V rows fp: 16-bit
+ * queries, not exact mode, 4-bit / 8-bit codes with whole chunks in one
+ * group (any number of query vectors: at 16 and 48 per KV head it also
+ * ran fewer instructions than the f32 tile, callgrind). */
+static int iv_on(const kva_problem *p, const fmt8 *fp) {
+  return !p->exact && p->q->dtype != KVA_F32 && (fp->bits == 4 || fp->bits == 8) && fp->one_group;
+}
 
 /* x * 2^k, exactly, for |x| 2^k below 2^15 and k in [-126, 190]. */
 ALWAYS __m256 iv_scale(__m256 x, int k) {
@@ -887,23 +925,14 @@ ALWAYS __m256 iv_scale(__m256 x, int k) {
   return _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((k + 127) << 23)));
 }
 
-/* The tile's V group scales and biases (vgs/vgb[t][GLD]) transposed into
- * st/bt[g][KVA_TILE], zero past n. Returns whether any is NaN or Inf. */
-static int iv_groups(const fmt8 *fp, const float *gs, const float *gb, int64_t n, float *st, float *bt) {
+/* Whether any of the tile's V group scales or biases (st/bt[g][KVA_TILE],
+ * zero past n) is NaN or Inf. */
+static int iv_nonfinite(const fmt8 *fp, const float *st, const float *bt) {
   const v8i expo = v8i_set1(0x7f800000);
   v8i bad = v8i_zero();
   for (int g = 0; g < fp->ngroups; ++g)
-    for (int64_t t0 = 0; t0 < KVA_TILE; t0 += L8) {
-      float s[L8], b[L8];
-      for (int64_t u = 0; u < L8; ++u) {
-        s[u] = t0 + u < n ? gs[(t0 + u) * GLD + g] : 0.0f;
-        b[u] = t0 + u < n ? gb[(t0 + u) * GLD + g] : 0.0f;
-      }
-      const v8f sv = v8f_load(s), bv = v8f_load(b);
-      bad = v8i_or(bad, v8i_or(NONFINITE(sv), NONFINITE(bv)));
-      v8f_store(st + g * KVA_TILE + t0, sv);
-      v8f_store(bt + g * KVA_TILE + t0, bv);
-    }
+    for (int t = 0; t < KVA_TILE; t += L8)
+      bad = v8i_or(bad, v8i_or(NONFINITE(v8f_load(st + g * KVA_TILE + t)), NONFINITE(v8f_load(bt + g * KVA_TILE + t))));
   return v8i_any(bad);
 }
 
@@ -1098,11 +1127,12 @@ IV_DIRECT(8, 2)
 
 /* The integer V phase for one tile; 0 without touching o or ob when a scale
  * or bias of the tile is not finite (the caller then takes the f32 path).
- * Scratch: ct (n/2 rows of P u32) in vt, st/bt [MAXG][T], wg/sig in ws. */
-static int vphase_int(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *S, const float *gs,
-                      const float *gb, float *vt, float *st, float *bt, float *ws, float *o, float *ob, int64_t nq,
-                      const kva_prefetch *pf) {
-  if (iv_groups(fp, gs, gb, n, st, bt)) return 0;
+ * Scratch: ct (n/2 rows of P u32) in vt, the tile's V group scales and
+ * biases st/bt [MAXG][T] (groups_t), wg/sig in ws. */
+static int vphase_int(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *st,
+                      float *bt, float *ws, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
+  groups_t(fp, rows, n, KVA_ARR_VS, KVA_ARR_VB, st, bt);
+  if (iv_nonfinite(fp, st, bt)) return 0;
   int32_t *ct = (int32_t *)vt, *wg = (int32_t *)ws;
   float *sig = ws + IVB * MAXG * (KVA_TILE / 2);
   if (nq <= 2) {
@@ -1221,7 +1251,7 @@ static void attend_fast8(const kva_item *it) {
   float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE, *vst = kbt + MAXG * KVA_TILE,
         *vbt = vst + MAXG * KVA_TILE;
   kf.iq = !p->exact && iq_format_ok(&kf);
-  vf.iv = !p->exact && p->q->dtype != KVA_F32 && iv_format_ok(&vf); /* 16-bit queries */
+  vf.iv = iv_on(p, &vf);
 #endif
   float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
@@ -1250,24 +1280,27 @@ static void attend_fast8(const kva_item *it) {
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
-    if (kf.bits) {
-      tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
-      k_groups_nan(kgs, kgb, n, kf.ngroups);
-    }
 #if defined(__AVX2__)
     if (kf.iq) {
-      k_groups_transpose(&kf, kgs, kgb, n, kst, kbt);
+      groups_t(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kst, kbt);
+      k_groups_nan_t(&kf, kst, kbt);
       kphase_int8(&kf, rows, n, qp, qs, kst, kbt, nq, S, &tl.pf);
     } else
 #endif
+    {
+      if (kf.bits) {
+        tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
+        k_groups_nan(kgs, kgb, n, kf.ngroups);
+      }
       kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
+    }
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     simd_mask_tile(it, seg, S, nq, tf, n);
     if (!tile_softmax8(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
-    if (vf.bits) tile_groups(&vf, rows, n, KVA_ARR_VS, KVA_ARR_VB, vgs, vgb);
 #if defined(__AVX2__)
-    if (vf.iv && vphase_int(&vf, rows, n, S, vgs, vgb, vt, vst, vbt, ws, o, ob, nq, &tl.pf)) continue;
+    if (vf.iv && vphase_int(&vf, rows, n, S, vt, vst, vbt, ws, o, ob, nq, &tl.pf)) continue;
 #endif
+    if (vf.bits) tile_groups(&vf, rows, n, KVA_ARR_VS, KVA_ARR_VB, vgs, vgb);
     vphase8(&vf, rows, n, S, vgs, vgb, vt, ws, o, ob, nq, &tl.pf);
   }
   /* Back to element order, bias lanes added: the kva_softmax_state layout. */
@@ -1306,7 +1339,7 @@ const char *KFN(fast_name)(const kva_problem *p) {
   fmt8 kf, vf;
   plan8(&kr, &kf);
   plan8(&vr, &vf);
-  const int iq = !p->exact && iq_format_ok(&kf), iv = !p->exact && p->q->dtype != KVA_F32 && iv_format_ok(&vf);
+  const int iq = !p->exact && iq_format_ok(&kf), iv = iv_on(p, &vf);
   if (iq) return iv ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
   if (iv) return "fused kernel [P int16]";
 #endif
