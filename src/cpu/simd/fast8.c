@@ -313,6 +313,21 @@ KBLOCK(2)
 KBLOCK(4)
 
 #if defined(__AVX2__)
+/* Row r of the prefetch tile's arrays a (data), a + 1, a + 2 (its group
+ * scales and biases) into L2, as prefetch_row with the arrays unrolled:
+ * the data row's lines, and each group row's line unless row r - 1 ended
+ * in it (quantized rows: the integer phases). */
+ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
+  const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)pf->bytes[a];
+  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
+  for (int x = a + 1; x <= a + 2; ++x) {
+    const int64_t gb = pf->bytes[x];
+    const uintptr_t q = (uintptr_t)pf->rows[r].a[x];
+    if (gb && (r == 0 || ((q ^ ((uintptr_t)pf->rows[r - 1].a[x] + (uintptr_t)gb - 1)) & ~(uintptr_t)63)))
+      __builtin_prefetch((const char *)q, 0, 2);
+  }
+}
+
 /* ---- K phase on integers (avx2; never in exact mode) ----
  * The query rounded to s8 per (vector, K group) as kva_ref_rounding with
  * q_int_bits = 8 models it (kvattn.h; the same f32 steps: sigma = max|q| /
@@ -355,15 +370,15 @@ ALWAYS __m256 iq_group_term(__m256i I, const float *s, const float *b, const flo
  * past n. */
 ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
                       const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, int bits,
-                      float *S, const kva_prefetch *pf) {
-  const int nch = fp->nch;
+                      float *S, const kva_prefetch *pf, int NCH) {
+  const int nch = NCH ? NCH : fp->nch; /* NCH: a constant chunk count, every chunk full */
   const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
   __m256i part[KQB][MAXCH][L8]; /* [vector][chunk][row of the block]: int32 word-lane sums */
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
     const char *row = rows[t].k;
     for (int c = 0; c < nch; ++c) {
-      const __m256i x = load_chunk(fp, row, c);
+      const __m256i x = NCH ? v8i_load(row + c * 32) : load_chunk(fp, row, c);
       if (bits == 4) {
         const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
         for (int j = 0; j < J; ++j) {
@@ -418,8 +433,11 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
   static void kiblock8_##J_(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,      \
                             const float *sgb, int64_t sgst, const float *kst, const float *kbt, float *S,      \
                             const kva_prefetch *pf) {                                                          \
-    if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf);                     \
-    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf);                                   \
+    const int full4 = fp->nch == 4 && fp->full[3]; /* head dim 256 at 4 bits, 128 at 8 */                     \
+    if (fp->bits == 4 && full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4);        \
+    else if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 0);            \
+    else if (full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4);                    \
+    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 0);                               \
   }
 KIBLOCK(1)
 KIBLOCK(2)
@@ -1051,19 +1069,6 @@ ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
   __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
   return acc;
 }
-/* Row r of the prefetch tile's V arrays (data, scales, biases) into L2, as
- * prefetch_row with the arrays unrolled: the data row's lines, and each
- * group row's line unless row r - 1 ended in it. */
-ALWAYS void iv_prefetch_v(const kva_prefetch *pf, int64_t r) {
-  const uintptr_t p = (uintptr_t)pf->rows[r].v, end = p + (uintptr_t)pf->bytes[KVA_ARR_V];
-  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
-  const int64_t gb = pf->bytes[KVA_ARR_VS];
-  for (int a = KVA_ARR_VS; a <= KVA_ARR_VB; ++a) {
-    const uintptr_t q = (uintptr_t)pf->rows[r].a[a];
-    if (r == 0 || ((q ^ ((uintptr_t)pf->rows[r - 1].a[a] + (uintptr_t)gb - 1)) & ~(uintptr_t)63))
-      __builtin_prefetch((const char *)q, 0, 2);
-  }
-}
 ALWAYS void iv_pair(__m256i x0, __m256i x1, const int32_t *wp, int h, int J, int bits, __m256i (*acc)[4]) {
   const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
   __m256i w[2];
@@ -1089,13 +1094,13 @@ ALWAYS void iv_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const int32
   int64_t t = 0;
   for (; t + 1 < n; t += 2) {
     if (PF && t < pf->n) {
-      iv_prefetch_v(pf, t);
-      if (t + 1 < pf->n) iv_prefetch_v(pf, t + 1);
+      prefetch_row3(pf, t, KVA_ARR_V);
+      if (t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
     }
     iv_pair(v8i_load(rows[t].v + c * 32), v8i_load(rows[t + 1].v + c * 32), wc + t / 2, h, J, bits, acc);
   }
   if (t < n) { /* odd n: the last token alone (its pair's weight 0) */
-    if (PF && t < pf->n) iv_prefetch_v(pf, t);
+    if (PF && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
     iv_pair(v8i_load(rows[t].v + c * 32), _mm256_setzero_si256(), wc + t / 2, h, J, bits, acc);
   }
   for (int j = 0; j < J; ++j) {
