@@ -520,8 +520,35 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   }
 #define LOAD_BF16(p, g) simd_bf16f(((const uint16_t *)(p))[g])
 #define LOAD_ANY(p, g) simd_load_scale((p), fp->sdt, (g))
+/* 8 rows' 4 bf16 values (p[u]: row u's 8 bytes) as f32, transposed: value
+ * g of rows 0-7 into dst[g * KVA_TILE .. + 8) (16-, 32-, 64-bit unpacks). */
+ALWAYS void bf16x4_t8(const char *const p[8], float *dst) {
+  __m128i r[8], a[4], b[4];
+  for (int u = 0; u < 8; ++u) r[u] = _mm_loadl_epi64((const __m128i *)p[u]);
+  for (int u = 0; u < 4; ++u) a[u] = _mm_unpacklo_epi16(r[2 * u], r[2 * u + 1]); /* rows 2u, 2u+1: g0 g0 g1 g1 .. */
+  b[0] = _mm_unpacklo_epi32(a[0], a[1]); /* rows 0-3: g0 x4, g1 x4 */
+  b[1] = _mm_unpackhi_epi32(a[0], a[1]); /* rows 0-3: g2, g3 */
+  b[2] = _mm_unpacklo_epi32(a[2], a[3]);
+  b[3] = _mm_unpackhi_epi32(a[2], a[3]);
+  const __m128i g[4] = {_mm_unpacklo_epi64(b[0], b[2]), _mm_unpackhi_epi64(b[0], b[2]), _mm_unpacklo_epi64(b[1], b[3]),
+                        _mm_unpackhi_epi64(b[1], b[3])};
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_ps(dst + k * KVA_TILE, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(g[k]), 16)));
+}
 static void groups_t(const fmt8 *fp, const kva_rows *rows, int64_t n, int as, int ab, float *st, float *bt) {
   const int ng = fp->ngroups;
+  if (fp->sdt == KVA_BF16 && ng == 4 && n == KVA_TILE) { /* whole tiles, head dim 256 in groups of 64 */
+    for (int64_t t = 0; t < n; t += L8) {
+      const char *ps[8], *pb[8];
+      for (int u = 0; u < 8; ++u) {
+        ps[u] = rows[t + u].a[as];
+        pb[u] = rows[t + u].a[ab];
+      }
+      bf16x4_t8(ps, st + t);
+      bf16x4_t8(pb, bt + t);
+    }
+    return;
+  }
   if (fp->sdt == KVA_BF16 && ng == 4) GROUPS_T_LOOP(LOAD_BF16, 4)
   else if (fp->sdt == KVA_BF16) GROUPS_T_LOOP(LOAD_BF16, ng)
   else GROUPS_T_LOOP(LOAD_ANY, ng)
