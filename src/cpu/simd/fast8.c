@@ -948,8 +948,8 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
  * int32 sums times sigma go to o in f32 once per tile. Tiles whose V rows
  * hold a non-finite scale or bias take the f32 path (vphase8). Per token
  * pair and chunk: two loads, a shift and a blend per 16-bit half (the two
- * tokens' low or high halves of each word), a shift and an and per code
- * vector, its store; per vector and code vector one vpmaddwd and one
+ * tokens' low or high halves of each word), a 16-bit shift and an and per
+ * code vector (the shift alone for each half's top code); per vector and code vector one vpmaddwd and one
  * vpaddd (16 products), the weight one broadcast per block. */
 #define IVB 4 /* query vectors per weight block */
 
@@ -991,8 +991,9 @@ ALWAYS void iv_codes(__m256i x0, __m256i x1, int bits, int32_t *dst) {
   const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
   for (int k = 0; k < 2 * C; ++k) {
     const __m256i y = k < C ? lo : hi;
-    const int s = (k % C) * bits;
-    _mm256_storeu_si256((__m256i *)(dst + k * L8), _mm256_and_si256(s ? _mm256_srli_epi32(y, s) : y, m));
+    const int s = (k % C) * bits; /* the top code of each half: a 16-bit shift alone */
+    _mm256_storeu_si256((__m256i *)(dst + k * L8),
+                        s + bits == 16 ? _mm256_srli_epi16(y, s) : _mm256_and_si256(s ? _mm256_srli_epi16(y, s) : y, m));
   }
 }
 ALWAYS void iv_decode(const fmt8 *fp, const kva_rows *rows, int64_t n, int bits, int32_t *ct,
@@ -1104,8 +1105,8 @@ ALWAYS void iv_pair(__m256i x0, __m256i x1, const int32_t *wp, int h, int J, int
     __m256i y; /* the 16-bit halves that hold code vector k */
     if (bits == 4 ? h == 0 : k < 2) y = _mm256_blend_epi16(x0, _mm256_slli_epi32(x1, 16), 0xAA);
     else y = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
-    const int sh = bits == 4 ? 4 * k : 8 * (k & 1);
-    const __m256i v = _mm256_and_si256(sh ? _mm256_srli_epi32(y, sh) : y, m);
+    const int sh = bits == 4 ? 4 * k : 8 * (k & 1); /* the top code of each half: a 16-bit shift alone */
+    const __m256i v = sh + bits == 16 ? _mm256_srli_epi16(y, sh) : _mm256_and_si256(sh ? _mm256_srli_epi16(y, sh) : y, m);
     for (int j = 0; j < J; ++j) acc[j][k] = iv_madd_acc(acc[j][k], v, w[j]);
   }
 }
