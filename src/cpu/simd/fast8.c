@@ -1052,6 +1052,13 @@ static void iv_weights(const fmt8 *fp, const float *P, int J, const float *st, c
   }
 }
 
+/* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
+ * into a new register and copies it back, one move per accumulator). */
+ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
+  const __m256i t = _mm256_madd_epi16(a, b);
+  __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
+  return acc;
+}
 /* o[j][pos0 .. pos0 + 8 KB) += sigma_jg * sum_pairs w'_jg . codes for J
  * vectors over np token pairs (the block's KB code vectors in one chunk,
  * so one group g). */
@@ -1066,7 +1073,7 @@ ALWAYS void iv_block(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_
     for (int j = 0; j < J; ++j) w[j] = _mm256_set1_epi32(wg[(j * MAXG + g) * (KVA_TILE / 2) + i]);
     for (int kb = 0; kb < KB; ++kb) {
       const __m256i x = _mm256_loadu_si256((const __m256i *)(ct + i * fp->P + pos0 + kb * L8));
-      for (int j = 0; j < J; ++j) acc[j][kb] = _mm256_add_epi32(acc[j][kb], _mm256_madd_epi16(x, w[j]));
+      for (int j = 0; j < J; ++j) acc[j][kb] = iv_madd_acc(acc[j][kb], x, w[j]);
     }
   }
   for (int j = 0; j < J; ++j) {
@@ -1076,8 +1083,9 @@ ALWAYS void iv_block(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_
       _mm256_storeu_ps(oj + kb * L8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][kb]), sv, _mm256_loadu_ps(oj + kb * L8)));
   }
 }
+/* (out of line, as iv_direct_*) */
 #define IV_BLOCK(J_, KB_)                                                                                      \
-  static void iv_block_##J_(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, \
+  __attribute__((noinline)) static void iv_block_##J_(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, \
                             float *o, int64_t pos0) {                                                          \
     iv_block(fp, np, ct, wg, sig, o, pos0, J_, KB_);                                                           \
   }
@@ -1090,13 +1098,6 @@ IV_BLOCK(1, 4)
  * code vectors per chunk (4-bit: the two tokens' low 16-bit halves, then
  * the high ones; 8-bit: both), 4 J int32 accumulators, flushed to o times
  * sigma per pass. The first pass prefetches the next tile's V rows. */
-/* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
- * into a new register and copies it back, one move per accumulator). */
-ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
-  const __m256i t = _mm256_madd_epi16(a, b);
-  __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
-  return acc;
-}
 ALWAYS void iv_pair(__m256i x0, __m256i x1, const int32_t *wp, int h, int J, int bits, __m256i (*acc)[4]) {
   const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
   __m256i w[2];
@@ -1146,7 +1147,7 @@ ALWAYS void iv_direct(const fmt8 *fp, const kva_rows *rows, int64_t n, const int
     if (bits == 4) iv_pass(fp, rows, n, wg, sig, o, c, 1, J, bits, pf, 0);
   }
 }
-/* (out of line: inlined into attend_fast8, GCC 12 spilled the accumulators) */
+/* (out of line: inlined into attend_fast8, GCC 12 spills the accumulators) */
 #define IV_DIRECT(BITS, J_)                                                                                     \
   __attribute__((noinline)) static void iv_direct_##BITS##_##J_(const fmt8 *fp, const kva_rows *rows,        \
                                       int64_t n, const int32_t *wg, const float *sig, float *o,                \
