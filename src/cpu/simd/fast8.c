@@ -15,7 +15,8 @@
  *   4-bit codes in groups of >= 64 or 8-bit in groups of >= 32: P*s_g
  *   rounded to s16 per (vector, tile, group) and summed over the tile's
  *   codes by vpmaddwd on token pairs of 16-bit codes (vphase_int, "[P
- *   int16]"), sum_t P*b_g in f32. Otherwise, for <= 4 vectors, O +=
+ *   int16]"; the pairs built in registers for <= 2 vectors, else once per
+ *   tile into L1, 16 KiB at D = 256), sum_t P*b_g in f32. Otherwise, for <= 4 vectors, O +=
  *   (P*s_g)*c per element with the codes decoded in registers and sum_t
  *   P*b_g kept per group (vweights8); for more vectors the tile's rows are
  *   dequantized once into L1 as s*c + b and every vector reads them from
@@ -31,7 +32,8 @@
  *   prefetched into L2 one per row handled, tiles.h: K rows during the K
  *   phase, V rows during the V phase's first pass, or spread over all its
  *   passes when a row spans 4 lines or more, vshare_of); the rows' group
- *   scales and biases are converted to f32 once per tile.
+ *   scales and biases are converted to f32 once per tile (for the integer
+ *   phases straight into token-major tables per group, groups_t).
  * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
