@@ -372,8 +372,9 @@ ALWAYS __m256 iq_group_term(__m256i I, const float *s, const float *b, const flo
  * past n. */
 ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
                       const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, int bits,
-                      float *S, const kva_prefetch *pf, int NCH) {
-  const int nch = NCH ? NCH : fp->nch; /* NCH: a constant chunk count, every chunk full */
+                      float *S, const kva_prefetch *pf, int NCH, int CG) {
+  /* NCH: a constant chunk count, every chunk full; CG: every chunk is one whole group (g = c) */
+  const int nch = NCH ? NCH : fp->nch;
   const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
   __m256i part[KQB][MAXCH][L8]; /* [vector][chunk][row of the block]: int32 word-lane sums */
   for (int64_t t = 0; t < n; ++t) {
@@ -414,6 +415,10 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
       for (int c = 0; c < nch; ++c) {
         __m256i lo, hi;
         reduce8_halves_i(part[j][c], &lo, &hi);
+        if (CG) {
+          sc = iq_group_term(_mm256_add_epi32(lo, hi), ks + c * KVA_TILE, kb + c * KVA_TILE, sg + c, beta + c, sc);
+          continue;
+        }
         if (fp->halves) {
           const int g = 2 * c;
           sc = iq_group_term(lo, ks + g * KVA_TILE, kb + g * KVA_TILE, sg + g, beta + g, sc);
@@ -436,10 +441,13 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
                             const float *sgb, int64_t sgst, const float *kst, const float *kbt, float *S,      \
                             const kva_prefetch *pf) {                                                          \
     const int full4 = fp->nch == 4 && fp->full[3]; /* head dim 256 at 4 bits, 128 at 8 */                     \
-    if (fp->bits == 4 && full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4);        \
-    else if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 0);            \
-    else if (full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4);                    \
-    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 0);                               \
+    const int cg = full4 && fp->G == L8 * fp->E;   /* and groups of one chunk: q4 g64, q8 g32 */               \
+    if (fp->bits == 4 && cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 1);        \
+    else if (fp->bits == 4 && full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 0); \
+    else if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 0, 0);         \
+    else if (cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4, 1);                    \
+    else if (full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4, 0);                 \
+    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 0, 0);                            \
   }
 KIBLOCK(1)
 KIBLOCK(2)
