@@ -11,10 +11,16 @@
  *   q_g·c_g an exact integer dot product (kphase_i8: vpmaddubsw / vpmaddwd,
  *   "[q int8]"); otherwise (exact mode, 2-bit K, the portable level) the
  *   codes converted to f32 exactly (shift, and, convert) times f32 q.
- *   Quantized V: for <= 4 vectors, O += (P*s_g)*c per element with the
- *   codes decoded in registers and sum_t P*b_g kept per group (vweights8);
- *   for more vectors the tile's rows are dequantized once into L1 as
- *   s*c + b and every vector reads them from there.
+ *   Quantized V at the avx2 level with 16-bit queries outside exact mode,
+ *   4-bit codes in groups of >= 64 or 8-bit in groups of >= 32: P*s_g
+ *   rounded to s16 per (vector, tile, group) and summed over the tile's
+ *   codes by vpmaddwd on token pairs of 16-bit codes (vphase_int, "[P
+ *   int16]"; the pairs built in registers for <= 2 vectors, else once per
+ *   tile into L1, 16 KiB at D = 256), sum_t P*b_g in f32. Otherwise, for <= 4 vectors, O +=
+ *   (P*s_g)*c per element with the codes decoded in registers and sum_t
+ *   P*b_g kept per group (vweights8); for more vectors the tile's rows are
+ *   dequantized once into L1 as s*c + b and every vector reads them from
+ *   there.
  * Layout: a quantized row is read 8 u32 words (one v8i, a "chunk") at a
  *   time; code k of word w lands in lane w of vector k: position
  *   (chunk*E + k)*8 + w <-> element (chunk*8 + w)*E + k (E = 32/bits codes
@@ -26,7 +32,8 @@
  *   prefetched into L2 one per row handled, tiles.h: K rows during the K
  *   phase, V rows during the V phase's first pass, or spread over all its
  *   passes when a row spans 4 lines or more, vshare_of); the rows' group
- *   scales and biases are converted to f32 once per tile.
+ *   scales and biases are converted to f32 once per tile (for the integer
+ *   phases straight into token-major tables per group, groups_t).
  * Geometry: one call = one work item (driver: src/cpu/attend.c). */
 #include "cpu/simd/simd.h"
 
@@ -50,6 +57,7 @@ typedef struct fmt8 {
   int fp8;                         /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)
                                       on its scores (K) and on P (V) */
   int iq;                          /* K: the integer K phase (kphase_int8) runs */
+  int iv;                          /* V: the integer V phase (vphase_int) runs */
   int halves;                      /* two groups per chunk (4-bit codes in groups of 32) */
   kva_dtype sdt;                   /* scales dtype (quantized) or element dtype (float) */
   int g0[MAXCH];                   /* first group of each chunk */
@@ -307,6 +315,21 @@ KBLOCK(2)
 KBLOCK(4)
 
 #if defined(__AVX2__)
+/* Row r of the prefetch tile's arrays a (data), a + 1, a + 2 (its group
+ * scales and biases) into L2, as prefetch_row with the arrays unrolled:
+ * the data row's lines, and each group row's line unless row r - 1 ended
+ * in it (quantized rows: the integer phases). */
+ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
+  const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)pf->bytes[a];
+  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
+  for (int x = a + 1; x <= a + 2; ++x) {
+    const int64_t gb = pf->bytes[x];
+    const uintptr_t q = (uintptr_t)pf->rows[r].a[x];
+    if (gb && (r == 0 || ((q ^ ((uintptr_t)pf->rows[r - 1].a[x] + (uintptr_t)gb - 1)) & ~(uintptr_t)63)))
+      __builtin_prefetch((const char *)q, 0, 2);
+  }
+}
+
 /* ---- K phase on integers (avx2; never in exact mode) ----
  * The query rounded to s8 per (vector, K group) as kva_ref_rounding with
  * q_int_bits = 8 models it (kvattn.h; the same f32 steps: sigma = max|q| /
@@ -349,15 +372,16 @@ ALWAYS __m256 iq_group_term(__m256i I, const float *s, const float *b, const flo
  * past n. */
 ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
                       const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, int bits,
-                      float *S, const kva_prefetch *pf) {
-  const int nch = fp->nch;
+                      float *S, const kva_prefetch *pf, int NCH, int CG) {
+  /* NCH: a constant chunk count, every chunk full; CG: every chunk is one whole group (g = c) */
+  const int nch = NCH ? NCH : fp->nch;
   const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
   __m256i part[KQB][MAXCH][L8]; /* [vector][chunk][row of the block]: int32 word-lane sums */
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
     const char *row = rows[t].k;
     for (int c = 0; c < nch; ++c) {
-      const __m256i x = load_chunk(fp, row, c);
+      const __m256i x = NCH ? v8i_load(row + c * 32) : load_chunk(fp, row, c);
       if (bits == 4) {
         const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
         for (int j = 0; j < J; ++j) {
@@ -391,6 +415,10 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
       for (int c = 0; c < nch; ++c) {
         __m256i lo, hi;
         reduce8_halves_i(part[j][c], &lo, &hi);
+        if (CG) {
+          sc = iq_group_term(_mm256_add_epi32(lo, hi), ks + c * KVA_TILE, kb + c * KVA_TILE, sg + c, beta + c, sc);
+          continue;
+        }
         if (fp->halves) {
           const int g = 2 * c;
           sc = iq_group_term(lo, ks + g * KVA_TILE, kb + g * KVA_TILE, sg + g, beta + g, sc);
@@ -412,8 +440,14 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
   static void kiblock8_##J_(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,      \
                             const float *sgb, int64_t sgst, const float *kst, const float *kbt, float *S,      \
                             const kva_prefetch *pf) {                                                          \
-    if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf);                     \
-    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf);                                   \
+    const int full4 = fp->nch == 4 && fp->full[3]; /* head dim 256 at 4 bits, 128 at 8 */                     \
+    const int cg = full4 && fp->G == L8 * fp->E;   /* and groups of one chunk: q4 g64, q8 g32 */               \
+    if (fp->bits == 4 && cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 1);        \
+    else if (fp->bits == 4 && full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 0); \
+    else if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 0, 0);         \
+    else if (cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4, 1);                    \
+    else if (full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4, 0);                 \
+    else kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 0, 0);                            \
   }
 KIBLOCK(1)
 KIBLOCK(2)
@@ -482,15 +516,74 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   }
 }
 
-/* The tile's K group scales and biases (kgs/kgb[t][GLD], after
- * k_groups_nan) transposed into kst/kbt[g][KVA_TILE], zero past n. */
-static void k_groups_transpose(const fmt8 *fp, const float *gs, const float *gb, int64_t n, float *kst, float *kbt) {
-  for (int g = 0; g < fp->ngroups; ++g)
-    for (int64_t t = 0; t < KVA_TILE; ++t) {
-      kst[g * KVA_TILE + t] = t < n ? gs[t * GLD + g] : 0.0f;
-      kbt[g * KVA_TILE + t] = t < n ? gb[t * GLD + g] : 0.0f;
+/* The tile's group scales and biases of one operand (arrays as, ab of the
+ * rows) as f32 straight into st/bt[g][KVA_TILE] (token-major per group, as
+ * the integer phases read them), zero past n; one loop per scale dtype and
+ * for 4 groups (head dim 256 in groups of 64). */
+#define GROUPS_T_LOOP(LOAD, NG)                                                                                \
+  for (int64_t t = 0; t < n; ++t) {                                                                            \
+    const char *sp = rows[t].a[as], *bp = rows[t].a[ab];                                                       \
+    for (int g = 0; g < (NG); ++g) {                                                                           \
+      st[g * KVA_TILE + t] = LOAD(sp, g);                                                                      \
+      bt[g * KVA_TILE + t] = LOAD(bp, g);                                                                      \
+    }                                                                                                          \
+  }
+#define LOAD_BF16(p, g) simd_bf16f(((const uint16_t *)(p))[g])
+#define LOAD_ANY(p, g) simd_load_scale((p), fp->sdt, (g))
+/* 8 rows' 4 bf16 values (p[u]: row u's 8 bytes) as f32, transposed: value
+ * g of rows 0-7 into dst[g * KVA_TILE .. + 8) (16-, 32-, 64-bit unpacks). */
+ALWAYS void bf16x4_t8(const char *const p[8], float *dst) {
+  __m128i r[8], a[4], b[4];
+  for (int u = 0; u < 8; ++u) r[u] = _mm_loadl_epi64((const __m128i *)p[u]);
+  for (int u = 0; u < 4; ++u) a[u] = _mm_unpacklo_epi16(r[2 * u], r[2 * u + 1]); /* rows 2u, 2u+1: g0 g0 g1 g1 .. */
+  b[0] = _mm_unpacklo_epi32(a[0], a[1]); /* rows 0-3: g0 x4, g1 x4 */
+  b[1] = _mm_unpackhi_epi32(a[0], a[1]); /* rows 0-3: g2, g3 */
+  b[2] = _mm_unpacklo_epi32(a[2], a[3]);
+  b[3] = _mm_unpackhi_epi32(a[2], a[3]);
+  const __m128i g[4] = {_mm_unpacklo_epi64(b[0], b[2]), _mm_unpackhi_epi64(b[0], b[2]), _mm_unpacklo_epi64(b[1], b[3]),
+                        _mm_unpackhi_epi64(b[1], b[3])};
+  for (int k = 0; k < 4; ++k)
+    _mm256_storeu_ps(dst + k * KVA_TILE, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(g[k]), 16)));
+}
+static void groups_t(const fmt8 *fp, const kva_rows *rows, int64_t n, int as, int ab, float *st, float *bt) {
+  const int ng = fp->ngroups;
+  if (fp->sdt == KVA_BF16 && ng == 4 && n == KVA_TILE) { /* whole tiles, head dim 256 in groups of 64 */
+    for (int64_t t = 0; t < n; t += L8) {
+      const char *ps[8], *pb[8];
+      for (int u = 0; u < 8; ++u) {
+        ps[u] = rows[t + u].a[as];
+        pb[u] = rows[t + u].a[ab];
+      }
+      bf16x4_t8(ps, st + t);
+      bf16x4_t8(pb, bt + t);
+    }
+    return;
+  }
+  if (fp->sdt == KVA_BF16 && ng == 4) GROUPS_T_LOOP(LOAD_BF16, 4)
+  else if (fp->sdt == KVA_BF16) GROUPS_T_LOOP(LOAD_BF16, ng)
+  else GROUPS_T_LOOP(LOAD_ANY, ng)
+  if (n < KVA_TILE)
+    for (int g = 0; g < ng; ++g) {
+      memset(st + g * KVA_TILE + n, 0, sizeof(float) * (size_t)(KVA_TILE - n));
+      memset(bt + g * KVA_TILE + n, 0, sizeof(float) * (size_t)(KVA_TILE - n));
     }
 }
+#undef GROUPS_T_LOOP
+#undef LOAD_BF16
+#undef LOAD_ANY
+/* K: as k_groups_nan on the transposed tables (a scale NaN where it or its
+ * bias is +-inf). */
+static void k_groups_nan_t(const fmt8 *fp, float *st, const float *bt) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
+  for (int g = 0; g < fp->ngroups; ++g)
+    for (int t = 0; t < KVA_TILE; t += L8) {
+      const __m256 sv = _mm256_loadu_ps(st + g * KVA_TILE + t), bv = _mm256_loadu_ps(bt + g * KVA_TILE + t);
+      const __m256 bad = _mm256_or_ps(_mm256_cmp_ps(_mm256_and_ps(sv, absm), inf, _CMP_EQ_OQ),
+                                      _mm256_cmp_ps(_mm256_and_ps(bv, absm), inf, _CMP_EQ_OQ));
+      _mm256_storeu_ps(st + g * KVA_TILE + t, _mm256_blendv_ps(sv, _mm256_set1_ps(NAN), bad));
+    }
+}
+
 #endif
 
 /* All nq vectors in register blocks of 4, 2, 1; the first block issues the prefetch. */
@@ -843,6 +936,282 @@ static void vphase8(const fmt8 *fp, const kva_rows *rows, int64_t n, const float
   vtile8(fp, n, S, vt, o, nq, nonfinite);
 }
 
+#if defined(__AVX2__)
+/* ---- V phase on 16-bit integers (avx2; never in exact mode) ----
+ * Quantized V with every chunk of 8 words in one group (4-bit codes in
+ * groups of >= 64, 8-bit in groups of >= 32): per element of group g,
+ *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
+ * with w = p * s rounded to s16 per (vector j, tile, group g) ("P int16",
+ * the rounding of the AVX-512 level's vphase_pint): with M = max_t |w_jtg|
+ * over the tile's tokens, sigma = 2^-k, k = 14 - floor(log2 M) (one less
+ * where M 2^k would round to 2^15), w' = rint(w / sigma) (|w'| <= 32767),
+ * the scaling exact (powers of two), so |w' sigma - w| <= M / 32767.5. A
+ * group whose M is 0 adds nothing, one whose M is below 2^-135 (sigma below
+ * f32's range) is lost; a NaN weight (NaN logits) gives garbage codes, but
+ * its NaN reaches the bias sum and the vector's l, so the output is NaN as
+ * in the f32 path. The bias sums sum_t p b stay f32 (ob, as the f32 path).
+ * Codes of two tokens sit in the s16 halves of each u32 lane (token 2i low,
+ * 2i + 1 high), decoded once per tile into L1 (ct[pair][P], o's permuted
+ * order: 16 KiB at P = 256); vpmaddwd with the u32 of the two tokens' s16
+ * weights broadcast adds w'_2i c_2i + w'_2i+1 c_2i+1 into int32 lanes, at
+ * most 16 pairs of 2 * 32767 * 255 < 2^28 per tile (no overflow); the
+ * int32 sums times sigma go to o in f32 once per tile. Tiles whose V rows
+ * hold a non-finite scale or bias take the f32 path (vphase8). Per token
+ * pair and chunk: two loads, a shift and a blend per 16-bit half (the two
+ * tokens' low or high halves of each word), a 16-bit shift and an and per
+ * code vector (the shift alone for each half's top code); per vector and code vector one vpmaddwd and one
+ * vpaddd (16 products), the weight one broadcast per block. */
+#define IVB 4 /* query vectors per weight block */
+
+/* Whether problem p takes the integer V phase on V rows fp: 16-bit
+ * queries, not exact mode, 4-bit / 8-bit codes with whole chunks in one
+ * group (any number of query vectors: at 16 and 48 per KV head it also
+ * ran fewer instructions than the f32 tile, callgrind). */
+static int iv_on(const kva_problem *p, const fmt8 *fp) {
+  return !p->exact && p->q->dtype != KVA_F32 && (fp->bits == 4 || fp->bits == 8) && fp->one_group;
+}
+
+/* x * 2^k, exactly, for |x| 2^k below 2^15 and k in [-126, 190]. */
+ALWAYS __m256 iv_scale(__m256 x, int k) {
+  if (k > 127) {
+    x = _mm256_mul_ps(x, _mm256_set1_ps(0x1p64f));
+    k -= 64;
+  }
+  return _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((k + 127) << 23)));
+}
+
+/* Whether any of the tile's V group scales or biases (st/bt[g][KVA_TILE],
+ * zero past n) is NaN or Inf. */
+static int iv_nonfinite(const fmt8 *fp, const float *st, const float *bt) {
+  const v8i expo = v8i_set1(0x7f800000);
+  v8i bad = v8i_zero();
+  for (int g = 0; g < fp->ngroups; ++g)
+    for (int t = 0; t < KVA_TILE; t += L8)
+      bad = v8i_or(bad, v8i_or(NONFINITE(v8f_load(st + g * KVA_TILE + t)), NONFINITE(v8f_load(bt + g * KVA_TILE + t))));
+  return v8i_any(bad);
+}
+
+/* Code vectors of a token pair (chunks x0 of token 2i, x1 of 2i + 1): code
+ * k of each word of x0 in the low s16 of its lane, of x1 in the high one,
+ * into dst[k][8]. */
+ALWAYS void iv_codes(__m256i x0, __m256i x1, int bits, int32_t *dst) {
+  const int C = 16 / bits; /* codes per 16-bit half */
+  const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  const __m256i lo = _mm256_blend_epi16(x0, _mm256_slli_epi32(x1, 16), 0xAA);
+  const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
+  for (int k = 0; k < 2 * C; ++k) {
+    const __m256i y = k < C ? lo : hi;
+    const int s = (k % C) * bits; /* the top code of each half: a 16-bit shift alone */
+    _mm256_storeu_si256((__m256i *)(dst + k * L8),
+                        s + bits == 16 ? _mm256_srli_epi16(y, s) : _mm256_and_si256(s ? _mm256_srli_epi16(y, s) : y, m));
+  }
+}
+ALWAYS void iv_decode(const fmt8 *fp, const kva_rows *rows, int64_t n, int bits, int32_t *ct,
+                      const kva_prefetch *pf) {
+  const int E = 32 / bits;
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (pf && two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+    int32_t *dst = ct + (t / 2) * fp->P;
+    for (int c = 0; c < fp->nch; ++c) {
+      const __m256i x0 = v8i_load(rows[t].v + c * 32);
+      const __m256i x1 = two ? v8i_load(rows[t + 1].v + c * 32) : _mm256_setzero_si256();
+      iv_codes(x0, x1, bits, dst + (int64_t)c * E * L8);
+    }
+  }
+}
+
+/* The weights of J <= IVB vectors for the tile (P: vector j's 32 weights
+ * at P + j*KVA_TILE, zero past n): wg[j][g][pair] (two s16 weights per
+ * u32), sigma into sig[j][g], sum_t p b added to ob[j][g] (MAXG apart). */
+static void iv_weights(const fmt8 *fp, const float *P, int J, const float *st, const float *bt, int32_t *wg,
+                       float *sig, float *ob) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int j = 0; j < J; ++j) {
+    __m256 p[4];
+    for (int u = 0; u < 4; ++u) p[u] = _mm256_loadu_ps(P + j * KVA_TILE + u * L8);
+    for (int g = 0; g < fp->ngroups; ++g) {
+      const float *sg = st + g * KVA_TILE, *bg = bt + g * KVA_TILE;
+      __m256 w[4], mx = _mm256_setzero_ps(), bs = _mm256_setzero_ps();
+      for (int u = 0; u < 4; ++u) {
+        w[u] = _mm256_mul_ps(p[u], _mm256_loadu_ps(sg + u * L8));
+        mx = _mm256_max_ps(mx, _mm256_and_ps(w[u], absm));
+        bs = _mm256_fmadd_ps(p[u], _mm256_loadu_ps(bg + u * L8), bs);
+      }
+      ob[j * MAXG + g] += v8f_hsum(bs);
+      const float M = v8f_hmax(mx);
+      int32_t *wj = wg + (j * MAXG + g) * (KVA_TILE / 2);
+      if (!(M > 0.0f) || !isfinite(M)) { /* nothing to add, or NaN weights (ob is NaN) */
+        sig[j * MAXG + g] = 0.0f;
+        memset(wj, 0, sizeof(int32_t) * KVA_TILE / 2);
+        continue;
+      }
+      uint32_t u;
+      memcpy(&u, &M, 4);
+      const int fl = (u >> 23) ? (int)(u >> 23) - 127 : 31 - __builtin_clz(u) - 149; /* floor(log2 M) */
+      int k = 14 - fl;
+      if (_mm256_cvtss_f32(iv_scale(_mm256_set1_ps(M), k)) >= 32767.5f) --k;
+      sig[j * MAXG + g] = -k >= -126 ? (float)_mm256_cvtss_f32(iv_scale(_mm256_set1_ps(1.0f), -k)) : ldexpf(1.0f, -k);
+      __m256i c[4];
+      for (int v = 0; v < 4; ++v) c[v] = _mm256_cvtps_epi32(iv_scale(w[v], k)); /* nearest even */
+      /* packs interleaves 128-bit halves: 64-bit elements back to token order */
+      _mm256_storeu_si256((__m256i *)wj, _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+      _mm256_storeu_si256((__m256i *)(wj + L8), _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+    }
+  }
+}
+
+/* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
+ * into a new register and copies it back, one move per accumulator). */
+ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
+  const __m256i t = _mm256_madd_epi16(a, b);
+  __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
+  return acc;
+}
+/* o[j][pos0 .. pos0 + 8 KB) += sigma_jg * sum_pairs w'_jg . codes for J
+ * vectors over np token pairs (the block's KB code vectors in one chunk,
+ * so one group g). */
+ALWAYS void iv_block(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, float *o,
+                     int64_t pos0, int J, int KB) {
+  const int g = fp->g0[pos0 / (L8 * fp->E)];
+  __m256i acc[IVB][4];
+  for (int j = 0; j < J; ++j)
+    for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < np; ++i) {
+    __m256i w[IVB];
+    for (int j = 0; j < J; ++j) w[j] = _mm256_set1_epi32(wg[(j * MAXG + g) * (KVA_TILE / 2) + i]);
+    for (int kb = 0; kb < KB; ++kb) {
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(ct + i * fp->P + pos0 + kb * L8));
+      for (int j = 0; j < J; ++j) acc[j][kb] = iv_madd_acc(acc[j][kb], x, w[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    float *oj = o + (int64_t)j * fp->P + pos0;
+    const __m256 sv = _mm256_set1_ps(sig[j * MAXG + g]);
+    for (int kb = 0; kb < KB; ++kb)
+      _mm256_storeu_ps(oj + kb * L8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][kb]), sv, _mm256_loadu_ps(oj + kb * L8)));
+  }
+}
+/* (out of line, as iv_direct_*) */
+#define IV_BLOCK(J_, KB_)                                                                                      \
+  __attribute__((noinline)) static void iv_block_##J_(const fmt8 *fp, int64_t np, const int32_t *ct, const int32_t *wg, const float *sig, \
+                            float *o, int64_t pos0) {                                                          \
+    iv_block(fp, np, ct, wg, sig, o, pos0, J_, KB_);                                                           \
+  }
+IV_BLOCK(4, 2)
+IV_BLOCK(2, 4)
+IV_BLOCK(1, 4)
+
+/* Direct form for J <= 2 vectors (decode): the token pairs' code vectors
+ * built in registers and consumed at once, no L1 round trip; passes of 4
+ * code vectors per chunk (4-bit: the two tokens' low 16-bit halves, then
+ * the high ones; 8-bit: both), 4 J int32 accumulators, flushed to o times
+ * sigma per pass. The first pass prefetches the next tile's V rows. */
+ALWAYS void iv_pair(__m256i x0, __m256i x1, const int32_t *wp, int h, int J, int bits, __m256i (*acc)[4]) {
+  const __m256i m = _mm256_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
+  __m256i w[2];
+  for (int j = 0; j < J; ++j) w[j] = _mm256_set1_epi32(wp[j * MAXG * (KVA_TILE / 2)]);
+  for (int k = 0; k < 4; ++k) {
+    __m256i y; /* the 16-bit halves that hold code vector k */
+    if (bits == 4 ? h == 0 : k < 2) y = _mm256_blend_epi16(x0, _mm256_slli_epi32(x1, 16), 0xAA);
+    else y = _mm256_blend_epi16(_mm256_srli_epi32(x0, 16), x1, 0xAA);
+    const int sh = bits == 4 ? 4 * k : 8 * (k & 1); /* the top code of each half: a 16-bit shift alone */
+    const __m256i v = sh + bits == 16 ? _mm256_srli_epi16(y, sh) : _mm256_and_si256(sh ? _mm256_srli_epi16(y, sh) : y, m);
+    for (int j = 0; j < J; ++j) acc[j][k] = iv_madd_acc(acc[j][k], v, w[j]);
+  }
+}
+/* One pass: chunk c, half h (a constant), over the tile's token pairs; PF:
+ * this pass prefetches the next tile's V rows (pf). */
+ALWAYS void iv_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig, float *o,
+                    int c, int h, int J, int bits, const kva_prefetch *pf, int PF) {
+  const int E = 32 / bits, g = fp->g0[c];
+  const int32_t *wc = wg + g * (KVA_TILE / 2);
+  __m256i acc[2][4];
+  for (int j = 0; j < J; ++j)
+    for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_si256();
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) {
+    if (PF && t < pf->n) {
+      prefetch_row3(pf, t, KVA_ARR_V);
+      if (t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
+    }
+    iv_pair(v8i_load(rows[t].v + c * 32), v8i_load(rows[t + 1].v + c * 32), wc + t / 2, h, J, bits, acc);
+  }
+  if (t < n) { /* odd n: the last token alone (its pair's weight 0) */
+    if (PF && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
+    iv_pair(v8i_load(rows[t].v + c * 32), _mm256_setzero_si256(), wc + t / 2, h, J, bits, acc);
+  }
+  for (int j = 0; j < J; ++j) {
+    float *oj = o + (int64_t)j * fp->P + (c * E + 4 * h) * L8;
+    const __m256 sv = _mm256_set1_ps(sig[j * MAXG + g]);
+    for (int k = 0; k < 4; ++k)
+      _mm256_storeu_ps(oj + k * L8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j][k]), sv, _mm256_loadu_ps(oj + k * L8)));
+  }
+}
+ALWAYS void iv_direct(const fmt8 *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig, float *o,
+                      int J, int bits, const kva_prefetch *pf) {
+  for (int c = 0; c < fp->nch; ++c) {
+    if (c == 0 && pf) iv_pass(fp, rows, n, wg, sig, o, c, 0, J, bits, pf, 1);
+    else iv_pass(fp, rows, n, wg, sig, o, c, 0, J, bits, pf, 0);
+    if (bits == 4) iv_pass(fp, rows, n, wg, sig, o, c, 1, J, bits, pf, 0);
+  }
+}
+/* (out of line: inlined into attend_fast8, GCC 12 spills the accumulators) */
+#define IV_DIRECT(BITS, J_)                                                                                     \
+  __attribute__((noinline)) static void iv_direct_##BITS##_##J_(const fmt8 *fp, const kva_rows *rows,        \
+                                      int64_t n, const int32_t *wg, const float *sig, float *o,                \
+                                      const kva_prefetch *pf) {                                                \
+    iv_direct(fp, rows, n, wg, sig, o, J_, BITS, pf);                                                          \
+  }
+IV_DIRECT(4, 1)
+IV_DIRECT(4, 2)
+IV_DIRECT(8, 1)
+IV_DIRECT(8, 2)
+
+/* The integer V phase for one tile; 0 without touching o or ob when a scale
+ * or bias of the tile is not finite (the caller then takes the f32 path).
+ * Scratch: ct (n/2 rows of P u32) in vt, the tile's V group scales and
+ * biases st/bt [MAXG][T] (groups_t), wg/sig in ws. */
+static int vphase_int(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *st,
+                      float *bt, float *ws, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
+  groups_t(fp, rows, n, KVA_ARR_VS, KVA_ARR_VB, st, bt);
+  if (iv_nonfinite(fp, st, bt)) return 0;
+  int32_t *ct = (int32_t *)vt, *wg = (int32_t *)ws;
+  float *sig = ws + IVB * MAXG * (KVA_TILE / 2);
+  if (nq <= 2) {
+    iv_weights(fp, S, (int)nq, st, bt, wg, sig, ob);
+    switch (fp->bits * 2 + (int)nq) {
+    case 9: iv_direct_4_1(fp, rows, n, wg, sig, o, pf); break;
+    case 10: iv_direct_4_2(fp, rows, n, wg, sig, o, pf); break;
+    case 17: iv_direct_8_1(fp, rows, n, wg, sig, o, pf); break;
+    default: iv_direct_8_2(fp, rows, n, wg, sig, o, pf); break;
+    }
+    return 1;
+  }
+  if (fp->bits == 4) iv_decode(fp, rows, n, 4, ct, pf);
+  else iv_decode(fp, rows, n, 8, ct, pf);
+  const int64_t np = (n + 1) / 2;
+  for (int64_t j0 = 0; j0 < nq; j0 += IVB) {
+    const int J = nq - j0 < IVB ? (int)(nq - j0) : IVB;
+    iv_weights(fp, S + j0 * KVA_TILE, J, st, bt, wg, sig, ob + j0 * MAXG);
+    float *oj = o + j0 * fp->P;
+    int j = 0;
+    if (J == 4) {
+      for (int64_t pos = 0; pos < fp->P; pos += 2 * L8) iv_block_4(fp, np, ct, wg, sig, oj, pos);
+      continue;
+    }
+    for (; j + 2 <= J; j += 2)
+      for (int64_t pos = 0; pos < fp->P; pos += 4 * L8)
+        iv_block_2(fp, np, ct, wg + j * MAXG * (KVA_TILE / 2), sig + j * MAXG, oj + j * fp->P, pos);
+    for (; j < J; ++j)
+      for (int64_t pos = 0; pos < fp->P; pos += 4 * L8)
+        iv_block_1(fp, np, ct, wg + j * MAXG * (KVA_TILE / 2), sig + j * MAXG, oj + j * fp->P, pos);
+  }
+  return 1;
+}
+#endif
+
 /* ---- online softmax over a tile ---- */
 /* exp(x) for x <= 88 (NaN -> NaN, -inf -> 0, below -87 -> 0): 2^n * p(f). */
 ALWAYS v8f exp8(v8f x) {
@@ -908,7 +1277,8 @@ static int tile_softmax8(float *S, int64_t n, int64_t nq, float *m, float *l, fl
 /* Scratch (floats): qp[nq][Pk], qs[nq][nchk*8] (the integer K phase: the
  * query bytes in qp, sg/beta in qs), o[nq][Pv], ob[nq][MAXG] (V's group bias
  * sums), m/l[nq], S[nq][T], vt[T][Pv], kgs/kgb/vgs/vgb[T][GLD], ws[4][T][GLD]
- * (vweights8), kst/kbt[MAXG][T] (avx2). vt: T rows of VT_LD. */
+ * (vweights8; vphase_int's weights), kst/kbt/vst/vbt[MAXG][T] (avx2). vt: T
+ * rows of VT_LD (vphase_int: its token-pair codes). */
 static void attend_fast8(const kva_item *it) {
   const kva_problem *p = it->p;
   const kva_source *src = it->src;
@@ -922,8 +1292,10 @@ static void attend_fast8(const kva_item *it) {
   float *kgs = vt + KVA_TILE * VT_LD(&vf), *kgb = kgs + KVA_TILE * GLD, *vgs = kgb + KVA_TILE * GLD,
         *vgb = vgs + KVA_TILE * GLD, *ws = vgb + KVA_TILE * GLD;
 #if defined(__AVX2__)
-  float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE;
+  float *kst = ws + 4 * KVA_TILE * GLD, *kbt = kst + MAXG * KVA_TILE, *vst = kbt + MAXG * KVA_TILE,
+        *vbt = vst + MAXG * KVA_TILE;
   kf.iq = !p->exact && iq_format_ok(&kf);
+  vf.iv = iv_on(p, &vf);
 #endif
   float qrow[KVA_MAX_HEAD_DIM];
   for (int64_t j = 0; j < nq; ++j) {
@@ -952,20 +1324,26 @@ static void attend_fast8(const kva_item *it) {
   const kva_rows *rows;
   int64_t tf, n;
   while ((rows = tiles_next(&tl, &tf, &n))) {
-    if (kf.bits) {
-      tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
-      k_groups_nan(kgs, kgb, n, kf.ngroups);
-    }
 #if defined(__AVX2__)
     if (kf.iq) {
-      k_groups_transpose(&kf, kgs, kgb, n, kst, kbt);
+      groups_t(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kst, kbt);
+      k_groups_nan_t(&kf, kst, kbt);
       kphase_int8(&kf, rows, n, qp, qs, kst, kbt, nq, S, &tl.pf);
     } else
 #endif
+    {
+      if (kf.bits) {
+        tile_groups(&kf, rows, n, KVA_ARR_KS, KVA_ARR_KB, kgs, kgb);
+        k_groups_nan(kgs, kgb, n, kf.ngroups);
+      }
       kphase8(&kf, rows, n, qp, qs, kgs, kgb, nq, S, &tl.pf);
+    }
     if (p->softcap > 0.0f) simd_softcap(S, nq, KVA_TILE, n, p->softcap);
     simd_mask_tile(it, seg, S, nq, tf, n);
     if (!tile_softmax8(S, n, nq, m, l, o, ob, vf.P, vbn)) continue;
+#if defined(__AVX2__)
+    if (vf.iv && vphase_int(&vf, rows, n, S, vt, vst, vbt, ws, o, ob, nq, &tl.pf)) continue;
+#endif
     if (vf.bits) tile_groups(&vf, rows, n, KVA_ARR_VS, KVA_ARR_VB, vgs, vgb);
     vphase8(&vf, rows, n, S, vgs, vgb, vt, ws, o, ob, nq, &tl.pf);
   }
@@ -993,16 +1371,21 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
 /* The name with its roundings in brackets (kvattn.h, kva_attention_kernel):
  * at the avx2 level, quantized K that the integer K phase takes (4-bit,
  * 8-bit) rounds the query to s8 per (vector, group) ("[q int8]", the
- * rounding kva_ref_rounding models); everything else, and exact mode,
- * multiplies in f32. */
+ * rounding kva_ref_rounding models); quantized V that the integer V phase
+ * takes (16-bit queries) rounds P times the group scale to s16 per
+ * (vector, tile, group) ("P int16", the tests' ATT_ATOL_PINT16);
+ * everything else, and exact mode, multiplies in f32. */
 const char *KFN(fast_name)(const kva_problem *p) {
   if (!KFN(select_fast)(p)) return NULL;
 #if defined(__AVX2__)
   kva_rowfmt kr, vr;
   simd_rowfmts(p, &kr, &vr);
-  fmt8 kf;
+  fmt8 kf, vf;
   plan8(&kr, &kf);
-  if (!p->exact && iq_format_ok(&kf)) return "fused kernel [q int8]";
+  plan8(&vr, &vf);
+  const int iq = !p->exact && iq_format_ok(&kf), iv = iv_on(p, &vf);
+  if (iq) return iv ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
+  if (iv) return "fused kernel [P int16]";
 #endif
   return "fused kernel [exact f32]";
 }
