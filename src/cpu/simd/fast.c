@@ -1045,26 +1045,21 @@ static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
     }
     float *oj = o + j0 * P;
     int64_t pos = 0;
-    for (; pos + BPK * LANES <= P; pos += BPK * LANES) {
-      BFP_PF();
-      if (J == 4) bfp_block_4_4(np, P, ct, wb, oj, pos);
-      else if (J == 2) bfp_block_2_4(np, P, ct, wb, oj, pos);
-      else if (J == 1) bfp_block_1_4(np, P, ct, wb, oj, pos);
-      else {
-        bfp_block_2_4(np, P, ct, wb, oj, pos);
-        bfp_block_1_4(np, P, ct, wb + 2 * LANES, oj + 2 * P, pos);
-      }
-    }
-    if (pos < P) { /* the last 32 positions (P: a multiple of 32) */
-      BFP_PF();
-      if (J == 4) bfp_block_4_2(np, P, ct, wb, oj, pos);
-      else if (J == 2) bfp_block_2_2(np, P, ct, wb, oj, pos);
-      else if (J == 1) bfp_block_1_2(np, P, ct, wb, oj, pos);
-      else {
-        bfp_block_2_2(np, P, ct, wb, oj, pos);
-        bfp_block_1_2(np, P, ct, wb + 2 * LANES, oj + 2 * P, pos);
-      }
-    }
+    /* J vectors (3: 2 + 1) over the positions pos .. of K accumulators */
+#define BFP_BLOCKS(K)                                                                 \
+  do {                                                                                \
+    BFP_PF();                                                                         \
+    if (J == 4) bfp_block_4_##K(np, P, ct, wb, oj, pos);                              \
+    else if (J == 2) bfp_block_2_##K(np, P, ct, wb, oj, pos);                         \
+    else if (J == 1) bfp_block_1_##K(np, P, ct, wb, oj, pos);                         \
+    else {                                                                            \
+      bfp_block_2_##K(np, P, ct, wb, oj, pos);                                        \
+      bfp_block_1_##K(np, P, ct, wb + 2 * LANES, oj + 2 * P, pos);                    \
+    }                                                                                 \
+  } while (0)
+    for (; pos + BPK * LANES <= P; pos += BPK * LANES) BFP_BLOCKS(4);
+    if (pos < P) BFP_BLOCKS(2); /* the last 32 positions (P: a multiple of 32) */
+#undef BFP_BLOCKS
   }
   for (; r < pn; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS);
 #undef BFP_PF
