@@ -11,39 +11,13 @@
  * BITS 4 or 8 (group 64, bf16 scales) or 0 (bf16 rows). Data: uniform random
  * rows, kva_quantize / kva_convert. */
 #include <kvattn.h>
+
+#include "cpu_cache.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-static float rnd(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 static int D;
-static int make_cache(kva_kv *kv, int bits, int64_t N) {
-  float *w = malloc(sizeof(float) * (size_t)(N * D));
-  if (!w) return -1;
-  for (int64_t j = 0; j < N * D; ++j)
-    w[j] = rnd();
-  kva_tensor wt = kva_tensor_4d(w, KVA_F32, 1, 1, N, D);
-  memset(kv, 0, sizeof *kv);
-  int rc;
-  if (bits) {
-    kv->bits = bits;
-    kv->group_size = 64;
-    kv->data = kva_tensor_4d(malloc((size_t)(N * D * bits / 8)), KVA_U32, 1, 1, N, D * bits / 32);
-    kv->scales = kva_tensor_4d(malloc((size_t)(N * D / 64 * 2)), KVA_BF16, 1, 1, N, D / 64);
-    kv->biases = kva_tensor_4d(malloc((size_t)(N * D / 64 * 2)), KVA_BF16, 1, 1, N, D / 64);
-    rc = kv->data.data && kv->scales.data && kv->biases.data ? kva_quantize(&wt, kv) : -1;
-  } else {
-    kv->data = kva_tensor_4d(malloc((size_t)(N * D * 2)), KVA_BF16, 1, 1, N, D);
-    rc = kv->data.data ? kva_convert(&wt, &kv->data) : -1;
-  }
-  free(w);
-  return rc ? -1 : 0;
-}
 int main(int argc, char **argv) {
   if (argc < 6) {
     fprintf(stderr, "usage: BITS D REP L N [REPS] [THREADS]\n");
@@ -55,7 +29,7 @@ int main(int argc, char **argv) {
   const int64_t N = atoll(argv[5]);
   const int reps = argc > 6 ? atoi(argv[6]) : 25, th = argc > 7 ? atoi(argv[7]) : 1;
   kva_kv kv[2];
-  if (make_cache(&kv[0], bits, N) || make_cache(&kv[1], bits, N)) {
+  if (make_cache(&kv[0], bits, N, D) || make_cache(&kv[1], bits, N, D)) {
     fprintf(stderr, "cache: %s\n", kva_last_error());
     return 1;
   }

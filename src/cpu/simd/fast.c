@@ -972,14 +972,6 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
 #define BPJ 4 /* query vectors per register block */
 #define BPK 4 /* accumulator vectors (16 positions) per query per register block */
 
-/* vpermt2w indices: u32 lane l = (element 2l + par of x0, the same of x1). */
-#define BPW(l, par) ((2 * (l) + (par)) | (32 + 2 * (l) + (par)) << 16)
-static const int32_t bfp_iw[2][LANES] = {
-    {BPW(0, 0), BPW(1, 0), BPW(2, 0), BPW(3, 0), BPW(4, 0), BPW(5, 0), BPW(6, 0), BPW(7, 0), BPW(8, 0), BPW(9, 0),
-     BPW(10, 0), BPW(11, 0), BPW(12, 0), BPW(13, 0), BPW(14, 0), BPW(15, 0)},
-    {BPW(0, 1), BPW(1, 1), BPW(2, 1), BPW(3, 1), BPW(4, 1), BPW(5, 1), BPW(6, 1), BPW(7, 1), BPW(8, 1), BPW(9, 1),
-     BPW(10, 1), BPW(11, 1), BPW(12, 1), BPW(13, 1), BPW(14, 1), BPW(15, 1)}};
-#undef BPW
 
 /* o[j][pos0 .. pos0 + 16 KB) += sum_pairs wb[j][i] . ct[i] for J vectors. */
 ALWAYS void bfp_block(int64_t np, int64_t P, const int32_t *ct, const int32_t *wb, float *o, int64_t pos0, int J,
@@ -1015,7 +1007,8 @@ static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
                       int64_t nq, const kva_prefetch *pf) {
   int32_t *ct = (int32_t *)vt;
   const int64_t np = (n + 1) / 2, P = fp->P;
-  const __m512i i0 = _mm512_loadu_si512(bfp_iw[0]), i1 = _mm512_loadu_si512(bfp_iw[1]);
+  /* u32 lane l = (element 2 l + par of x0, the same of x1): pint_codes' plain indices */
+  const __m512i i0 = _mm512_loadu_si512(pint_iw_plain[0]), i1 = _mm512_loadu_si512(pint_iw_plain[1]);
   const __m512i ex = _mm512_set1_epi16(0x7F80); /* bf16 exponent bits: all set for NaN and Inf */
   __mmask32 bad = 0;
   for (int64_t t = 0; t < n; t += 2) {
