@@ -66,10 +66,17 @@
  *         stays in registers as the A operand of O += P V: wgmma m64n64k16
  *         per 64-dim chunk and 16-token k-step, B the V tile (N-major).
  *   pipeline, stage s (each warpgroup): issue S(s); warpgroup 0 issues the
- *         copies of stage s + 2; wait for stage s + 1's copies (block
- *         barrier) and for P.V(s - 1), convert stage s + 1 into the other
- *         tile buffer while S(s) runs; wait for S(s); softmax; issue P.V(s);
- *         fence to the async proxy, warpgroup barrier.
+ *         copies of stage s + 2 into the slot of stage s - 1 once warpgroup
+ *         1 has converted that (its "converted" mbarrier), each of its
+ *         threads arriving on the slot's "landed" mbarrier when its copies
+ *         complete; wait for stage s + 1 to land (mbarrier) and for
+ *         P.V(s - 1), convert stage s + 1 into the other tile buffer while
+ *         S(s) runs (warpgroup 1 then arrives on "converted"); wait for
+ *         S(s); softmax; issue P.V(s); fence to the async proxy, warpgroup
+ *         barrier. No block barrier in the loop: each warpgroup converts
+ *         and multiplies its own token rows, so the two drift up to a stage
+ *         apart and their softmax and conversion phases interleave on the
+ *         schedulers.
  *   precision: K, V and P rounded to bf16 (2^-9 relative), f32 sums: the
  *         bf16 allowance, as the wide kernel.
  *   launch: grid (ceil(rep L / 64), nsplit, B KVH) x 256 threads; an
@@ -175,7 +182,7 @@ struct kvc_wg_col {
 #define KVC_WG_IDS8(D) (2 * KVC_WG_RAW8(D) - 1) /* fp8: block-id slots */
 struct kvc_wg_layout {
   int tile; /* bytes of one bf16 tile: 64 rows x 2 D */
-  int qt, raw, ids, ost, ms, ls, mw, total;
+  int qt, raw, ids, ost, ms, ls, mw, mb, total;
   kvc_tc_layout st;
 };
 __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, int gv) {
@@ -193,6 +200,7 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, 
     l.stage = l.vs + KVC_TC_TOK * 4;
     w.ids = w.raw + KVC_WG_RAW8(D) * l.stage;
     w.total = w.ids + KVC_WG_IDS8(D) * KVC_TC_IDS * 4;
+    w.mb = w.total; /* (q4 only) */
     w.ost = 0; /* three O [64][D + 4], then the maxima and sums (after the loop) */
     w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
     w.ls = w.ms + KVC_WG_QV * 4;
@@ -205,7 +213,8 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, 
   w.ms = w.ids + 2 * KVC_WG_RAW * KVC_TC_IDS * 4;
   w.ls = w.ms + KVC_WG_QV * 4;
   w.mw = w.ls + KVC_WG_QV * 4; /* both warpgroups' m and l before they combine */
-  w.total = w.mw + 4 * KVC_WG_QV * 4;
+  w.mb = w.mw + 4 * KVC_WG_QV * 4; /* the raw slots' mbarriers: KVC_WG_RAW "landed", then KVC_WG_RAW "converted" */
+  w.total = w.mb + 2 * KVC_WG_RAW * 8;
   return w;
 }
 __host__ __device__ inline int kvc_wg_kt(const kvc_wg_layout &w, int buf) { return w.tile * (1 + 2 * buf); }
@@ -547,6 +556,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const kvc_wg_layout W = kvc_wg_layout_of(F, D, gk, gv);
   const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
+  const uint32_t mbf = sbase + W.mb, mbe = mbf + 8 * KVC_WG_RAW; /* q4: slot landed / slot converted by warpgroup 1 */
   kvc_wg_cv<D> cv{}; /* q4: this thread's conversion offsets */
   if constexpr (!NAT) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
   kvc_wg_cv8 cv8{}; /* fp8: this thread's conversion offsets */
@@ -570,6 +580,10 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
      * (stage x's in slot x % NI; those of stages PRO .. 2 PRO - 1 issued
      * here, fp8: PRO .. 2 PRO - 2) */
     ring = sbase + W.raw;
+    if constexpr (!FP8) { /* q4: the raw slots' mbarriers (see the loop) */
+      if (tid < 2 * KVC_WG_RAW) kvc_mbar_init(mbf + 8 * tid, KVC_WG_THREADS);
+      __syncthreads();
+    }
     ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
     ids = (int *)(base + W.ids);
     ids_sh = sbase + W.ids;
@@ -585,6 +599,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       if (loads && s < nst) kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
       if (loads && tbl && (!FP8 || s < PRO - 1))
         kvc_tc_issue_ids(a, b, fo, ts + (long long)PRO * KVC_TC_TOK, t_hi, ids_sh + ((s + PRO) % NI) * KVC_TC_IDS * 4);
+      if (!FP8 && loads && s < nst) kvc_mbar_arrive_cp(mbf + 8 * s);
       kvc_cp_commit();
     }
   } else {
@@ -664,6 +679,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       kvc_wg_convert_fp8<F, D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv8, ksc, vsc);
     else
       kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
+    if (!FP8 && !loads) kvc_mbar_arrive(mbe);
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -717,17 +733,24 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
     } else {
       if constexpr (!FP8) { /* the copies of stage s + RAW - 1 (and the block ids of stage s + 2 RAW - 2) */
         const int sn = s + KVC_WG_RAW - 1;
-        if (loads && sn < nst)
+        if (loads && sn < nst) { /* into the slot of stage s - 1, once warpgroup 1 has converted it */
+          if (s > 0) kvc_mbar_wait(mbe + 8 * ((s - 1) % KVC_WG_RAW), ((s - 1) / KVC_WG_RAW) & 1);
           kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (sn % KVC_WG_RAW) * L.stage, fo,
                                        t_lo + (long long)sn * KVC_TC_TOK, t_hi, ids + (sn % NI) * KVC_TC_IDS);
-        if (loads && tbl)
-          kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
-                           ids_sh + ((sn + KVC_WG_RAW - 1) % NI) * KVC_TC_IDS * 4);
+          if (tbl)
+            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + KVC_WG_RAW - 1) * KVC_TC_TOK, t_hi,
+                             ids_sh + ((sn + KVC_WG_RAW - 1) % NI) * KVC_TC_IDS * 4);
+          kvc_mbar_arrive_cp(mbf + 8 * (sn % KVC_WG_RAW)); /* its copies and the ids landed */
+        }
         kvc_cp_commit();
       }
       if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-        kvc_cp_wait<RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-        __syncthreads();        /* visible to both; every slot's earlier conversions done */
+        if constexpr (!FP8) {
+          kvc_mbar_wait(mbf + 8 * ((s + 1) % KVC_WG_RAW), ((s + 1) / KVC_WG_RAW) & 1); /* stage s + 1 landed */
+        } else {
+          kvc_cp_wait<RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
+          __syncthreads();        /* visible to both; every slot's earlier conversions done */
+        }
         if constexpr (FP8) {
           /* the copies of stage s + RAW into the slot stage s left (converted
            * before this barrier), and the block ids of stage s + 2 RAW - 1
@@ -749,6 +772,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         else
           kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
                             kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
+        if (!FP8 && !loads) kvc_mbar_arrive(mbe + 8 * ((s + 1) % KVC_WG_RAW)); /* its slot free */
       }
     }
     kvc_wg_wait<0>();

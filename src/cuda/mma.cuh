@@ -76,6 +76,24 @@ __device__ __forceinline__ void kvc_cp_commit(void) { asm volatile("cp.async.com
 template <int N> __device__ __forceinline__ void kvc_cp_wait(void) {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+/* mbarriers in shared memory (sm_80+): init with an arrival count; a
+ * thread's arrival once all its earlier cp.async copies have landed
+ * (noinc: counted against the init count); a plain arrival (release); a
+ * wait for the completion of the phase of the given parity (acquire). */
+__device__ __forceinline__ void kvc_mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void kvc_mbar_arrive_cp(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void kvc_mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void kvc_mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}" ::"r"(bar),
+               "r"(parity)
+               : "memory");
+}
 __device__ __forceinline__ uint32_t kvc_lds16(const unsigned char *p) { return *(const unsigned short *)p; }
 /* bf16x2 of (lo, hi), each rounded to nearest even. */
 __device__ __forceinline__ uint32_t kvc_bf16x2_of(float lo, float hi) {
