@@ -134,12 +134,12 @@
  *         tiles. Shared memory ~227 KB at D = 256 (a third raw slot would
  *         not fit: 33 KB a stage), ~149 KB at 128, ~77 KB at 64 (two
  *         blocks per SM).
- *   pipeline: as q4, but the copies of stage s + RAW go out after stage s's
- *         barrier (wait for stage s + 1's copies, block barrier), into the
- *         slot stage s left (converted at stage s - 1, before the barrier);
- *         the block ids of stage s + 2 RAW - 1 with them (KVC_WG_IDS8(D) =
- *         2 RAW - 1 slots: the prologue's first 2 RAW - 1 stages distinct).
- *         RAW stages in flight across the barrier, RAW - 1 after it.
+ *   pipeline: as q4 (mbarriers per slot), but the copies of stage s + RAW
+ *         go out after stage s + 1 has landed, into the slot of stage s
+ *         (converted at stage s - 1); the block ids of stage s + 2 RAW - 1
+ *         with them (KVC_WG_IDS8(D) = 2 RAW - 1 slots: the prologue's first
+ *         2 RAW - 1 stages distinct). RAW stages in flight while a stage is
+ *         converted.
  *   conversion (kvc_wg_convert_fp8, offsets kvc_wg_cv8): thread i of
  *         warpgroup w takes token row 32 w + i / 4 and D / 64 pieces of 16
  *         codes, the quarter-warp's two rows in complementary halves of
@@ -199,8 +199,8 @@ __host__ __device__ inline kvc_wg_layout kvc_wg_layout_of(int f, int D, int gk, 
     l.kb = l.vs = l.vb = l.ks + KVC_TC_TOK * 4;
     l.stage = l.vs + KVC_TC_TOK * 4;
     w.ids = w.raw + KVC_WG_RAW8(D) * l.stage;
-    w.total = w.ids + KVC_WG_IDS8(D) * KVC_TC_IDS * 4;
-    w.mb = w.total; /* (q4 only) */
+    w.mb = w.ids + KVC_WG_IDS8(D) * KVC_TC_IDS * 4; /* the raw slots' mbarriers: landed, converted */
+    w.total = w.mb + 2 * KVC_WG_RAW8(D) * 8;
     w.ost = 0; /* three O [64][D + 4], then the maxima and sums (after the loop) */
     w.ms = w.ost + 3 * KVC_WG_QV * (D + 4) * 4;
     w.ls = w.ms + KVC_WG_QV * 4;
@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const kvc_wg_layout W = kvc_wg_layout_of(F, D, gk, gv);
   const kvc_wgf_layout WF = kvc_wgf_layout_of(D);
   const kvc_tc_layout &L = W.st;
-  const uint32_t mbf = sbase + W.mb, mbe = mbf + 8 * KVC_WG_RAW; /* q4: slot landed / slot converted by warpgroup 1 */
+  const uint32_t mbf = sbase + W.mb, mbe = mbf + 8 * RAW; /* raw slot landed / converted by warpgroup 1 */
   kvc_wg_cv<D> cv{}; /* q4: this thread's conversion offsets */
   if constexpr (!NAT) cv = kvc_wg_cv_of<D>(L, wg, wt, gk, gv, gk_sh, gv_sh);
   kvc_wg_cv8 cv8{}; /* fp8: this thread's conversion offsets */
@@ -580,10 +580,8 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
      * (stage x's in slot x % NI; those of stages PRO .. 2 PRO - 1 issued
      * here, fp8: PRO .. 2 PRO - 2) */
     ring = sbase + W.raw;
-    if constexpr (!FP8) { /* q4: the raw slots' mbarriers (see the loop) */
-      if (tid < 2 * KVC_WG_RAW) kvc_mbar_init(mbf + 8 * tid, KVC_WG_THREADS);
-      __syncthreads();
-    }
+    if (tid < 2 * RAW) kvc_mbar_init(mbf + 8 * tid, KVC_WG_THREADS); /* the raw slots' mbarriers (see the loop) */
+    __syncthreads();
     ld = kvc_tc_loader_of<F, D>(a, L, b, hk, t_lo);
     ids = (int *)(base + W.ids);
     ids_sh = sbase + W.ids;
@@ -599,7 +597,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       if (loads && s < nst) kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + s * L.stage, fo, ts, t_hi, ids + s * KVC_TC_IDS);
       if (loads && tbl && (!FP8 || s < PRO - 1))
         kvc_tc_issue_ids(a, b, fo, ts + (long long)PRO * KVC_TC_TOK, t_hi, ids_sh + ((s + PRO) % NI) * KVC_TC_IDS * 4);
-      if (!FP8 && loads && s < nst) kvc_mbar_arrive_cp(mbf + 8 * s);
+      if (loads && s < nst) kvc_mbar_arrive_cp(mbf + 8 * s);
       kvc_cp_commit();
     }
   } else {
@@ -679,7 +677,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
       kvc_wg_convert_fp8<F, D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv8, ksc, vsc);
     else
       kvc_wg_convert<D>(base + W.raw, L, base + kvc_wg_kt(W, 0), cv, wt, kvc_tc_so(gk, t_lo, e0));
-    if (!FP8 && !loads) kvc_mbar_arrive(mbe);
+    if (!loads) kvc_mbar_arrive(mbe);
   }
   kvc_fence_proxy_async();
   __syncthreads(); /* the Q tile and tile buffer 0 written, visible to the async proxy */
@@ -745,24 +743,23 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         kvc_cp_commit();
       }
       if (s + 1 < nst) { /* stage s + 1 into the other buffer while S(s) runs */
-        if constexpr (!FP8) {
-          kvc_mbar_wait(mbf + 8 * ((s + 1) % KVC_WG_RAW), ((s + 1) / KVC_WG_RAW) & 1); /* stage s + 1 landed */
-        } else {
-          kvc_cp_wait<RAW - 2>(); /* warpgroup 0's copies of stage s + 1 landed */
-          __syncthreads();        /* visible to both; every slot's earlier conversions done */
-        }
+        kvc_mbar_wait(mbf + 8 * ((s + 1) % RAW), ((s + 1) / RAW) & 1); /* stage s + 1 landed */
         if constexpr (FP8) {
-          /* the copies of stage s + RAW into the slot stage s left (converted
-           * before this barrier), and the block ids of stage s + 2 RAW - 1
-           * (landed by the wait of stage s + RAW - 1, whose loads read them) */
+          /* the copies of stage s + RAW into the slot of stage s once
+           * warpgroup 1 has converted it, and the block ids of stage s + 2
+           * RAW - 1 (landed with stage s + RAW, waited for before the loads
+           * that read them) */
           const int sn = s + RAW;
-          if (loads && sn < nst)
+          if (loads && sn < nst) {
+            kvc_mbar_wait(mbe + 8 * (s % RAW), (s / RAW) & 1);
             kvc_tc_load_stage<F, D, true, TBL ? 2 : 1>(a, L, ld, ring + (s % RAW) * L.stage, fo,
                                                        t_lo + (long long)sn * KVC_TC_TOK, t_hi,
                                                        ids + (sn % NI) * KVC_TC_IDS);
-          if (loads && tbl)
-            kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + RAW - 1) * KVC_TC_TOK, t_hi,
-                             ids_sh + ((sn + RAW - 1) % NI) * KVC_TC_IDS * 4);
+            if (tbl)
+              kvc_tc_issue_ids(a, b, fo, t_lo + (long long)(sn + RAW - 1) * KVC_TC_TOK, t_hi,
+                               ids_sh + ((sn + RAW - 1) % NI) * KVC_TC_IDS * 4);
+            kvc_mbar_arrive_cp(mbf + 8 * (sn % RAW));
+          }
           kvc_cp_commit();
         }
         kvc_wg_wait<1>(); /* P.V(s - 1), the last reader of this warpgroup's rows there, done */
@@ -772,7 +769,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
         else
           kvc_wg_convert<D>(base + W.raw + ((s + 1) % KVC_WG_RAW) * L.stage, L, base + kvc_wg_kt(W, cb ^ 1), cv, wt,
                             kvc_tc_so(gk, t_lo + (long long)(s + 1) * KVC_TC_TOK, e0));
-        if (!FP8 && !loads) kvc_mbar_arrive(mbe + 8 * ((s + 1) % KVC_WG_RAW)); /* its slot free */
+        if (!loads) kvc_mbar_arrive(mbe + 8 * ((s + 1) % RAW)); /* its slot free */
       }
     }
     kvc_wg_wait<0>();
