@@ -255,34 +255,59 @@ __device__ __forceinline__ kvc_wg_cv<D> kvc_wg_cv_of(const kvc_tc_layout &L, int
   }
   return v;
 }
+/* One 16-byte piece of 32 codes (word j: dims 8 j .. 8 j + 7 of the piece)
+ * with its group's scale s1 and bias z1 -> four bf16 units of s c + b at
+ * dst + 2 i chunks + (st ^ 16 j). */
+__device__ __forceinline__ void kvc_wg_deq_piece(uint4 w, uint32_t s1, uint32_t z1, unsigned char *dst, int i,
+                                                 uint32_t st) {
+  const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 o = make_uint4(kvc_deq_pair(ws[j], 0, s2, z2), kvc_deq_pair(ws[j], 1, s2, z2),
+                               kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
+    *(uint4 *)(dst + 2 * i * KVC_WG_CHUNK + (st ^ (j << 4))) = o;
+  }
+}
 /* Warpgroup w's token rows 32 w .. 32 w + 31 of the raw stage at slot ->
  * bf16 K and V tiles at kt and kt + the tile size (see the file comment);
  * so: where the stage's scale entries start with one group per row
- * (kvc_tc_so). */
+ * (kvc_tc_so). At D = 256 (two pieces per operand) every piece and scale
+ * entry is loaded first, so that their latencies overlap; below, piece by
+ * piece (registers capped at 128 at D = 64; measured faster at 128 too). */
 template <int D>
 __device__ __forceinline__ void kvc_wg_convert(const unsigned char *slot, const kvc_tc_layout &L, unsigned char *kt,
                                                const kvc_wg_cv<D> &cv, int wt, int so) {
+  constexpr int NP = kvc_wg_cv<D>::NP;
   const int c0 = wt >> 5;
+  const unsigned char *row[2] = {slot + L.kd + cv.ld, slot + L.vd + cv.ld};
+  const unsigned char *sr[2] = {slot + L.ks + 2 * so, slot + L.vs + 2 * so};
+  const unsigned char *zr[2] = {slot + L.kb + 2 * so, slot + L.vb + 2 * so};
+  if constexpr (D == 256) {
+    uint4 w[2][NP];
+    uint32_t s1[2][NP], z1[2][NP];
 #pragma unroll
-  for (int op = 0; op < 2; ++op) {
-    const unsigned char *row = slot + (op ? L.vd : L.kd) + cv.ld;
-    const unsigned char *sr = slot + (op ? L.vs : L.ks) + 2 * so, *zr = slot + (op ? L.vb : L.kb) + 2 * so;
-    unsigned char *dst = kt + op * 64 * 2 * D;
+    for (int op = 0; op < 2; ++op)
 #pragma unroll
-    for (int i = 0; i < kvc_wg_cv<D>::NP; ++i) {
-      if (D < 128 && c0 + 4 * i >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
-      const uint4 w = *(const uint4 *)(row + 64 * i); /* piece c = c0 + 4 i: dims 32 c .. 32 c + 31 */
-      const uint32_t e = op ? cv.vs[i] : cv.ks[i]; /* its scale entry */
-      const uint32_t s1 = kvc_lds16(sr + e), z1 = kvc_lds16(zr + e);
-      const uint32_t s2 = s1 | (s1 << 16), z2 = z1 | (z1 << 16);
-      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint4 o = make_uint4(kvc_deq_pair(ws[j], 0, s2, z2), kvc_deq_pair(ws[j], 1, s2, z2),
-                                   kvc_deq_pair(ws[j], 2, s2, z2), kvc_deq_pair(ws[j], 3, s2, z2));
-        *(uint4 *)(dst + 2 * i * KVC_WG_CHUNK + (cv.st ^ (j << 4))) = o;
+      for (int i = 0; i < NP; ++i) {
+        const uint32_t e = op ? cv.vs[i] : cv.ks[i]; /* piece c = c0 + 4 i: dims 32 c .. 32 c + 31; its scale entry */
+        w[op][i] = *(const uint4 *)(row[op] + 64 * i);
+        s1[op][i] = kvc_lds16(sr[op] + e), z1[op][i] = kvc_lds16(zr[op] + e);
       }
-    }
+#pragma unroll
+    for (int op = 0; op < 2; ++op)
+#pragma unroll
+      for (int i = 0; i < NP; ++i) kvc_wg_deq_piece(w[op][i], s1[op][i], z1[op][i], kt + op * 64 * 2 * D, i, cv.st);
+  } else {
+#pragma unroll
+    for (int op = 0; op < 2; ++op)
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        if (D < 128 && c0 + 4 * i >= D / 32) break; /* D = 64: two pieces per row, threads c0 < 2 */
+        const uint32_t e = op ? cv.vs[i] : cv.ks[i];
+        kvc_wg_deq_piece(*(const uint4 *)(row[op] + 64 * i), kvc_lds16(sr[op] + e), kvc_lds16(zr[op] + e),
+                         kt + op * 64 * 2 * D, i, cv.st);
+      }
   }
 }
 /* fp8 rows: a thread's share of the conversion, fixed for the block. Thread
