@@ -1287,13 +1287,73 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
 }
 
 /* ---- online softmax over a tile (vector exp) ---- */
+/* One vector's accumulators o[P] and bias lanes ob[obn] times f. */
+ALWAYS void scale_acc(float *o, float *ob, int64_t P, int64_t obn, float f) {
+  const __m512 fv = _mm512_set1_ps(f);
+  for (int64_t d = 0; d < P; d += LANES) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), fv));
+  for (int64_t d = 0; d < obn; d += LANES) _mm512_storeu_ps(ob + d, _mm512_mul_ps(_mm512_loadu_ps(ob + d), fv));
+}
+/* tile_softmax's update for 16 vectors at once (S, m, l, o, ob at the
+ * first): the 16 maxima and the 16 sums each reduced by one shuffle tree
+ * (reduce16_op), the old-state factors by one exp512; the scores are
+ * read twice (max, then exp). Returns whether any vector saw a key. */
+static int softmax16(float *S, __mmask16 m0, __mmask16 m1, float *m, float *l, float *o, float *ob, int64_t P,
+                     int64_t obn) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
+  __m512 t[LANES];
+  __mmask16 nan = 0;
+  for (int j = 0; j < LANES; ++j) {
+    const __m512 a = _mm512_mask_loadu_ps(ninf, m0, S + j * KVA_TILE), b = _mm512_mask_loadu_ps(ninf, m1, S + j * KVA_TILE + LANES);
+    nan |= (__mmask16)((_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) << j);
+    t[j] = _mm512_max_ps(a, b);
+  }
+  const __m512 mx = _mm512_mask_mov_ps(reduce16_op(t, 1), nan, _mm512_set1_ps(NAN)), mo = _mm512_loadu_ps(m);
+  const __mmask16 seen = _mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_UQ); /* else nothing visible in this tile */
+  /* the loop's new max mn and old-state factor (1 where the max is unchanged) */
+  const __mmask16 keep = _mm512_cmp_ps_mask(mo, mx, _CMP_GT_OQ) | _mm512_cmp_ps_mask(mo, mo, _CMP_UNORD_Q);
+  const __m512 mn = _mm512_mask_mov_ps(mx, keep, mo);
+  const __mmask16 same =
+      _mm512_cmp_ps_mask(mn, mo, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(mn, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
+  const __m512 aold = _mm512_mask_mov_ps(exp512(_mm512_sub_ps(mo, mn)), same, one);
+  for (int j = 0; j < LANES; ++j) {
+    float *s = S + j * KVA_TILE;
+    if (!(seen >> j & 1)) {
+      _mm512_storeu_ps(s, _mm512_setzero_ps());
+      _mm512_storeu_ps(s + LANES, _mm512_setzero_ps());
+      t[j] = _mm512_setzero_ps();
+      continue;
+    }
+    const __m512 vmn = _mm512_permutexvar_ps(_mm512_set1_epi32(j), mn);
+    const __m512 a = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, m0, s), vmn));
+    const __m512 b = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, m1, s + LANES), vmn));
+    _mm512_storeu_ps(s, a);
+    _mm512_storeu_ps(s + LANES, b);
+    t[j] = _mm512_add_ps(a, b);
+  }
+  _mm512_storeu_ps(l, _mm512_mask_fmadd_ps(_mm512_loadu_ps(l), seen, aold, reduce16_op(t, 0)));
+  _mm512_storeu_ps(m, _mm512_mask_mov_ps(mo, seen, mn));
+  _Alignas(64) float f[LANES];
+  _mm512_store_ps(f, aold);
+  for (unsigned r = seen & _mm512_cmp_ps_mask(aold, one, _CMP_NEQ_UQ); r; r &= r - 1) {
+    const int j = __builtin_ctz(r);
+    scale_acc(o + j * P, ob + j * obn, P, obn, f[j]);
+  }
+  return seen != 0;
+}
+
+/* S[j] <- exp(S[j] - m_j) for the tile's n keys (0 past n), the running max
+ * m, sum l and the accumulators o, ob rescaled; blocks of 16 vectors by
+ * softmax16. Returns whether any vector saw a key. */
 static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, float *o, float *ob, int64_t P,
                         int64_t obn) {
   int any = 0;
   const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
   const __mmask16 m1 = n <= 16 ? 0 : n >= 32 ? 0xffff : (__mmask16)((1u << (n - 16)) - 1u);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < nq; ++j) {
+  int64_t j0 = 0;
+  for (; j0 + LANES <= nq; j0 += LANES)
+    any |= softmax16(S + j0 * KVA_TILE, m0, m1, m + j0, l + j0, o + j0 * P, ob + j0 * obn, P, obn);
+  for (int64_t j = j0; j < nq; ++j) {
     float *s = S + j * KVA_TILE;
     __m512 a = _mm512_mask_loadu_ps(ninf, m0, s), b = _mm512_mask_loadu_ps(ninf, m1, s + 16);
     __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
@@ -1315,12 +1375,7 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
     _mm512_storeu_ps(s + 16, b);
     m[j] = mn;
     l[j] = l[j] * a_old + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    if (a_old != 1.0f) {
-      const __m512 f = _mm512_set1_ps(a_old);
-      float *oj = o + j * P, *obj = ob + j * obn;
-      for (int64_t d = 0; d < P; d += LANES) _mm512_storeu_ps(oj + d, _mm512_mul_ps(_mm512_loadu_ps(oj + d), f));
-      for (int64_t d = 0; d < obn; d += LANES) _mm512_storeu_ps(obj + d, _mm512_mul_ps(_mm512_loadu_ps(obj + d), f));
-    }
+    if (a_old != 1.0f) scale_acc(o + j * P, ob + j * obn, P, obn, a_old);
   }
   return any;
 }
