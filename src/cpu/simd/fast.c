@@ -991,6 +991,7 @@ ALWAYS void bfp_block(int64_t np, int64_t P, const int32_t *ct, const int32_t *w
   __m512 acc[BPJ][BPK];
   for (int j = 0; j < J; ++j)
     for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm512_loadu_ps(o + j * P + pos0 + kb * LANES);
+#pragma GCC unroll 2 /* two pairs per iteration: the q4 prefix pass 3-4 % faster (4: no more) */
   for (int64_t i = 0; i < np; ++i)
     for (int kb = 0; kb < KB; ++kb) {
       const __m512i x = _mm512_loadu_si512(ct + i * P + pos0 + kb * LANES);
