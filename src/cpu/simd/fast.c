@@ -1485,6 +1485,7 @@ static void attend_fast(const kva_item *it) {
   kf.qscale = p->scale;
   vf.bfp = bfp_kind(&src->vf, !vf.exact, nq);
   vf.bfv = bfv_kind(&src->vf, !vf.exact, nq);
+  if (vf.bfv) vf.pint = 0; /* a tile vphase_bfv refuses (non-finite) takes the f32 path */
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
