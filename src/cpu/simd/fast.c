@@ -1304,7 +1304,8 @@ static int softmax16(float *S, __mmask16 m0, __mmask16 m1, float *m, float *l, f
   __m512 t[LANES];
   __mmask16 nan = 0;
   for (int j = 0; j < LANES; ++j) {
-    const __m512 a = _mm512_mask_loadu_ps(ninf, m0, S + j * KVA_TILE), b = _mm512_mask_loadu_ps(ninf, m1, S + j * KVA_TILE + LANES);
+    const __m512 a = _mm512_mask_loadu_ps(ninf, m0, S + j * KVA_TILE);
+    const __m512 b = _mm512_mask_loadu_ps(ninf, m1, S + j * KVA_TILE + LANES);
     nan |= (__mmask16)((_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) << j);
     t[j] = _mm512_max_ps(a, b);
   }
