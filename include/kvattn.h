@@ -377,7 +377,11 @@ int kva_hadamard_dim_supported(int64_t D);
  * weight within max|w| / 32767.5 of the tile's largest, the sum over the
  * tile exact integer work on the codes, the biases b_g * sum(p) in f32
  * (|out error| <= 2^-10 * |s_g| (2^bits - 1); tiles with a non-finite V
- * scale or bias stay f32; not modelled by the oracle); on AVX-512 BF16
+ * scale or bias stay f32; not modelled by the oracle), except that on
+ * AVX-512 BF16 4-bit such V with >= 16 query vectors per KV head is
+ * dequantized in f32 (s c + b, one fma) and rounded to bf16, P too, for a
+ * bf16-pair P.V ("V,P bf16", "[q int8, V,P bf16]" with quantized K; tiles
+ * with a non-finite V scale, bias or value stay f32); on AVX-512 BF16
  * (without AMX), >= 5 query vectors per KV head: bf16 queries over bf16 K
  * take q.k on bf16 pairs (products exact, f32 sums, denormals flushed to
  * zero as in AMX tiles), and 16-bit queries over bf16 V round P to bf16

@@ -66,6 +66,11 @@ static const att_case cases[] = {
     {1, 6, 1, 1, 300, 256, 256, F16, F32, 2, 4, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     {1, 5, 1, 1, 200, 256, 256, F16, F32, 4, 4, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
     {1, 8, 4, 1, 500, 256, 256, BF16, F32, 4, 8, 64, BF16, MASK_CAUSAL, 0, 30.0f, 1, 0, 0},
+    /* 4-bit V with >= 16 vectors (AVX-512: "V,P bf16") over groups of 128 (one
+     * group per code vector; D 128: one per chunk), an odd tile, float K */
+    {1, 8, 1, 2, 301, 256, 256, F16, F32, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 16, 2, 2, 77, 128, 128, F16, F32, 8, 4, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 8, 1, 2, 150, 128, 128, F16, F32, 0, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     /* AVX2 variants: quantized K through the dequantized L1 tile (> 4
      * vectors) with partial chunks of 8 words (q2 D 96: 6 words; q4 D 96:
      * 12) and with Dk > Dv (the tile sized for K) */
@@ -215,7 +220,7 @@ TEST(attention_nan_inf_16bit) {
   const att_case cases16[] = {
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
-      /* 16 vectors per KV head: the integer V phase ("P int16", AVX-512: from 5) */
+      /* 16 vectors per KV head: V dequantized to bf16 on AVX-512 ("V,P bf16", from 16; "P int16" from 5) */
       {1, 4, 2, 8, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       /* 16 vectors over bf16 K/V: bf16 pairs on AVX-512 without AMX (denormals flushed there: a
        * denormal query's scores differ from the oracle's by less than f32 resolves after exp) */

@@ -36,11 +36,15 @@ PINT16_ATOL = 2.0**-8
 
 def compute_atol(q, kv_heads, kernel=None):
     """The arithmetic allowance for a call with queries q [B, H, L, D] (kernel:
-    the name kvattn.attention_kernel gives for it, when known: its "P int16")."""
+    the name kvattn.attention_kernel gives for it, when known: its "P int16"
+    or "V,P bf16")."""
     B, H, L, _ = q.shape
     atol = BF16_PRODUCTS_ATOL if q.dtype == BF16 and (H // kv_heads) * L >= 6 else COMPUTE_ATOL
-    if kernel is not None and "P int16" in kernel[kernel.rfind("["):]:
+    bracket = kernel[kernel.rfind("["):] if kernel is not None else ""
+    if "P int16" in bracket:
         atol = max(atol, PINT16_ATOL)
+    if "V,P bf16" in bracket:  # the CPU AVX-512 4-bit V dequantized to bf16, P bf16 (not modelled here)
+        atol = max(atol, BF16_PRODUCTS_ATOL)
     return atol
 
 

@@ -25,6 +25,8 @@ typedef struct fmt_plan {
   float qscale;
   int bfp;                        /* bf16 V rows, 16-bit queries, enough query vectors (fast.c only): P.V on
                                      bf16 pairs of two tokens (vphase_bfp) */
+  int bfv;                        /* 4-bit V, 16-bit queries, enough query vectors (fast.c only): V values
+                                     rounded to bf16, then vphase_bfp's P.V (vphase_bfv) */
   int split;                      /* bf16 float rows (fast.c only): each full block of 32 elements is held
                                      as its 16 even elements, then its 16 odd ones (load_bf16_split) */
   int fp8;                        /* fp8 float rows: codes as f32, the row's scale (rows[t].ks / vs; NULL: 1)

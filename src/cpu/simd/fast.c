@@ -10,7 +10,9 @@
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
  *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
  *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
- *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]").
+ *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]"); 4-bit V with
+ *   >= 16 vectors instead: each element s_g*c + b_g (f32) rounded to bf16,
+ *   P to bf16, two tokens per vdpbf16ps (vphase_bfv, "[V,P bf16]").
  *   bf16 K with bf16 queries and >= 5 vectors: q.k on bf16 pairs by
  *   vdpbf16ps (kphase_bft; products exact, f32 sums, denormals flushed),
  *   the scale on the dot; bf16 V with 16-bit queries and >= 5 vectors
@@ -31,9 +33,11 @@
  *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
  *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
  *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
- *   per u32 lane). kphase_bft: bf16 K rows transposed to tokens in lanes
- *   per 16 tokens (L1, 64 D bytes); vphase_bfp: bf16 V rows as token pairs
- *   per u32 lane once per tile (L1).
+ *   per u32 lane; for vphase_bfv as two tokens' bf16 values per u32 lane,
+ *   looked up in per-(pair, group) tables of the 16 code values).
+ *   kphase_bft: bf16 K rows transposed to tokens in lanes per 16 tokens
+ *   (L1, 64 D bytes); vphase_bfp: bf16 V rows as token pairs per u32 lane
+ *   once per tile (L1).
  *   Codes become floats exactly for f32 queries and in exact mode, by
  *   mantissa placement for other 16-bit queries (code_as_float). bf16
  *   queries with >= 6 vectors per KV head go to the AMX kernel (amx.c)
@@ -737,12 +741,12 @@ static const int32_t pint_iw_halves[4][LANES] = {
 #undef PIW
 
 /* Code vectors of a token pair (chunks x0, x1): code k of each word of x0
- * in the low s16 of its lane, of x1 in the high one, into dst[k][16]; HALVES:
+ * in the low s16 of its lane, of x1 in the high one, into v[k]; HALVES:
  * vectors 2m, 2m+1 with their halves exchanged (see above). One vpermt2w
  * pairs the two tokens' low (codes 0 .. C-1, C = 16/bits) or high 16 bits
  * of each word (with HALVES: of words 0-7 or 8-15, each twice); a shift
  * (per half, with HALVES) and an and then give each vector. */
-ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *dst) {
+ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, __m512i *v) {
   const int C = 16 / bits, E = 32 / bits;
   const __m512i m = _mm512_set1_epi32(bits == 8 ? 0x00FF00FF : 0x000F000F);
   __m512i src[4]; /* halves: y words 0-7, y words 8-15, z 0-7, z 8-15; else y, z */
@@ -751,28 +755,24 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, int32_t *ds
     src[h] = _mm512_permutex2var_epi16(x0, _mm512_loadu_si512(halves ? pint_iw_halves[h] : pint_iw_plain[h]), x1);
   for (int k = 0; k < E; ++k) {
     const int kk = k % C; /* code kk of its 16-bit half */
-    __m512i v;
     if (halves) { /* vector k: code k - (k & 1) of words 0-7 and code k - (k & 1) + 1 of words 0-7 (k even), or
                      of words 8-15 (k odd) */
       const int k0 = (k & ~1) % C;
       const __m512i x = src[((k & ~1) >= C) * 2 + (k & 1)];
       const __m512i sh =
           _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(bits * k0), _mm512_set1_epi32(bits * (k0 + 1)));
-      v = _mm512_and_si512(_mm512_srlv_epi32(x, sh), m);
+      v[k] = _mm512_and_si512(_mm512_srlv_epi32(x, sh), m);
     } else {
       const __m512i x = src[k >= C];
-      v = _mm512_and_si512(kk ? _mm512_srli_epi32(x, (unsigned)(bits * kk)) : x, m);
+      v[k] = _mm512_and_si512(kk ? _mm512_srli_epi32(x, (unsigned)(bits * kk)) : x, m);
     }
-    _mm512_storeu_si512(dst + k * LANES, v);
   }
 }
 
-/* The tile's V codes as token pairs into ct[pair][P] and its group scales
- * and biases transposed into st/bt[g][KVA_TILE] (zero past n). Returns
- * whether any scale or bias is NaN or Inf. */
-ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, int halves, int32_t *ct,
-                       float *st, float *bt, const kva_prefetch *pf) {
-  const int E = 32 / bits, ng = fp->ngroups;
+/* The tile's V group scales and biases transposed into st/bt[g][KVA_TILE]
+ * (zero past n). Returns whether any is NaN or Inf. */
+static int v_groups_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *st, float *bt) {
+  const int ng = fp->ngroups;
   __mmask16 bad = 0;
   for (int64_t t0 = 0; t0 < KVA_TILE; t0 += LANES) { /* groups_t16: 4 groups of 16 tokens at a time */
     const int nt = n - t0 >= LANES ? LANES : n > t0 ? (int)(n - t0) : 0;
@@ -787,6 +787,16 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
       }
     }
   }
+  return bad != 0;
+}
+
+/* The tile's V codes as token pairs into ct[pair][P] and its group scales
+ * and biases into st/bt (v_groups_tile). Returns whether any scale or bias
+ * is NaN or Inf. */
+ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int bits, int halves, int32_t *ct,
+                       float *st, float *bt, const kva_prefetch *pf) {
+  const int E = 32 / bits;
+  const int bad = v_groups_tile(fp, rows, n, st, bt);
   for (int64_t t = 0; t < n; t += 2) {
     const int two = t + 1 < n;
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
@@ -795,10 +805,12 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
       const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
-      pint_codes(x0, x1, bits, halves, dst + (int64_t)c * E * LANES);
+      __m512i v[8];
+      pint_codes(x0, x1, bits, halves, v);
+      for (int k = 0; k < E; ++k) _mm512_storeu_si512(dst + (int64_t)(c * E + k) * LANES, v[k]);
     }
   }
-  return bad != 0;
+  return bad;
 }
 
 /* round to nearest even, no exceptions (an integer constant expression: clang
@@ -979,6 +991,7 @@ ALWAYS void bfp_block(int64_t np, int64_t P, const int32_t *ct, const int32_t *w
   __m512 acc[BPJ][BPK];
   for (int j = 0; j < J; ++j)
     for (int kb = 0; kb < KB; ++kb) acc[j][kb] = _mm512_loadu_ps(o + j * P + pos0 + kb * LANES);
+#pragma GCC unroll 2 /* two pairs per iteration: the q4 prefix pass 3-4 % faster (4: no more) */
   for (int64_t i = 0; i < np; ++i)
     for (int kb = 0; kb < KB; ++kb) {
       const __m512i x = _mm512_loadu_si512(ct + i * P + pos0 + kb * LANES);
@@ -999,30 +1012,14 @@ BFP_BLOCK(4, 2)
 BFP_BLOCK(2, 2)
 BFP_BLOCK(1, 2)
 
-/* Returns 0 without touching o when a V value of the tile is NaN or Inf.
- * Scratch: ct (n/2 rows of P u32) in vt. The next tile's V rows are
- * prefetched spread over the register blocks (as kphase_bft; with the
- * pairing instead, 32 rows of 8 lines at once: V 113 -> 97 ns spread). */
-static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *o,
-                      int64_t nq, const kva_prefetch *pf) {
-  int32_t *ct = (int32_t *)vt;
+/* o[j] += sum_pairs bf16(p_j pair) . ct[pair] for the nq vectors of the
+ * tile's n keys (ct: the token pairs of bf16 V values in o's order). The
+ * next tile's V rows are prefetched spread over the register blocks (as
+ * kphase_bft; with the pairing instead, 32 rows of 8 lines at once: V 113
+ * -> 97 ns spread). */
+static void bfp_accumulate(const fmt_plan *fp, const int32_t *ct, int64_t n, const float *S, float *o, int64_t nq,
+                           const kva_prefetch *pf) {
   const int64_t np = (n + 1) / 2, P = fp->P;
-  /* u32 lane l = (element 2 l + par of x0, the same of x1): pint_codes' plain indices */
-  const __m512i i0 = _mm512_loadu_si512(pint_iw_plain[0]), i1 = _mm512_loadu_si512(pint_iw_plain[1]);
-  const __m512i ex = _mm512_set1_epi16(0x7F80); /* bf16 exponent bits: all set for NaN and Inf */
-  __mmask32 bad = 0;
-  for (int64_t t = 0; t < n; t += 2) {
-    const int two = t + 1 < n;
-    int32_t *dst = ct + (t / 2) * P;
-    for (int64_t d = 0; d < P; d += 2 * LANES) {
-      const __m512i x0 = _mm512_loadu_si512(rows[t].v + 2 * d);
-      const __m512i x1 = two ? _mm512_loadu_si512(rows[t + 1].v + 2 * d) : _mm512_setzero_si512();
-      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x0, ex), ex) | _mm512_cmpeq_epi16_mask(_mm512_and_si512(x1, ex), ex);
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x0, i0, x1));
-      _mm512_storeu_si512(dst + d + LANES, _mm512_permutex2var_epi16(x0, i1, x1));
-    }
-  }
-  if (bad) return 0;
   _Alignas(64) int32_t wb[BPJ * LANES];
   /* the next tile's V rows prefetched, spread over the register blocks */
   const int64_t nblk = (nq + BPJ - 1) / BPJ * ((P + BPK * LANES - 1) / (BPK * LANES)), pn = pf ? pf->n : 0;
@@ -1056,6 +1053,88 @@ static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
   }
   for (; r < pn; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS);
 #undef BFP_PF
+}
+
+/* Returns 0 without touching o when a V value of the tile is NaN or Inf.
+ * Scratch: ct (n/2 rows of P u32) in vt. */
+static int vphase_bfp(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *o,
+                      int64_t nq, const kva_prefetch *pf) {
+  int32_t *ct = (int32_t *)vt;
+  const int64_t P = fp->P;
+  /* u32 lane l = (element 2 l + par of x0, the same of x1): pint_codes' plain indices */
+  const __m512i i0 = _mm512_loadu_si512(pint_iw_plain[0]), i1 = _mm512_loadu_si512(pint_iw_plain[1]);
+  const __m512i ex = _mm512_set1_epi16(0x7F80); /* bf16 exponent bits: all set for NaN and Inf */
+  __mmask32 bad = 0;
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    int32_t *dst = ct + (t / 2) * P;
+    for (int64_t d = 0; d < P; d += 2 * LANES) {
+      const __m512i x0 = _mm512_loadu_si512(rows[t].v + 2 * d);
+      const __m512i x1 = two ? _mm512_loadu_si512(rows[t + 1].v + 2 * d) : _mm512_setzero_si512();
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(x0, ex), ex) | _mm512_cmpeq_epi16_mask(_mm512_and_si512(x1, ex), ex);
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x0, i0, x1));
+      _mm512_storeu_si512(dst + d + LANES, _mm512_permutex2var_epi16(x0, i1, x1));
+    }
+  }
+  if (bad) return 0;
+  bfp_accumulate(fp, ct, n, S, o, nq, pf);
+  return 1;
+}
+
+/* ---- V phase on bf16 values of 4-bit codes (fp->bfv: 4-bit V whose
+ * groups span a multiple of 8 code words, 16-bit queries, >= BFV_MIN_VECTORS
+ * query vectors, not exact mode) ----
+ * Each V element dequantized in f32 (s c + b, one fma) and rounded to bf16
+ * (nearest even; "V bf16"), then vphase_bfp's P.V with P rounded to bf16
+ * ("P bf16"): o_j += sum_t bf16(p_jt) bf16(v_t), products exact, f32 sums;
+ * the biases are in the values (ob untouched). Per token pair and group the
+ * 32 values bf16(s c + b), c = 0..15, of both tokens form one table (two fmas
+ * and one vcvtne2ps2bf16: token 2i's in words 0-15, 2i+1's in 16-31);
+ * pint_codes' token-pair code vectors (o's permuted order) index the tables
+ * of their chunk's groups (lanes 0-7: that of words 0-7, + 32: lanes 8-15,
+ * that of words 8-15), one vpermt2w per 16 u32 lanes into ct[pair][P] (L1). */
+#define BFV_MIN_VECTORS 16
+static int bfv_kind(const kva_rowfmt *vf, int q16, int64_t nq) {
+  return q16 && vf->bits == 4 && (vf->group * 4 / 32) % 8 == 0 && nq >= BFV_MIN_VECTORS;
+}
+
+/* Returns 0 without touching o when a scale, bias or value of the tile is
+ * NaN or Inf. Scratch: ct (n/2 rows of P u32) in vt, scales in svt/bvt. */
+static int vphase_bfv(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *svt,
+                      float *bvt, float *o, int64_t nq, const kva_prefetch *pf) {
+  int32_t *ct = (int32_t *)vt;
+  const int ng = fp->ngroups, wpg = fp->G * 4 / 32; /* code words per group: 8 or more */
+  if (v_groups_tile(fp, rows, n, svt, bvt)) return 0;
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  /* vpermt2w index bits over the code: 16 for token 2i + 1's words, 32 for the second table (lanes 8-15) */
+  const __m512i sel = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(0x00100000), _mm512_set1_epi32(0x00300020));
+  const __m512i ex = _mm512_set1_epi16(0x7F80); /* bf16 exponent bits: all set for NaN and Inf */
+  __mmask32 bad = 0;
+  for (int64_t t = 0; t < n; t += 2) {
+    const int two = t + 1 < n;
+    __m512i tab[LANES + 1]; /* [ng]: zeros, the groups past the row (D < 128: padding lanes) */
+    for (int g = 0; g < ng; ++g) {
+      const float *sg = svt + g * KVA_TILE + t, *bg = bvt + g * KVA_TILE + t; /* zero past n */
+      const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg[0]), _mm512_set1_ps(bg[0]));
+      const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg[1]), _mm512_set1_ps(bg[1]));
+      tab[g] = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(tab[g], ex), ex);
+    }
+    tab[ng] = _mm512_setzero_si512();
+    int32_t *dst = ct + (t / 2) * fp->P;
+    for (int c = 0; c < fp->nch; ++c) {
+      const int g0 = c * LANES / wpg, g1 = (c * LANES + 8) / wpg < ng ? (c * LANES + 8) / wpg : ng;
+      const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
+      const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
+      __m512i v[8];
+      pint_codes(x0, x1, 4, 0, v);
+      for (int k = 0; k < 8; ++k)
+        _mm512_storeu_si512(dst + (int64_t)(c * 8 + k) * LANES,
+                            _mm512_permutex2var_epi16(tab[g0], _mm512_or_si512(v[k], sel), tab[g1]));
+    }
+  }
+  if (bad) return 0;
+  bfp_accumulate(fp, ct, n, S, o, nq, pf);
   return 1;
 }
 #endif
@@ -1197,24 +1276,86 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
     }
     return;
   }
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  if (fp->bfv && vphase_bfv(fp, rows, n, S, vt, svt, bvt, o, nq, pf)) return;
+  if (fp->bfp && vphase_bfp(fp, rows, n, S, vt, o, nq, pf)) return;
+#endif
 #ifdef __AVX512VNNI__
   if (fp->pint && vphase_pint(fp, rows, n, S, vt, svt, bvt, o, ob, nq, pf)) return;
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  if (fp->bfp && vphase_bfp(fp, rows, n, S, vt, o, nq, pf)) return;
 #endif
   const int nonfinite = decode_v_tile(fp, rows, n, vt, svt, bvt, pf);
   vphase(fp, n, S, vt, svt, bvt, o, ob, nq, nonfinite);
 }
 
 /* ---- online softmax over a tile (vector exp) ---- */
+/* One vector's accumulators o[P] and bias lanes ob[obn] times f. */
+ALWAYS void scale_acc(float *o, float *ob, int64_t P, int64_t obn, float f) {
+  const __m512 fv = _mm512_set1_ps(f);
+  for (int64_t d = 0; d < P; d += LANES) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), fv));
+  for (int64_t d = 0; d < obn; d += LANES) _mm512_storeu_ps(ob + d, _mm512_mul_ps(_mm512_loadu_ps(ob + d), fv));
+}
+/* tile_softmax's update for 16 vectors at once (S, m, l, o, ob at the
+ * first): the 16 maxima and the 16 sums each reduced by one shuffle tree
+ * (reduce16_op), the old-state factors by one exp512; the scores are
+ * read twice (max, then exp). Returns whether any vector saw a key. */
+static int softmax16(float *S, __mmask16 m0, __mmask16 m1, float *m, float *l, float *o, float *ob, int64_t P,
+                     int64_t obn) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
+  __m512 t[LANES];
+  __mmask16 nan = 0;
+  for (int j = 0; j < LANES; ++j) {
+    const __m512 a = _mm512_mask_loadu_ps(ninf, m0, S + j * KVA_TILE);
+    const __m512 b = _mm512_mask_loadu_ps(ninf, m1, S + j * KVA_TILE + LANES);
+    nan |= (__mmask16)((_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) << j);
+    t[j] = _mm512_max_ps(a, b);
+  }
+  const __m512 mx = _mm512_mask_mov_ps(reduce16_op(t, 1), nan, _mm512_set1_ps(NAN)), mo = _mm512_loadu_ps(m);
+  const __mmask16 seen = _mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_UQ); /* else nothing visible in this tile */
+  /* the loop's new max mn and old-state factor (1 where the max is unchanged) */
+  const __mmask16 keep = _mm512_cmp_ps_mask(mo, mx, _CMP_GT_OQ) | _mm512_cmp_ps_mask(mo, mo, _CMP_UNORD_Q);
+  const __m512 mn = _mm512_mask_mov_ps(mx, keep, mo);
+  const __mmask16 same =
+      _mm512_cmp_ps_mask(mn, mo, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(mn, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
+  const __m512 aold = _mm512_mask_mov_ps(exp512(_mm512_sub_ps(mo, mn)), same, one);
+  for (int j = 0; j < LANES; ++j) {
+    float *s = S + j * KVA_TILE;
+    if (!(seen >> j & 1)) {
+      _mm512_storeu_ps(s, _mm512_setzero_ps());
+      _mm512_storeu_ps(s + LANES, _mm512_setzero_ps());
+      t[j] = _mm512_setzero_ps();
+      continue;
+    }
+    const __m512 vmn = _mm512_permutexvar_ps(_mm512_set1_epi32(j), mn);
+    const __m512 a = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, m0, s), vmn));
+    const __m512 b = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, m1, s + LANES), vmn));
+    _mm512_storeu_ps(s, a);
+    _mm512_storeu_ps(s + LANES, b);
+    t[j] = _mm512_add_ps(a, b);
+  }
+  _mm512_storeu_ps(l, _mm512_mask_fmadd_ps(_mm512_loadu_ps(l), seen, aold, reduce16_op(t, 0)));
+  _mm512_storeu_ps(m, _mm512_mask_mov_ps(mo, seen, mn));
+  _Alignas(64) float f[LANES];
+  _mm512_store_ps(f, aold);
+  for (unsigned r = seen & _mm512_cmp_ps_mask(aold, one, _CMP_NEQ_UQ); r; r &= r - 1) {
+    const int j = __builtin_ctz(r);
+    scale_acc(o + j * P, ob + j * obn, P, obn, f[j]);
+  }
+  return seen != 0;
+}
+
+/* S[j] <- exp(S[j] - m_j) for the tile's n keys (0 past n), the running max
+ * m, sum l and the accumulators o, ob rescaled; blocks of 16 vectors by
+ * softmax16. Returns whether any vector saw a key. */
 static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, float *o, float *ob, int64_t P,
                         int64_t obn) {
   int any = 0;
   const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
   const __mmask16 m1 = n <= 16 ? 0 : n >= 32 ? 0xffff : (__mmask16)((1u << (n - 16)) - 1u);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < nq; ++j) {
+  int64_t j0 = 0;
+  for (; j0 + LANES <= nq; j0 += LANES)
+    any |= softmax16(S + j0 * KVA_TILE, m0, m1, m + j0, l + j0, o + j0 * P, ob + j0 * obn, P, obn);
+  for (int64_t j = j0; j < nq; ++j) {
     float *s = S + j * KVA_TILE;
     __m512 a = _mm512_mask_loadu_ps(ninf, m0, s), b = _mm512_mask_loadu_ps(ninf, m1, s + 16);
     __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
@@ -1236,12 +1377,7 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
     _mm512_storeu_ps(s + 16, b);
     m[j] = mn;
     l[j] = l[j] * a_old + _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    if (a_old != 1.0f) {
-      const __m512 f = _mm512_set1_ps(a_old);
-      float *oj = o + j * P, *obj = ob + j * obn;
-      for (int64_t d = 0; d < P; d += LANES) _mm512_storeu_ps(oj + d, _mm512_mul_ps(_mm512_loadu_ps(oj + d), f));
-      for (int64_t d = 0; d < obn; d += LANES) _mm512_storeu_ps(obj + d, _mm512_mul_ps(_mm512_loadu_ps(obj + d), f));
-    }
+    if (a_old != 1.0f) scale_acc(o + j * P, ob + j * obn, P, obn, a_old);
   }
   return any;
 }
@@ -1349,6 +1485,8 @@ static void attend_fast(const kva_item *it) {
   kf.bft = bft_kind(&src->kf, p, nq);
   kf.qscale = p->scale;
   vf.bfp = bfp_kind(&src->vf, !vf.exact, nq);
+  vf.bfv = bfv_kind(&src->vf, !vf.exact, nq);
+  if (vf.bfv) vf.pint = 0; /* a tile vphase_bfv refuses (non-finite) takes the f32 path */
 #endif
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t h = it->hk * p->rep + j / nrows, i = it->i0 + j % nrows;
@@ -1427,7 +1565,8 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * K and 16-bit queries on integer dot products (q rounded to s8 per
  * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only), and
  * for quantized V with >= PINT_MIN_VECTORS vectors in the first row group P times the V
- * scale on s16 (vphase_pint); for bf16 V with 16-bit queries and >= KBT_MIN_VECTORS
+ * scale on s16 (vphase_pint), for 4-bit V with >= BFV_MIN_VECTORS V and P on bf16
+ * (vphase_bfv); for bf16 V with 16-bit queries and >= KBT_MIN_VECTORS
  * vectors P on bf16 (vphase_bfp; bf16 K with bf16 queries: exact products on bf16
  * pairs, kphase_bft, no item). */
 const char *KFN(fast_name)(const kva_problem *p) {
@@ -1442,6 +1581,7 @@ const char *KFN(fast_name)(const kva_problem *p) {
     const int pint = pint_kind(&vr, q16, nq) != 0;
 #ifdef __AVX512BF16__
     if (bfp_kind(&vr, q16, nq)) return q16 && kr.bits ? "fused kernel [q int8, P bf16]" : "fused kernel [P bf16]";
+    if (bfv_kind(&vr, q16, nq)) return kr.bits ? "fused kernel [q int8, V,P bf16]" : "fused kernel [V,P bf16]";
 #endif
     if (q16 && kr.bits) return pint ? "fused kernel [q int8, P int16]" : "fused kernel [q int8]";
     if (pint) return "fused kernel [P int16]";
