@@ -3,7 +3,8 @@
 # folder holding its own `kvattn` and `kvattn_tests` (built here, e.g. from a
 # branch, with `make BUILD=<dir> <dir>/kvattn <dir>/kvattn_tests`), carried
 # to the device as one tarball so that the device spends no time compiling.
-#   bash bench/cuda_variants.sh build/variants.tgz   (or .txz: xz packs ~25 % smaller)
+#   bash bench/cuda_variants.sh build/variants.txz   (`tar -cf - -C build/v . | xz -9`: the
+#   64 MiB window shares the binaries' common code, ~1 MB per further variant)
 # The tarball holds <name>/kvattn and <name>/kvattn_tests per variant (the
 # names sort into the run order). For each variant: the GPU tests in TESTS
 # (default: the tensor-core and block-table cases; a variant may also be one
