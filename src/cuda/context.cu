@@ -24,6 +24,7 @@ extern "C" {
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
+#define KVC_MAX_WAVES_TC 16       /* the most KVA_CUDA_TC_WAVES may ask for */
 #define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block; bf16 / f16: the warpgroup kernel only) */
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
@@ -94,6 +95,8 @@ struct kvc_state {
   int ring_bytes;                       /* the fused kernel's staged BLOCK_TABLE loop (kvc_fused_ring_tok): bytes a ring
                                            slot aims at (KVA_CUDA_FUSED_RING), 0: off */
   int tc_table_min_q;                   /* KVC_TC_FLOAT_MIN_Q_TABLE, or the environment's value */
+  int tc_waves;                         /* the tensor-core kernels' split plan: waves considered (KVC_TC_WAVES) */
+  long long tc_min_split;               /* ... fewest tokens per split (KVC_TC_MIN_SPLIT_TOKENS) */
   int ring_occupancy[2][2], ring_smem[2][2]; /* its resident blocks per SM by [bf16, f16][QW 1, 2], for that shared
                                                 memory */
 };
@@ -164,6 +167,13 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
   st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
   if (st->tc_table_min_q < 2) st->tc_table_min_q = 2;
+  ev = getenv("KVA_CUDA_TC_WAVES"); /* tuning: see KVC_TC_WAVES (1 to KVC_MAX_WAVES_TC) */
+  st->tc_waves = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_WAVES;
+  if (st->tc_waves < 1) st->tc_waves = 1;
+  if (st->tc_waves > KVC_MAX_WAVES_TC) st->tc_waves = KVC_MAX_WAVES_TC;
+  ev = getenv("KVA_CUDA_TC_MIN_SPLIT"); /* tuning: see KVC_TC_MIN_SPLIT_TOKENS (whole stages, >= one) */
+  st->tc_min_split = ev && *ev ? strtoll(ev, NULL, 0) : KVC_TC_MIN_SPLIT_TOKENS;
+  if (st->tc_min_split < KVC_TC_STEP) st->tc_min_split = KVC_TC_STEP;
   ev = getenv("KVA_CUDA_WG_FP8_MIN_Q"); /* tuning and tests: see KVC_WG_FP8_MIN_Q */
   st->wg_fp8_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FP8_MIN_Q) : -1;
@@ -478,6 +488,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       p->exact ? -1 : kvc_tc_dim_index(p, st ? st->tc_table_min_q : KVC_TC_FLOAT_MIN_Q_TABLE, wg16_min, &tcf);
   /* di < 0: no tensor-core kernel */
   const long long tcd_min = st ? st->tcd_min_work : KVC_TCD_MIN_WORK;
+  const int tc_waves = st ? st->tc_waves : KVC_TC_WAVES;
+  const long long tc_min_split = st ? st->tc_min_split : KVC_TC_MIN_SPLIT_TOKENS;
   const int tcd_max_q = st ? st->tcd_max_q : KVC_TCD_MAX_Q;
   if (di >= 0 && tcf == KVC_Q4 && Q <= tcd_max_q &&
       (p->Dk == 64 || p->Dk == 128 || p->Dk == 256) &&
@@ -501,8 +513,8 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       if (*slot == 0) *slot = kvc_tcd_occupancy((int)p->Dk, gpt, hi, tbl);
       per_sm = *slot > 0 ? *slot : 1;
     }
-    kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * per_sm, KVC_TC_STEP, KVC_TC_WAVES,
-                    KVC_TC_MIN_SPLIT_TOKENS);
+    kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * per_sm, KVC_TC_STEP, tc_waves,
+                    tc_min_split);
     return pl;
   }
   const bool wg_float = tcf == KVC_BF16 || tcf == KVC_F16, wg_fp8 = tcf == KVC_E4M3 || tcf == KVC_E5M2;
@@ -537,7 +549,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
         pl.QW = 64;
         pl.qtiles = (Q + pl.QW - 1) / pl.QW;
         kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, (long long)sms * st->wg_occupancy[wf][wi], KVC_TC_STEP,
-                        KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
+                        tc_waves, tc_min_split);
         return pl;
       }
     }
@@ -567,7 +579,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
                      ? KVC_TC_GROUP
                      : 0;
       const long long resident = (long long)sms * kvc_tc_blocks_per_sm(ctx, tcf, di, kind, ntm, pl.group, smem);
-      kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, KVC_TC_WAVES, KVC_TC_MIN_SPLIT_TOKENS);
+      kvc_plan_splits(&pl, p, p->B * p->KVH * pl.qtiles, resident, KVC_TC_STEP, tc_waves, tc_min_split);
       return pl;
     }
   }
