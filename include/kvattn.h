@@ -546,8 +546,8 @@ int kva_cp_attention(kva_context *ctx, void *comm, const kva_cp_plan *plan, cons
                      void *send, void *recv, void *workspace, size_t workspace_bytes);
 
 typedef enum kva_path {
-  KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head */
-  KVA_PATH_FALLBACK = 2, /* correct general path (explicit masks, long L) */
+  KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head (CPU: of a group of 16 rows) */
+  KVA_PATH_FALLBACK = 2, /* correct general path (explicit mask arrays) */
 } kva_path;
 /* Validates the arguments like kva_attention and says which path would run
  * (the same selector kva_attention uses). Returns a kva_path or a negative status. */

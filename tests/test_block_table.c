@@ -110,7 +110,7 @@ static const bt_case bcases[] = {
     {{2, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, 64, 40, 0},
     /* segments (N-shaped masks sized to each layout) */
     {{2, 4, 2, 12, 200, 64, 64, F32, F32, 4, 4, 32, F32, MASK_SEG_CLAMP, 7, 0, 0, 1, 0}, 16, 19, 1},
-    /* the fallback: explicit masks, L > 16 */
+    /* the fallback (explicit masks) and long L (row groups) */
     {{2, 4, 2, 5, 180, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0}, 16, 9, 0},
     {{2, 4, 2, 5, 180, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 1, 1}, 8, 17, 1},
     {{2, 4, 2, 20, 200, 64, 64, F32, F32, 8, 8, 64, F16, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, 23, 0},

@@ -118,12 +118,25 @@ static const att_case cases[] = {
     {1, 8, 4, 1, 500, 256, 256, F32, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 30.0f, 0, 0, 0},
     {2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 1, 0},
     {1, 8, 2, 1, 3000, 64, 64, F32, F32, 8, 8, 64, BF16, MASK_NONE, 0, 0, 1, 0, 0},
-    /* explicit array masks and long L (general path) */
+    /* explicit array masks (general path) */
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 1},
+    /* long L (beyond 16 rows: the fused and tensor-core kernels' query tiles):
+     * f32 q (fused kernel), q4 at D 256 / 128 / 512 (warpgroup, narrow),
+     * 16-bit rows (warpgroup), q8 (wide), q2 (fused), a window shorter than
+     * L, no mask, 600 query vectors per KV head */
     {1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 4, 17, 17, 128, 128, F32, F32, 4, 4, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 8, 4, 32, 3000, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {2, 8, 8, 24, 1500, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0},
+    {2, 16, 4, 20, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_WINDOW, 13, 20.0f, 1, 1, 0},
+    {1, 4, 2, 20, 1200, 512, 512, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 16, 4, 33, 2000, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
+    {1, 4, 4, 48, 1000, 256, 256, F16, F16, 0, 0, 0, F16, MASK_NONE, 0, 0, 1, 0, 0},
+    {2, 8, 4, 24, 800, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 1},
+    {1, 4, 2, 20, 300, 64, 64, F32, F32, 2, 2, 32, F32, MASK_WINDOW, 30, 0, 0, 0, 0},
+    {1, 24, 4, 100, 1100, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     /* the q4 tensor-core path (bf16 q, head dims 64/128/256, groups 32..128) */
     {2, 8, 2, 3, 1500, 128, 128, BF16, BF16, 4, 4, 32, F16, MASK_CAUSAL, 0, 0, 1, 1, 0},
     {1, 8, 8, 1, 777, 64, 64, BF16, F32, 4, 4, 64, F32, MASK_WINDOW, 100, 20.0f, 0, 0, 1},

@@ -137,7 +137,7 @@ static const att_case cases[] = {
     {1, 8, 2, 4, 60, 64, 64, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_SEG, 0, 20.0f, 0, 0, 0},
     {1, 8, 4, 1, 500, 256, 256, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 30.0f, 1, 0, 0},
     {2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 5.0f, 1, 1, 0},
-    /* explicit masks and long L (the fallback path) */
+    /* explicit masks (the fallback path) and long L (row groups) */
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_BOOL, 0, 0, 0, 1, 0},
     {1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0},
 };

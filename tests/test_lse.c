@@ -32,7 +32,7 @@ static const att_case lse_cases[] = {
     {1, 4, 2, 1, 500, 128, 128, F16, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 1, 1, 0},
     {2, 4, 2, 5, 200, 128, 128, F32, BF16, 4, 4, 64, F32, MASK_ADD, 0, 0, 0, 0, 1},
-    {1, 4, 2, 24, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, /* L > 16: fallback */
+    {1, 4, 2, 24, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 0, 0}, /* L > 16: row groups */
 };
 #define NLSE (int)(sizeof lse_cases / sizeof lse_cases[0])
 

@@ -1086,7 +1086,7 @@ static const paged_case pcases[] = {
     {{1, 4, 2, 12, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_SEG_CLAMP, 7, 0, 0, 0, 1}, 64},
     {{2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, 16},
     {{2, 8, 2, 1, 300, 64, 64, F32, F32, 8, 8, 64, BF16, MASK_NONE, 0, 0, 1, 1, 0}, 64},
-    /* the fallback: explicit masks, long L */
+    /* the fallback (explicit masks) and long L (row groups) */
     {{2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0}, 16},
     {{2, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 1, 1}, 64},
     {{2, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16},

@@ -363,7 +363,7 @@ static const att_case rot_cases[] = {
     {2, 8, 4, 3, 300, 128, 128, F32, F32, 4, 4, 32, F32, MASK_WINDOW, 40, 0, 0, 1, 0},
     {1, 4, 2, 12, 300, 64, 64, F32, F32, 4, 4, 32, F32, MASK_SEG_CLAMP, 7, 0, 0, 0, 1},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
-    /* float caches (AMX / fused float kernels), long L (fallback) */
+    /* float caches (AMX / fused float kernels), long L (row groups) */
     {1, 8, 4, 8, 90, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 8, 2, 1, 500, 64, 64, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 5.0f, 1, 0, 0},
     {1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},

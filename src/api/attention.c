@@ -346,10 +346,8 @@ int kva_problem_set_lse(kva_problem *p, const kva_tensor *lse, unsigned flags) {
 }
 
 kva_path kva_select_path(const kva_problem *p) {
-  /* tree verify (L <= KVA_TREE_MAX_ROWS, checked) runs fused at any L */
-  if (p->mask.kind == KVA_MASK_TREE) return KVA_PATH_FUSED;
-  if (p->mask.kind == KVA_MASK_ARRAY || p->L > KVA_MAX_FUSED_ROWS) return KVA_PATH_FALLBACK;
-  return KVA_PATH_FUSED;
+  /* every L runs fused (the CPU in row groups, CUDA in query tiles); explicit arrays take the general kernels */
+  return p->mask.kind == KVA_MASK_ARRAY ? KVA_PATH_FALLBACK : KVA_PATH_FUSED;
 }
 
 /* ---- context ---- */
