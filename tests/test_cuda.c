@@ -587,14 +587,16 @@ static void plant(att_data *d, int variant) {
 
 TEST(cuda_nan_inf) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
-  /* fused path (causal, L = 2) and general path (bool mask); f32 K/V */
+  /* fused path (causal, L = 2 and L = 20) and general path (bool mask); f32 K/V */
   const att_case fused = {1, 4, 2, 2, 1000, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
   const att_case ragged = {3, 8, 2, 2, 3000, 128, 128, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 1, 1, 1};
-  const att_case general = {1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const att_case long_l = {1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0};
+  const att_case general = {1, 4, 2, 5, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 0};
   kva_context *ctx;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   for (int variant = 0; variant < 4; ++variant)
-    if (!run_case(ctx, &fused, plant, variant) || !run_case(ctx, &general, plant, variant)) {
+    if (!run_case(ctx, &fused, plant, variant) || !run_case(ctx, &long_l, plant, variant) ||
+        !run_case(ctx, &general, plant, variant)) {
       FAIL_("variant %d", variant);
       break;
     }
@@ -671,8 +673,10 @@ TEST(cuda_tc_unseen_nan) {
   run_case_table(wc, sizeof wc / sizeof wc[0], plant_unseen, 1, "warpgroup");
   unsetenv("KVA_CUDA_WG_MIN_Q");
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   run_case_table(dc, sizeof dc / sizeof dc[0], plant_unseen, 1, "per-warp,");
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_TCD_MAX_Q");
 }
 
 /* One capture, replayed while the lengths in device memory change; on a
@@ -696,9 +700,11 @@ static void graph_replay(int tcd, int wg, int ctx_ws) {
     goto done;
   }
   if (tcd) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1); /* the per-warp q4 kernel at this size */
+  if (tcd) setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   if (wg) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);       /* the warpgroup q4 kernel (sm_90) */
   const int made = cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream") && make_cuda_ctx(&ctx, s);
   if (tcd) unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  if (tcd) unsetenv("KVA_CUDA_TCD_MAX_Q");
   if (wg) unsetenv("KVA_CUDA_WG_MIN_Q");
   if (!made) goto done;
   size_t bytes = 0;
@@ -1131,9 +1137,11 @@ TEST(cuda_q4_tcd_path) {
       {{2, 32, 8, 8, 900, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 1, 0}, 16},
   };
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   kva_context *ctx;
   const int made = make_cuda_ctx(&ctx, NULL);
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_TCD_MAX_Q");
   if (!made) return;
   for (size_t ci = 0; ci < sizeof tc / sizeof tc[0]; ++ci)
     if (!run_case_want(ctx, &tc[ci], NULL, 0, "per-warp,")) {
@@ -1338,7 +1346,7 @@ TEST(cuda_grid_limits) {
  * see nothing) output zeros, sinks or not; the other rows match the oracle
  * over the sequence's first len tokens with the last len query rows (a
  * call with L = len, whose rows sit at the same positions). Tensor-core
- * (bf16 q, q4 and bf16 K/V), fused (f32) and general (L > 16) kernels. */
+ * (bf16 q, q4 and bf16 K/V) and fused (f32; L = 3 and L = 20) kernels. */
 TEST(cuda_rows_without_keys) {
   if (kva_cuda_device_count() == 0) SKIP("no CUDA device visible");
   static const att_case rc[] = {
@@ -1452,7 +1460,7 @@ static double cuda_lse_rtol(const char *kname) {
 }
 
 /* One case through kva_attention_lse on the device (lse in a padded device
- * buffer with a sentinel) against the oracle's out and lse. */
+ * buffer with a sentinel) against the oracle with the kernel's roundings (out and lse). */
 static int run_lse_case(kva_context *ctx, const att_case *c, unsigned flags) {
   char name[256];
   att_case_str(c, name, sizeof name);
@@ -1468,12 +1476,16 @@ static int run_lse_case(kva_context *ctx, const att_case *c, unsigned flags) {
     goto done;
   }
   kva_tensor ref = att_alloc_like(&hd, &hd.out);
-  if (kva_reference_attention_lse(&hd.q, &hd.view, &hd.params, &ref, &rl.t, flags)) {
-    FAIL_("%s: oracle: %s", name, kva_last_error());
-    goto done;
-  }
   if (!dev_make(&dd, &hd)) {
     FAIL_("%s: could not mirror operands to the device", name);
+    goto done;
+  }
+  char kname[160];
+  kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname);
+  kva_ref_rounding rr; /* the oracle with the kernel's modelled roundings, out and lse */
+  att_name_rounding(kname, &rr);
+  if (kva_reference_attention_rounded(&hd.q, &hd.view, &hd.params, &ref, &rl.t, flags, &rr)) {
+    FAIL_("%s: oracle: %s", name, kva_last_error());
     goto done;
   }
   const size_t lb = (kl.n + 4) * sizeof(float); /* poison and sentinel as on the host */
@@ -1482,8 +1494,6 @@ static int run_lse_case(kva_context *ctx, const att_case *c, unsigned flags) {
   kva_tensor dlse = kl.t;
   dlse.data = dl;
   if (!dev_poison(&dd, 0)) goto done;
-  char kname[160];
-  kva_attention_kernel(ctx, &dd.q, &dd.view, &dd.params, &dd.out, kname, sizeof kname);
   printf("  %-90s %s\n", kname, name);
   fflush(stdout);
   if (kva_attention_lse(ctx, &dd.q, &dd.view, &dd.params, &dd.out, &dlse, flags, NULL, 0)) {
@@ -1528,8 +1538,10 @@ TEST(cuda_lse) {
   kva_context *ctx, *tcd;
   if (!make_cuda_ctx(&ctx, NULL)) return;
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1); /* read at context creation */
+  setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   int made = make_cuda_ctx(&tcd, NULL);
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_TCD_MAX_Q");
   if (!made) { kva_context_destroy(ctx); return; }
   int ok = 1;
   for (int ci = 0; ci < NCASES && ok; ++ci) {
@@ -1772,8 +1784,10 @@ TEST(cuda_tree) {
     }
   kva_context_destroy(ctx);
   setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   const int made = make_cuda_ctx(&ctx, NULL);
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_TCD_MAX_Q");
   if (!made) return;
   for (size_t ci = 0; ci < sizeof wc / sizeof wc[0]; ++ci)
     if (!run_case_want(ctx, &wc[ci], tree_bits, (int)(ci % 2), "per-warp,") ||
@@ -1799,9 +1813,9 @@ done:
  * bf16 queries over 16-byte aligned rows at head dims 64-256 the
  * tensor-core kernels, "[K,V,P bf16]", at the bf16 allowance; else the
  * fused or general kernel) and with KVA_ATTN_EXACT (exact: the fused
- * kernel's fp8 instances (decode and verify up to 16 rows, GQA, masks,
- * softcap, sinks, ragged, strided) and the general kernel (array masks,
- * long L) at "[exact f32]": the row scale applied to q . codes and to p,
+ * kernel's fp8 instances (decode, verify and longer L, GQA, masks,
+ * softcap, sinks, ragged, strided) and the general kernel (array masks)
+ * at "[exact f32]": the row scale applied to q . codes and to p,
  * f32 rounding only), each asserted by its name, against the oracle, random
  * and probe queries, NaN codes in the rows no query sees. Then cases for
  * the tensor-core kernels alone (fp8_tc_cases). The warpgroup kernel is
@@ -1831,7 +1845,8 @@ static const struct {
     {{1, 8, 4, 1, 500, 256, 256, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 30.0f, 1, 0, 0}, F4_, F4_},
     {{2, 8, 4, 3, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 5.0f, 1, 1, 0}, F5_, F5_},
     {{2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_BOOL, 0, 0, 0, 1, 0}, "general", "general"},
-    {{1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, "general", "general"},
+    {{1, 4, 2, 40, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 0, 0}, F5_, F5_},
+    {{1, 8, 4, 24, 900, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, W4_, F4_},
 };
 
 /* The tensor-core kernels' fp8 instances: the decode instance (up to 8
@@ -1978,7 +1993,7 @@ TEST(cuda_fp8_block_table) {
       {{2, 8, 2, 3, 700, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TENSOR, E4, MASK_WINDOW, 50, 0, 0, 1, 0}, 8, W4_, F4_},
       {{2, 32, 8, 1, 900, 128, 128, BF16, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 10.0f, 1, 1, 0}, 24, DEC4_, F4_},
       {{2, 8, 4, 16, 500, 128, 128, F32, F32, 0, 0, ATT_FP8_NONE, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, F5_, F5_},
-      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, "general", "general"},
+      {{1, 4, 2, 20, 300, 64, 64, F32, F32, 0, 0, ATT_FP8_TOKEN, E4, MASK_CAUSAL, 0, 0, 0, 0, 0}, 16, F4_, F4_},
       /* tensor-core: block sizes 16, 64 and 1, head dims 64 / 256, no scales, GQA x L */
       {{4, 32, 8, 1, 900, 128, 128, BF16, BF16, 0, 0, ATT_FP8_TOKEN, E5, MASK_CAUSAL, 0, 0, 0, 1, 0}, 16, DEC5_, F5_},
       {{2, 8, 4, 1, 800, 256, 256, BF16, BF16, 0, 0, ATT_FP8_NONE, E4, MASK_WINDOW, 200, 0, 1, 1, 0}, 64, DEC4_, F4_},

@@ -1300,6 +1300,7 @@ TEST(cuda_rotation_graph) {
 static int rot_fused_run(const rot_fused_case *f) {
   static const unsigned flags[3] = {ROT_KV, KVA_ATTN_ROTATED_K, KVA_ATTN_ROTATED_V};
   if (f->env == 1) setenv("KVA_CUDA_TCD_MIN_WORK", "0", 1);
+  if (f->env == 1) setenv("KVA_CUDA_TCD_MAX_Q", "32", 1); /* its 17-32 vector blocks at every head dim */
   if (f->env == 2) setenv("KVA_CUDA_WG_MIN_Q", "1", 1);
   if (f->env == 3) {
     setenv("KVA_CUDA_WG_MIN_Q", "-1", 1);
@@ -1308,6 +1309,7 @@ static int rot_fused_run(const rot_fused_case *f) {
   }
   kva_context *fc = cuda_ctx();
   unsetenv("KVA_CUDA_TCD_MIN_WORK");
+  unsetenv("KVA_CUDA_TCD_MAX_Q");
   unsetenv("KVA_CUDA_WG_MIN_Q");
   unsetenv("KVA_CUDA_WG_BF16_MIN_Q");
   unsetenv("KVA_CUDA_WG_FP8_MIN_Q");
