@@ -40,12 +40,12 @@ extern "C" {
 #define KVC_TCD256_MAX_Q 16          /* ... at head dim 256: beyond, the warpgroup kernel is faster (H200, 8/4/256
                                         128k L=16: 126.2 us against 148.3; 24/4/256 128k L=4: 124.0 against 146.2;
                                         at 32/8/128 128k L=8 the per-warp kernel stays ahead: 160.3 against 179.1) */
-#define KVC_WG_MIN_Q 17              /* q4 at head dims 64 / 128 on the warpgroup verify kernel from this many
-                                        query vectors per KV head (sm_90 only; the environment variable
-                                        KVA_CUDA_WG_MIN_Q sets it per context at every head dim, < 0: never) */
-#define KVC_WG256_Q4_MIN_Q 9         /* ... at head dim 256 from this many (calls the per-warp kernel does not
-                                        take): faster than the narrow kernel (H200, 8/4/256 32k L=8: 44.1 us
-                                        against 63.5; 24/4/256 32k L=2: 43.6 against 62.7) */
+#define KVC_WG_MIN_Q 9               /* q4 at head dims 64 / 128 / 256 on the warpgroup verify kernel from this many
+                                        query vectors per KV head, where the per-warp kernel does not take the call
+                                        (sm_90 only; the environment variable KVA_CUDA_WG_MIN_Q sets it per
+                                        context, < 0: never): faster than the narrow kernel (H200, 16 vectors:
+                                        8/4/256 32k 44.1 us against 63.5, 32/8/128 16k 33.7 against 43.2, 32/8/64
+                                        16k 26.2 against 35.4; 12 vectors: 24/4/256 32k 43.4 against 62.5) */
 #define KVC_WG_FLOAT_MIN_Q 16        /* bf16 / f16 rows (queries of the same type) at head dims 64 / 128 on the
                                         warpgroup kernel from this many query vectors per KV head (sm_90 only; the
                                         environment variable KVA_CUDA_WG_BF16_MIN_Q sets it per context at every
@@ -91,7 +91,7 @@ struct kvc_state {
   long long tcd_min_work;               /* token-heads from which q4 decode takes the per-warp kernel (< 0: never) */
   int tcd_max_q[2];                     /* query vectors per KV head up to which q4 takes the per-warp kernel, by
                                            [head dim < 256, 256] */
-  int wg_min_q[2];                      /* ... from which q4 takes the warpgroup kernel (< 0: never) */
+  int wg_min_q;                         /* query vectors per KV head from which q4 takes the warpgroup kernel (< 0: never) */
   int wg_float_min_q;                   /* ... bf16 / f16 rows at head dims 64 / 128 (< 0: never) */
   int wg256_min_q;                      /* ... bf16 / f16 rows at head dim 256 (< 0: never) */
   int wg512_min_q;                      /* ... bf16 / f16 rows at head dim 512 (< 0: never) */
@@ -162,9 +162,7 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   for (int i = 0; i < 2; ++i)
     if (st->tcd_max_q[i] < 8) st->tcd_max_q[i] = 8;
   ev = getenv("KVA_CUDA_WG_MIN_Q"); /* tuning and tests: see KVC_WG_MIN_Q */
-  const bool sm90 = st->cc_major == 9 && st->cc_minor == 0;
-  st->wg_min_q[0] = !sm90 ? -1 : ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_MIN_Q;
-  st->wg_min_q[1] = !sm90 ? -1 : ev && *ev ? st->wg_min_q[0] : KVC_WG256_Q4_MIN_Q;
+  st->wg_min_q = st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_MIN_Q) : -1;
   ev = getenv("KVA_CUDA_WG_BF16_MIN_Q"); /* tuning and tests: see KVC_WG_FLOAT_MIN_Q */
   st->wg_float_min_q =
       st->cc_major == 9 && st->cc_minor == 0 ? (ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_WG_FLOAT_MIN_Q) : -1;
@@ -531,7 +529,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
   const int wg_min = !st         ? -1
                      : wg_float  ? wg16_min
                      : wg_fp8    ? st->wg_fp8_min_q
-                     : tcf == KVC_Q4 ? st->wg_min_q[p->Dk == 256]
+                     : tcf == KVC_Q4 ? st->wg_min_q
                                      : -1;
   const bool wg512 = wg_float && p->Dk == 512; /* 16-bit rows at head dim 512: the warpgroup kernel or the fused one */
   const bool wg_blocks = !wg_float || kv->layout != KVA_LAYOUT_BLOCK_TABLE ||
