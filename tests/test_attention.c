@@ -85,6 +85,9 @@ static const att_case cases[] = {
     {1, 8, 4, 24, 700, 256, 256, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
     {2, 8, 2, 33, 500, 128, 128, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 20, 0, 0, 1, 0},
     {1, 6, 1, 20, 400, 128, 128, F16, F32, 8, 8, 32, F16, MASK_CAUSAL, 0, 10.0f, 0, 0, 1},
+    /* items of up to 256 query vectors: one group of 100 rows (200 vectors), groups of 256 and 44 rows */
+    {1, 4, 2, 100, 600, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+    {2, 2, 2, 300, 700, 64, 64, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 50, 0, 0, 1, 0},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 

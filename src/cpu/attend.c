@@ -22,7 +22,7 @@
 #define KVA_MIN_CHUNK 256
 #define KVA_MAX_CHUNK 4096
 #define KVA_ALIGN 64
-#define KVA_TREE_ITEM_VECTORS 256 /* tree verify: query vectors per item (rows of one group times rep) */
+#define KVA_ITEM_VECTORS 256 /* L > 16 on the fused kernels: query vectors per item (rows of one group times rep) */
 
 /* ---- SIMD level ---- */
 /* Which levels are built follows the target (the Makefile's SIMD_LEVELS):
@@ -189,11 +189,12 @@ static size_t align_up(size_t x) { return (x + KVA_ALIGN - 1) / KVA_ALIGN * KVA_
  * (an absurd problem: B, H, L, N from the caller's descriptors). */
 static int64_t group_rows(const kva_problem *p) {
   if (p->L <= KVA_MAX_FUSED_ROWS) return p->L;
-  if (p->mask.kind == KVA_MASK_TREE) {
-    /* tree verify (L <= 64): as many rows per item as keep rep * rows <=
-     * KVA_TREE_ITEM_VECTORS (at least KVA_MAX_FUSED_ROWS), so each K/V row
-     * is read once per KV head for up to that many query vectors */
-    const int64_t rows = KVA_TREE_ITEM_VECTORS / p->rep;
+  if (p->path == KVA_PATH_FUSED) {
+    /* long L on the fused kernels (verify chains, tree verify, chunked
+     * prefill): as many rows per item as keep rep * rows <=
+     * KVA_ITEM_VECTORS (at least KVA_MAX_FUSED_ROWS), so each K/V row is
+     * read once per KV head for up to that many query vectors */
+    const int64_t rows = KVA_ITEM_VECTORS / p->rep;
     return rows >= p->L ? p->L : rows > KVA_MAX_FUSED_ROWS ? rows : KVA_MAX_FUSED_ROWS;
   }
   return KVA_MAX_FUSED_ROWS;
