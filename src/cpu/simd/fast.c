@@ -1576,7 +1576,8 @@ const char *KFN(fast_name)(const kva_problem *p) {
 #ifdef __AVX512VNNI__
     kva_rowfmt kr, vr;
     simd_rowfmts(p, &kr, &vr);
-    const int64_t nq = p->rep * (p->L < KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS); /* the first row group's */
+    /* the first row group's vectors, or at least 16 of them: every bar below is at most 16 */
+    const int64_t nq = p->rep * (p->L < KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS);
     const int q16 = p->q->dtype != KVA_F32 && !p->exact;
     const int pint = pint_kind(&vr, q16, nq) != 0;
 #ifdef __AVX512BF16__
