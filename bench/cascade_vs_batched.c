@@ -295,9 +295,9 @@ static int run_cascade(const opts *o, kva_context *ctx, int64_t H, int64_t KVH, 
   const kva_kv_view suffix = kva_view_contiguous(&kv[0][1], &kv[1][1], NULL);
   kva_attn_params p = kva_attn_defaults();
   p.mask.kind = KVA_MASK_CAUSAL;
-  /* kernels: the batched call, the stacked prefix rows (B L <= 16: one call) */
+  /* kernels: the batched call, the stacked prefix rows (B L <= 256: one call, as the cascade makes it) */
   char kb[200] = "?", kp[200] = "?";
-  kva_tensor qs = tq, os = kva_tensor_4d(doc, KVA_F32, 1, H, B * L < 16 ? B * L : 16, D);
+  kva_tensor qs = tq, os = kva_tensor_4d(doc, KVA_F32, 1, H, B * L < 256 ? B * L : 256, D);
   qs.shape[0] = 1, qs.shape[2] = os.shape[2], qs.stride[2] = tq.stride[0];
   kva_tensor op = os; /* the prefix pass alone writes tb's buffer */
   op.data = dob;
@@ -321,7 +321,7 @@ static int run_cascade(const opts *o, kva_context *ctx, int64_t H, int64_t KVH, 
     const double tcas = timer_stop(&tm);
     /* the cascade's two passes alone (into tb; the batched call rewrites it): the prefix rows as one call, the suffixes */
     timer_start(&tm, (unsigned char)(r + 2));
-    if (B * L <= 16 && kva_attention(ctx, &qs, &prefix, &pp, &op, NULL, 0)) goto fail;
+    if (B * L <= 256 && kva_attention(ctx, &qs, &prefix, &pp, &op, NULL, 0)) goto fail;
     const double tpre = timer_stop(&tm);
     timer_start(&tm, (unsigned char)(r + 3));
     if (kva_attention(ctx, &tq, &suffix, &p, &tb, NULL, 0)) goto fail;

@@ -398,12 +398,12 @@ int kva_hadamard_dim_supported(int64_t D);
  * V,P bf16]", 4-bit narrow kernel; at head dim 512 for any number of
  * query vectors, in blocks of 8) or P times the V scale in bf16, the
  * codes exact ("[q int15, P bf16]": 8-bit, and the per-warp 4-bit kernel);
- * the per-warp 4-bit kernel at 9 to 16 query vectors per KV head rounds
- * the query to 8 bits with one scale per vector and K group, exact integer
- * q.k on the codes ("[q int8, P bf16]", the rounding kva_ref_rounding
- * describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
+ * the per-warp 4-bit kernel at 9 to 32 query vectors per KV head (16 at
+ * head dim 256) rounds the query to 8 bits with one scale per vector and
+ * K group, exact integer q.k on the codes ("[q int8, P bf16]", the
+ * rounding kva_ref_rounding describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
  * fp8 K/V rows (kva_kv_fp8) run the CPU fused vector kernel (not AMX) and
- * the CUDA fused kernel's fp8 instances (decode and verify up to 16 rows),
+ * the CUDA fused kernel's fp8 instances (decode, verify and longer L),
  * else the general kernels: codes converted to f32 exactly, the row's scale
  * applied to q.codes and to p in f32, "[exact f32]"; on CUDA, bf16 queries
  * over fp8 rows at head dims 64 / 128 / 256 (Dk = Dv, rows 16-byte
@@ -467,8 +467,8 @@ int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, con
  * P + s_b - L + i. The result is that of kva_attention over each sequence's
  * whole cache (prefix then suffix): the prefix is attended once for all B L
  * rows of each head (the rows stacked as one sequence of B L rows, in calls
- * of at most 16 rows: each reads the prefix once for up to 16 B rep query
- * vectors per KV head), the suffix as kva_attention does, and the two
+ * of at most 256 rows: each reads the prefix once per KV head for its rows'
+ * query vectors; the CPU in items of up to 256 vectors), the suffix as kva_attention does, and the two
  * states merged (kva_merge_states). Requirements: the rows of consecutive
  * sequences evenly spaced, q->stride[0] == L * q->stride[2] (e.g. q stored
  * token-major, [B, L, H, Dk]; any q when B = 1 or L = 1), else KVA_ESTRIDE; mask none

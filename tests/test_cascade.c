@@ -1,7 +1,7 @@
 /* kva_cascade_attention (CPU): against the oracle over each sequence's whole
  * cache (the shared prefix then its own suffix), for float and 4-bit K/V,
  * no mask and causal, sinks, softcap, lse, ragged suffixes, one and several
- * 16-row prefix chunks, contiguous and paged prefixes; bad input. */
+ * prefix chunks (256 rows each), contiguous and paged prefixes; bad input. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,7 +180,8 @@ TEST(cascade_vs_oracle) {
   static const cz cs[] = {
       {3, 8, 4, 1, 300, 40, 128, 0, KVA_MASK_CAUSAL, 0, 0},
       {3, 8, 4, 4, 300, 40, 128, 4, KVA_MASK_CAUSAL, 1, 0},
-      {5, 8, 2, 4, 200, 30, 64, 4, KVA_MASK_CAUSAL, 0, 1}, /* 20 rows: two prefix chunks */
+      {5, 8, 2, 4, 200, 30, 64, 4, KVA_MASK_CAUSAL, 0, 1},
+      {16, 2, 1, 17, 300, 20, 64, 4, KVA_MASK_CAUSAL, 0, 0}, /* 272 rows: two prefix chunks (256 + 16) */
       {2, 6, 6, 2, 100, 20, 256, 0, KVA_MASK_NONE, 1, 1},
       {1, 4, 1, 8, 64, 16, 128, 4, KVA_MASK_CAUSAL, 1, 0},
       {4, 4, 2, 1, 33, 1, 64, 0, KVA_MASK_CAUSAL, 0, 0}, /* one-token suffixes */
@@ -401,7 +402,7 @@ TEST(cascade_split_views_vs_oracle) {
   } cs[] = {
       {4, 8, 2, 1, 64, 100, 16, 0, {20, 7, 33, 1, 0}, 0},
       {3, 8, 4, 4, 128, 300, 32, 4, {40, 9, 4, 0, 0}, 0},
-      {5, 4, 2, 4, 64, 70, 8, 4, {12, 30, 5, 6, 4}, 3}, /* 20 rows: two prefix chunks; first offset 3 */
+      {5, 4, 2, 4, 64, 70, 8, 4, {12, 30, 5, 6, 4}, 3}, /* 20 rows; first offset 3 */
       {2, 4, 1, 8, 128, 40, 16, 0, {8, 21, 0, 0, 0}, 0},
       {3, 8, 2, 2, 64, 90, 16, 0, {5, 18, 2, 0, 0}, 21}, /* first offset 5 */
   };
@@ -724,7 +725,8 @@ TEST(cascade_cuda_vs_oracle) {
   static const czc cs[] = {
       {{3, 8, 4, 1, 3000, 40, 128, 0, KVA_MASK_CAUSAL, 0, 0}, KVA_BF16, 1},  /* bf16 rows, tensor cores */
       {{4, 8, 4, 4, 2000, 40, 256, 4, KVA_MASK_CAUSAL, 1, 0}, KVA_BF16, 0},  /* q4, 32 stacked vectors */
-      {{5, 8, 2, 4, 700, 30, 128, 4, KVA_MASK_CAUSAL, 0, 1}, KVA_BF16, 0},   /* two prefix chunks */
+      {{5, 8, 2, 4, 700, 30, 128, 4, KVA_MASK_CAUSAL, 0, 1}, KVA_BF16, 0},   /* 20 rows, 80 vectors */
+      {{16, 4, 2, 17, 700, 24, 128, 4, KVA_MASK_CAUSAL, 0, 0}, KVA_BF16, 0}, /* two prefix chunks (256 + 16 rows) */
       {{3, 8, 4, 2, 1000, 20, 128, 4, KVA_MASK_CAUSAL, 1, 0}, KVA_F32, 0},   /* f32 q: exact kernels */
       {{16, 32, 8, 1, 4096, 64, 128, 4, KVA_MASK_CAUSAL, 0, 0}, KVA_BF16, 1}, /* the bench's 32/8/128 shape */
       {{2, 6, 6, 2, 100, 20, 64, 0, KVA_MASK_NONE, 1, 1}, KVA_F32, 0},

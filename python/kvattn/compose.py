@@ -5,7 +5,7 @@ caches begin with the same P tokens, held once (kva_cascade_attention).
 
 equals kvattn.attention(q, concat(prefix, suffix_b), ...) for every sequence
 b: the prefix is attended once for all B L query rows of each head (the rows
-stacked as one sequence, in calls of at most 16 rows), each sequence's own
+stacked as one sequence, in calls of at most 256 rows), each sequence's own
 suffix as a batched call, and the two partial states merged.
 """
 import ctypes

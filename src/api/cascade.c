@@ -2,8 +2,8 @@
  * own calls, inside the context's lock, on slices of one workspace:
  *   prefix pass: q's B L rows of each head stacked as one sequence ([1, H,
  *     B L, Dk], a view: q->stride[0] == L q->stride[2]), no mask (the prefix
- *     is visible to every row), the sinks; chunks of KVA_MAX_FUSED_ROWS rows
- *     (the fused paths): o1 [H, B L, Dv] f32, lse1 [H, B L];
+ *     is visible to every row), the sinks; chunks of CASCADE_MAX_ROWS rows
+ *     (one pass over the prefix each): o1 [H, B L, Dv] f32, lse1 [H, B L];
  *   suffix pass: q over the suffix view, the caller's mask, no sinks: o2
  *     [B, H, L, Dv] f32, lse2 [B, H, L];
  *   merge: (o1 seen as [B, H, L, Dv], lse1) and (o2, lse2) into out, lse.
@@ -16,6 +16,7 @@
 #include <string.h>
 
 #define CASCADE_ALIGN 256
+#define CASCADE_MAX_ROWS 256 /* stacked rows per prefix call (its partial states grow with them) */
 
 typedef struct cascade {
   kva_tensor qc;          /* q's rows as one sequence: [1, H, B L, Dk] */
@@ -106,7 +107,7 @@ static int cascade_plan(kva_context *ctx, const kva_tensor *q, const kva_kv_view
     else if (prefix->layout == KVA_LAYOUT_PAGED) plen = kva_paged_view_len(prefix, 0);
     else if (prefix->layout == KVA_LAYOUT_BLOCK_TABLE) plen = kva_block_table_len(prefix, 0);
   }
-  c->chunk = c->rows < KVA_MAX_FUSED_ROWS ? c->rows : KVA_MAX_FUSED_ROWS;
+  c->chunk = c->rows < CASCADE_MAX_ROWS ? c->rows : CASCADE_MAX_ROWS;
   if (c->chunk > plen) c->chunk = plen;
   size_t wp = 0, ws = 0;
   kva_tensor qk = cascade_rows(c, 0, c->chunk);
