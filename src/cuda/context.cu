@@ -24,7 +24,7 @@ extern "C" {
 #define KVC_MAX_SPLITS 4096         /* the merge keeps one weight per split in shared memory */
 #define KVC_WS_ALIGN 256
 #define KVC_TC_WAVES 1            /* one wave of long-running q4 tensor-core blocks: the cp.async prologue amortized */
-#define KVC_MAX_WAVES_TC 16       /* the most KVA_CUDA_TC_WAVES may ask for */
+#define KVC_TC_MAX_WAVES 16       /* the most KVA_CUDA_TC_WAVES may ask for */
 #define KVC_TC_NDIMS 4            /* head dims of the tensor-core kernel: 64 << i (512: q4, 8 vectors per block; bf16 / f16: the warpgroup kernel only) */
 #define KVC_TC_MIN_D 64
 #define KVC_TC_NTM_MID 4          /* n-tiles per block of the narrow kernel's 32-vector instance */
@@ -175,10 +175,10 @@ extern "C" int kva_cuda_context_init(kva_context *ctx) {
   ev = getenv("KVA_CUDA_TC_TABLE_MIN_Q"); /* tuning: see KVC_TC_FLOAT_MIN_Q_TABLE (below 2: 2) */
   st->tc_table_min_q = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_FLOAT_MIN_Q_TABLE;
   if (st->tc_table_min_q < 2) st->tc_table_min_q = 2;
-  ev = getenv("KVA_CUDA_TC_WAVES"); /* tuning: see KVC_TC_WAVES (1 to KVC_MAX_WAVES_TC) */
+  ev = getenv("KVA_CUDA_TC_WAVES"); /* tuning: see KVC_TC_WAVES (1 to KVC_TC_MAX_WAVES) */
   st->tc_waves = ev && *ev ? (int)strtol(ev, NULL, 0) : KVC_TC_WAVES;
   if (st->tc_waves < 1) st->tc_waves = 1;
-  if (st->tc_waves > KVC_MAX_WAVES_TC) st->tc_waves = KVC_MAX_WAVES_TC;
+  if (st->tc_waves > KVC_TC_MAX_WAVES) st->tc_waves = KVC_TC_MAX_WAVES;
   ev = getenv("KVA_CUDA_TC_MIN_SPLIT"); /* tuning: see KVC_TC_MIN_SPLIT_TOKENS (whole stages, >= one) */
   st->tc_min_split = ev && *ev ? strtoll(ev, NULL, 0) : KVC_TC_MIN_SPLIT_TOKENS;
   if (st->tc_min_split < KVC_TC_STEP) st->tc_min_split = KVC_TC_STEP;
@@ -503,7 +503,7 @@ static kvc_plan kvc_select(const kva_context *ctx, const kva_problem *p) {
       (p->Dk == 64 || p->Dk == 128 || p->Dk == 256) &&
       kv->k.group_size == KVC_TC_GROUP && kv->v.group_size == KVC_TC_GROUP && tcd_min >= 0 &&
       p->B * p->KVH * p->N >= tcd_min) {
-    /* q4 decode and short verify (up to 16 query vectors per KV head) with MLX's default group at head
+    /* q4 decode and short verify (up to tcd_max_q query vectors per KV head) with MLX's default group at head
      * dims 64 (one group per row: kvc_tc_dim_index checked kvc_one_group_rows), 128 and 256: the
      * per-warp kernel (each warp owns whole 16-token tiles: no barrier,
      * stage max or P round trip per stage) */
