@@ -401,7 +401,8 @@ int kva_hadamard_dim_supported(int64_t D);
  * the per-warp 4-bit kernel at 9 to 32 query vectors per KV head (16 at
  * head dim 256) rounds the query to 8 bits with one scale per vector and
  * K group, exact integer q.k on the codes ("[q int8, P bf16]", the
- * rounding kva_ref_rounding describes); beyond that K and V are dequantized to bf16 ("[K,V,P bf16]").
+ * rounding kva_ref_rounding describes); beyond that K and V are
+ * dequantized to bf16 ("[K,V,P bf16]").
  * fp8 K/V rows (kva_kv_fp8) run the CPU fused vector kernel (not AMX) and
  * the CUDA fused kernel's fp8 instances (decode, verify and longer L),
  * else the general kernels: codes converted to f32 exactly, the row's scale
@@ -468,8 +469,8 @@ int kva_merge_states(kva_context *ctx, int64_t R, const kva_tensor *parts_o, con
  * whole cache (prefix then suffix): the prefix is attended once for all B L
  * rows of each head (the rows stacked as one sequence of B L rows, in calls
  * of at most 256 rows: each reads the prefix once per KV head for its rows'
- * query vectors; the CPU in items of up to 256 vectors), the suffix as kva_attention does, and the two
- * states merged (kva_merge_states). Requirements: the rows of consecutive
+ * query vectors; the CPU in items of up to 256 vectors), the suffix as
+ * kva_attention does, and the two states merged (kva_merge_states). Requirements: the rows of consecutive
  * sequences evenly spaced, q->stride[0] == L * q->stride[2] (e.g. q stored
  * token-major, [B, L, H, Dk]; any q when B = 1 or L = 1), else KVA_ESTRIDE; mask none
  * or causal without window or segments (else KVA_EUNSUPPORTED), so that
@@ -546,7 +547,7 @@ int kva_cp_attention(kva_context *ctx, void *comm, const kva_cp_plan *plan, cons
                      void *send, void *recv, void *workspace, size_t workspace_bytes);
 
 typedef enum kva_path {
-  KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head (CPU: of a group of 16 rows) */
+  KVA_PATH_FUSED = 1,    /* one pass over K/V for all query vectors of a KV head (CPU: up to 256 per pass) */
   KVA_PATH_FALLBACK = 2, /* correct general path (explicit mask arrays) */
 } kva_path;
 /* Validates the arguments like kva_attention and says which path would run

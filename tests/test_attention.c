@@ -76,7 +76,7 @@ static const att_case cases[] = {
      * 12) and with Dk > Dv (the tile sized for K) */
     {1, 8, 2, 4, 300, 96, 96, F32, F32, 2, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     {1, 6, 1, 2, 250, 512, 128, F32, F32, 4, 8, 64, F16, MASK_CAUSAL, 0, 0, 1, 0, 0},
-    /* explicit array masks (fallback) and long L (the fused kernels in row groups of 16) */
+    /* explicit array masks (fallback) and long L (the fused kernels in row groups) */
     {2, 4, 2, 5, 200, 64, 64, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 1, 0},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 4, 4, 64, BF16, MASK_ADD, 0, 0, 1, 0, 1},
     {1, 4, 2, 5, 200, 128, 128, F32, F32, 0, 0, 0, F32, MASK_BOOL, 0, 0, 0, 0, 1},

@@ -275,7 +275,7 @@ def test_attention_path(request):
     q1, q20 = randn(rng, (1, 4, 1, 64)), randn(rng, (1, 4, 20, 64))
     k = v = randn(rng, (1, 2, 30, 64))
     assert kvattn.attention_path(q1, k, v, mask="causal") == "fused"
-    assert kvattn.attention_path(q20, k, v, mask="causal") == "fused"  # in row groups of 16
+    assert kvattn.attention_path(q20, k, v, mask="causal") == "fused"  # in row groups
     assert kvattn.attention_path(q1, k, v, mask=np.ones(30, bool)) == "fallback"
 
 
@@ -286,7 +286,7 @@ def test_attention_kernel(request):
     simd = kvattn.cpu_simd()
     name = kvattn.attention_kernel(q1, k, v, mask="causal")
     assert name.startswith("cpu " + simd + " ") and name.endswith("]") and " kernel [" in name
-    # long L runs fused (row groups of 16); the fallback path (mask arrays) the general kernel at every SIMD level
+    # long L runs fused (row groups); the fallback path (mask arrays) the general kernel at every SIMD level
     assert kvattn.attention_kernel(q20, k, v, mask="causal") == name
     mask = np.ones(30, bool)
     assert kvattn.attention_kernel(q1, k, v, mask=mask) == "cpu " + simd + " general kernel [exact f32]"
