@@ -88,6 +88,11 @@ static const att_case cases[] = {
     /* items of up to 256 query vectors: one group of 100 rows (200 vectors), groups of 256 and 44 rows */
     {1, 4, 2, 100, 600, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
     {2, 2, 2, 300, 700, 64, 64, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 50, 0, 0, 1, 0},
+    /* prefill (L = N): each row group's keys end at its last row, a window's
+     * start at its first row's window (chunks past them skipped, with sinks) */
+    {1, 4, 1, 700, 700, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+    {1, 8, 2, 600, 600, 64, 64, F32, F32, 0, 0, 0, F32, MASK_WINDOW, 100, 0, 0, 0, 1},
+    {2, 4, 2, 500, 800, 64, 64, BF16, BF16, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 1, 0},
 };
 #define NCASES ((int)(sizeof cases / sizeof cases[0]))
 

@@ -183,6 +183,23 @@ static int64_t visible_lo(const kva_problem *p, int64_t len) {
   return 0;
 }
 
+/* The keys of [*t0, *t1) that rows i0 .. i0 + rows - 1 can see, for the
+ * causal mask without segments (TREE rows may see any new key; segments
+ * reach past a row's position): none at or past the last row's position
+ * + 1, none older than the first row's window. Returns 1 when no key is
+ * left (the range is then unchanged). Long L (row groups) over a short
+ * cache, as chunked prefill: the early groups skip the keys after them. */
+static int group_key_range(const kva_problem *p, int64_t len, int64_t i0, int64_t rows, int64_t *t0, int64_t *t1) {
+  if (p->mask.kind != KVA_MASK_CAUSAL || p->mask.segments.data) return 0;
+  int64_t lo = *t0, hi = *t1;
+  const int64_t end = len - p->L + i0 + rows; /* one past the last row's position */
+  if (hi > end) hi = end;
+  if (p->mask.window > 0 && lo < len - p->L + i0 - p->mask.window + 1) lo = len - p->L + i0 - p->mask.window + 1;
+  if (lo >= hi) return 1;
+  *t0 = lo, *t1 = hi;
+  return 0;
+}
+
 static size_t align_up(size_t x) { return (x + KVA_ALIGN - 1) / KVA_ALIGN * KVA_ALIGN; }
 
 /* The plan of a validated problem; KVA_ESHAPE when its sizes do not fit
@@ -304,6 +321,10 @@ static void run_item(void *arg, long task, int worker) {
   it.len = len;
   it.state = r->partials + (size_t)(r->item0[b] + (g * p->KVH + hk) * nchunks + c) * (size_t)r->pl.nq *
                                (size_t)KVA_STATE_FLOATS(p->Dv);
+  if (group_key_range(p, len, it.i0, it.rows, &it.t0, &it.t1)) { /* no row of the group sees this chunk */
+    for (int64_t j = 0; j < p->rep * it.rows; ++j) kva_softmax_init(it.state + j * KVA_STATE_FLOATS(p->Dv), (int)p->Dv);
+    return;
+  }
   it.scratch = r->scratch + (size_t)worker * r->pl.scratch_floats;
   (r->fused ? r->fused : r->generic)(&it); /* fused: the FUSED path (one group, or a tree's groups) */
 }
