@@ -363,7 +363,8 @@ int kva_hadamard_dim_supported(int64_t D);
  * >= 6 query vectors per KV head on AMX ("[K,V,P bf16]" for float rows:
  * K and V rounded to bf16 where their rows are not bf16, P always;
  * "[P bf16]" for quantized rows: the codes exact, q.k exact up to f32
- * accumulation, P times the V group scale rounded to bf16); on AVX-512
+ * accumulation, P times the V group scale rounded to bf16, multiplying the
+ * centered codes c - 2^(bits-1)); on AVX-512
  * VNNI, 16-bit queries over quantized K, and on AVX2, 4-bit and 8-bit K
  * ("[q int8]": q
  * rounded to 8 bits with one scale per vector and K group, the rounding

@@ -9,8 +9,11 @@
  *   online softmax with the queries in vector lanes (vector exp);
  *   O[16 q × Dv] += W[16 q × 32 keys] · V[32 keys × Dv] (one tdpbf16ps per
  *     16 output dims): float V rows as bf16 with W = P rounded to bf16;
- *     quantized V as its codes with W = P·s_g rounded to bf16 per group,
- *     and Σ_t p_t·b_g per (vector, group) in f32, added on output.
+ *     quantized V as its centered codes c - 2^(bits-1) (exact) with W =
+ *     P·s_g rounded to bf16 per group, and Σ_t p_t·(b_g + 2^(bits-1) s_g)
+ *     per (vector, group) in f32, added on output: W's rounding multiplies
+ *     values of about the dequantized value's size (rows with a non-finite
+ *     scale or bias keep c and b_g).
  *   A masked key's weight is exactly 0 and its quantized scale and bias are
  *   never multiplied; a tile whose float V rows hold a NaN/Inf in a key that
  *   some vector does not see takes P·V in f32 vector FMAs over the keys each
@@ -126,14 +129,23 @@ ALWAYS void krow_to_bf16(const amx_fmt *a, const char *row, uint16_t *dst, int b
   }
 }
 
-/* The codes of two quantized V rows ra, rb (NULL: zeros) as the token pair
- * of the B tiles: dword l of block vb = (ra's code at step position 16vb+l,
- * rb's), at vp + vb*16*32 (vp: this pair's row of block 0). */
-ALWAYS void vcodes_pair(const amx_fmt *a, const char *ra, const char *rb, uint16_t *vp, __m512i interleave, int bits) {
+/* The codes of two quantized V rows ra, rb (NULL: zeros) less their
+ * offsets oa, ob (exact: |c - o| <= 2^bits) as the token pair of the B
+ * tiles: dword l of block vb = (ra's code at step position 16vb+l, rb's),
+ * at vp + vb*16*32 (vp: this pair's row of block 0). */
+ALWAYS void vcodes_pair(const amx_fmt *a, const char *ra, const char *rb, float oa, float ob, uint16_t *vp,
+                        __m512i interleave, int bits) {
+  const __m512 va = _mm512_set1_ps(oa), vb = _mm512_set1_ps(ob);
   for (int64_t s = 0; s < a->D / 32; ++s) {
     __m512 alo, ahi, blo = _mm512_setzero_ps(), bhi = _mm512_setzero_ps();
     codes32(bits, ra, s, &alo, &ahi);
-    if (rb) codes32(bits, rb, s, &blo, &bhi);
+    alo = _mm512_sub_ps(alo, va);
+    ahi = _mm512_sub_ps(ahi, va);
+    if (rb) {
+      codes32(bits, rb, s, &blo, &bhi);
+      blo = _mm512_sub_ps(blo, vb);
+      bhi = _mm512_sub_ps(bhi, vb);
+    }
     _mm512_storeu_si512(vp + (2 * s) * 16 * 32, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(blo, alo)));
     _mm512_storeu_si512(vp + (2 * s + 1) * 16 * 32,
                         _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(bhi, ahi)));
@@ -147,11 +159,12 @@ static inline void krow_any(const amx_fmt *a, const char *row, uint16_t *dst) {
   default: krow_to_bf16(a, row, dst, 0); return;
   }
 }
-static inline void vpair_any(const amx_fmt *a, const char *ra, const char *rb, uint16_t *vp, __m512i interleave) {
+static inline void vpair_any(const amx_fmt *a, const char *ra, const char *rb, float oa, float ob, uint16_t *vp,
+                             __m512i interleave) {
   switch (a->bits) {
-  case 2: vcodes_pair(a, ra, rb, vp, interleave, 2); return;
-  case 4: vcodes_pair(a, ra, rb, vp, interleave, 4); return;
-  default: vcodes_pair(a, ra, rb, vp, interleave, 8); return;
+  case 2: vcodes_pair(a, ra, rb, oa, ob, vp, interleave, 2); return;
+  case 4: vcodes_pair(a, ra, rb, oa, ob, vp, interleave, 4); return;
+  default: vcodes_pair(a, ra, rb, oa, ob, vp, interleave, 8); return;
   }
 }
 
@@ -226,6 +239,7 @@ static void attend_amx(const kva_item *it) {
   amx_plan(&src->kf, &kf);
   amx_plan(&src->vf, &vf);
   const int ksteps = (int)(Dk / 32), vblocks = (int)(Dv / 16);
+  const float vcenter = vf.bits ? (float)(1 << (vf.bits - 1)) : 0.0f;
   uint16_t *qt = (uint16_t *)it->scratch;
   uint16_t *kb = qt + nqt * ksteps * 16 * 32;
   uint16_t *vp = kb + KVA_TILE * Dk;
@@ -310,11 +324,25 @@ static void attend_amx(const kva_item *it) {
     for (int64_t r = 0; r < KVA_TILE; r += 2) {
       for (int64_t u = r; u < r + 2 && u < tl.pf.n; ++u) prefetch_row(&tl.pf, u, KVA_ARR_V, KVA_ARRS);
       if (vf.bits) {
+        /* centered codes c - 2^(bits-1) with the bias b + 2^(bits-1) s when a
+         * row's scales, biases and moved biases are all finite (else c and b:
+         * a non-finite scale or bias reaches exactly the elements that
+         * dequantizing the row makes non-finite) */
+        float off[2] = {0.0f, 0.0f};
         for (int64_t u = r; u < r + 2; ++u) {
-          _mm512_storeu_ps(vbf + u * MAXG, u < n ? load_groups(trow[u].vb, vf.dt, vf.ngroups) : _mm512_setzero_ps());
-          for (int g = 0; g < vf.ngroups; ++g) vst[g * KVA_TILE + u] = u < n ? simd_load_scale(trow[u].vs, vf.dt, g) : 0.0f;
+          float sg[MAXG];
+          const __m512 sv = u < n ? load_groups(trow[u].vs, vf.dt, vf.ngroups) : _mm512_setzero_ps();
+          const __m512 bv = u < n ? load_groups(trow[u].vb, vf.dt, vf.ngroups) : _mm512_setzero_ps();
+          const __m512 bc = _mm512_fmadd_ps(sv, _mm512_set1_ps(vcenter), bv);
+          const int cen = !(_mm512_fpclass_ps_mask(sv, 0x99) | _mm512_fpclass_ps_mask(bv, 0x99) |
+                            _mm512_fpclass_ps_mask(bc, 0x99));
+          off[u - r] = cen ? vcenter : 0.0f;
+          _mm512_storeu_ps(vbf + u * MAXG, cen ? bc : bv);
+          _mm512_storeu_ps(sg, sv);
+          for (int g = 0; g < vf.ngroups; ++g) vst[g * KVA_TILE + u] = sg[g];
         }
-        if (r < n) vpair_any(&vf, trow[r].v, r + 1 < n ? trow[r + 1].v : NULL, vp + r / 2 * 32, halves_interleave);
+        if (r < n)
+          vpair_any(&vf, trow[r].v, r + 1 < n ? trow[r + 1].v : NULL, off[0], off[1], vp + r / 2 * 32, halves_interleave);
         else
           for (int vb = 0; vb < vblocks; ++vb)
             _mm512_storeu_si512(vp + ((int64_t)vb * 16 + r / 2) * 32, _mm512_setzero_si512());
