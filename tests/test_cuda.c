@@ -137,6 +137,15 @@ static const att_case cases[] = {
     {2, 8, 4, 24, 800, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 1, 1},
     {1, 4, 2, 20, 300, 64, 64, F32, F32, 2, 2, 32, F32, MASK_WINDOW, 30, 0, 0, 0, 0},
     {1, 24, 4, 100, 1100, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    /* prefill (L near N): a query tile's keys end at its last row and start
+     * at its first row's window (splits past them empty) on each family */
+    {1, 8, 4, 500, 500, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 1, 0, 0},
+    {2, 8, 2, 400, 600, 128, 128, BF16, F32, 4, 4, 64, BF16, MASK_WINDOW, 64, 0, 0, 1, 0},
+    {1, 4, 2, 300, 300, 64, 64, F32, F32, 0, 0, 0, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 2, 400, 400, 256, 256, BF16, BF16, 0, 0, 0, BF16, MASK_WINDOW, 90, 0, 0, 0, 0},
+    {1, 8, 2, 300, 500, 128, 128, BF16, BF16, 8, 8, 64, BF16, MASK_WINDOW, 50, 0, 0, 0, 0},
+    {1, 4, 2, 200, 300, 512, 512, BF16, BF16, 4, 4, 128, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 30, 40, 128, 128, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     /* the q4 tensor-core path (bf16 q, head dims 64/128/256, groups 32..128) */
     {2, 8, 2, 3, 1500, 128, 128, BF16, BF16, 4, 4, 32, F16, MASK_CAUSAL, 0, 0, 1, 1, 0},
     {1, 8, 8, 1, 777, 64, 64, BF16, F32, 4, 4, 64, F32, MASK_WINDOW, 100, 20.0f, 0, 0, 1},

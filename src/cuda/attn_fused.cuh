@@ -447,9 +447,8 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   }
   __syncwarp(); /* the reads of sm_o above before this warp's final writes of it */
 
-  long long t_lo = (long long)split * a.chunk, t_hi = min(t_lo + a.chunk, len);
-  if (kvc_causal_family(a) && a.window > 0 && !a.seg) /* keys before row 0's window (TREE: its prefix's) */
-    t_lo = max(t_lo, len - a.L - a.window + 1);
+  long long t_lo, t_hi;
+  kvc_split_range(a, split, len, qtile * QW, QW, &t_lo, &t_hi);
 
   /* The affine map per row and query vector (2 operations per query and row)
    * instead of per element (2 per element) where that is fewer operations. */

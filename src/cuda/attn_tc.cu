@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
   const bool packed = I8 && gk >= 2 && min(Q - q0, 8) * gk <= 8;
 
   long long t_lo, t_hi;
-  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
+  const int nst = kvc_tc_range(a, split, len, q0, NTM * 8, &t_lo, &t_hi);
 
   /* logits in log2 units: x = scl2 * q.k, a softcap c as (c log2 e) tanh(x / (c log2 e)) */
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   const int mqc = min(MQ, (Q - q0 + 15) / 16), ntc = min(NT, (Q - q0 + 7) / 8); /* tiles with query vectors */
 
   long long t_lo, t_hi;
-  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
+  const int nst = kvc_tc_range(a, split, len, q0, KVC_TCW_QV, &t_lo, &t_hi);
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;
 

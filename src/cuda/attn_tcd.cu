@@ -413,7 +413,7 @@ template <int D, int GPT, bool HI, bool TBL> __device__ __forceinline__ void kvc
   const int v0 = blockIdx.x * QV, Qall = a.rep * a.L, Q = HI && Qall - v0 > QV ? QV : Qall - v0;
 
   long long t_lo, t_hi;
-  kvc_split_range(a, split, len, &t_lo, &t_hi);
+  kvc_split_range(a, split, len, v0, Q, &t_lo, &t_hi);
   /* one group per row: token r of each of this warp's tiles is entry r + so of the slot's scale arrays */
   const int so = G == 1 ? kvc_tcd_so(a, b, hk, fo, t_lo + (long long)warp * KVC_TCD_TOK) : 0;
   const int ntiles = t_hi > t_lo ? (int)((t_hi - t_lo + KVC_TCD_TOK - 1) / KVC_TCD_TOK) : 0;

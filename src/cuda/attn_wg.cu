@@ -591,7 +591,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const int fo = kvc_first_offset(a.k, b), e0 = NAT ? 0 : kvc_tc_e0(a, b, hk, fo);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
-  const int nst = kvc_tc_range(a, split, len, &t_lo, &t_hi);
+  const int nst = kvc_tc_range(a, split, len, q0, KVC_WG_QV, &t_lo, &t_hi);
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;
 
@@ -1043,7 +1043,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
   const int fo = kvc_first_offset(a.k, b);
   const int Q = a.rep * a.L, q0 = qg * KVC_WG_QV;
   long long t_lo, t_hi;
-  kvc_split_range(a, split, len, &t_lo, &t_hi);
+  kvc_split_range(a, split, len, q0, KVC_WG_QV, &t_lo, &t_hi);
   const int nst = t_hi > t_lo ? (int)((t_hi - t_lo + T - 1) / T) : 0;
   const float scl2 = a.scale * KVC_LOG2E, cap2 = a.softcap * KVC_LOG2E, cap2_inv = a.softcap_inv * (1.0f / KVC_LOG2E);
   const bool capped = a.softcap > 0.0f;

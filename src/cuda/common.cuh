@@ -400,14 +400,23 @@ __device__ __forceinline__ int32_t kvc_seg_of_row(const kvc_args &a, int b, long
   return (kvc_causal_family(a) && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
 }
 
-/* The token range [*t_lo, *t_hi) of a split of a.chunk tokens (keys before
- * row 0's sliding window skipped: no row sees them; TREE: its prefix alike,
- * the new keys all lie after that bound). */
-__device__ __forceinline__ void kvc_split_range(const kvc_args &a, int split, long long len, long long *t_lo,
-                                                long long *t_hi) {
+/* The token range [*t_lo, *t_hi) of a split of a.chunk tokens that a block's
+ * query vectors q0 .. q0 + nq - 1 (vector v: row v % L of head v / L) can
+ * see. Causal family without segments: keys before the first row's sliding
+ * window skipped, and after the last row's position; the rows are those of
+ * one head when the block's vectors are (long L: a query tile of one head's
+ * rows, as chunked prefill), else all L. TREE: rows 0 .. L - 1 (row 0's
+ * window bound lies before the new keys, which follow the bits). */
+__device__ __forceinline__ void kvc_split_range(const kvc_args &a, int split, long long len, int q0, int nq,
+                                                long long *t_lo, long long *t_hi) {
   *t_lo = (long long)split * a.chunk;
   *t_hi = min(*t_lo + a.chunk, len);
-  if (kvc_causal_family(a) && a.window > 0 && !a.seg) *t_lo = max(*t_lo, len - a.L - a.window + 1);
+  if (!kvc_causal_family(a) || a.seg) return;
+  const int v1 = min(q0 + nq, a.rep * a.L) - 1;
+  const bool one = a.mask_kind == KVA_MASK_CAUSAL && q0 / a.L == v1 / a.L;
+  const long long r_lo = one ? q0 % a.L : 0, r_hi = one ? v1 % a.L : a.L - 1;
+  *t_hi = min(*t_hi, len - a.L + r_hi + 1); /* TREE: r_hi = L - 1, t_hi <= len */
+  if (a.window > 0) *t_lo = max(*t_lo, len - a.L + r_lo - a.window + 1);
 }
 /* Are keys t0 .. t0 + n - 1 all inside the split (below t_hi) and visible
  * to every row (no mask, or causal without segments and inside each row's

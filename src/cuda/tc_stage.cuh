@@ -329,11 +329,11 @@ __device__ __forceinline__ int kvc_tc_table_id(const kvc_args &a, int b, int fo,
   return a.k.tbl && t < t_hi ? kvc_table_id(a.k, b, fo, t) : 0;
 }
 
-/* The token range of a split and its 64-token stages; is the stage at t0
- * wholly visible (common.cuh). */
-__device__ __forceinline__ int kvc_tc_range(const kvc_args &a, int split, long long len, long long *t_lo,
-                                            long long *t_hi) {
-  kvc_split_range(a, split, len, t_lo, t_hi);
+/* The token range of a split for query vectors q0 .. q0 + nq - 1 and its
+ * 64-token stages; is the stage at t0 wholly visible (common.cuh). */
+__device__ __forceinline__ int kvc_tc_range(const kvc_args &a, int split, long long len, int q0, int nq,
+                                            long long *t_lo, long long *t_hi) {
+  kvc_split_range(a, split, len, q0, nq, t_lo, t_hi);
   return *t_hi > *t_lo ? (int)((*t_hi - *t_lo + KVC_TC_TOK - 1) / KVC_TC_TOK) : 0;
 }
 __device__ __forceinline__ bool kvc_tc_stage_full(const kvc_args &a, long long t0, long long t_hi, long long len) {
