@@ -187,8 +187,8 @@ static int64_t visible_lo(const kva_problem *p, int64_t len) {
  * causal mask without segments (TREE rows may see any new key; segments
  * reach past a row's position): none at or past the last row's position
  * + 1, none older than the first row's window. Returns 1 when no key is
- * left (the range is then unchanged). Long L (row groups) over a short
- * cache, as chunked prefill: the early groups skip the keys after them. */
+ * left (the range is then unchanged). Long L in row groups, as prefill:
+ * each group skips the keys after its last row. */
 static int group_key_range(const kva_problem *p, int64_t len, int64_t i0, int64_t rows, int64_t *t0, int64_t *t1) {
   if (p->mask.kind != KVA_MASK_CAUSAL || p->mask.segments.data) return 0;
   int64_t lo = *t0, hi = *t1;
