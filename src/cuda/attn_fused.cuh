@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(KVC_FUSED_THREADS, kvc_min_blocks(FMT, E, QW))
   extern __shared__ __align__(16) unsigned char kvc_fused_ring[]; /* RING: the warps' rings (run_ring) */
 
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
-  const int qtile = blockIdx.x, split = blockIdx.y;
+  const int qtile = kvc_qtile(), split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int lg = a.lanes_log2, P = 1 << lg, TPW = KVC_WARP >> lg;
   const int slot = lane >> lg, c = lane & (P - 1);

@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(KVC_TC_THREADS, F == KVC_Q4 && NTM == 1 ? (D <
   extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int g = lane >> 2, tq = lane & 3; /* mma fragment row group and thread-in-group */
-  const int qg = blockIdx.x, split = blockIdx.y;
+  const int qg = kvc_qtile(), split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int kgs = G ? G : a.k.group, vgs = G ? G : a.v.group; /* group sizes: compiled (G) or read */
   const int gk = PR ? 0 : D / kgs, gv = PR ? 0 : D / vgs;
@@ -997,7 +997,7 @@ __global__ void __launch_bounds__(KVC_TCW_THREADS, 1) kvc_tcw_kernel(const kvc_a
   extern __shared__ __align__(128) unsigned char kvc_tc_buf[];
   const int lane = threadIdx.x % KVC_WARP, warp = threadIdx.x / KVC_WARP;
   const int g = lane >> 2, tq = lane & 3;
-  const int qg = blockIdx.x, split = blockIdx.y;
+  const int qg = kvc_qtile(), split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int gk = BF || FP8 ? 0 : D / a.k.group, gv = BF || FP8 ? 0 : D / a.v.group;
   const int gk_sh = BF || FP8 ? 0 : 31 - __clz(a.k.group), gv_sh = BF || FP8 ? 0 : 31 - __clz(a.v.group);

@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, D == 64 ? 2 : 1) 
   const int wg = __shfl_sync(KVC_FULL_MASK, tid / KVC_WG_THREADS, 0);
   const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
   const bool loads = wg == 0; /* warpgroup 0 issues the copies (the stage loader is laid out for 128 threads) */
-  const int qg = blockIdx.x, split = blockIdx.y;
+  const int qg = kvc_qtile(), split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const int gk = NAT ? 0 : D / a.k.group, gv = NAT ? 0 : D / a.v.group;
   const int gk_sh = NAT ? 0 : 31 - __clz(a.k.group), gv_sh = NAT ? 0 : 31 - __clz(a.v.group);
@@ -1036,7 +1036,7 @@ __global__ void __launch_bounds__(KVC_WG_WGS * KVC_WG_THREADS, 1) kvc_wg512_kern
   unsigned char *base = kvc_wg_buf + (sbase - sraw);
   const int tid = threadIdx.x, wg = tid / KVC_WG_THREADS, wt = tid % KVC_WG_THREADS;
   const int lane = tid % KVC_WARP, warp = wt / KVC_WARP, g = lane >> 2, t4 = lane & 3;
-  const int qg = blockIdx.x, split = blockIdx.y;
+  const int qg = kvc_qtile(), split = blockIdx.y;
   const int b = blockIdx.z / a.KVH, hk = blockIdx.z % a.KVH;
   const kvc_wg512_layout W = kvc_wg512_layout_of();
   const long long len = kvc_seq_len(a, b);

@@ -400,6 +400,13 @@ __device__ __forceinline__ int32_t kvc_seg_of_row(const kvc_args &a, int b, long
   return (kvc_causal_family(a) && a.seg && p >= 0) ? kvc_seg_at(a, b, p) : 0;
 }
 
+/* This block's query tile (kernels that take long L: fused, narrow / wide
+ * tensor-core, warpgroup): the grid's x index in reverse, so that with
+ * causal long L (prefill) the later tiles, which see the most keys
+ * (kvc_split_range), are scheduled first and the short ones fill the tail;
+ * decode and verify have one tile, or tiles of equal work. */
+__device__ __forceinline__ int kvc_qtile() { return (int)(gridDim.x - 1 - blockIdx.x); }
+
 /* The token range [*t_lo, *t_hi) of a split of a.chunk tokens that a block's
  * query vectors q0 .. q0 + nq - 1 (vector v: row v % L of head v / L) can
  * see. Causal family without segments: keys before the first row's sliding
