@@ -436,13 +436,86 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
     }
   }
 }
+/* 4-bit K with every chunk in one group (groups of >= 64): rows in lanes.
+ * Per block of 4 rows and chunk c, two unpack levels turn the rows' 8 words
+ * into X_i = [word i of rows 0-3 | word i+4 of rows 0-3] (i = 0..3); the
+ * low / high nibbles of X_i times the query bytes of those words, broadcast
+ * per 128-bit half (query_int8's row-lane layout: 8 vectors per chunk, 2i
+ * low nibbles, 2i+1 high), by vpmaddubsw, the chunk's 8 products added in
+ * s16 (at most 8*2*15*127 = 30480), vpmaddwd by ones and the two halves
+ * added: the exact int32 I of each (row, chunk), summed over the chunks of
+ * a group into I[j][g][t]. Then per 8 rows S = sum_g the group term, as
+ * kphase_i8 (the same values: I is exact either way), with no per-row
+ * horizontal reduction. Rows past n read zero codes. CG: every chunk is
+ * one whole group (g = c) and the row has NCH chunks. */
+static const uint8_t kzero_row[MAXCH * 32] __attribute__((aligned(32)));
+ALWAYS void kphase_i4t(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
+                       const float *sgb, int64_t sgst, const float *kst, const float *kbt, int J, float *S,
+                       const kva_prefetch *pf, int NCH, int CG) {
+  const int nch = NCH ? NCH : fp->nch, ng = CG ? NCH : fp->ngroups;
+  const int64_t n8 = (n + L8 - 1) / L8 * L8;
+  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  int32_t I[KQB][MAXG][KVA_TILE] __attribute__((aligned(32)));
+  for (int64_t t0 = 0; t0 < n8; t0 += 4) {
+    const char *r[4];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t t = t0 + u;
+      if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
+      r[u] = t < n ? rows[t].k : (const char *)kzero_row;
+    }
+    __m128i gacc[KQB] = {0};
+    for (int c = 0; c < nch; ++c) {
+      __m256i x[4];
+      for (int u = 0; u < 4; ++u) x[u] = NCH ? v8i_load(r[u] + c * 32) : load_chunk(fp, r[u], c);
+      const __m256i ab0 = _mm256_unpacklo_epi32(x[0], x[1]), ab1 = _mm256_unpackhi_epi32(x[0], x[1]);
+      const __m256i cd0 = _mm256_unpacklo_epi32(x[2], x[3]), cd1 = _mm256_unpackhi_epi32(x[2], x[3]);
+      const __m256i X[4] = {_mm256_unpacklo_epi64(ab0, cd0), _mm256_unpackhi_epi64(ab0, cd0),
+                            _mm256_unpacklo_epi64(ab1, cd1), _mm256_unpackhi_epi64(ab1, cd1)};
+      __m256i lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        lo[i] = _mm256_and_si256(X[i], m4);
+        hi[i] = _mm256_and_si256(_mm256_srli_epi16(X[i], 4), m4);
+      }
+      const int first = CG || c == 0 || fp->gend[c - 1], last = CG || fp->gend[c];
+      for (int j = 0; j < J; ++j) {
+        const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 8 * c;
+        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], _mm256_load_si256(q)),
+                                     _mm256_maddubs_epi16(hi[0], _mm256_load_si256(q + 1)));
+        for (int i = 1; i < 4; ++i) {
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[i], _mm256_load_si256(q + 2 * i)));
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[i], _mm256_load_si256(q + 2 * i + 1)));
+        }
+        const __m256i w = _mm256_madd_epi16(s, ones);
+        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        gacc[j] = first ? h : _mm_add_epi32(gacc[j], h);
+        if (last) _mm_store_si128((__m128i *)&I[j][CG ? c : fp->g0[c]][t0], gacc[j]);
+      }
+    }
+  }
+  for (int64_t t0 = 0; t0 < n8; t0 += L8) {
+    const float *ks = kst + t0, *kb = kbt + t0;
+    for (int j = 0; j < J; ++j) {
+      const float *sg = sgb + (int64_t)j * sgst, *beta = sg + fp->ngroups;
+      __m256 sc = _mm256_setzero_ps();
+      for (int g = 0; g < ng; ++g)
+        sc = iq_group_term(_mm256_load_si256((const __m256i *)&I[j][g][t0]), ks + g * KVA_TILE, kb + g * KVA_TILE,
+                           sg + g, beta + g, sc);
+      _mm256_storeu_ps(S + j * KVA_TILE + t0, sc);
+    }
+  }
+}
+
+/* kphase_i4t applies: 4-bit codes, every chunk in one group. */
+static int i4t_format(const fmt8 *fp) { return fp->bits == 4 && fp->one_group; }
+
 #define KIBLOCK(J_)                                                                                             \
   static void kiblock8_##J_(const fmt8 *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,      \
                             const float *sgb, int64_t sgst, const float *kst, const float *kbt, float *S,      \
                             const kva_prefetch *pf) {                                                          \
     const int full4 = fp->nch == 4 && fp->full[3]; /* head dim 256 at 4 bits, 128 at 8 */                     \
     const int cg = full4 && fp->G == L8 * fp->E;   /* and groups of one chunk: q4 g64, q8 g32 */               \
-    if (fp->bits == 4 && cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 1);        \
+    if (i4t_format(fp) && cg) kphase_i4t(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, S, pf, 4, 1);          \
+    else if (i4t_format(fp)) kphase_i4t(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, S, pf, 0, 0);          \
     else if (fp->bits == 4 && full4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 4, 0); \
     else if (fp->bits == 4) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 4, S, pf, 0, 0);         \
     else if (cg) kphase_i8(fp, rows, n, qb, qst, sgb, sgst, kst, kbt, J_, 8, S, pf, 4, 1);                    \
@@ -480,9 +553,11 @@ static int iq_format_ok(const fmt8 *fp) {
  * with a NaN or Inf element gets sg = beta = NaN (its logits NaN, as the
  * oracle's are); a group too small for 1 / sigma (max |q| below ~2^-121,
  * which the oracle leaves unrounded) gets c = 0 (its term below 2^-121 of
- * sum |k|). Bytes at qb,
- * 2 vectors of 32 per chunk: 4-bit codes, s8, vector i byte b = element
- * (c*8 + b/4)*8 + (b%4)*2 + i (the low / high nibble of byte b); 8-bit
+ * sum |k|). Bytes at qb, per chunk: 4-bit codes with every chunk in one
+ * group (kphase_i4t), s8, 8 vectors of 32, vector v byte b = element
+ * (c*8 + v/2 + 4*(b/16))*8 + (b%4)*2 + v%2; other 4-bit codes, s8, 2
+ * vectors, vector i byte b = element (c*8 + b/4)*8 + (b%4)*2 + i (the low
+ * / high nibble of byte b); 8-bit
  * codes, s16, vector h element k = the query element of chunk byte
  * (k/8)*16 + h*8 + k%8 (unpacklo / unpackhi within each 128-bit half),
  * byte b = element (c*8 + b/4)*4 + b%4. Words past the row: 0. */
@@ -498,7 +573,13 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   }
   const int64_t words = D / fp->E;
   for (int c = 0; c < fp->nch; ++c) {
-    if (fp->bits == 4) {
+    if (i4t_format(fp)) {
+      for (int v = 0; v < 8; ++v)
+        for (int b = 0; b < 32; ++b) {
+          const int64_t w = (int64_t)c * L8 + v / 2 + 4 * (b / 16);
+          qb[((int64_t)c * 8 + v) * 32 + b] = w < words ? c8[w * 8 + (b % 4) * 2 + v % 2] : 0;
+        }
+    } else if (fp->bits == 4) {
       for (int i = 0; i < 2; ++i)
         for (int b = 0; b < 32; ++b) {
           const int64_t w = (int64_t)c * L8 + b / 4;
