@@ -11,7 +11,7 @@ CFLAGS_BASE = -DKVA_BUILD_COMPILER="\"$(notdir $(CC)) $(shell $(CC) -dumpversion
 LDLIBS    = -lm -pthread
 
 # Sources by layer. Kernel bodies under src/cpu/simd/ are compiled once per
-# SIMD level (portable, avx2, avx512) and chosen at run time.
+# SIMD level (portable, avx2, avxvnni, avx512) and chosen at run time.
 CORE_SRC  = $(wildcard src/core/*.c) $(wildcard src/api/*.c) $(wildcard src/ref/*.c) $(wildcard src/cpu/*.c) $(wildcard src/paged/*.c)
 SIMD_SRC  = $(wildcard src/cpu/simd/*.c)
 CUDA_SRC  = $(wildcard src/cuda/*.cu)
@@ -19,18 +19,19 @@ TOOL_SRC  = $(wildcard tools/*.c)
 TOOL_CU   = $(wildcard tools/*.cu)
 TEST_SRC  = $(wildcard tests/*.c)
 
-# x86 targets build all three levels (picked at run time by cpuid); other
+# x86 targets build all four levels (picked at run time by cpuid); other
 # targets (aarch64: Grace, Graviton, ...) the portable level, whose fused
 # kernel runs on generic vectors (NEON there). src/cpu/attend.c follows the
 # compiler's target macros the same way.
 KVA_ARCH := $(shell $(CC) -dumpmachine)
 ifneq ($(filter x86_64% i386% i486% i586% i686%,$(KVA_ARCH)),)
-SIMD_LEVELS = portable avx2 avx512
+SIMD_LEVELS = portable avx2 avxvnni avx512
 else
 SIMD_LEVELS = portable
 endif
 SIMD_FLAGS_portable =
 SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
+SIMD_FLAGS_avxvnni  = -mavx2 -mfma -mf16c -mbmi2 -mavxvnni
 SIMD_FLAGS_avx512   = -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16
 
 ifneq ($(NVCC),)

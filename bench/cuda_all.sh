@@ -86,7 +86,7 @@ if has seeds; then # the CUDA oracle tests over fresh seeds (each run prints its
   done
   grep -E "FAIL" "$OUT/tests.log" | tail -5
 fi
-if has cpu; then # every SIMD level of the host CPU (no GPU visible: CUDA tests skip); full at the best, --quick below
+if has cpu; then # every SIMD level of the host CPU (no GPU visible: CUDA tests skip); full at the best (its oracle tables run every level the CPU has, avxvnni included), --quick below
   for lvl in avx512 avx2 portable; do
     q=--quick; [ "$lvl" = avx512 ] && q=
     run cpu-$lvl 420 env KVATTN_SIMD=$lvl CUDA_VISIBLE_DEVICES= ./build/kvattn_tests $q > "$OUT/cpu_$lvl.log" 2>&1

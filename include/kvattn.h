@@ -627,12 +627,13 @@ int kva_reference_attention_rounded(const kva_tensor *q, const kva_kv_view *kv, 
                                     kva_tensor *out, kva_tensor *lse, unsigned flags, const kva_ref_rounding *r);
 
 /* ------------------------------------------------------------- info */
-/* SIMD level the CPU kernels use: "avx512", "avx2" or "portable": the best
- * the CPU has, capped by the environment variable KVATTN_SIMD (one of those
- * names, read once per process; a level above the CPU's is ignored). */
+/* SIMD level the CPU kernels use: "avx512", "avxvnni" (AVX2 with AVX-VNNI's
+ * integer dot products), "avx2" or "portable": the best the CPU has, capped
+ * by the environment variable KVATTN_SIMD (one of those names, read once
+ * per process; a level above the CPU's or one it lacks is ignored). */
 const char *kva_cpu_simd(void);
-/* Override the SIMD level (for tests and A/B runs): "avx512", "avx2",
- * "portable" (the fused kernel on generic vectors; the only level built on
+/* Override the SIMD level (for tests and A/B runs): "avx512", "avxvnni",
+ * "avx2", "portable" (the fused kernel on generic vectors; the only level built on
  * non-x86 targets); NULL = best available. Process-wide; calls read it
  * when they start (a change applies to calls that start after it). Fails with KVA_EUNSUPPORTED if the CPU lacks the
  * level or the build does not have it (x86 levels on other architectures),

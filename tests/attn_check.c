@@ -1004,11 +1004,11 @@ void att_mutate_kv(kva_kv *kv) {
 
 /* One mutation somewhere in the call; lens: a writable copy of the lengths. */
 
-static const char *const att_pass_names[ATT_PASSES] = {"portable", "avx2", "avx512", "general"};
-static int att_general; /* pass 3 active */
+static const char *const att_pass_names[ATT_PASSES] = {"portable", "avx2", "avx512", "avxvnni", "general"};
+static int att_general; /* the last pass active */
 int att_set_pass(int pass) {
   static const char *said[ATT_PASSES]; /* the test that last said it skips the pass */
-  att_general = pass == 3;
+  att_general = pass == ATT_PASSES - 1;
   kva_cpu_general_only(att_general);
   const int rc = kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
   if (rc && said[pass] != test_current_name) {

@@ -219,14 +219,14 @@ int64_t att_absurd(void);
 int att_pick(int n); /* 0 .. n-1 */
 void att_mutate_tensor(kva_tensor *t);
 void att_mutate_kv(kva_kv *kv); /* its data, scales or biases tensor, bits or group size */
-/* The CPU passes of the oracle tests: pass 0..2 the SIMD levels portable,
- * avx2, avx512 (those this CPU has), pass 3 the general kernel alone at the
- * best level (kva_cpu_general_only: the fallback path's kernel, which
+/* The CPU passes of the oracle tests: pass 0..3 the SIMD levels portable,
+ * avx2, avx512, avxvnni (those this CPU has), pass 4 the general kernel
+ * alone at the best level (kva_cpu_general_only: the fallback path's kernel, which
  * otherwise runs only for array masks and long L). att_set_pass returns
  * nonzero when the pass does not apply on this CPU, and then prints a skip
  * line naming the level (once per test); att_end_passes restores the
  * defaults. */
-#define ATT_PASSES 4
+#define ATT_PASSES 5
 int att_set_pass(int pass);
 const char *att_pass_name(int pass);
 const char *att_pass_now(void); /* the current pass's name (the SIMD level outside passes) */

@@ -96,7 +96,7 @@ static void usage_bench(FILE *f) {
           "run:\n"
           "  --backend B        cpu (default) | cuda\n"
           "  --threads T        worker threads, 0 = all cores (default)\n"
-          "  --simd LEVEL       CPU kernels of this SIMD level: avx512 | avx2 | portable\n"
+          "  --simd LEVEL       CPU kernels of this SIMD level: avx512 | avxvnni | avx2 | portable\n"
           "                     (default: the best this CPU supports; `kvattn info` names it)\n"
           "  --exact            exact mode (KVA_ATTN_EXACT): only \"[exact f32]\" kernels, never\n"
           "                     AMX, integer-query or tensor-core ones (validation; slower)\n"

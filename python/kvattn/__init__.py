@@ -54,12 +54,12 @@ def build_info():
 
 
 def cpu_simd():
-    """SIMD level the CPU kernels use: "avx512", "avx2" or "portable"."""
+    """SIMD level the CPU kernels use: "avx512", "avxvnni", "avx2" or "portable"."""
     return lib.kva_cpu_simd().decode()
 
 
 def set_cpu_simd(level=None):
-    """Force a SIMD level ("avx512", "avx2", "portable"); None = best available."""
+    """Force a SIMD level ("avx512", "avxvnni", "avx2", "portable"); None = best available."""
     C.check(lib.kva_cpu_set_simd(None if level is None else level.encode()))
 
 

@@ -297,12 +297,12 @@ def test_attention_kernel(request):
 def test_info():
     assert kvattn.version() == kvattn.__version__
     assert kvattn.version().count(".") == 2
-    assert kvattn.cpu_simd() in ("avx512", "avx2", "portable")
+    assert kvattn.cpu_simd() in ("avx512", "avxvnni", "avx2", "portable")
     assert isinstance(kvattn.build_info(), str) and kvattn.build_info()
     assert kvattn.cuda_device_count() >= 0
 
 
-@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("level", ["portable", "avx2", "avxvnni", "avx512"])
 def test_simd_levels_agree_with_reference(request, level):
     best = kvattn.cpu_simd()
     try:

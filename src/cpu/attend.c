@@ -26,11 +26,11 @@
 
 /* ---- SIMD level ---- */
 /* Which levels are built follows the target (the Makefile's SIMD_LEVELS):
- * x86 builds all three and picks by cpuid; other architectures build the
+ * x86 builds all four and picks by cpuid; other architectures build the
  * portable level only (generic vectors: NEON on aarch64). */
 #if defined(__x86_64__) || defined(__i386__)
 #define KVA_X86 1
-#define KVA_CPU_LEVELS "portable avx2 avx512"
+#define KVA_CPU_LEVELS "portable avx2 avxvnni avx512"
 #else
 #define KVA_X86 0
 #define KVA_CPU_LEVELS "portable"
@@ -45,55 +45,69 @@ static int general_only_set(void) { return atomic_load_explicit(&general_only, m
 
 #if KVA_X86
 #include <cpuid.h>
-/* CPU features by cpuid, and the OS's consent (XCR0) to the register state. */
-static const kva_cpu_kernels *best_kernels(void) {
+/* The x86 levels from lowest to highest; a level runs where the CPU has
+ * its features (avxvnni: AVX2 + AVX-VNNI, e.g. Intel client cores since
+ * Alder Lake, Sierra Forest, AMD Zen 5; avx512 need not include it: Zen 4
+ * has AVX-512 VNNI but not the VEX form). */
+#define KVA_NLEVELS 4
+static const kva_cpu_kernels *const levels[KVA_NLEVELS] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2,
+                                                            &kva_cpu_kernels_avxvnni, &kva_cpu_kernels_avx512};
+/* Bit i: the CPU (and the OS's consent in XCR0 to the register state)
+ * runs level i; by cpuid, once (cpuid traps to the hypervisor in a
+ * virtual machine: it took ~10 % of a 60 µs call when run on every call). */
+static unsigned cpu_levels(void) {
+  static atomic_uint cached; /* the mask | 1u << 31 once known */
+  unsigned m = atomic_load_explicit(&cached, memory_order_relaxed);
+  if (m) return m & 0xffu;
+  m = 1u; /* portable */
   unsigned a, b, c, d, b7 = 0, c7 = 0, a71 = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return &kva_cpu_kernels_portable;
-  const unsigned c1 = c;
-  if (!(c1 & (1u << 27))) return &kva_cpu_kernels_portable; /* OSXSAVE */
-  unsigned xlo, xhi;
-  __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) { b7 = b; c7 = c; }
-  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) a71 = a;
-  const int ymm = (xlo & 0x6) == 0x6, zmm = (xlo & 0xe6) == 0xe6;
-  const int avx2 = ymm && (b7 >> 5 & 1) && (c1 >> 12 & 1) /* fma */ && (c1 >> 29 & 1) /* f16c */ && (b7 >> 8 & 1);
-  const int avx512 = avx2 && zmm && (b7 >> 16 & 1) /* f */ && (b7 >> 17 & 1) /* dq */ && (b7 >> 30 & 1) /* bw */ &&
-                     (b7 >> 31 & 1) /* vl */ && (c7 >> 11 & 1) /* vnni */ && (a71 >> 5 & 1) /* bf16 */;
-  (void)xhi;
-  if (avx512) return &kva_cpu_kernels_avx512;
-  if (avx2) return &kva_cpu_kernels_avx2;
-  return &kva_cpu_kernels_portable;
+  if (__get_cpuid(1, &a, &b, &c, &d) && (c >> 27 & 1) /* OSXSAVE */) {
+    const unsigned c1 = c;
+    unsigned xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) { b7 = b; c7 = c; }
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) a71 = a;
+    const int ymm = (xlo & 0x6) == 0x6, zmm = (xlo & 0xe6) == 0xe6;
+    const int avx2 = ymm && (b7 >> 5 & 1) && (c1 >> 12 & 1) /* fma */ && (c1 >> 29 & 1) /* f16c */ && (b7 >> 8 & 1);
+    const int avxvnni = avx2 && (a71 >> 4 & 1);
+    const int avx512 = avx2 && zmm && (b7 >> 16 & 1) /* f */ && (b7 >> 17 & 1) /* dq */ && (b7 >> 30 & 1) /* bw */ &&
+                       (b7 >> 31 & 1) /* vl */ && (c7 >> 11 & 1) /* vnni */ && (a71 >> 5 & 1) /* bf16 */;
+    m |= (unsigned)avx2 << 1 | (unsigned)avxvnni << 2 | (unsigned)avx512 << 3;
+  }
+  atomic_store_explicit(&cached, m | 1u << 31, memory_order_relaxed);
+  return m;
 }
-#else
-static const kva_cpu_kernels *best_kernels(void) { return &kva_cpu_kernels_portable; }
-#endif
-
-/* The environment's cap KVATTN_SIMD = avx512 | avx2 | portable: a lower
- * level than the CPU has is taken as if it were the best (a whole process,
- * e.g. the test binary, runs at that level); a higher or unknown one is
- * ignored. */
-static const kva_cpu_kernels *env_capped(const kva_cpu_kernels *best) {
+static int level_index(const char *name) {
+  for (int i = 0; i < KVA_NLEVELS; ++i)
+    if (!strcmp(name, levels[i]->level)) return i;
+  return -1;
+}
+/* The highest level the CPU runs, capped by the environment's KVATTN_SIMD
+ * = avx512 | avxvnni | avx2 | portable: a lower level the CPU runs is taken
+ * as if it were the best (a whole process, e.g. the test binary, runs at
+ * that level); a higher, missing or unknown one is ignored. */
+static int best_index(void) {
+  const unsigned m = cpu_levels();
+  int best = 0;
+  for (int i = 0; i < KVA_NLEVELS; ++i)
+    if (m >> i & 1) best = i;
   const char *e = getenv("KVATTN_SIMD");
-  if (!e) return best;
-#if KVA_X86
-  const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
-  for (int i = 0; i < 3 && all[i] != best; ++i)
-    if (!strcmp(e, all[i]->level)) return all[i];
-#endif
-  return best;
+  const int cap = e ? level_index(e) : -1;
+  return cap >= 0 && cap < best && (m >> cap & 1) ? cap : best;
 }
-
-/* best_kernels, run once: cpuid traps to the hypervisor in a virtual
- * machine (it took ~10 % of a 60 µs call when run on every call). */
 static const kva_cpu_kernels *detected_kernels(void) {
   static _Atomic(const kva_cpu_kernels *) best;
   const kva_cpu_kernels *k = atomic_load_explicit(&best, memory_order_acquire);
   if (!k) {
-    k = env_capped(best_kernels());
+    k = levels[best_index()];
     atomic_store_explicit(&best, k, memory_order_release);
   }
   return k;
 }
+#else
+static const kva_cpu_kernels *detected_kernels(void) { return &kva_cpu_kernels_portable; }
+#endif
 
 const kva_cpu_kernels *kva_cpu_kernels_get(void) {
   const kva_cpu_kernels *k = atomic_load_explicit(&forced, memory_order_acquire);
@@ -109,24 +123,23 @@ int kva_cpu_set_simd(const char *level) {
     return 0;
   }
 #if KVA_X86
-  const kva_cpu_kernels *all[] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2, &kva_cpu_kernels_avx512};
-  const kva_cpu_kernels *best = detected_kernels();
-  int best_rank = best == &kva_cpu_kernels_avx512 ? 2 : best == &kva_cpu_kernels_avx2 ? 1 : 0;
-  for (int i = 0; i < 3; ++i)
-    if (!strcmp(level, all[i]->level)) {
-      if (i > best_rank) return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it (or KVATTN_SIMD caps it)", level);
-      atomic_store_explicit(&forced, all[i], memory_order_release);
-      return 0;
-    }
+  const int i = level_index(level);
+  if (i >= 0) {
+    const kva_cpu_kernels *best = detected_kernels();
+    if (!(cpu_levels() >> i & 1) || i > level_index(best->level))
+      return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it (or KVATTN_SIMD caps it)", level);
+    atomic_store_explicit(&forced, levels[i], memory_order_release);
+    return 0;
+  }
 #else
   if (!strcmp(level, "portable")) {
     atomic_store_explicit(&forced, &kva_cpu_kernels_portable, memory_order_release);
     return 0;
   }
-  if (!strcmp(level, "avx512") || !strcmp(level, "avx2"))
+  if (!strcmp(level, "avx512") || !strcmp(level, "avxvnni") || !strcmp(level, "avx2"))
     return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": an x86 level, not built for this architecture", level);
 #endif
-  return kva_seterr(KVA_EINVAL, "level \"%s\" (expected avx512, avx2 or portable)", level);
+  return kva_seterr(KVA_EINVAL, "level \"%s\" (expected avx512, avxvnni, avx2 or portable)", level);
 }
 
 const char *kva_build_info(void) {

@@ -44,5 +44,6 @@ const kva_cpu_kernels *kva_cpu_kernels_get(void);
  * like kva_cpu_set_simd. */
 void kva_cpu_general_only(int on);
 
-extern const kva_cpu_kernels kva_cpu_kernels_portable, kva_cpu_kernels_avx2, kva_cpu_kernels_avx512;
+extern const kva_cpu_kernels kva_cpu_kernels_portable, kva_cpu_kernels_avx2, kva_cpu_kernels_avxvnni,
+    kva_cpu_kernels_avx512;
 #endif

@@ -1,8 +1,10 @@
 /* The fused decode/verify kernel on 8 f32 lanes (vec8.h), compiled at the
  * avx2 level (AVX2 + FMA + F16C: AMD Zen 2/3, Intel client cores) and at
- * the portable level (generic vectors: SSE2 pairs on x86-64, NEON pairs on
- * aarch64 such as Grace or Graviton); the AVX-512 level has its own
- * (fast.c).
+ * the avxvnni level (the same with AVX-VNNI's vpdpbusd for 4-bit K codes
+ * in place of vpmaddubsw + vpmaddwd: Intel client cores since Alder Lake,
+ * Sierra Forest, AMD Zen 5), and at the portable level
+ * (generic vectors: SSE2 pairs on x86-64, NEON pairs on aarch64 such as
+ * Grace or Graviton); the AVX-512 level has its own (fast.c).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
@@ -376,6 +378,7 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
   /* NCH: a constant chunk count, every chunk full; CG: every chunk is one whole group (g = c) */
   const int nch = NCH ? NCH : fp->nch;
   const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+  (void)ones; /* (unused at the avxvnni level) */
   __m256i part[KQB][MAXCH][L8]; /* [vector][chunk][row of the block]: int32 word-lane sums */
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
@@ -386,9 +389,14 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
         const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
         for (int j = 0; j < J; ++j) {
           const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 2 * c;
+#if defined(__AVXVNNI__)
+          part[j][c][t % L8] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(z, lo, _mm256_load_si256(q)), hi,
+                                                       _mm256_load_si256(q + 1));
+#else
           const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256(q)),
                                              _mm256_maddubs_epi16(hi, _mm256_load_si256(q + 1)));
           part[j][c][t % L8] = _mm256_madd_epi16(d, ones);
+#endif
         }
       } else {
         const __m256i lo = _mm256_unpacklo_epi8(x, z), hi = _mm256_unpackhi_epi8(x, z);
@@ -442,8 +450,8 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
  * low / high nibbles of X_i times the query bytes of those words, broadcast
  * per 128-bit half (query_int8's row-lane layout: 8 vectors per chunk, 2i
  * low nibbles, 2i+1 high), by vpmaddubsw, the chunk's 8 products added in
- * s16 (at most 8*2*15*127 = 30480), vpmaddwd by ones and the two halves
- * added: the exact int32 I of each (row, chunk), summed over the chunks of
+ * s16 (at most 8*2*15*127 = 30480), vpmaddwd by ones (avxvnni: the 8
+ * products by vpdpbusd straight into int32) and the two halves added: the exact int32 I of each (row, chunk), summed over the chunks of
  * a group into I[j][g][t]. Then per 8 rows S = sum_g the group term, as
  * kphase_i8 (the same values: I is exact either way), with no per-row
  * horizontal reduction. Rows past n read zero codes. CG: every chunk is
@@ -454,7 +462,10 @@ ALWAYS void kphase_i4t(const fmt8 *fp, const kva_rows *rows, int64_t n, const ch
                        const kva_prefetch *pf, int NCH, int CG) {
   const int nch = NCH ? NCH : fp->nch, ng = CG ? NCH : fp->ngroups;
   const int64_t n8 = (n + L8 - 1) / L8 * L8;
-  const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+#if !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   int32_t I[KQB][MAXG][KVA_TILE] __attribute__((aligned(32)));
   for (int64_t t0 = 0; t0 < n8; t0 += 4) {
     const char *r[4];
@@ -479,6 +490,13 @@ ALWAYS void kphase_i4t(const fmt8 *fp, const kva_rows *rows, int64_t n, const ch
       const int first = CG || c == 0 || fp->gend[c - 1], last = CG || fp->gend[c];
       for (int j = 0; j < J; ++j) {
         const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 8 * c;
+#if defined(__AVXVNNI__)
+        __m256i d[4]; /* four chains (the vpdpbusd latency) */
+        for (int i = 0; i < 4; ++i)
+          d[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[i], _mm256_load_si256(q + 2 * i)),
+                                         hi[i], _mm256_load_si256(q + 2 * i + 1));
+        const __m256i w = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]), _mm256_add_epi32(d[2], d[3]));
+#else
         __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], _mm256_load_si256(q)),
                                      _mm256_maddubs_epi16(hi[0], _mm256_load_si256(q + 1)));
         for (int i = 1; i < 4; ++i) {
@@ -486,6 +504,7 @@ ALWAYS void kphase_i4t(const fmt8 *fp, const kva_rows *rows, int64_t n, const ch
           s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[i], _mm256_load_si256(q + 2 * i + 1)));
         }
         const __m256i w = _mm256_madd_epi16(s, ones);
+#endif
         const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
         gacc[j] = first ? h : _mm_add_epi32(gacc[j], h);
         if (last) _mm_store_si128((__m128i *)&I[j][CG ? c : fp->g0[c]][t0], gacc[j]);
@@ -1144,7 +1163,10 @@ static void iv_weights(const fmt8 *fp, const float *P, int J, const float *st, c
 }
 
 /* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
- * into a new register and copies it back, one move per accumulator). */
+ * into a new register and copies it back, one move per accumulator). Also
+ * at the avxvnni level: vpdpwssd puts its whole latency on the accumulator
+ * chains and measured slower there (Zen 5, decode 20.4 -> 21.8 ns per
+ * token-head). */
 ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
   const __m256i t = _mm256_madd_epi16(a, b);
   __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));

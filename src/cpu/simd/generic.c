@@ -1,5 +1,5 @@
 /* The general CPU kernel, compiled once per SIMD level (portable, avx2,
- * avx512; the loops are written for the compiler's vectorizer).
+ * avxvnni, avx512; the loops are written for the compiler's vectorizer).
  * Math: per tile of KVA_TILE keys, S = (scale*q)·Kᵀ for the nq = rep*rows
  *   query vectors, softcap, mask, online-softmax update, O += P·V.
  * Traffic: every K/V row of the item's token range is read once (converted

@@ -1,5 +1,5 @@
 /* Shared by the kernel files of src/cpu/simd/, each compiled once per SIMD
- * level (KVA_SIMD_LEVEL = portable | avx2 | avx512): symbol naming, element
+ * level (KVA_SIMD_LEVEL = portable | avx2 | avxvnni | avx512): symbol naming, element
  * loads, mask classification of a tile and the online-softmax tile update. */
 #ifndef KVA_CPU_SIMD_H
 #define KVA_CPU_SIMD_H
