@@ -274,6 +274,7 @@ ALWAYS void kphase_f8(const fmt8 *fp, const kva_rows *rows, int64_t n, const flo
     for (int j = 0; j < J; ++j) acc[j][0] = acc[j][1] = v8f_zero();
     int d = 0;
     if (fp->split)
+#pragma GCC unroll 4
       for (; d + 16 <= fp->P; d += 16) {
         v8f ke, ko;
         load_bf16_split8(row + d * es, &ke, &ko);
