@@ -88,22 +88,24 @@ ALWAYS void kphase_float(const fmt_plan *fp, const kva_rows *rows, int64_t n, co
   for (int64_t t = 0; t < n; ++t) {
     if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
     const char *row = rows[t].k;
-    __m512 acc[KQB];
-    for (int j = 0; j < J; ++j) acc[j] = _mm512_setzero_ps();
+    __m512 acc[KQB], acc2[KQB]; /* two chains per vector (the FMA latency) */
+    for (int j = 0; j < J; ++j) acc[j] = acc2[j] = _mm512_setzero_ps();
     int d = 0;
     if (fp->split) /* bf16: q is in split order */
+#pragma GCC unroll 4
       for (; d + 2 * LANES <= fp->P; d += 2 * LANES) {
         __m512 ke, ko;
         load_bf16_split(row + d * es, &ke, &ko);
         for (int j = 0; j < J; ++j) {
           acc[j] = _mm512_fmadd_ps(ke, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
-          acc[j] = _mm512_fmadd_ps(ko, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d + LANES), acc[j]);
+          acc2[j] = _mm512_fmadd_ps(ko, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d + LANES), acc2[j]);
         }
       }
     for (; d < fp->P; d += LANES) {
       const __m512 kv = load_f16x(row + d * es, fp->sdt);
       for (int j = 0; j < J; ++j) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(qp + (int64_t)j * fp->P + d), acc[j]);
     }
+    for (int j = 0; j < J; ++j) acc[j] = _mm512_add_ps(acc[j], acc2[j]);
     if (fp->fp8 && rows[t].ks) /* the row's scale times q . codes */
       for (int j = 0; j < J; ++j) acc[j] = _mm512_mul_ps(acc[j], _mm512_set1_ps(*(const float *)rows[t].ks));
     put_scores(part, acc, J, t, n, S);
