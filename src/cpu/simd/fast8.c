@@ -320,17 +320,15 @@ KBLOCK(4)
 #if defined(__AVX2__)
 /* Row r of the prefetch tile's arrays a (data), a + 1, a + 2 (its group
  * scales and biases) into L2, as prefetch_row with the arrays unrolled:
- * the data row's lines, and each group row's line unless row r - 1 ended
- * in it (quantized rows: the integer phases). */
+ * the data row's lines and the line of each group row, unconditionally
+ * (the group rows of adjacent tokens share a line; one more prefetch of it
+ * costs less than the test against row r - 1). Quantized rows: the integer
+ * phases. */
 ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
   const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)pf->bytes[a];
   for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
-  for (int x = a + 1; x <= a + 2; ++x) {
-    const int64_t gb = pf->bytes[x];
-    const uintptr_t q = (uintptr_t)pf->rows[r].a[x];
-    if (gb && (r == 0 || ((q ^ ((uintptr_t)pf->rows[r - 1].a[x] + (uintptr_t)gb - 1)) & ~(uintptr_t)63)))
-      __builtin_prefetch((const char *)q, 0, 2);
-  }
+  __builtin_prefetch(pf->rows[r].a[a + 1], 0, 2);
+  __builtin_prefetch(pf->rows[r].a[a + 2], 0, 2);
 }
 
 /* ---- K phase on integers (avx2; never in exact mode) ----
@@ -581,24 +579,75 @@ static int iq_format_ok(const fmt8 *fp) {
  * codes, s16, vector h element k = the query element of chunk byte
  * (k/8)*16 + h*8 + k%8 (unpacklo / unpackhi within each 128-bit half),
  * byte b = element (c*8 + b/4)*4 + b%4. Words past the row: 0. */
+/* simd_query_group_s8 for a finite query and a group of a multiple of 32
+ * elements, 8 lanes at a time: the same f32 steps (max |q|, sigma = max /
+ * 127, inv = 1 / sigma, rint(q * inv) clamped), bit for bit. */
+static float query_group_s8_32(const float *q, int64_t g0, int64_t G, float scale, int8_t *c8, int *sum) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t d = g0; d < g0 + G; d += L8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(q + d), absm), mx);
+  const float amax = v8f_hmax(mx), sig = amax / 127.0f;
+  float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
+  if (isinf(inv)) inv = 0.0f;
+  if (inv == 0.0f) {
+    memset(c8 + g0, 0, (size_t)G);
+    *sum = 0;
+    return 0.0f;
+  }
+  const __m256 iv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t d = g0; d < g0 + G; d += 4 * L8) {
+    __m256i c[4];
+    for (int u = 0; u < 4; ++u) {
+      const __m256 x = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(q + d + u * L8), iv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
+      acc = _mm256_add_epi32(acc, c[u]);
+    }
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)(c8 + d), _mm256_permutevar8x32_epi32(b, order));
+  }
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+  return scale * sig;
+}
+
 static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, char *qb, float *sg) {
-  int8_t c8[KVA_MAX_HEAD_DIM];
+  int8_t c8[KVA_MAX_HEAD_DIM + 64] __attribute__((aligned(32))); /* zero past D to the last chunk's end */
   float *beta = sg + fp->ngroups;
   int finite = 1;
   for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
   for (int g = 0; g < fp->ngroups; ++g) {
     int sum;
-    sg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
+    if (finite && fp->G % 32 == 0) sg[g] = query_group_s8_32(q, (int64_t)g * fp->G, fp->G, scale, c8, &sum);
+    else sg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
     beta[g] = sg[g] * (float)sum;
   }
   const int64_t words = D / fp->E;
+  if (i4t_format(fp)) memset(c8 + D, 0, (size_t)(fp->nch * 64 - D)); /* 4-bit chunks: 64 codes */
   for (int c = 0; c < fp->nch; ++c) {
     if (i4t_format(fp)) {
-      for (int v = 0; v < 8; ++v)
-        for (int b = 0; b < 32; ++b) {
-          const int64_t w = (int64_t)c * L8 + v / 2 + 4 * (b / 16);
-          qb[((int64_t)c * 8 + v) * 32 + b] = w < words ? c8[w * 8 + (b % 4) * 2 + v % 2] : 0;
-        }
+      /* the 2-vector layout below by byte shuffles (per 128-bit lane: even
+       * bytes of 2 words, then odd: dwords e0 e1 o0 o1), then word i of
+       * each half broadcast */
+      const __m256i sel = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                           14, 1, 3, 5, 7, 9, 11, 13, 15);
+      const __m256i eo = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+      const __m256i y0 = _mm256_permutevar8x32_epi32(
+                        _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)(c8 + c * 64)), sel), eo),
+                    y1 = _mm256_permutevar8x32_epi32(
+                        _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)(c8 + c * 64 + 32)), sel), eo);
+      const __m256i lh[2] = {_mm256_permute2x128_si256(y0, y1, 0x20), _mm256_permute2x128_si256(y0, y1, 0x31)};
+      __m256i *dst = (__m256i *)(qb + (int64_t)c * 8 * 32);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = lh[h];
+        _mm256_storeu_si256(dst + h, _mm256_shuffle_epi32(x, 0x00));
+        _mm256_storeu_si256(dst + 2 + h, _mm256_shuffle_epi32(x, 0x55));
+        _mm256_storeu_si256(dst + 4 + h, _mm256_shuffle_epi32(x, 0xAA));
+        _mm256_storeu_si256(dst + 6 + h, _mm256_shuffle_epi32(x, 0xFF));
+      }
     } else if (fp->bits == 4) {
       for (int i = 0; i < 2; ++i)
         for (int b = 0; b < 32; ++b) {
@@ -783,30 +832,33 @@ VDIRECT_Q(4, 4)
 VDIRECT_Q(2, 4)
 
 #define VFB 4 /* vectors of 8 values per pass over the tile (float V, J <= 2) */
-/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 8*NV); split: NV even. Keys
- * that no vector of the block sees are skipped; a key seen by one of two
- * adds to that one only (0 x NaN must not leak). */
-ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o, int d0, int J,
-                           int NV, int split, int SAME, vshare pf) {
+/* acc[j][0..NV) += P[j][t] * v_t[d0 .. d0 + 8*NV); split: NV even. Only
+ * the keys some vector of the block sees (the tile's list live, nl of
+ * them); a key seen by one of two adds to that one only (0 x NaN must not
+ * leak). The prefetch share runs on the list position, the rows the list
+ * skips after it. */
+ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, const int8_t *live,
+                           int nl, float *o, int d0, int J, int NV, int split, int SAME, vshare pf) {
   const int64_t es = (int64_t)kva_dtype_size(fp->sdt);
   v8f acc[2][VFB];
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) acc[j][k] = v8f_load(o + (int64_t)j * fp->P + d0 + k * L8);
   int64_t next = pf.pf ? pf.p : n; /* the next row this pass prefetches */
-  for (int64_t t = 0; t < n; ++t) {
-    if (t == next) {
-      if (t < pf.pf->n) prefetch_row(pf.pf, t, KVA_ARR_V, KVA_ARRS);
+  for (int i = 0; i < nl; ++i) {
+    if (i == next) {
+      if (i < pf.pf->n) prefetch_row(pf.pf, i, KVA_ARR_V, KVA_ARRS);
       next += pf.np;
     }
+    const int t = live[i];
     const float p0 = P[t], p1 = J == 2 ? P[KVA_TILE + t] : 0.0f;
-    if (p0 == 0.0f && p1 == 0.0f) continue;
     const char *row = rows[t].v + d0 * es;
     v8f v[VFB];
     for (int k = 0; k < NV; k += split ? 2 : 1) {
       if (split) load_bf16_split8(row + k * L8 * es, &v[k], &v[k + 1]);
       else v[k] = load8(row + k * L8 * es, fp->sdt);
     }
-    const float vsc = fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f; /* fp8: P times the row's scale */
+    /* fp8: P times the row's scale (split rows are bf16) */
+    const float vsc = !split && fp->fp8 && rows[t].vs ? *(const float *)rows[t].vs : 1.0f;
     const v8f w0 = v8f_set1(p0 * vsc), w1 = v8f_set1(p1 * vsc);
     if (J == 1 || SAME || (p0 != 0.0f && p1 != 0.0f)) {
       for (int k = 0; k < NV; ++k) {
@@ -819,6 +871,7 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
       for (int k = 0; k < NV; ++k) acc[1][k] = v8f_fma(w1, v[k], acc[1][k]);
     }
   }
+  for (; pf.pf && next < n && next < pf.pf->n; next += pf.np) prefetch_row(pf.pf, next, KVA_ARR_V, KVA_ARRS);
   for (int j = 0; j < J; ++j)
     for (int k = 0; k < NV; ++k) v8f_store(o + (int64_t)j * fp->P + d0 + k * L8, acc[j][k]);
 }
@@ -828,21 +881,27 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
  * the FMAs (with it the compiler kept accumulators on the stack). */
 #define VDIRECT_F_PASSES(J, SAME)                                                                              \
   for (int i = 0; i < big; ++i, d0 += VFB * L8, ++ip) {                                                        \
-    if (fp->split) vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 1, SAME, vshare_of(pf, ip, np));               \
-    else vdirect_f_pass(fp, rows, n, P, o, d0, J, VFB, 0, SAME, vshare_of(pf, ip, np));                         \
+    if (fp->split) vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 1, SAME, vshare_of(pf, ip, np));               \
+    else vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 0, SAME, vshare_of(pf, ip, np));                         \
   }                                                                                                            \
   for (int i = 0; i < pairs; ++i, d0 += 2 * L8, ++ip)                                                          \
-    vdirect_f_pass(fp, rows, n, P, o, d0, J, 2, 1, SAME, vshare_of(pf, ip, np));                               \
+    vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, 2, 1, SAME, vshare_of(pf, ip, np));                               \
   for (int i = 0; i < singles; ++i, d0 += L8, ++ip)                                                            \
-    vdirect_f_pass(fp, rows, n, P, o, d0, J, 1, 0, SAME, vshare_of(pf, ip, np));
+    vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, 1, 0, SAME, vshare_of(pf, ip, np));
 #define VDIRECT_F(J)                                                                                           \
   static void vdirect_f8_##J(const fmt8 *fp, const kva_rows *rows, int64_t n, const float *P, float *o,       \
                              const kva_prefetch *pf) {                                                         \
     const int big = fp->P / (VFB * L8), rest = fp->P % (VFB * L8);                                             \
     const int pairs = fp->split ? rest / (2 * L8) : 0, singles = (rest - pairs * 2 * L8) / L8;                 \
     const int np = big + pairs + singles;                                                                      \
-    int same = 1;                                                                                              \
-    for (int64_t t = 0; J == 2 && t < n; ++t) same &= (P[t] != 0.0f) == (P[KVA_TILE + t] != 0.0f);            \
+    int same = 1, nl = 0;                                                                                      \
+    int8_t live[KVA_TILE]; /* the keys some vector sees (KVA_TILE <= 127) */                                   \
+    for (int64_t t = 0; t < n; ++t) {                                                                          \
+      const int s0 = P[t] != 0.0f, s1 = J == 2 && P[KVA_TILE + t] != 0.0f;                                    \
+      if (J == 2) same &= s0 == s1;                                                                            \
+      live[nl] = (int8_t)t;                                                                                    \
+      nl += s0 | s1;                                                                                           \
+    }                                                                                                          \
     int d0 = 0, ip = 0;                                                                                        \
     if (same) {                                                                                                \
       VDIRECT_F_PASSES(J, 1)                                                                                   \
