@@ -128,19 +128,27 @@ static inline void kva_cursor_seek(kva_cursor *c, int64_t t) {
   c->s1 = end;
 }
 /* Row addresses of tokens [t, t+n): by stride within a span, with a seek
- * at each span boundary. */
+ * at each span boundary; the six arrays' addresses of a row as two integer
+ * vectors (4 + 2 lanes) advanced by their strides, one add and one store
+ * each per row (an unused array: address and stride 0, NULL throughout). */
+typedef uintptr_t kva_addr4 __attribute__((vector_size(4 * sizeof(uintptr_t))));
+typedef uintptr_t kva_addr2 __attribute__((vector_size(2 * sizeof(uintptr_t))));
+_Static_assert(KVA_ARRS == 6, "kva_cursor_tile: 4 + 2 arrays");
 static inline void kva_cursor_tile(kva_cursor *c, int64_t t, int64_t n, kva_rows *rows) {
   for (int64_t r = 0; r < n;) {
     const int64_t tt = t + r;
     if (tt < c->s0 || tt >= c->s1) kva_cursor_seek(c, tt);
     const int64_t off = tt - c->s0, run = c->s1 - tt < n - r ? c->s1 - tt : n - r;
+    uintptr_t x[KVA_ARRS], s[KVA_ARRS];
     for (int a = 0; a < KVA_ARRS; ++a) {
-      const char *x = c->a[a];
-      const int64_t rs = c->m.rstride[a];
-      if (x)
-        for (int64_t u = 0; u < run; ++u) rows[r + u].a[a] = x + (off + u) * rs;
-      else
-        for (int64_t u = 0; u < run; ++u) rows[r + u].a[a] = NULL;
+      s[a] = c->a[a] ? (uintptr_t)c->m.rstride[a] : 0;
+      x[a] = c->a[a] ? (uintptr_t)c->a[a] + (uintptr_t)off * s[a] : 0;
+    }
+    kva_addr4 x4 = {x[0], x[1], x[2], x[3]}, s4 = {s[0], s[1], s[2], s[3]};
+    kva_addr2 x2 = {x[4], x[5]}, s2 = {s[4], s[5]};
+    for (int64_t u = 0; u < run; ++u, x4 += s4, x2 += s2) {
+      memcpy(&rows[r + u].a[0], &x4, sizeof x4);
+      memcpy(&rows[r + u].a[4], &x2, sizeof x2);
     }
     r += run;
   }
