@@ -95,11 +95,11 @@ if has cpu; then # every SIMD level of the host CPU (no GPU visible: CUDA tests 
   cat "$OUT"/cpu_*.log > "$OUT/cpu.log"
 fi
 if has cpubench; then # CPU decode and verify at each level (16 threads, cold)
-  for lvl in avx512 avx2; do
+  for lvl in avx512 avxvnni avx2; do
     run cpubench-$lvl 240 ./build/kvattn bench --backend cpu --simd $lvl --quiet --preset gemma3-4b,gqa6-256,llama3-8b \
       --ctx 32k --rows 1,8 --kv q4,q8,bf16
   done > "$OUT/cpubench.log" 2>&1
-  grep -E "PASS|FAIL|ERROR|ceiling" "$OUT/cpubench.log" | head -40
+  grep -E "PASS|FAIL|ERROR|ceiling" "$OUT/cpubench.log" | head -60
 fi
 if has asan; then # make test-c's second run: the tests under ASan + UBSan, quick table
   run asan-build 300 make -j"$J" build/asan/kvattn_tests >> "$OUT/build.log" 2>&1
