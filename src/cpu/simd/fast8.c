@@ -450,8 +450,9 @@ ALWAYS void kphase_i8(const fmt8 *fp, const kva_rows *rows, int64_t n, const cha
  * per 128-bit half (query_int8's row-lane layout: 8 vectors per chunk, 2i
  * low nibbles, 2i+1 high), by vpmaddubsw, the chunk's 8 products added in
  * s16 (at most 8*2*15*127 = 30480), vpmaddwd by ones (avxvnni: the 8
- * products by vpdpbusd straight into int32) and the two halves added: the exact int32 I of each (row, chunk), summed over the chunks of
- * a group into I[j][g][t]. Then per 8 rows S = sum_g the group term, as
+ * products by vpdpbusd straight into int32) and the two halves added: the
+ * exact int32 I of each (row, chunk), summed over the chunks of a group
+ * into I[j][g][t]. Then per 8 rows S = sum_g the group term, as
  * kphase_i8 (the same values: I is exact either way), with no per-row
  * horizontal reduction. Rows past n read zero codes. CG: every chunk is
  * one whole group (g = c) and the row has NCH chunks. */
@@ -491,9 +492,10 @@ ALWAYS void kphase_i4t(const fmt8 *fp, const kva_rows *rows, int64_t n, const ch
         const __m256i *q = (const __m256i *)(qb + (int64_t)j * qst) + 8 * c;
 #if defined(__AVXVNNI__)
         __m256i d[4]; /* four chains (the vpdpbusd latency) */
-        for (int i = 0; i < 4; ++i)
-          d[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[i], _mm256_load_si256(q + 2 * i)),
-                                         hi[i], _mm256_load_si256(q + 2 * i + 1));
+        for (int i = 0; i < 4; ++i) {
+          d[i] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[i], _mm256_load_si256(q + 2 * i));
+          d[i] = _mm256_dpbusd_avx_epi32(d[i], hi[i], _mm256_load_si256(q + 2 * i + 1));
+        }
         const __m256i w = _mm256_add_epi32(_mm256_add_epi32(d[0], d[1]), _mm256_add_epi32(d[2], d[3]));
 #else
         __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], _mm256_load_si256(q)),
@@ -881,11 +883,11 @@ ALWAYS void vdirect_f_pass(const fmt8 *fp, const kva_rows *rows, int64_t n, cons
  * the FMAs (with it the compiler kept accumulators on the stack). */
 #define VDIRECT_F_PASSES(J, SAME)                                                                              \
   for (int i = 0; i < big; ++i, d0 += VFB * L8, ++ip) {                                                        \
-    if (fp->split) vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 1, SAME, vshare_of(pf, ip, np));               \
-    else vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 0, SAME, vshare_of(pf, ip, np));                         \
+    if (fp->split) vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 1, SAME, vshare_of(pf, ip, np));    \
+    else vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, VFB, 0, SAME, vshare_of(pf, ip, np));              \
   }                                                                                                            \
   for (int i = 0; i < pairs; ++i, d0 += 2 * L8, ++ip)                                                          \
-    vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, 2, 1, SAME, vshare_of(pf, ip, np));                               \
+    vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, 2, 1, SAME, vshare_of(pf, ip, np));                     \
   for (int i = 0; i < singles; ++i, d0 += L8, ++ip)                                                            \
     vdirect_f_pass(fp, rows, n, P, live, nl, o, d0, J, 1, 0, SAME, vshare_of(pf, ip, np));
 #define VDIRECT_F(J)                                                                                           \
