@@ -1225,10 +1225,9 @@ static void iv_weights(const fmt8 *fp, const float *P, int J, const float *st, c
 }
 
 /* acc += vpmaddwd(a, b), the sum in place (as asm: GCC 12 otherwise adds
- * into a new register and copies it back, one move per accumulator). Also
- * at the avxvnni level: vpdpwssd puts its whole latency on the accumulator
- * chains and measured slower there (Zen 5, decode 20.4 -> 21.8 ns per
- * token-head). */
+ * into a new register and copies it back, one move per accumulator); also
+ * at the avxvnni level, where vpdpwssd would put its whole latency on the
+ * accumulator chains. */
 ALWAYS __m256i iv_madd_acc(__m256i acc, __m256i a, __m256i b) {
   const __m256i t = _mm256_madd_epi16(a, b);
   __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(t));
