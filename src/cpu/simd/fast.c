@@ -675,7 +675,7 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
 }
 
 #ifdef __AVX512VNNI__
-/* ---- V phase on 16-bit integers (groups of >= PINT_MIN_VECTORS query vectors) ----
+/* ---- V phase on 16-bit integers ----
  * Quantized V (4-bit, 8-bit; groups of a multiple of 8 code words) with 16-bit
  * queries outside exact mode: per element of group g,
  *   o_j += sum_t p_jt (s_tg c_t + b_tg) = sum_t w_jtg c_t + b_tg sum_t p_jt,
@@ -703,10 +703,8 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * tokens' s16 weights); the int32 sums are exchanged back before they are
  * added to o. Weights wg[vector][group][pair] (u32) for a block of PWJ
  * vectors at a time. */
-/* Query vectors per KV head from which the integer V phase runs: the vector
- * counts that take the L1 tile (> 4), where it measured faster than the f32
- * tile (BENCHMARKS.md, AVX-512 host: 5, 6 and 16 vectors); below 5 the
- * direct path (registers) is as fast or faster. */
+/* Query vectors per KV head from which the codes go through the L1 tile
+ * (vphase_pint); fewer take the direct form (vphase_pint_direct). */
 #define PINT_MIN_VECTORS 5
 #define PJB 4              /* query vectors per register block */
 #define PWJ 8              /* query vectors per pint_weights call: 16 / ngroups (16 maxima per reduction),
@@ -930,9 +928,9 @@ PINT_BLOCK(1)
 /* Whether an item of nq vectors over V rows vf takes vphase_pint (16-bit
  * queries, not exact mode: q16): 0 no, 1 yes, 2 yes with two groups per
  * code vector (8 words per group). */
-static int pint_kind(const kva_rowfmt *vf, int q16, int64_t nq) {
+static int pint_kind(const kva_rowfmt *vf, int q16) {
   const int64_t wpg = vf->bits ? vf->group * vf->bits / 32 : 0; /* code words per group */
-  if (!q16 || (vf->bits != 4 && vf->bits != 8) || nq < PINT_MIN_VECTORS || wpg % 8) return 0;
+  if (!q16 || (vf->bits != 4 && vf->bits != 8) || wpg % 8) return 0;
   return wpg == 8 ? 2 : 1;
 }
 
@@ -962,6 +960,100 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
         if (J - j >= 2) { pint_block_2(fp, np, ct, wj, sj, oj, pos); j += 2; }
         if (J - j >= 1) pint_block_1(fp, np, ct, wj + j * LANES * LANES, sj + j * LANES, oj + (int64_t)j * fp->P, pos);
       }
+    }
+  }
+  return 1;
+}
+#endif
+
+#ifdef __AVX512VNNI__
+/* The direct form of vphase_pint for <= 4 vectors (decode): the token
+ * pairs' code vectors built in registers (pint_codes) and consumed at once
+ * by blocks of <= 2 vectors (J E int32 accumulators per chunk, flushed to o
+ * times sigma per chunk as pint_block does), no L1 round trip; the same
+ * roundings and results as vphase_pint. The first block's first chunk
+ * prefetches the next tile's V rows. */
+ALWAYS void pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig,
+                        float *o, int J, int bits, int HALVES, const kva_prefetch *pf) {
+  enum { EMAX = 8 };
+  const int E = 32 / bits;
+  for (int c = 0; c < fp->nch; ++c) {
+    const int g0 = HALVES ? 2 * c : (c * LANES * E) / fp->G;
+    __m512i acc[2][EMAX];
+    for (int j = 0; j < J; ++j)
+      for (int k = 0; k < E; ++k) acc[j][k] = _mm512_setzero_si512();
+    for (int64_t t = 0; t < n; t += 2) {
+      const int two = t + 1 < n;
+      if (pf && c == 0 && t < pf->n) {
+        prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+        if (two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+      }
+      const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
+      const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
+      __m512i v[EMAX];
+      pint_codes(x0, x1, bits, HALVES, v);
+      for (int k = 0; k < E; ++k)
+        for (int j = 0; j < J; ++j)
+          acc[j][k] = dpwssd_bcast(acc[j][k], v[k], wg + ((int64_t)j * LANES + g0 + (HALVES ? k & 1 : 0)) * LANES + t / 2);
+    }
+    for (int j = 0; j < J; ++j) {
+      float *oj = o + (int64_t)j * fp->P + (int64_t)c * E * LANES;
+      const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]);
+      const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[j * LANES + g0 + 1])) : s0;
+      for (int k = 0; k < E; k += 2) {
+        __m512i a = acc[j][k], b = acc[j][k + 1];
+        if (HALVES) {
+          const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
+          a = lo;
+          b = hi;
+        }
+        _mm512_storeu_ps(oj + k * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(oj + k * LANES)));
+        _mm512_storeu_ps(oj + (k + 1) * LANES,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(oj + (k + 1) * LANES)));
+      }
+    }
+  }
+}
+#define PINT_DIRECT(BITS, J_, H_)                                                                          \
+  __attribute__((noinline)) static void pint_direct_##BITS##_##J_##_##H_(                                  \
+      const fmt_plan *fp, const kva_rows *rows, int64_t n, const int32_t *wg, const float *sig, float *o, \
+      const kva_prefetch *pf) {                                                                            \
+    pint_direct(fp, rows, n, wg, sig, o, J_, BITS, H_, pf);                                                \
+  }
+PINT_DIRECT(4, 1, 0)
+PINT_DIRECT(4, 2, 0)
+PINT_DIRECT(4, 1, 1)
+PINT_DIRECT(4, 2, 1)
+PINT_DIRECT(8, 1, 0)
+PINT_DIRECT(8, 2, 0)
+PINT_DIRECT(8, 1, 1)
+PINT_DIRECT(8, 2, 1)
+
+/* vphase_pint's direct form for nq <= 4 (pint_direct): 0 without touching
+ * o or ob when a scale or bias of the tile is not finite. */
+static int vphase_pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *svt,
+                              float *bvt, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
+  if (v_groups_tile(fp, rows, n, svt, bvt)) return 0;
+  const int64_t obn = (int64_t)fp->nch * LANES;
+  int32_t wg[PJB * LANES * LANES];
+  float sig[PJB * LANES];
+  pint_weights(fp, S, (int)nq, svt, bvt, wg, sig, ob, obn);
+  const int h = fp->pint == 2;
+  for (int64_t j = 0; j < nq; j += 2) {
+    const int two = j + 1 < nq;
+    const int32_t *wj = wg + j * LANES * LANES;
+    const float *sj = sig + j * LANES;
+    float *oj = o + j * fp->P;
+    const kva_prefetch *bpf = j == 0 ? pf : NULL;
+    switch ((fp->bits == 8) * 4 + two * 2 + h) {
+    case 0: pint_direct_4_1_0(fp, rows, n, wj, sj, oj, bpf); break;
+    case 1: pint_direct_4_1_1(fp, rows, n, wj, sj, oj, bpf); break;
+    case 2: pint_direct_4_2_0(fp, rows, n, wj, sj, oj, bpf); break;
+    case 3: pint_direct_4_2_1(fp, rows, n, wj, sj, oj, bpf); break;
+    case 4: pint_direct_8_1_0(fp, rows, n, wj, sj, oj, bpf); break;
+    case 5: pint_direct_8_1_1(fp, rows, n, wj, sj, oj, bpf); break;
+    case 6: pint_direct_8_2_0(fp, rows, n, wj, sj, oj, bpf); break;
+    default: pint_direct_8_2_1(fp, rows, n, wj, sj, oj, bpf); break;
     }
   }
   return 1;
@@ -1253,6 +1345,9 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
   /* direct in blocks of two vectors up to 4 (codes decoded once per block);
    * q2 takes one vector per block (16 codes per word: too many registers) */
   const int direct = nq == 1 || (nq <= 4 && fp->bits != 2);
+#ifdef __AVX512VNNI__
+  if (fp->pint && nq < PINT_MIN_VECTORS && vphase_pint_direct(fp, rows, n, S, svt, bvt, o, ob, nq, pf)) return;
+#endif
   if (direct) {
     const int64_t obn = (int64_t)fp->nch * LANES;
     for (int64_t j = 0; j < nq; j += 2) {
@@ -1394,7 +1489,9 @@ static int tile_softmax(float *S, int64_t n, int64_t nq, float *m, float *l, flo
 static void query_s8_groups(const fmt_plan *fp, int64_t D, const float *q, float scale, int8_t *c8, float *fg, int *gs) {
   int finite = 1;
   for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
-  for (int g = 0; g < fp->ngroups; ++g) fg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
+  for (int g = 0; g < fp->ngroups; ++g)
+    fg[g] = finite && fp->G % 32 == 0 ? simd_query_group_s8_32(q, (int64_t)g * fp->G, fp->G, scale, c8, &gs[g])
+                                      : simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
 }
 static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs) {
   int8_t c8[KVA_MAX_HEAD_DIM];
@@ -1480,7 +1577,7 @@ static void attend_fast(const kva_item *it) {
   float qrow[KVA_MAX_HEAD_DIM];
 #ifdef __AVX512VNNI__
   kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
-  vf.pint = pint_kind(&src->vf, !vf.exact, nq); /* vphase_pint (vf.exact: f32 queries or exact mode) */
+  vf.pint = pint_kind(&src->vf, !vf.exact); /* vphase_pint (vf.exact: f32 queries or exact mode) */
   kf.tok = kf.vnni && nq >= KTOK_MIN_VECTORS;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -1566,8 +1663,8 @@ kva_item_fn KFN(select_fast)(const kva_problem *p) {
  * scale for quantized V); the vector kernel multiplies in f32, with quantized
  * K and 16-bit queries on integer dot products (q rounded to s8 per
  * vector and K group, chunk_dots_vnni) except in exact mode (p->exact: f32 products only), and
- * for quantized V with >= PINT_MIN_VECTORS vectors in the first row group P times the V
- * scale on s16 (vphase_pint), for 4-bit V with >= BFV_MIN_VECTORS V and P on bf16
+ * for 4-bit / 8-bit V in groups of a multiple of 8 code words P times the V
+ * scale on s16 (vphase_pint, vphase_pint_direct), for 4-bit V with >= BFV_MIN_VECTORS V and P on bf16
  * (vphase_bfv); for bf16 V with 16-bit queries and >= KBT_MIN_VECTORS
  * vectors P on bf16 (vphase_bfp; bf16 K with bf16 queries: exact products on bf16
  * pairs, kphase_bft, no item). */
@@ -1581,7 +1678,7 @@ const char *KFN(fast_name)(const kva_problem *p) {
     /* the first row group's vectors, or at least 16 of them: every bar below is at most 16 */
     const int64_t nq = p->rep * (p->L < KVA_MAX_FUSED_ROWS ? p->L : KVA_MAX_FUSED_ROWS);
     const int q16 = p->q->dtype != KVA_F32 && !p->exact;
-    const int pint = pint_kind(&vr, q16, nq) != 0;
+    const int pint = pint_kind(&vr, q16) != 0;
 #ifdef __AVX512BF16__
     if (bfp_kind(&vr, q16, nq)) return q16 && kr.bits ? "fused kernel [q int8, P bf16]" : "fused kernel [P bf16]";
     if (bfv_kind(&vr, q16, nq)) return kr.bits ? "fused kernel [q int8, V,P bf16]" : "fused kernel [V,P bf16]";

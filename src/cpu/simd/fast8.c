@@ -581,41 +581,6 @@ static int iq_format_ok(const fmt8 *fp) {
  * codes, s16, vector h element k = the query element of chunk byte
  * (k/8)*16 + h*8 + k%8 (unpacklo / unpackhi within each 128-bit half),
  * byte b = element (c*8 + b/4)*4 + b%4. Words past the row: 0. */
-/* simd_query_group_s8 for a finite query and a group of a multiple of 32
- * elements, 8 lanes at a time: the same f32 steps (max |q|, sigma = max /
- * 127, inv = 1 / sigma, rint(q * inv) clamped), bit for bit. */
-static float query_group_s8_32(const float *q, int64_t g0, int64_t G, float scale, int8_t *c8, int *sum) {
-  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 mx = _mm256_setzero_ps();
-  for (int64_t d = g0; d < g0 + G; d += L8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(q + d), absm), mx);
-  const float amax = v8f_hmax(mx), sig = amax / 127.0f;
-  float inv = sig > 0.0f ? 1.0f / sig : 0.0f;
-  if (isinf(inv)) inv = 0.0f;
-  if (inv == 0.0f) {
-    memset(c8 + g0, 0, (size_t)G);
-    *sum = 0;
-    return 0.0f;
-  }
-  const __m256 iv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  __m256i acc = _mm256_setzero_si256();
-  for (int64_t d = g0; d < g0 + G; d += 4 * L8) {
-    __m256i c[4];
-    for (int u = 0; u < 4; ++u) {
-      const __m256 x = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(q + d + u * L8), iv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      c[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
-      acc = _mm256_add_epi32(acc, c[u]);
-    }
-    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256((__m256i *)(c8 + d), _mm256_permutevar8x32_epi32(b, order));
-  }
-  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-  return scale * sig;
-}
-
 static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, char *qb, float *sg) {
   int8_t c8[KVA_MAX_HEAD_DIM + 64] __attribute__((aligned(32))); /* zero past D to the last chunk's end */
   float *beta = sg + fp->ngroups;
@@ -623,7 +588,7 @@ static void query_int8(const fmt8 *fp, int64_t D, const float *q, float scale, c
   for (int64_t d = 0; d < D; ++d) finite &= isfinite(q[d]) != 0;
   for (int g = 0; g < fp->ngroups; ++g) {
     int sum;
-    if (finite && fp->G % 32 == 0) sg[g] = query_group_s8_32(q, (int64_t)g * fp->G, fp->G, scale, c8, &sum);
+    if (finite && fp->G % 32 == 0) sg[g] = simd_query_group_s8_32(q, (int64_t)g * fp->G, fp->G, scale, c8, &sum);
     else sg[g] = simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &sum);
     beta[g] = sg[g] * (float)sum;
   }
