@@ -369,10 +369,9 @@ int kva_hadamard_dim_supported(int64_t D);
  * ("[q int8]": q
  * rounded to 8 bits with one scale per vector and K group, the rounding
  * kva_ref_rounding describes, exact integer q.k on the codes); on AVX-512
- * VNNI, 16-bit queries with >= 5 query vectors per KV head over 4-bit or
- * 8-bit V whose groups span a multiple of 8 code words (q4: groups of 64
- * or more; q8: 32 or more), and on AVX2 16-bit queries over such V at any
- * number of query vectors, also round P ("P int16", "[q int8, P int16]"
+ * VNNI, 16-bit queries over 4-bit or 8-bit V whose groups span a multiple
+ * of 8 code words (q4: groups of 64 or more; q8: 32 or more), and on AVX2
+ * 16-bit queries over such V, at any number of query vectors, also round P ("P int16", "[q int8, P int16]"
  * with quantized K): w = p * s_g (the V group scale) rounded to s16 per
  * (query vector, tile of 32 keys, group) with a power-of-two step, each
  * weight within max|w| / 32767.5 of the tile's largest, the sum over the

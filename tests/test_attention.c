@@ -231,7 +231,7 @@ TEST(attention_nan_inf_16bit) {
   const att_case cases16[] = {
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       {1, 4, 2, 1, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
-      /* 16 vectors per KV head: V dequantized to bf16 on AVX-512 ("V,P bf16", from 16; "P int16" from 5) */
+      /* 16 vectors per KV head: V dequantized to bf16 on AVX-512 ("V,P bf16", from 16; "P int16" below) */
       {1, 4, 2, 8, 100, 64, 64, BF16, F32, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
       /* 16 vectors over bf16 K/V: bf16 pairs on AVX-512 without AMX (denormals flushed there: a
        * denormal query's scores differ from the oracle's by less than f32 resolves after exp) */

@@ -26,8 +26,8 @@ COMPUTE_ATOL = 2e-6
 BF16_PRODUCTS_ATOL = 2.0**-7
 
 
-# "P int16" (kvattn.h: the CPU AVX-512 kernel with >= 5 query vectors per KV
-# head over 4-bit / 8-bit V): p times the V group scale rounded to s16 per
+# "P int16" (kvattn.h: the CPU AVX-512 and AVX2 kernels over 4-bit / 8-bit
+# V): p times the V group scale rounded to s16 per
 # (query vector, tile of 32 keys, group), each weight within 1 / 32767.5 of the
 # tile's largest: |out error| <= 2^-10 |s| (2^bits - 1) <= 2^-9 max|v|, the
 # form of the bf16-P bound, with the same 4x margin.

@@ -8,9 +8,10 @@
  *   the codes with q rounded to s8 per (vector, K group) ("[q int8]"; f32
  *   products in exact mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
- *   lane; with >= 5 vectors (4-bit / 8-bit V, 16-bit queries, not exact
- *   mode) p*s_g is rounded to s16 per (vector, tile, group) and summed over
- *   the tile's codes by vpdpwssd (vphase_pint, "[P int16]"); 4-bit V with
+ *   lane; for 4-bit / 8-bit V with 16-bit queries outside exact mode p*s_g
+ *   is rounded to s16 per (vector, tile, group) and summed over the tile's
+ *   codes by vpdpwssd (vphase_pint; vphase_pint_direct below 5 vectors,
+ *   "[P int16]"); 4-bit V with
  *   >= 16 vectors instead: each element s_g*c + b_g (f32) rounded to bf16,
  *   P to bf16, two tokens per vdpbf16ps (vphase_bfv, "[V,P bf16]").
  *   bf16 K with bf16 queries and >= 5 vectors: q.k on bf16 pairs by
