@@ -22,6 +22,13 @@ static const att_case cases[] = {
     {1, 4, 1, 1, 300, 96, 96, F32, F32, 8, 8, 32, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 2, 1, 200, 512, 512, BF16, F32, 4, 8, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 2, 1, 200, 192, 192, F32, BF16, 8, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    /* 16-bit decode over every group layout of AVX-512's rows-in-lanes K phase (one, two, four,
+     * eight 128-bit lanes per group; a partial chunk) and its direct integer V */
+    {1, 4, 2, 1, 301, 64, 64, BF16, F32, 4, 4, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 2, 1, 2, 77, 128, 128, F16, F32, 4, 4, 32, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
+    {1, 4, 2, 1, 300, 128, 128, BF16, F32, 8, 8, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 4, 1, 129, 256, 256, BF16, F32, 8, 8, 128, F32, MASK_CAUSAL, 0, 0, 0, 0, 0},
+    {1, 4, 1, 1, 95, 256, 256, F16, F32, 4, 8, 128, F16, MASK_CAUSAL, 0, 0, 0, 0, 1},
     /* Dk != Dv, head dim 80 (float only: 80 is no multiple of 32) */
     {1, 4, 2, 3, 150, 192, 128, F32, F32, 0, 0, 0, F16, MASK_CAUSAL, 0, 0, 0, 0, 0},
     {1, 4, 2, 2, 150, 80, 80, F32, F32, 0, 0, 0, BF16, MASK_CAUSAL, 0, 0, 0, 0, 1},

@@ -18,6 +18,8 @@ typedef struct fmt_plan {
   int vnni;                       /* quantized K, 16-bit queries (fast.c only): q.k in integers (chunk_dots_vnni) */
   int tok;                        /* vnni with enough query vectors (fast.c only): q.k with tokens in lanes
                                      (kphase_tok) */
+  int rl;                         /* vnni, fewer vectors, 4-bit / 8-bit codes (fast.c only): q.k with rows in
+                                     lanes (kphase_rl) */
   int pint;                       /* 4-bit or 8-bit V, 16-bit queries, verify-sized groups (fast.c only): P.V on
                                      s16 weights and the codes (vphase_pint) */
   int bft;                        /* bf16 K rows, bf16 queries, enough query vectors (fast.c only): q.k on

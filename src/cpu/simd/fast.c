@@ -4,7 +4,7 @@
  *   query vectors, softcap, causal-family mask, online softmax (vector exp),
  *   O += P·V. Quantized K uses the affine algebra: with k = s_g*c + b_g,
  *   q·k = sum_g s_g (q_g·c_g) + b_g sum(q_g); for 16-bit queries q_g·c_g is
- *   an exact integer dot product (vpdpbusd: chunk_dots_vnni, kphase_tok) of
+ *   an exact integer dot product (vpdpbusd: kphase_rl, kphase_tok, chunk_dots_vnni) of
  *   the codes with q rounded to s8 per (vector, K group) ("[q int8]"; f32
  *   products in exact mode, p->exact).
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
@@ -30,8 +30,10 @@
  *   into L2 one per row of the K phase, its V rows one per row of the V
  *   phase, tiles.h; kphase_bft and vphase_bfp spread them over their
  *   register blocks); K codes are decoded in registers per block of <= 8
- *   query vectors, or (kphase_tok: >= 5 vectors of 16-bit queries) once per
- *   tile into L1 as bytes with tokens in lanes (16 D bytes per 16 tokens);
+ *   query vectors (16-bit queries over 4-bit / 8-bit K, < 5 vectors:
+ *   kphase_rl, 4 rows per block, blocks of <= 4 vectors), or (kphase_tok:
+ *   >= 5 vectors of 16-bit queries) once per tile into L1 as bytes with
+ *   tokens in lanes (16 D bytes per 16 tokens);
  *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
  *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
  *   per u32 lane; for vphase_bfv as two tokens' bf16 values per u32 lane,
@@ -166,7 +168,7 @@ ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const 
                      int J, int bits, int exact, int vnni, float *S, const kva_prefetch *pf) {
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_K, KVA_ARR_V);
+    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
     const char *row = rows[t].k;
     const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
     const __m512 Sv = k_scales_nan(load_groups(rows[t].ks, fp->sdt, fp->ngroups), Bv);
@@ -323,7 +325,7 @@ ALWAYS void kphase_tok_codes(const fmt_plan *fp, const kva_rows *rows, int64_t n
     for (int c = 0; c < fp->nch; ++c) {
       __m512i r[LANES];
       for (int t = 0; t < LANES; ++t) {
-        if (c == 0 && pf && t0 + t < pf->n) prefetch_row(pf, t0 + t, KVA_ARR_K, KVA_ARR_V);
+        if (c == 0 && pf && t0 + t < pf->n) prefetch_row3(pf, t0 + t, KVA_ARR_K);
         r[t] = t < nt ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t0 + t].k + c * 64) : _mm512_setzero_si512();
       }
       transpose16x16(r);
@@ -422,6 +424,168 @@ __attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const k
 }
 #endif
 
+#ifdef __AVX512VNNI__
+#define FPCLASS_NONFINITE 0x99 /* QNaN | SNaN | +Inf | -Inf */
+/* The tile's group scales and biases of one operand (row arrays as, ab)
+ * transposed into st/bt[g][KVA_TILE] (zero past n); K (knan): the scales
+ * NaN where the scale or the bias is not finite (k_scales_nan). Returns
+ * whether any is NaN or Inf. */
+ALWAYS int groups_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, int as, int ab, int knan, float *st,
+                       float *bt) {
+  const int ng = fp->ngroups;
+  __mmask16 bad = 0;
+  for (int64_t t0 = 0; t0 < KVA_TILE; t0 += LANES) { /* groups_t16: 4 groups of 16 tokens at a time */
+    const int nt = n - t0 >= LANES ? LANES : n > t0 ? (int)(n - t0) : 0;
+    for (int q = 0; 4 * q < ng; ++q) {
+      __m512 sv[4], bv[4];
+      groups_t16(rows, as, t0, nt, fp->sdt, q, ng, sv);
+      groups_t16(rows, ab, t0, nt, fp->sdt, q, ng, bv);
+      for (int g = 0; g < 4 && 4 * q + g < ng; ++g) {
+        bad |= _mm512_fpclass_ps_mask(sv[g], FPCLASS_NONFINITE) | _mm512_fpclass_ps_mask(bv[g], FPCLASS_NONFINITE);
+        _mm512_storeu_ps(st + (4 * q + g) * KVA_TILE + t0, knan ? k_scales_nan(sv[g], bv[g]) : sv[g]);
+        _mm512_storeu_ps(bt + (4 * q + g) * KVA_TILE + t0, bv[g]);
+      }
+    }
+  }
+  return bad != 0;
+}
+static int v_groups_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *st, float *bt) {
+  return groups_tile(fp, rows, n, KVA_ARR_VS, KVA_ARR_VB, 0, st, bt);
+}
+
+/* ---- quantized K with rows in lanes (fp->rl: 4-bit / 8-bit codes, each
+ * 128-bit lane of 4 words in one group) ----
+ * The integer dots of chunk_dots_vnni (q rounded to s8 per vector and K
+ * group, the same codes x bytes products) with 4 rows in the dwords of each
+ * 128-bit lane: per block of 4 rows and chunk c, two unpack levels turn the
+ * rows' 16 words into X_i (i = 0..3; lane L, dword r = word 4L + i of row
+ * r); the CB = 8/bits byte vectors of X_i (4-bit: low, high nibbles) times
+ * the query's 4 bytes of that word broadcast to the lane (query_int8_rl) by
+ * vpdpbusd: per lane and row the exact int32 dot of the lane's 4 words;
+ * the lanes of one group (LPG = G / 4E of them) added by one or two lane
+ * shuffles, the chunks of one group summed, into I[j][g][t]. Then per 16
+ * rows S_j = sum_g s_g (f_jg I_jg) + b_g Q_jg (kphase_tok's epilogue; the
+ * tile's group scales and biases by groups_tile). The same exact I and
+ * roundings as kphase_q (q to s8, the f32 epilogue), with no per-row
+ * reduction: per 4 rows and chunk 4 loads, 8 unpacks, 3 (CB - 1) nibble
+ * operations, and per vector 4 CB vpdpbusd and <= 6 lane operations. Rows
+ * past n read zero codes (rows to the next multiple of 16 are computed).
+ * NCH, LPG: constants for the common rows (NCH full chunks, LPG lanes per
+ * group), else 0. */
+#define KRJ 4 /* query vectors per register block in kphase_rl */
+static int rl_format(const fmt_plan *fp) {
+  if (fp->bits != 4 && fp->bits != 8) return 0;
+  if (fp->G % (4 * fp->E)) return 0;
+  const int lpg = fp->G / (4 * fp->E);
+  return lpg == 1 || lpg == 2 || lpg % 4 == 0;
+}
+static const uint8_t kzero_row[MAXCH * 64] __attribute__((aligned(64)));
+ALWAYS void kphase_rl(const fmt_plan *fp, const kva_rows *rows, int64_t n, const char *qb, int64_t qst,
+                      const float *fq, int64_t fqst, const float *st, const float *bt, int J, int bits, float *S,
+                      const kva_prefetch *pf, int NCH, int LPG) {
+  const int CB = 8 / bits, E = 32 / bits, ng = fp->ngroups, lpg = LPG ? LPG : fp->G / (4 * E);
+  const int nch = NCH ? NCH : fp->nch;
+  const int NA = J <= 2 ? 2 : 1; /* accumulator chains per vector (the vpdpbusd latency) */
+  const int64_t n16 = (n + LANES - 1) / LANES * LANES;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  _Alignas(64) int32_t I[KRJ][LANES][KVA_TILE];
+  for (int64_t t0 = 0; t0 < n16; t0 += 4) {
+    const char *r[4];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t t = t0 + u;
+      if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
+      r[u] = t < n ? rows[t].k : (const char *)kzero_row;
+    }
+    __m128i gacc[KRJ] = {0};
+    for (int c = 0; c < nch; ++c) {
+      __m512i x[4];
+      for (int u = 0; u < 4; ++u)
+        x[u] = NCH ? _mm512_loadu_si512(r[u] + c * 64) : _mm512_maskz_loadu_epi32(fp->chmask[c], r[u] + c * 64);
+      const __m512i ab0 = _mm512_unpacklo_epi32(x[0], x[1]), ab1 = _mm512_unpackhi_epi32(x[0], x[1]);
+      const __m512i cd0 = _mm512_unpacklo_epi32(x[2], x[3]), cd1 = _mm512_unpackhi_epi32(x[2], x[3]);
+      const __m512i X[4] = {_mm512_unpacklo_epi64(ab0, cd0), _mm512_unpackhi_epi64(ab0, cd0),
+                            _mm512_unpacklo_epi64(ab1, cd1), _mm512_unpackhi_epi64(ab1, cd1)};
+      __m512i v[4][2];
+      for (int i = 0; i < 4; ++i) {
+        if (bits == 8) v[i][0] = X[i];
+        else {
+          v[i][0] = _mm512_and_si512(X[i], m4);
+          v[i][1] = _mm512_and_si512(_mm512_srli_epi16(X[i], 4), m4);
+        }
+      }
+      const int g0 = c * LANES * E / fp->G;
+      for (int j = 0; j < J; ++j) {
+        const __m512i *q = (const __m512i *)(qb + (int64_t)j * qst) + (int64_t)c * 4 * CB;
+        __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int i = 0; i < 4; ++i)
+          for (int b = 0; b < CB; ++b) {
+            const int ch = NA == 2 ? i >> 1 : 0;
+            a[ch] = _mm512_dpbusd_epi32(a[ch], v[i][b], _mm512_load_si512(q + i * CB + b));
+          }
+        __m512i w = NA == 2 ? _mm512_add_epi32(a[0], a[1]) : a[0];
+        if (lpg == 1) {
+          for (int L = 0; L < 4; ++L)
+            if (g0 + L < ng) _mm_store_si128((__m128i *)&I[j][g0 + L][t0], _mm512_extracti32x4_epi32(w, L));
+          continue;
+        }
+        w = _mm512_add_epi32(w, _mm512_shuffle_i32x4(w, w, 0xB1)); /* lanes 0, 2: the sums of lanes 0-1, 2-3 */
+        if (lpg == 2) {
+          _mm_store_si128((__m128i *)&I[j][g0][t0], _mm512_castsi512_si128(w));
+          if (g0 + 1 < ng) _mm_store_si128((__m128i *)&I[j][g0 + 1][t0], _mm512_extracti32x4_epi32(w, 2));
+          continue;
+        }
+        w = _mm512_add_epi32(w, _mm512_shuffle_i32x4(w, w, 0x4E)); /* lane 0: the chunk's sum */
+        const int cpg = lpg / 4, first = c % cpg == 0, last = c % cpg == cpg - 1;
+        gacc[j] = first ? _mm512_castsi512_si128(w) : _mm_add_epi32(gacc[j], _mm512_castsi512_si128(w));
+        if (last) _mm_store_si128((__m128i *)&I[j][g0][t0], gacc[j]);
+      }
+    }
+  }
+  for (int64_t t0 = 0; t0 < n16; t0 += LANES) {
+    const __mmask16 live = n - t0 >= LANES ? 0xffff : (__mmask16)((1u << (n - t0)) - 1u);
+    for (int j = 0; j < J; ++j) {
+      const float *f = fq + (int64_t)j * fqst;
+      __m512 sc = _mm512_setzero_ps();
+      for (int g = 0; g < ng; ++g) {
+        const __m512 X = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&I[j][g][t0])), _mm512_set1_ps(f[g]));
+        sc = _mm512_fmadd_ps(_mm512_loadu_ps(bt + g * KVA_TILE + t0), _mm512_set1_ps(f[ng + g]),
+                             _mm512_fmadd_ps(X, _mm512_loadu_ps(st + g * KVA_TILE + t0), sc));
+      }
+      _mm512_storeu_ps(S + j * KVA_TILE + t0, _mm512_maskz_mov_ps(live, sc));
+    }
+  }
+}
+#define KPHASE_RL(J_)                                                                                          \
+  __attribute__((noinline)) static void kphase_rl_##J_(const fmt_plan *fp, const kva_rows *rows, int64_t n,   \
+                                                       const char *qb, const float *fq, const float *st,      \
+                                                       const float *bt, float *S, const kva_prefetch *pf) {   \
+    const int64_t qst = (int64_t)fp->P * 4, fqst = (int64_t)fp->nch * LANES;                                   \
+    const int g64 = fp->bits == 4 && fp->G == 64 && fp->chmask[fp->nch - 1] == 0xffff;                         \
+    if (g64 && fp->nch == 2) kphase_rl(fp, rows, n, qb, qst, fq, fqst, st, bt, J_, 4, S, pf, 2, 2);            \
+    else if (g64 && fp->nch == 1) kphase_rl(fp, rows, n, qb, qst, fq, fqst, st, bt, J_, 4, S, pf, 1, 2);       \
+    else if (fp->bits == 4) kphase_rl(fp, rows, n, qb, qst, fq, fqst, st, bt, J_, 4, S, pf, 0, 0);             \
+    else kphase_rl(fp, rows, n, qb, qst, fq, fqst, st, bt, J_, 8, S, pf, 0, 0);                                \
+  }
+KPHASE_RL(1)
+KPHASE_RL(2)
+KPHASE_RL(4)
+/* All nq vectors by kphase_rl in blocks of 4, 2, 1 (the first prefetches);
+ * qp / qs: query_int8_rl's bytes and factors per vector. */
+static void kphase_rl_all(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *qp, const float *qs,
+                          int64_t nq, float *S, const kva_prefetch *pf) {
+  _Alignas(64) float st[LANES * KVA_TILE], bt[LANES * KVA_TILE];
+  groups_tile(fp, rows, n, KVA_ARR_KS, KVA_ARR_KB, 1, st, bt);
+  const int64_t fqst = (int64_t)fp->nch * LANES;
+  int64_t j = 0;
+#define RARGS(J) rows, n, (const char *)(qp + (J) * fp->P), qs + (J) * fqst, st, bt, S + (J) * KVA_TILE, pf
+  for (; j + 4 <= nq; j += 4, pf = NULL) kphase_rl_4(fp, RARGS(j));
+  if (j + 2 <= nq) { kphase_rl_2(fp, RARGS(j)); j += 2; pf = NULL; }
+  if (j < nq) kphase_rl_1(fp, RARGS(j));
+#undef RARGS
+}
+
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 /* ---- bf16 K with bf16 queries on bf16 pairs (fp->bft) ----
  * S_j[t] = scale * sum_w dot2(q_j word w, k_t word w), word w = the bf16
@@ -518,6 +682,10 @@ static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const fl
     kphase_tok_all(fp, rows, n, qp, nq, S, pf);
     return;
   }
+  if (fp->rl) {
+    kphase_rl_all(fp, rows, n, qp, qs, nq, S, pf);
+    return;
+  }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   if (fp->bft) {
@@ -534,7 +702,6 @@ static void kphase(const fmt_plan *fp, const kva_rows *rows, int64_t n, const fl
 }
 
 /* ---- V phase ---- */
-#define FPCLASS_NONFINITE 0x99 /* QNaN | SNaN | +Inf | -Inf */
 /* A V scale that is not finite: mantissa placement (code_as_float) would
  * turn s c + b into s' f + (b - s') = inf - inf = NaN for every code, where
  * the oracle's s c + b is +-inf (NaN only for code 0), so such a row (or
@@ -571,7 +738,7 @@ static int decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, fl
     return bad != 0;
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
+    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
     const char *row = rows[t].v;
     const __m512 Sv = load_groups(rows[t].vs, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].vb, fp->sdt, fp->ngroups);
@@ -770,27 +937,6 @@ ALWAYS void pint_codes(__m512i x0, __m512i x1, int bits, int halves, __m512i *v)
   }
 }
 
-/* The tile's V group scales and biases transposed into st/bt[g][KVA_TILE]
- * (zero past n). Returns whether any is NaN or Inf. */
-static int v_groups_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, float *st, float *bt) {
-  const int ng = fp->ngroups;
-  __mmask16 bad = 0;
-  for (int64_t t0 = 0; t0 < KVA_TILE; t0 += LANES) { /* groups_t16: 4 groups of 16 tokens at a time */
-    const int nt = n - t0 >= LANES ? LANES : n > t0 ? (int)(n - t0) : 0;
-    for (int q = 0; 4 * q < ng; ++q) {
-      __m512 sv[4], bv[4];
-      groups_t16(rows, KVA_ARR_VS, t0, nt, fp->sdt, q, ng, sv);
-      groups_t16(rows, KVA_ARR_VB, t0, nt, fp->sdt, q, ng, bv);
-      for (int g = 0; g < 4 && 4 * q + g < ng; ++g) {
-        bad |= _mm512_fpclass_ps_mask(sv[g], FPCLASS_NONFINITE) | _mm512_fpclass_ps_mask(bv[g], FPCLASS_NONFINITE);
-        _mm512_storeu_ps(st + (4 * q + g) * KVA_TILE + t0, sv[g]);
-        _mm512_storeu_ps(bt + (4 * q + g) * KVA_TILE + t0, bv[g]);
-      }
-    }
-  }
-  return bad != 0;
-}
-
 /* The tile's V codes as token pairs into ct[pair][P] and its group scales
  * and biases into st/bt (v_groups_tile). Returns whether any scale or bias
  * is NaN or Inf. */
@@ -800,8 +946,8 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
   const int bad = v_groups_tile(fp, rows, n, st, bt);
   for (int64_t t = 0; t < n; t += 2) {
     const int two = t + 1 < n;
-    if (pf && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
-    if (pf && two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
+    if (pf && two && t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
     int32_t *dst = ct + (t / 2) * fp->P;
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
@@ -986,8 +1132,8 @@ ALWAYS void pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
     for (int64_t t = 0; t < n; t += 2) {
       const int two = t + 1 < n;
       if (pf && c == 0 && t < pf->n) {
-        prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);
-        if (two && t + 1 < pf->n) prefetch_row(pf, t + 1, KVA_ARR_V, KVA_ARRS);
+        prefetch_row3(pf, t, KVA_ARR_V);
+        if (two && t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
       }
       const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
       const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
@@ -1248,7 +1394,7 @@ static int vphase_bfv(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
         bacc[j] = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);                           \
       }                                                                                               \
       for (int64_t t = 0; t < n; ++t) {                                                               \
-        if (pf && c == 0 && t < pf->n) prefetch_row(pf, t, KVA_ARR_V, KVA_ARRS);                      \
+        if (pf && c == 0 && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);                      \
         __mmask16 pm[J];                                                                              \
         int live = 0;                                                                                 \
         for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \
@@ -1520,6 +1666,35 @@ static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scal
 #endif
 
 #ifdef __AVX512VNNI__
+/* One query as kphase_rl's s8 bytes at qb, [chunk c][i][byte vector b]
+ * (64 bytes each; 4 i, CB = 8/bits b): every dword of 128-bit lane L holds
+ * the bytes m = 0..3 of code m*CB + b of word 16c + 4L + i (0 past the
+ * row); then at fq the factors f = scale * sigma of the ngroups groups
+ * (query_int8's) and their Q = f * sum(c). */
+static void query_int8_rl(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *fq) {
+  int8_t c8[KVA_MAX_HEAD_DIM];
+  float fg[LANES];
+  int gs[LANES];
+  query_s8_groups(fp, D, q, scale, c8, fg, gs);
+  const int CB = 8 / fp->bits, E = fp->E;
+  const int64_t words = D / E;
+  for (int c = 0; c < fp->nch; ++c)
+    for (int i = 0; i < 4; ++i)
+      for (int b = 0; b < CB; ++b) {
+        char *dst = qb + ((int64_t)(c * 4 + i) * CB + b) * 64;
+        for (int L = 0; L < 4; ++L) {
+          const int64_t w = (int64_t)c * LANES + 4 * L + i;
+          char u[4];
+          for (int m = 0; m < 4; ++m) u[m] = (char)(w < words ? c8[w * E + m * CB + b] : 0);
+          for (int r = 0; r < 4; ++r) memcpy(dst + 16 * L + 4 * r, u, 4);
+        }
+      }
+  for (int g = 0; g < fp->ngroups; ++g) {
+    fq[g] = fg[g];
+    fq[fp->ngroups + g] = fg[g] * (float)gs[g];
+  }
+}
+
 /* One query as kphase_tok's s8 bytes (word w, byte vector i: the codes of
  * dims w*E + m*CB + i, m = 0..3, one u32), then per group f = scale * sigma
  * (query_int8's factor) and Q = f * sum(c) (0 past ngroups), at qv. */
@@ -1580,6 +1755,7 @@ static void attend_fast(const kva_item *it) {
   kf.vnni = kf.bits && !kf.exact; /* never in exact mode (kf.exact) */
   vf.pint = pint_kind(&src->vf, !vf.exact); /* vphase_pint (vf.exact: f32 queries or exact mode) */
   kf.tok = kf.vnni && nq >= KTOK_MIN_VECTORS;
+  kf.rl = kf.vnni && !kf.tok && rl_format(&kf);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   kf.bft = bft_kind(&src->kf, p, nq);
@@ -1607,6 +1783,10 @@ static void attend_fast(const kva_item *it) {
 #ifdef __AVX512VNNI__
     if (kf.tok) {
       query_int8_tok(&kf, p->Dk, qrow, p->scale, qp + j * kf.P);
+      continue;
+    }
+    if (kf.rl) {
+      query_int8_rl(&kf, p->Dk, qrow, p->scale, (char *)(qp + j * kf.P), qs + j * kqs);
       continue;
     }
     if (kf.vnni) {

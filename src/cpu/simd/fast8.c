@@ -318,18 +318,6 @@ KBLOCK(2)
 KBLOCK(4)
 
 #if defined(__AVX2__)
-/* Row r of the prefetch tile's arrays a (data), a + 1, a + 2 (its group
- * scales and biases) into L2, as prefetch_row with the arrays unrolled:
- * the data row's lines and the line of each group row, unconditionally
- * (the group rows of adjacent tokens share a line; one more prefetch of it
- * costs less than the test against row r - 1). Quantized rows: the integer
- * phases. */
-ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
-  const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)pf->bytes[a];
-  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
-  __builtin_prefetch(pf->rows[r].a[a + 1], 0, 2);
-  __builtin_prefetch(pf->rows[r].a[a + 2], 0, 2);
-}
 
 /* ---- K phase on integers (avx2; never in exact mode) ----
  * The query rounded to s8 per (vector, K group) as kva_ref_rounding with

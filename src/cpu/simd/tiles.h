@@ -66,6 +66,18 @@ ALWAYS void prefetch_row(const kva_prefetch *pf, int64_t r, int a0, int a1) {
   }
 }
 
+/* Row r of the prefetch tile's arrays a (data), a + 1, a + 2 (its group
+ * scales and biases) into L2, as prefetch_row with the arrays unrolled:
+ * the data row's lines and the line of each group row, unconditionally
+ * (the group rows of adjacent tokens share a line; one more prefetch of it
+ * costs less than the test against row r - 1). Quantized rows. */
+ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
+  const uintptr_t p = (uintptr_t)pf->rows[r].a[a], end = p + (uintptr_t)pf->bytes[a];
+  for (uintptr_t line = p & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const char *)line, 0, 2);
+  __builtin_prefetch(pf->rows[r].a[a + 1], 0, 2);
+  __builtin_prefetch(pf->rows[r].a[a + 2], 0, 2);
+}
+
 /* The first line of each array at each block start of the prefetch tile
  * (paged layouts: tokens [t, t + pf->n) of the row map m), all at once into
  * L2 when the tile is located, before the current tile's K phase. Blocks
