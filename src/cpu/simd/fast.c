@@ -168,7 +168,7 @@ ALWAYS void kphase_q(const fmt_plan *fp, const kva_rows *rows, int64_t n, const 
                      int J, int bits, int exact, int vnni, float *S, const kva_prefetch *pf) {
   __m512 part[KQB][LANES];
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
+    if (pf && t < pf->n) prefetch_row_q(pf, t, KVA_ARR_K);
     const char *row = rows[t].k;
     const __m512 Bv = load_groups(rows[t].kb, fp->sdt, fp->ngroups);
     const __m512 Sv = k_scales_nan(load_groups(rows[t].ks, fp->sdt, fp->ngroups), Bv);
@@ -325,7 +325,7 @@ ALWAYS void kphase_tok_codes(const fmt_plan *fp, const kva_rows *rows, int64_t n
     for (int c = 0; c < fp->nch; ++c) {
       __m512i r[LANES];
       for (int t = 0; t < LANES; ++t) {
-        if (c == 0 && pf && t0 + t < pf->n) prefetch_row3(pf, t0 + t, KVA_ARR_K);
+        if (c == 0 && pf && t0 + t < pf->n) prefetch_row_q(pf, t0 + t, KVA_ARR_K);
         r[t] = t < nt ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t0 + t].k + c * 64) : _mm512_setzero_si512();
       }
       transpose16x16(r);
@@ -493,7 +493,7 @@ ALWAYS void kphase_rl(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
     const char *r[4];
     for (int u = 0; u < 4; ++u) {
       const int64_t t = t0 + u;
-      if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_K);
+      if (pf && t < pf->n) prefetch_row_q(pf, t, KVA_ARR_K);
       r[u] = t < n ? rows[t].k : (const char *)kzero_row;
     }
     __m128i gacc[KRJ] = {0};
@@ -738,7 +738,7 @@ static int decode_v_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, fl
     return bad != 0;
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
+    if (pf && t < pf->n) prefetch_row_q(pf, t, KVA_ARR_V);
     const char *row = rows[t].v;
     const __m512 Sv = load_groups(rows[t].vs, fp->sdt, fp->ngroups);
     const __m512 Bv = load_groups(rows[t].vb, fp->sdt, fp->ngroups);
@@ -946,8 +946,8 @@ ALWAYS int pint_decode(const fmt_plan *fp, const kva_rows *rows, int64_t n, int 
   const int bad = v_groups_tile(fp, rows, n, st, bt);
   for (int64_t t = 0; t < n; t += 2) {
     const int two = t + 1 < n;
-    if (pf && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);
-    if (pf && two && t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
+    if (pf && t < pf->n) prefetch_row_q(pf, t, KVA_ARR_V);
+    if (pf && two && t + 1 < pf->n) prefetch_row_q(pf, t + 1, KVA_ARR_V);
     int32_t *dst = ct + (t / 2) * fp->P;
     for (int c = 0; c < fp->nch; ++c) {
       const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
@@ -1132,8 +1132,8 @@ ALWAYS void pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
     for (int64_t t = 0; t < n; t += 2) {
       const int two = t + 1 < n;
       if (pf && c == 0 && t < pf->n) {
-        prefetch_row3(pf, t, KVA_ARR_V);
-        if (two && t + 1 < pf->n) prefetch_row3(pf, t + 1, KVA_ARR_V);
+        prefetch_row_q(pf, t, KVA_ARR_V);
+        if (two && t + 1 < pf->n) prefetch_row_q(pf, t + 1, KVA_ARR_V);
       }
       const __m512i x0 = _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t].v + c * 64);
       const __m512i x1 = two ? _mm512_maskz_loadu_epi32(fp->chmask[c], rows[t + 1].v + c * 64) : _mm512_setzero_si512();
@@ -1394,7 +1394,7 @@ static int vphase_bfv(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
         bacc[j] = _mm512_loadu_ps(ob + ((int64_t)j * fp->nch + c) * LANES);                           \
       }                                                                                               \
       for (int64_t t = 0; t < n; ++t) {                                                               \
-        if (pf && c == 0 && t < pf->n) prefetch_row3(pf, t, KVA_ARR_V);                      \
+        if (pf && c == 0 && t < pf->n) prefetch_row_q(pf, t, KVA_ARR_V);                      \
         __mmask16 pm[J];                                                                              \
         int live = 0;                                                                                 \
         for (int j = 0; j < J; ++j) live |= (pm[j] = P[j * KVA_TILE + t] != 0.0f ? 0xffff : 0) != 0;  \

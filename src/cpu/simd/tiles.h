@@ -78,6 +78,15 @@ ALWAYS void prefetch_row3(const kva_prefetch *pf, int64_t r, int a) {
   __builtin_prefetch(pf->rows[r].a[a + 2], 0, 2);
 }
 
+/* prefetch_row3 for data rows of at most two lines (q4 at head dim <= 256,
+ * q8 at <= 128); longer rows keep prefetch_row's one prefetch per new line
+ * of the group rows (AVX-512 host, cold: q8 at head dim 256 ran 5-25 %
+ * slower with prefetch_row3, q4 6-30 % faster). */
+ALWAYS void prefetch_row_q(const kva_prefetch *pf, int64_t r, int a) {
+  if (pf->bytes[a] <= 128) prefetch_row3(pf, r, a);
+  else prefetch_row(pf, r, a, a + 3);
+}
+
 /* The first line of each array at each block start of the prefetch tile
  * (paged layouts: tokens [t, t + pf->n) of the row map m), all at once into
  * L2 when the tile is located, before the current tile's K phase. Blocks
