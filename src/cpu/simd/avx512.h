@@ -96,13 +96,50 @@ static inline void permute_row(const fmt_plan *fp, int64_t D, const float *src, 
   for (int64_t w = 0; w < words; ++w)
     for (int k = 0; k < fp->E; ++k) dst[((w / LANES) * fp->E + k) * LANES + w % LANES] = src[w * fp->E + k] * scale;
 }
-/* The inverse: dst[d] = src[pos(d)] + (bias lane of pos, when given). */
+/* The inverse: dst[d] = src[pos(d)] + (bias lane of pos, when given). A
+ * whole chunk at E = 8 (4-bit) is an 8 x 16 transpose: per 8 lanes an 8 x 8
+ * one (24 shuffles) gives each word's 8 values; at E = 4 (8-bit) 4 x 4
+ * ones per 4 lanes. */
 static inline void unpermute_row(const fmt_plan *fp, int64_t D, const float *src, const float *bias, float *dst) {
   if (!fp->bits) {
     for (int64_t d = 0; d < D; ++d) dst[d] = src[float_pos(fp, D, d)];
     return;
   }
   const int64_t words = D / fp->E;
+  if (bias && (fp->E == 8 || fp->E == 4) && words % LANES == 0) {
+    for (int64_t c = 0; c < words / LANES; ++c) {
+      const float *sc = src + c * fp->E * LANES, *bc = bias + c * LANES;
+      float *dc = dst + c * LANES * fp->E;
+      if (fp->E == 8)
+        for (int h = 0; h < 2; ++h) {
+          __m256 r[8], t[8], u[8];
+          for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(sc + k * LANES + 8 * h);
+          for (int k = 0; k < 8; k += 2) {
+            t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+            t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+          }
+          for (int k = 0; k < 8; k += 4) {
+            u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+            u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+            u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+            u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+          }
+          for (int l = 0; l < 8; ++l) { /* lane 8h + l: word 16c + 8h + l */
+            const __m256 v = _mm256_permute2f128_ps(u[l % 4], u[4 + l % 4], l < 4 ? 0x20 : 0x31);
+            _mm256_storeu_ps(dc + (8 * h + l) * 8, _mm256_add_ps(v, _mm256_set1_ps(bc[8 * h + l])));
+          }
+        }
+      else
+        for (int g = 0; g < 4; ++g) {
+          __m128 r0 = _mm_loadu_ps(sc + 4 * g), r1 = _mm_loadu_ps(sc + LANES + 4 * g);
+          __m128 r2 = _mm_loadu_ps(sc + 2 * LANES + 4 * g), r3 = _mm_loadu_ps(sc + 3 * LANES + 4 * g);
+          _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+          const __m128 rr[4] = {r0, r1, r2, r3};
+          for (int l = 0; l < 4; ++l) _mm_storeu_ps(dc + (4 * g + l) * 4, _mm_add_ps(rr[l], _mm_set1_ps(bc[4 * g + l])));
+        }
+    }
+    return;
+  }
   for (int64_t w = 0; w < words; ++w) {
     const int64_t lane = w % LANES, c = w / LANES;
     const float b = bias ? bias[c * LANES + lane] : 0.0f;

@@ -1266,7 +1266,8 @@ static void bfp_accumulate(const fmt_plan *fp, const int32_t *ct, int64_t n, con
   const int64_t nblk = (nq + BPJ - 1) / BPJ * ((P + BPK * LANES - 1) / (BPK * LANES)), pn = pf ? pf->n : 0;
   const int64_t per = (pn + nblk - 1) / (nblk ? nblk : 1);
   int64_t r = 0;
-#define BFP_PF() for (int64_t e = r + per < pn ? r + per : pn; r < e; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS)
+#define BFP_PF1(r) (fp->bits ? prefetch_row_q(pf, r, KVA_ARR_V) : prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS))
+#define BFP_PF() for (int64_t e = r + per < pn ? r + per : pn; r < e; ++r) BFP_PF1(r)
   for (int64_t j0 = 0; j0 < nq; j0 += BPJ) {
     const int J = nq - j0 < BPJ ? (int)(nq - j0) : BPJ;
     for (int j = 0; j < J; ++j) { /* P is 0 past n (tile_softmax) */
@@ -1292,8 +1293,9 @@ static void bfp_accumulate(const fmt_plan *fp, const int32_t *ct, int64_t n, con
     if (pos < P) BFP_BLOCKS(2); /* the last 32 positions (P: a multiple of 32) */
 #undef BFP_BLOCKS
   }
-  for (; r < pn; ++r) prefetch_row(pf, r, KVA_ARR_V, KVA_ARRS);
+  for (; r < pn; ++r) BFP_PF1(r);
 #undef BFP_PF
+#undef BFP_PF1
 }
 
 /* Returns 0 without touching o when a V value of the tile is NaN or Inf.
@@ -1640,54 +1642,88 @@ static void query_s8_groups(const fmt_plan *fp, int64_t D, const float *q, float
     fg[g] = finite && fp->G % 32 == 0 ? simd_query_group_s8_32(q, (int64_t)g * fp->G, fp->G, scale, c8, &gs[g])
                                       : simd_query_group_s8(q, (int64_t)g * fp->G, fp->G, finite, scale, c8, &gs[g]);
 }
+/* The query's s8 codes in word order into qbw (the row's nch * 16 words
+ * of E bytes, zero past D): byte i*4 + m of word w = code m*CB + i of the
+ * word (CB = 8/bits byte vectors: the nibble / crumb position i of the
+ * codes' bytes, as chunk_dots_vnni, kphase_tok and kphase_rl read them), by
+ * one in-lane byte shuffle per 64 bytes; the group factors into fg, code
+ * sums into gs (query_s8_groups). */
+static void query_word_bytes(const fmt_plan *fp, int64_t D, const float *q, float scale, uint8_t *qbw, float *fg,
+                             int *gs) {
+  _Alignas(64) int8_t c8[KVA_MAX_HEAD_DIM + 256];
+  query_s8_groups(fp, D, q, scale, c8, fg, gs);
+  const int64_t nbytes = (int64_t)fp->nch * LANES * fp->E;
+  memset(c8 + D, 0, (size_t)(nbytes - D));
+  if (fp->bits == 8) {
+    memcpy(qbw, c8, (size_t)nbytes);
+    return;
+  }
+  const __m512i sh = fp->bits == 4 ? _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15))
+                                   : _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  for (int64_t b = 0; b < nbytes; b += 64)
+    _mm512_storeu_si512(qbw + b, _mm512_shuffle_epi8(_mm512_load_si512(c8 + b), sh));
+}
+
+/* One query as chunk_dots_vnni's s8 bytes and lane factors (at qb) and its
+ * lane sums qs = f * sum(c) over each lane's codes (f = scale * sigma_g of
+ * the lane's group; 0 for a group whose 1 / sigma is not finite: all zeros,
+ * or max|q_g| below ~2^-119, which then adds nothing; NaN for every group of
+ * a query with a non-finite element, whose scores are then NaN): byte
+ * vector i of chunk c, lane l = dword i of word 16c + l of query_word_bytes
+ * (a dword transpose per chunk). */
 static void query_int8(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *qs) {
-  int8_t c8[KVA_MAX_HEAD_DIM];
+  _Alignas(64) uint32_t d[MAXCH * LANES * 4];
   float fg[LANES];
   int gs[LANES];
-  query_s8_groups(fp, D, q, scale, c8, fg, gs);
-  const int CB = 8 / fp->bits, E = fp->E;
-  const int64_t words = D / E;
+  query_word_bytes(fp, D, q, scale, (uint8_t *)d, fg, gs);
+  const int CB = 8 / fp->bits;
   float *f = (float *)(qb + (int64_t)fp->nch * CB * 64);
-  for (int c = 0; c < fp->nch; ++c)
-    for (int l = 0; l < LANES; ++l) {
-      const int64_t w = (int64_t)c * LANES + l;
-      const float fl = w < words ? fg[(w * E) / fp->G] : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < CB; ++i)
-        for (int b = 0; b < 4; ++b) {
-          const int v = w < words ? c8[w * E + b * CB + i] : 0;
-          qb[(int64_t)(c * CB + i) * 64 + 4 * l + b] = (char)v;
-          sum += v;
-        }
-      f[c * LANES + l] = fl;
-      qs[c * LANES + l] = fl * (float)sum;
+  const __m512 fgv = _mm512_loadu_ps(fg);
+  const __m512i ones = _mm512_set1_epi8(1), iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int c = 0; c < fp->nch; ++c) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < CB; ++i) {
+      __m512i v;
+      if (CB == 1) v = _mm512_load_si512(d + c * LANES);
+      else if (CB == 2)
+        v = _mm512_permutex2var_epi32(_mm512_load_si512(d + 2 * c * LANES), _mm512_add_epi32(_mm512_slli_epi32(iota, 1), _mm512_set1_epi32(i)),
+                                      _mm512_load_si512(d + (2 * c + 1) * LANES));
+      else
+        v = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_slli_epi32(iota, 2), _mm512_set1_epi32(4 * c * LANES + i)), d, 4);
+      _mm512_storeu_si512(qb + (int64_t)(c * CB + i) * 64, v);
+      sum = _mm512_dpbusd_epi32(sum, ones, v);
     }
+    const __m512 fl = _mm512_maskz_permutexvar_ps(fp->chmask[c], fp->gidx[c], fgv);
+    _mm512_storeu_ps(f + c * LANES, fl);
+    _mm512_storeu_ps(qs + c * LANES, _mm512_mul_ps(fl, _mm512_cvtepi32_ps(sum)));
+  }
 }
 #endif
 
 #ifdef __AVX512VNNI__
 /* One query as kphase_rl's s8 bytes at qb, [chunk c][i][byte vector b]
  * (64 bytes each; 4 i, CB = 8/bits b): every dword of 128-bit lane L holds
- * the bytes m = 0..3 of code m*CB + b of word 16c + 4L + i (0 past the
- * row); then at fq the factors f = scale * sigma of the ngroups groups
+ * dword b of word 16c + 4L + i of query_word_bytes (the bytes m = 0..3 of
+ * code m*CB + b of that word; 0 past the row), one dword permute per
+ * vector; then at fq the factors f = scale * sigma of the ngroups groups
  * (query_int8's) and their Q = f * sum(c). */
 static void query_int8_rl(const fmt_plan *fp, int64_t D, const float *q, float scale, char *qb, float *fq) {
-  int8_t c8[KVA_MAX_HEAD_DIM];
+  _Alignas(64) uint32_t d[MAXCH * LANES * 4];
   float fg[LANES];
   int gs[LANES];
-  query_s8_groups(fp, D, q, scale, c8, fg, gs);
-  const int CB = 8 / fp->bits, E = fp->E;
-  const int64_t words = D / E;
+  query_word_bytes(fp, D, q, scale, (uint8_t *)d, fg, gs);
+  const int CB = 8 / fp->bits;
+  const __m512i L4 = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12); /* 4L */
   for (int c = 0; c < fp->nch; ++c)
     for (int i = 0; i < 4; ++i)
       for (int b = 0; b < CB; ++b) {
-        char *dst = qb + ((int64_t)(c * 4 + i) * CB + b) * 64;
-        for (int L = 0; L < 4; ++L) {
-          const int64_t w = (int64_t)c * LANES + 4 * L + i;
-          char u[4];
-          for (int m = 0; m < 4; ++m) u[m] = (char)(w < words ? c8[w * E + m * CB + b] : 0);
-          for (int r = 0; r < 4; ++r) memcpy(dst + 16 * L + 4 * r, u, 4);
-        }
+        const __m512i w = _mm512_add_epi32(L4, _mm512_set1_epi32(i)); /* word 4L + i of the chunk */
+        const __m512i v =
+            CB == 1 ? _mm512_permutexvar_epi32(w, _mm512_load_si512(d + c * LANES))
+                    : _mm512_permutex2var_epi32(_mm512_load_si512(d + 2 * c * LANES),
+                                                _mm512_add_epi32(_mm512_slli_epi32(w, 1), _mm512_set1_epi32(b)),
+                                                _mm512_load_si512(d + (2 * c + 1) * LANES));
+        _mm512_storeu_si512(qb + ((int64_t)(c * 4 + i) * CB + b) * 64, v);
       }
   for (int g = 0; g < fp->ngroups; ++g) {
     fq[g] = fg[g];
@@ -1696,21 +1732,14 @@ static void query_int8_rl(const fmt_plan *fp, int64_t D, const float *q, float s
 }
 
 /* One query as kphase_tok's s8 bytes (word w, byte vector i: the codes of
- * dims w*E + m*CB + i, m = 0..3, one u32), then per group f = scale * sigma
- * (query_int8's factor) and Q = f * sum(c) (0 past ngroups), at qv. */
+ * dims w*E + m*CB + i, m = 0..3, one u32: query_word_bytes as it is), then
+ * per group f = scale * sigma (query_int8's factor) and Q = f * sum(c) (0
+ * past ngroups), at qv. */
 static void query_int8_tok(const fmt_plan *fp, int64_t D, const float *q, float scale, float *qv) {
-  int8_t c8[KVA_MAX_HEAD_DIM];
   float fg[LANES];
   int gs[LANES];
-  query_s8_groups(fp, D, q, scale, c8, fg, gs);
-  const int CB = 8 / fp->bits, E = fp->E, words = fp->nch * LANES;
-  const int64_t valid = D / E;
-  char *qb = (char *)qv;
-  for (int w = 0; w < words; ++w)
-    for (int i = 0; i < CB; ++i)
-      for (int m = 0; m < 4; ++m)
-        qb[((int64_t)w * CB + i) * 4 + m] = (char)(w < valid ? c8[(int64_t)w * E + m * CB + i] : 0);
-  float *f = qv + (int64_t)words * CB;
+  query_word_bytes(fp, D, q, scale, (uint8_t *)qv, fg, gs);
+  float *f = qv + (int64_t)fp->nch * LANES * (8 / fp->bits);
   for (int g = 0; g < LANES; ++g) {
     f[g] = g < fp->ngroups ? fg[g] : 0.0f;
     f[LANES + g] = g < fp->ngroups ? fg[g] * (float)gs[g] : 0.0f;
