@@ -10,8 +10,8 @@
  *   Quantized V accumulates (p*s_g)*c per element and p*b_g once per group
  *   lane; for 4-bit / 8-bit V with 16-bit queries outside exact mode p*s_g
  *   is rounded to s16 per (vector, tile, group) and summed over the tile's
- *   codes by vpdpwssd (vphase_pint; vphase_pint_direct below 5 vectors,
- *   "[P int16]"); 4-bit V with
+ *   codes by vpdpwssd (vphase_pint; vphase_pint_direct below 8 (4-bit)
+ *   or 5 vectors, "[P int16]"); 4-bit V with
  *   >= 16 vectors instead: each element s_g*c + b_g (f32) rounded to bf16,
  *   P to bf16, two tokens per vdpbf16ps (vphase_bfv, "[V,P bf16]").
  *   bf16 K with bf16 queries and >= 5 vectors: q.k on bf16 pairs by
@@ -34,7 +34,8 @@
  *   kphase_rl, 4 rows per block, blocks of <= 4 vectors), or (kphase_tok:
  *   >= 5 vectors of 16-bit queries) once per tile into L1 as bytes with
  *   tokens in lanes (16 D bytes per 16 tokens);
- *   V codes in registers per block of <= 2 vectors when nq <= 4, else once
+ *   V codes in registers per block of <= 2 vectors when nq <= 4 (integer
+ *   V: below PINT_MIN_VECTORS), else once
  *   per tile into L1 (as f32, or for vphase_pint as two tokens' s16 codes
  *   per u32 lane; for vphase_bfv as two tokens' bf16 values per u32 lane,
  *   looked up in per-(pair, group) tables of the 16 code values).
@@ -872,8 +873,11 @@ static void vphase(const fmt_plan *fp, int64_t n, const float *P, const float *v
  * added to o. Weights wg[vector][group][pair] (u32) for a block of PWJ
  * vectors at a time. */
 /* Query vectors per KV head from which the codes go through the L1 tile
- * (vphase_pint); fewer take the direct form (vphase_pint_direct). */
-#define PINT_MIN_VECTORS 5
+ * (vphase_pint); fewer take the direct form (vphase_pint_direct, which
+ * decodes them once per block of 2 vectors): 8 for 4-bit V, 5 for 8-bit
+ * (development host, one thread: at 6 vectors q4 35.2 -> 31.5 ns per
+ * token-head direct, q8 41.6 -> 43.0; at 8 equal). */
+#define PINT_MIN_VECTORS(bits) ((bits) == 4 ? 8 : 5)
 #define PJB 4              /* query vectors per register block */
 #define PWJ 8              /* query vectors per pint_weights call: 16 / ngroups (16 maxima per reduction),
                               at least PJB */
@@ -1114,7 +1118,7 @@ static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, cons
 #endif
 
 #ifdef __AVX512VNNI__
-/* The direct form of vphase_pint for <= 4 vectors (decode): the token
+/* The direct form of vphase_pint for few vectors (decode): the token
  * pairs' code vectors built in registers (pint_codes) and consumed at once
  * by blocks of <= 2 vectors (J E int32 accumulators per chunk, flushed to o
  * times sigma per chunk as pint_block does), no L1 round trip; the same
@@ -1176,15 +1180,17 @@ PINT_DIRECT(8, 2, 0)
 PINT_DIRECT(8, 1, 1)
 PINT_DIRECT(8, 2, 1)
 
-/* vphase_pint's direct form for nq <= 4 (pint_direct): 0 without touching
+/* vphase_pint's direct form for nq < PINT_MIN_VECTORS (pint_direct): 0 without touching
  * o or ob when a scale or bias of the tile is not finite. */
 static int vphase_pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *svt,
                               float *bvt, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
   if (v_groups_tile(fp, rows, n, svt, bvt)) return 0;
   const int64_t obn = (int64_t)fp->nch * LANES;
-  int32_t wg[PJB * LANES * LANES];
-  float sig[PJB * LANES];
-  pint_weights(fp, S, (int)nq, svt, bvt, wg, sig, ob, obn);
+  int32_t wg[PWJ * LANES * LANES];
+  float sig[PWJ * LANES];
+  for (int64_t j0 = 0; j0 < nq; j0 += PJB) /* PJB * ngroups <= 4 LANES maxima per pint_weights call */
+    pint_weights(fp, S + j0 * KVA_TILE, nq - j0 < PJB ? (int)(nq - j0) : PJB, svt, bvt, wg + j0 * LANES * LANES,
+                 sig + j0 * LANES, ob + j0 * obn, obn);
   const int h = fp->pint == 2;
   for (int64_t j = 0; j < nq; j += 2) {
     const int two = j + 1 < nq;
@@ -1495,7 +1501,7 @@ static void vphase_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
    * q2 takes one vector per block (16 codes per word: too many registers) */
   const int direct = nq == 1 || (nq <= 4 && fp->bits != 2);
 #ifdef __AVX512VNNI__
-  if (fp->pint && nq < PINT_MIN_VECTORS && vphase_pint_direct(fp, rows, n, S, svt, bvt, o, ob, nq, pf)) return;
+  if (fp->pint && nq < PINT_MIN_VECTORS(fp->bits) && vphase_pint_direct(fp, rows, n, S, svt, bvt, o, ob, nq, pf)) return;
 #endif
   if (direct) {
     const int64_t obn = (int64_t)fp->nch * LANES;
