@@ -387,6 +387,52 @@ ALWAYS void kphase_tok(const fmt_plan *fp, const uint8_t *ct, const float *st, c
   }
 }
 
+/* kphase_tok for a tile of more than 16 tokens and J <= 4 vectors: both
+ * 16-token blocks at once, each query word broadcast once into a register
+ * for the two blocks' code vectors (kphase_tok: one {1to16} memory operand
+ * per vpdpbusd). */
+ALWAYS void kphase_tok2(const fmt_plan *fp, const uint8_t *ct, const float *st, const float *bt, int64_t n,
+                        const float *qv, int J, int bits, float *S) {
+  const int CB = 8 / bits, words = fp->nch * LANES, ng = fp->ngroups, WG = fp->G / fp->E;
+  const int64_t fo = (int64_t)words * CB, bstride = (int64_t)words * CB * 64;
+  __m512 sc[2][4];
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < J; ++j) sc[h][j] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    __m512i I[2][4];
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < J; ++j) I[h][j] = _mm512_setzero_si512();
+    for (int u = 0; u < WG * CB; ++u) {
+      const int64_t wi = (int64_t)g * WG * CB + u;
+      const __m512i x0 = _mm512_load_si512(ct + wi * 64), x1 = _mm512_load_si512(ct + bstride + wi * 64);
+      for (int j = 0; j < J; ++j) {
+        const __m512i w = _mm512_set1_epi32(((const int32_t *)(qv + (int64_t)j * fp->P))[wi]);
+        __asm__("vpdpbusd %1, %2, %0" : "+v"(I[0][j]) : "v"(w), "v"(x0));
+        __asm__("vpdpbusd %1, %2, %0" : "+v"(I[1][j]) : "v"(w), "v"(x1));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 s = _mm512_load_ps(st + h * LANES * LANES + g * LANES), b = _mm512_load_ps(bt + h * LANES * LANES + g * LANES);
+      for (int j = 0; j < J; ++j) {
+        const float *fq = qv + (int64_t)j * fp->P + fo;
+        const __m512 X = _mm512_mul_ps(_mm512_cvtepi32_ps(I[h][j]), _mm512_set1_ps(fq[g]));
+        sc[h][j] = _mm512_fmadd_ps(b, _mm512_set1_ps(fq[LANES + g]), _mm512_fmadd_ps(X, s, sc[h][j]));
+      }
+    }
+  }
+  const __mmask16 live = n >= 2 * LANES ? 0xffff : (__mmask16)((1u << (n - LANES)) - 1u);
+  for (int j = 0; j < J; ++j) {
+    _mm512_storeu_ps(S + j * KVA_TILE, sc[0][j]);
+    _mm512_storeu_ps(S + j * KVA_TILE + LANES, _mm512_maskz_mov_ps(live, sc[1][j]));
+  }
+}
+static void kphase_tok2_4(const fmt_plan *fp, const uint8_t *ct, const float *st, const float *bt, int64_t n,
+                          const float *qv, float *S) {
+  if (fp->bits == 4) kphase_tok2(fp, ct, st, bt, n, qv, 4, 4, S);
+  else if (fp->bits == 8) kphase_tok2(fp, ct, st, bt, n, qv, 4, 8, S);
+  else kphase_tok2(fp, ct, st, bt, n, qv, 4, 2, S);
+}
+
 #define KPHASE_TOK(J_)                                                                                         \
   static void kphase_tok_##J_(const fmt_plan *fp, const uint8_t *ct, const float *st, const float *bt,         \
                               int64_t n, const float *qv, float *S) {                                          \
@@ -407,8 +453,9 @@ static void kphase_tok_tile(const fmt_plan *fp, const kva_rows *rows, int64_t n,
   else kphase_tok_codes(fp, rows, n, 2, ct, st, bt, pf);
 }
 
-/* All nq vectors by kphase_tok: the tile's codes once, then blocks of 8, 6,
- * 4, 2, 1 vectors (its L1 staging lives in this frame only). */
+/* All nq vectors by kphase_tok: the tile's codes once, then blocks of 4
+ * (kphase_tok2, tiles of more than 16 tokens) or 8, 6, 4, and 2, 1 vectors
+ * (its L1 staging lives in this frame only). */
 __attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const kva_rows *rows, int64_t n,
                                                      const float *qp, int64_t nq, float *S, const kva_prefetch *pf) {
   _Alignas(64) uint8_t ct[KVA_TILE * KVA_MAX_HEAD_DIM];
@@ -416,6 +463,8 @@ __attribute__((noinline)) static void kphase_tok_all(const fmt_plan *fp, const k
   kphase_tok_tile(fp, rows, n, ct, st, bt, pf);
   int64_t j = 0;
 #define TARGS(J) ct, st, bt, n, qp + (J) * fp->P, S + (J) * KVA_TILE
+  if (n > LANES) /* full tiles: blocks of 4 on both token blocks at once (the q4 prefix pass ~3 % faster) */
+    for (; j + 4 <= nq; j += 4) kphase_tok2_4(fp, TARGS(j));
   for (; j + 8 <= nq; j += 8) kphase_tok_8(fp, TARGS(j));
   if (j + 6 <= nq) { kphase_tok_6(fp, TARGS(j)); j += 6; }
   if (j + 4 <= nq) { kphase_tok_4(fp, TARGS(j)); j += 4; }
