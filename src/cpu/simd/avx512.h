@@ -124,9 +124,10 @@ static inline void unpermute_row(const fmt_plan *fp, int64_t D, const float *src
             u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
             u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
           }
-          for (int l = 0; l < 8; ++l) { /* lane 8h + l: word 16c + 8h + l */
-            const __m256 v = _mm256_permute2f128_ps(u[l % 4], u[4 + l % 4], l < 4 ? 0x20 : 0x31);
-            _mm256_storeu_ps(dc + (8 * h + l) * 8, _mm256_add_ps(v, _mm256_set1_ps(bc[8 * h + l])));
+          for (int l = 0; l < 4; ++l) { /* lanes 8h + l and 8h + l + 4: words 16c + 8h + l (+ 4) */
+            const __m256 v0 = _mm256_permute2f128_ps(u[l], u[4 + l], 0x20), v1 = _mm256_permute2f128_ps(u[l], u[4 + l], 0x31);
+            _mm256_storeu_ps(dc + (8 * h + l) * 8, _mm256_add_ps(v0, _mm256_set1_ps(bc[8 * h + l])));
+            _mm256_storeu_ps(dc + (8 * h + l + 4) * 8, _mm256_add_ps(v1, _mm256_set1_ps(bc[8 * h + l + 4])));
           }
         }
       else

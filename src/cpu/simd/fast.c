@@ -574,8 +574,10 @@ ALWAYS void kphase_rl(const fmt_plan *fp, const kva_rows *rows, int64_t n, const
           }
         __m512i w = NA == 2 ? _mm512_add_epi32(a[0], a[1]) : a[0];
         if (lpg == 1) {
+          const __m128i l[4] = {_mm512_castsi512_si128(w), _mm512_extracti32x4_epi32(w, 1),
+                                _mm512_extracti32x4_epi32(w, 2), _mm512_extracti32x4_epi32(w, 3)};
           for (int L = 0; L < 4; ++L)
-            if (g0 + L < ng) _mm_store_si128((__m128i *)&I[j][g0 + L][t0], _mm512_extracti32x4_epi32(w, L));
+            if (g0 + L < ng) _mm_store_si128((__m128i *)&I[j][g0 + L][t0], l[L]);
           continue;
         }
         w = _mm512_add_epi32(w, _mm512_shuffle_i32x4(w, w, 0xB1)); /* lanes 0, 2: the sums of lanes 0-1, 2-3 */
