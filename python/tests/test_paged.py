@@ -8,8 +8,8 @@ import kvattn
 from kvattn import _capi as C
 from kvattn.paged import (PagedView, Pool, block_table_attention, block_table_reference_attention,
                           paged_attention)
-from kvref import (BF16, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, compute_atol, query_rounding_bits, randn,
-                   ref_attention, ref_for_kernel, rng_for)
+from kvref import (BF16, COMPUTE_ATOL, F16, F32, UNIT_ROUNDOFF, assert_close, compute_atol, kernel_atol,
+                   query_rounding_bits, randn, ref_attention, ref_for_kernel, rng_for)
 
 # (dtype, bits, group): float pools and every bits / group at least once
 FORMATS = [(F32, 0, 0), (F16, 0, 0), (BF16, 0, 0), (F16, 2, 32), (BF16, 4, 64), (F32, 8, 128), (BF16, 8, 32)]
@@ -286,7 +286,7 @@ def test_attention_over_view(request, name):
     assert out.shape == (3, H, L, D) and out.dtype == q.dtype
     # the reference with the kernel's query rounding (the same kernel over the view and the contiguous cache)
     ref = ref_for_kernel(q, kc, vc, seq_lens=lens, group_size=group or 64, bits=bits or 4, **kw)
-    atol = compute_atol(q, KVH)
+    atol = kernel_atol(q, kc, vc, KVH, seq_lens=lens, group_size=group or 64, bits=bits or 4, **kw)
     assert_close(out, ref, name, atol)
     cont = kvattn.attention(q, kc, vc, seq_lens=lens, group_size=group or 64, bits=bits or 4, **kw)
     assert_same_result(out, cont, name + " vs contiguous", atol)
@@ -322,7 +322,8 @@ def test_from_contiguous(request, quant):
         q = randn(rng, (3, 4, 1, D), BF16)
         out = view.attention(q, mask="causal")
         ref = ref_for_kernel(q, K, V, seq_lens=lens, mask="causal", group_size=64, bits=4)
-        assert_close(out, ref, "from_contiguous attention", compute_atol(q, KVH))
+        assert_close(out, ref, "from_contiguous attention",
+                     kernel_atol(q, K, V, KVH, seq_lens=lens, mask="causal", group_size=64, bits=4))
 
 
 def test_view_type_and_release():
@@ -400,12 +401,13 @@ def test_block_table_equals_paged(request, name):
     assert np.array_equal(ref.view(np.uint8), view.reference_attention(q, **kw).view(np.uint8))
     kc, lc = contiguous_of(view, [view.gather(b)[0] for b in range(3)])
     vc, _ = contiguous_of(view, [view.gather(b)[1] for b in range(3)])
-    if query_rounding_bits(kvattn.attention_kernel(q, kc, vc, seq_lens=lc, **fmt, **kw)):
+    kernel = kvattn.attention_kernel(q, kc, vc, seq_lens=lc, **fmt, **kw)
+    if query_rounding_bits(kernel):
         # a kernel that rounds the query: against the reference with that rounding
         assert_close(got, ref_for_kernel(q, kc, vc, seq_lens=lc, **fmt, **kw), name + " vs the reference",
-                     compute_atol(q, c["KVH"]))
+                     compute_atol(q, c["KVH"], kernel))
     else:
-        assert_same_result(got, ref, name + " vs the library's oracle", compute_atol(q, c["KVH"]))
+        assert_same_result(got, ref, name + " vs the library's oracle", compute_atol(q, c["KVH"], kernel))
     view.release()
 
 
