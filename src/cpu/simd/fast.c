@@ -1075,6 +1075,26 @@ static void pint_weights(const fmt_plan *fp, const float *P, int J, const float 
   }
 }
 
+/* o[0 .. 16 n) += sigma * float(acc[0 .. n)) for one vector (n even), one FMA
+ * per vector of o; HALVES: the int32 sums are first moved back to o's order
+ * (the low halves of a vector pair, then the high halves), whose lanes 0-7
+ * then take the pair's first group's sigma (sig[g0]) and lanes 8-15 the
+ * second's. */
+ALWAYS void pint_flush(float *o, const __m512i *acc, int n, const float *sig, int g0, int HALVES) {
+  const __m512 s0 = _mm512_set1_ps(sig[g0]);
+  const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[g0 + 1])) : s0;
+  for (int k = 0; k < n; k += 2) {
+    __m512i a = acc[k], b = acc[k + 1];
+    if (HALVES) {
+      const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
+      a = lo;
+      b = hi;
+    }
+    _mm512_storeu_ps(o + k * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(o + k * LANES)));
+    _mm512_storeu_ps(o + (k + 1) * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(o + (k + 1) * LANES)));
+  }
+}
+
 /* o[j][pos0 .. pos0 + 16 PKB) += sigma_jg * sum_pairs w'_jg . codes for J
  * vectors (wg, sig: PJB vectors' weights and sigmas); HALVES: the block's
  * vectors alternate between the chunk's two groups. */
@@ -1092,26 +1112,7 @@ ALWAYS void pint_block(const fmt_plan *fp, int64_t np, const int32_t *ct, const 
         acc[j][kb] = dpwssd_bcast(acc[j][kb], x, wg + ((int64_t)j * LANES + g0 + (HALVES ? kb & 1 : 0)) * LANES + i);
     }
   }
-  /* o += sigma * float(acc), one FMA per vector; HALVES: the int32 sums are
-   * first moved back to o's order (the low halves of a vector pair, then the
-   * high halves), whose lanes 0-7 then take the pair's first group's sigma and
-   * lanes 8-15 the second's */
-  for (int j = 0; j < J; ++j) {
-    float *oj = o + (int64_t)j * fp->P + pos0;
-    const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]);
-    const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[j * LANES + g0 + 1])) : s0;
-    for (int kb = 0; kb < PKB; kb += 2) {
-      __m512i a = acc[j][kb], b = acc[j][kb + 1];
-      if (HALVES) {
-        const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
-        a = lo;
-        b = hi;
-      }
-      _mm512_storeu_ps(oj + kb * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(oj + kb * LANES)));
-      _mm512_storeu_ps(oj + (kb + 1) * LANES,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(oj + (kb + 1) * LANES)));
-    }
-  }
+  for (int j = 0; j < J; ++j) pint_flush(o + (int64_t)j * fp->P + pos0, acc[j], PKB, sig + j * LANES, g0, HALVES);
 }
 #define PINT_BLOCK(J_)                                                                                 \
   static void pint_block_##J_(const fmt_plan *fp, int64_t np, const int32_t *ct, const int32_t *wg,     \
@@ -1200,22 +1201,8 @@ ALWAYS void pint_direct(const fmt_plan *fp, const kva_rows *rows, int64_t n, con
             acc[j][k] = dpwssd_bcast(acc[j][k], v[k0 + k],
                                      wg + ((int64_t)j * LANES + g0 + (HALVES ? k & 1 : 0)) * LANES + t / 2);
       }
-      for (int j = 0; j < J; ++j) {
-        float *oj = o + (int64_t)j * fp->P + (int64_t)(c * E + k0) * LANES;
-        const __m512 s0 = _mm512_set1_ps(sig[j * LANES + g0]);
-        const __m512 sv = HALVES ? _mm512_mask_blend_ps(0xFF00, s0, _mm512_set1_ps(sig[j * LANES + g0 + 1])) : s0;
-        for (int k = 0; k < KH; k += 2) {
-          __m512i a = acc[j][k], b = acc[j][k + 1];
-          if (HALVES) {
-            const __m512i lo = _mm512_shuffle_i32x4(a, b, 0x44), hi = _mm512_shuffle_i32x4(a, b, 0xEE);
-            a = lo;
-            b = hi;
-          }
-          _mm512_storeu_ps(oj + k * LANES, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sv, _mm512_loadu_ps(oj + k * LANES)));
-          _mm512_storeu_ps(oj + (k + 1) * LANES,
-                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, _mm512_loadu_ps(oj + (k + 1) * LANES)));
-        }
-      }
+      for (int j = 0; j < J; ++j)
+        pint_flush(o + (int64_t)j * fp->P + (int64_t)(c * E + k0) * LANES, acc[j], KH, sig + j * LANES, g0, HALVES);
     }
   }
 }
