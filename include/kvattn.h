@@ -360,7 +360,9 @@ int kva_hadamard_dim_supported(int64_t D);
  * Precision: f32 accumulation, f32 products, except where a kernel uses
  * 16-bit matrix units or integer query products; kva_attention_kernel's
  * trailing bracket names each kernel's roundings. CPU: bf16 queries with
- * >= 6 query vectors per KV head on AMX ("[K,V,P bf16]" for float rows:
+ * >= 6 query vectors per KV head on AMX (>= 16 over 4-bit K and V in groups
+ * of a multiple of 64 or 8-bit in groups of 32: below, the integer kernels
+ * named next) ("[K,V,P bf16]" for float rows:
  * K and V rounded to bf16 where their rows are not bf16, P always;
  * "[P bf16]" for quantized rows: the codes exact, q.k exact up to f32
  * accumulation, P times the V group scale rounded to bf16, multiplying the

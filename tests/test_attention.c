@@ -330,7 +330,7 @@ TEST(attention_unseen_nan) {
  * only, as in the oracle: the rows it is masked for skip it (0 times NaN
  * would not). Direct (<= 4 vectors) and L1-tile (> 4) V phases, float and
  * quantized rows, f32 queries, and bf16 queries (with >= 6 vectors per KV
- * head the AMX kernel where present: weights exactly 0 for masked keys on
+ * head, >= 16 over 4/8-bit rows, the AMX kernel where present: weights exactly 0 for masked keys on
  * quantized V, f32 FMAs over the seen keys for a tile whose float V rows
  * hold such a value; elsewhere an Inf V scale takes the exact code form,
  * whose s c + b is the oracle's +-inf). */
@@ -562,7 +562,7 @@ TEST(attention_caller_workspace) {
 }
 
 /* KVA_ATTN_EXACT on the CPU: on shapes that take the AMX kernel ("[K,V,P
- * bf16]", "[P bf16]": bf16 queries, >= 6 vectors per KV head) or integer
+ * bf16]", "[P bf16]": bf16 queries, >= 6 vectors per KV head, 16 over 4/8-bit rows) or integer
  * query products ("[q int8]": 16-bit queries over quantized K, AVX-512
  * VNNI; any query at AVX2) where the host has them, every SIMD level and the general kernel
  * name "[exact f32]" and match the oracle at the f32 allowance (f32 out).

@@ -1,5 +1,7 @@
 /* The multi-vector kernel on AMX tiles: bf16 queries with >= AMX_MIN_NQ
- * vectors per KV head (speculative verify rows, GQA >= 6).
+ * vectors per KV head over float rows, >= AMX_MIN_NQ_INT over 4-bit and
+ * 8-bit rows that the vector kernel takes in integers (speculative verify
+ * rows, wide GQA).
  * Math: per tile of 32 keys and per block of 16 query vectors (q exact:
  * bf16 in memory, the logit scale applied in f32 after the products),
  *   Sᵀ[16 keys × 16 q] = K[16 keys × Dk] · Qᵀ (tdpbf16ps, 32 dims a step):
@@ -34,7 +36,18 @@
 
 #define QT 16          /* query vectors per AMX block */
 #define KT 16          /* keys per QK tile */
-#define AMX_MIN_NQ 6   /* measured crossover: below it the f32 vector kernel is faster (and exact in f32) */
+/* Measured crossovers (query vectors per KV head): float rows from 6 (below,
+ * the f32 vector kernel is faster); 4-bit rows in groups of a multiple of
+ * 64 and 8-bit rows of 32 (K and V) from 16 (below,
+ * the AVX-512 level's integer-query kernel is faster: Xeon, 16 threads,
+ * 32k, q4 at 6 / 8 / 12 vectors 1.6x / 1.7x / 1.45x, q8 at 6 / 12 1.3x /
+ * 1.05x; at 16 AMX 1.08x faster, at 32 1.16x). -D for A/B builds. */
+#ifndef AMX_MIN_NQ
+#define AMX_MIN_NQ 6
+#endif
+#ifndef AMX_MIN_NQ_INT
+#define AMX_MIN_NQ_INT 16
+#endif
 #define AMX_MAX_D 512  /* longest row (head dim) */
 #define MAXG 16        /* groups per quantized row: 512 dims / 32 */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -505,7 +518,11 @@ static void attend_amx(const kva_item *it) {
 }
 
 kva_item_fn KFN(select_amx)(const kva_problem *p, const kva_rowfmt *kf, const kva_rowfmt *vf) {
-  if (p->q->dtype != KVA_BF16 || p->rep * p->L < AMX_MIN_NQ || !amx_usable()) return NULL;
+  /* the rows the vector kernel takes in integers ("[q int8, P int16]": q4 in groups of a multiple of 64, q8 of 32) */
+  const int int_rows = ((kf->bits == 4 && kf->group % 64 == 0) || (kf->bits == 8 && kf->group % 32 == 0)) &&
+                       ((vf->bits == 4 && vf->group % 64 == 0) || (vf->bits == 8 && vf->group % 32 == 0));
+  if (p->q->dtype != KVA_BF16 || p->rep * p->L < (int_rows ? AMX_MIN_NQ_INT : AMX_MIN_NQ) || !amx_usable())
+    return NULL;
   if (p->Dk % 32 || p->Dv % 32 || p->Dk > AMX_MAX_D || p->Dv > AMX_MAX_D) return NULL;
   if ((kf->bits && kf->D / kf->group > MAXG) || (vf->bits && vf->D / vf->group > MAXG)) return NULL;
   if (kva_is_fp8(kf->dtype) || kva_is_fp8(vf->dtype)) return NULL; /* fp8 rows: the vector kernel */
