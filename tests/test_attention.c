@@ -561,6 +561,31 @@ TEST(attention_caller_workspace) {
   att_free(&d);
 }
 
+/* The CPU selector's AMX bar: bf16 queries over 4-bit (group 64) and 8-bit
+ * (group 32) K/V with 6 to 15 query vectors per KV head never take the AMX
+ * kernel (the integer kernels are faster there: amx.c, AMX_MIN_NQ_INT);
+ * such calls still match the oracle. (On a host without AMX the name has
+ * no AMX either way: the check bites on AMX hosts.) */
+TEST(attention_amx_bar_quantized) {
+  static const att_case bc[] = {
+      {1, 24, 4, 1, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0}, /* q4, 6 vectors */
+      {1, 8, 4, 6, 300, 256, 256, BF16, BF16, 4, 4, 64, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q4, 12 */
+      {1, 32, 8, 3, 200, 128, 128, BF16, F32, 8, 8, 32, BF16, MASK_CAUSAL, 0, 0, 0, 0, 0},  /* q8, 12 */
+  };
+  kva_context *ctx;
+  kva_context_opts o = {KVA_BACKEND_CPU, 2, 0, NULL};
+  ASSERT_OK(kva_context_create(&ctx, &o));
+  for (size_t i = 0; i < sizeof bc / sizeof bc[0]; ++i) {
+    att_data d;
+    ASSERT_OK(att_make(&d, &bc[i]));
+    char kname[160];
+    ASSERT_TRUE(kva_attention_kernel(ctx, &d.q, &d.view, &d.params, &d.out, kname, sizeof kname) >= 0);
+    if (strstr(kname, "AMX")) FAIL_("case %zu: %s (6 to 15 vectors over quantized rows)", i, kname);
+    ASSERT_TRUE(planted_matches_oracle(ctx, &d)); /* frees d */
+  }
+  kva_context_destroy(ctx);
+}
+
 /* KVA_ATTN_EXACT on the CPU: on shapes that take the AMX kernel ("[K,V,P
  * bf16]", "[P bf16]": bf16 queries, >= 6 vectors per KV head, 16 over 4/8-bit rows) or integer
  * query products ("[q int8]": 16-bit queries over quantized K, AVX-512
