@@ -459,10 +459,15 @@ TEST(block_table_bad_input) {
   free(q9);
   free(o9);
   t = t0;
-  /* The out tensor inside a pool. */
-  kva_tensor inside = d.out;
-  inside.data = (char *)v.biases.data + 128;
-  ASSERT_ERR(kva_attention(ctx, &q, &view, &p, &inside, NULL, 0), KVA_EINVAL, "out overlaps v.biases");
+  /* The out tensor inside a pool: one query row, its out within the V
+   * codes (the full out is longer than the pool's arrays and would also
+   * reach whatever the allocator put after them) */
+  float *q1 = (float *)calloc(2 * 4 * 64, sizeof(float));
+  ASSERT_TRUE(q1);
+  ASSERT_TRUE(nblk * 2 * 8 * 32 >= 2 * 4 * 64 * 4 + 128); /* V codes [nblk, 2, 8, 32 bytes]; out f32 [2, 4, 1, 64] */
+  kva_tensor q1t = kva_tensor_4d(q1, F32, 2, 4, 1, 64), inside = kva_tensor_4d((char *)v.data.data + 128, F32, 2, 4, 1, 64);
+  ASSERT_ERR(kva_attention(ctx, &q1t, &view, &p, &inside, NULL, 0), KVA_EINVAL, "out overlaps v");
+  free(q1);
   /* Table entries (host arrays on the CPU). */
   int32_t bad_lens[2], bad_fo[2], bad_blocks[2 * 6];
   memcpy(bad_blocks, blocks, sizeof blocks);
@@ -475,7 +480,7 @@ TEST(block_table_bad_input) {
   t = t0;
   bad_blocks[6 + used1 - 1] = (int32_t)nblk;
   EXPECT_BAD(KVA_EINVAL, "table.blocks[1][");
-  char msg[96];
+  char msg[160];
   snprintf(msg, sizeof msg, "table.blocks[1][%lld] = %lld is out of range [0, num_blocks = %lld)",
            (long long)(used1 - 1), (long long)nblk, (long long)nblk);
   ASSERT_ERR(kva_attention(ctx, &q, &view, &p, &d.out, NULL, 0), KVA_EINVAL, msg);
