@@ -518,9 +518,8 @@ static void attend_amx(const kva_item *it) {
 }
 
 kva_item_fn KFN(select_amx)(const kva_problem *p, const kva_rowfmt *kf, const kva_rowfmt *vf) {
-  /* the rows the vector kernel takes in integers ("[q int8, P int16]": q4 in groups of a multiple of 64, q8 of 32) */
-  const int int_rows = ((kf->bits == 4 && kf->group % 64 == 0) || (kf->bits == 8 && kf->group % 32 == 0)) &&
-                       ((vf->bits == 4 && vf->group % 64 == 0) || (vf->bits == 8 && vf->group % 32 == 0));
+  /* K and V rows the vector kernel takes in integers ("[q int8, P int16]") */
+  const int int_rows = pint_kind(kf, 1) && pint_kind(vf, 1);
   if (p->q->dtype != KVA_BF16 || p->rep * p->L < (int_rows ? AMX_MIN_NQ_INT : AMX_MIN_NQ) || !amx_usable())
     return NULL;
   if (p->Dk % 32 || p->Dv % 32 || p->Dk > AMX_MAX_D || p->Dv > AMX_MAX_D) return NULL;

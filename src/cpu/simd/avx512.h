@@ -11,6 +11,16 @@
 #define LANES 16
 #define MAXCH 32   /* chunks of 16 words per row: 512 dims at 8 bits */
 
+/* Whether an item over V rows vf takes fast.c's vphase_pint (16-bit
+ * queries, not exact mode: q16): 0 no, 1 yes, 2 yes with two groups per
+ * code vector (8 words per group). Rows it takes in integers: 4-bit in
+ * groups of a multiple of 64, 8-bit of 32 (amx.c's selector bar too). */
+static inline int pint_kind(const kva_rowfmt *vf, int q16) {
+  const int64_t wpg = vf->bits ? vf->group * vf->bits / 32 : 0; /* code words per group */
+  if (!q16 || (vf->bits != 4 && vf->bits != 8) || wpg % 8) return 0;
+  return wpg == 8 ? 2 : 1;
+}
+
 typedef struct fmt_plan {
   int bits, E, nch, ngroups, G;  /* E codes per word; nch chunks of 16 words */
   int P;                          /* permuted row length: nch * E * 16 (float rows: D) */

@@ -1128,15 +1128,6 @@ PINT_BLOCK(1)
  * group); 0 without touching o or ob when a scale or bias of the tile is
  * not finite (the caller then takes the f32 path). Scratch: ct (n/2 rows of
  * P u32) in vt, st/bt in svt/bvt. */
-/* Whether an item of nq vectors over V rows vf takes vphase_pint (16-bit
- * queries, not exact mode: q16): 0 no, 1 yes, 2 yes with two groups per
- * code vector (8 words per group). */
-static int pint_kind(const kva_rowfmt *vf, int q16) {
-  const int64_t wpg = vf->bits ? vf->group * vf->bits / 32 : 0; /* code words per group */
-  if (!q16 || (vf->bits != 4 && vf->bits != 8) || wpg % 8) return 0;
-  return wpg == 8 ? 2 : 1;
-}
-
 static int vphase_pint(const fmt_plan *fp, const kva_rows *rows, int64_t n, const float *S, float *vt, float *svt,
                        float *bvt, float *o, float *ob, int64_t nq, const kva_prefetch *pf) {
   int32_t *ct = (int32_t *)vt;
