@@ -20,6 +20,9 @@ void test_register(const char *name, test_fn fn, bool slow);
 extern int test_failed_flag, test_skipped_flag;
 extern bool test_quick; /* --quick: smaller case tables (used under sanitizers) */
 extern const char *test_current_name; /* the running test's name */
+/* Whether case ci of a large table of ncases runs: always, unless --sample N
+ * (one case in N, chosen by the seed per test; at least one per table). */
+bool test_case_sampled(long ci, long ncases);
 
 #define TEST_(name, slow)                                                        \
   static void test_##name(void);                                                 \

@@ -147,10 +147,11 @@ TEST(attention_cpu_vs_oracle) {
   ASSERT_OK(kva_context_create(&ctx1, &o));
   o.threads = 2;
   ASSERT_OK(kva_context_create(&ctx2, &o));
-  int ok = 1;
+  int ok = 1, eligible = 0;
   for (int ci = 0; ci < NCASES && ok; ++ci) {
     const att_case *c = &cases[ci];
     if (test_quick && c->N > 1000) continue;
+    if (!test_case_sampled(eligible++, NCASES)) continue;
     for (int pr = 0; pr < ATT_PROBES && ok; ++pr) {
       att_data d;
       char cs[256], name[300];
@@ -291,6 +292,7 @@ static void run_planted(const att_case *cases, size_t n, void (*plant)(att_data 
   ASSERT_OK(kva_context_create(&ctx, NULL));
   for (size_t ci = 0; ci < n && !test_failed_flag; ++ci)
     for (int var = 0; var < variants && !test_failed_flag; ++var) {
+      if (!test_case_sampled((long)(ci * (size_t)variants) + var, (long)(n * (size_t)variants))) continue;
       att_data d;
       if (att_make(&d, &cases[ci])) { FAIL_("att_make"); break; }
       plant(&d, var);

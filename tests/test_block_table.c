@@ -209,6 +209,7 @@ TEST(block_table_vs_paged) {
     const int ci = cq / ATT_PROBES, pr = cq % ATT_PROBES;
     const bt_case *bc = &bcases[ci];
     const att_case *c = &bc->c;
+    if (!test_case_sampled(ci, NBCASES)) continue;
     char name[340], cs[256];
     att_case_str(c, cs, sizeof cs);
     snprintf(name, sizeof name, "%s block=%d trim=%d extra=%d q=%s", cs, bc->block, bc->trim, bc->extra,

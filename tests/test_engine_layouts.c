@@ -283,6 +283,7 @@ TEST(engine_layouts_attention) {
   for (int ci = 0; ci < N_CPU_CASES && !test_failed_flag; ++ci)
     for (int lay = 0; lay < EL_LAYOUTS && !test_failed_flag; ++lay)
       for (int pr = 0; pr < ATT_PROBES && !test_failed_flag; ++pr) {
+        if (!test_case_sampled((ci * EL_LAYOUTS + lay) * ATT_PROBES + pr, N_CPU_CASES * EL_LAYOUTS * ATT_PROBES)) continue;
         const el_case *ec = &cpu_cases[ci];
         char cs[256], name[400];
         att_case_str(&ec->c, cs, sizeof cs);

@@ -1140,6 +1140,7 @@ TEST(paged_attention_vs_oracle) {
     const int ci = cq / ATT_PROBES, pr = cq % ATT_PROBES;
     const att_case *c = &pcases[ci].c;
     if (test_quick && c->N > 300) continue;
+    if (!test_case_sampled(ci, NPCASES)) continue;
     char name[320], cs[256];
     att_case_str(c, cs, sizeof cs);
     snprintf(name, sizeof name, "%s block=%d q=%s", cs, pcases[ci].block, att_query_names[pr]);

@@ -477,6 +477,7 @@ TEST(rotation_cpu_vs_oracle) {
     if (att_set_pass(pass)) continue;
     for (int ci = 0; ci < NROT && ok; ++ci) {
       const att_case *c = &rot_cases[ci];
+      if (!test_case_sampled(ci, NROT)) continue;
       for (int layout = 0; layout < 3 && ok; ++layout) {
         if (!layout_fits(c, layout)) continue;
         /* every layout with K,V at the best level; each flag and probe elsewhere */
