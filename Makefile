@@ -29,6 +29,19 @@ SIMD_LEVELS = portable avx2 avxvnni avx512
 else
 SIMD_LEVELS = portable
 endif
+# The sanitizer and fuzz builds (test binaries run on the host that builds
+# them) compile only the x86 levels its CPU runs, by /proc/cpuinfo's flags
+# (every level where that cannot be read); the library and the optimized
+# binaries always build all four.
+HOST_CPU_FLAGS := $(if $(filter avx2,$(SIMD_LEVELS)),$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null))
+has_cpu = $(if $(strip $(foreach f,$(1),$(if $(filter $(f),$(HOST_CPU_FLAGS)),,n))),,y)
+ifneq ($(HOST_CPU_FLAGS),)
+SAN_LEVELS = portable $(if $(call has_cpu,avx2 fma f16c bmi2),avx2 $(if $(call has_cpu,avx_vnni),avxvnni) \
+  $(if $(call has_cpu,avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16),avx512))
+else
+SAN_LEVELS = $(SIMD_LEVELS)
+endif
+SAN_DEFS = $(foreach l,$(filter-out $(SAN_LEVELS),$(SIMD_LEVELS)),-DKVA_NO_SIMD_$(l))
 SIMD_FLAGS_portable =
 SIMD_FLAGS_avx2     = -mavx2 -mfma -mf16c -mbmi2
 SIMD_FLAGS_avxvnni  = -mavx2 -mfma -mf16c -mbmi2 -mavxvnni
@@ -39,7 +52,10 @@ HAVE_CUDA = 1
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
 NVCCFLAGS = -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-Wall -Iinclude -Isrc -lineinfo --expt-relaxed-constexpr
-CFLAGS_BASE += -DKVA_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+comma := ,
+# what the build info reports: the code= targets of CUDA_ARCH (sm_90a, compute_80 = PTX)
+CUDA_CODES = $(subst $(eval) ,+,$(strip $(foreach c,$(subst $(comma), ,$(CUDA_ARCH)),$(patsubst code=%,%,$(filter code=%,$(c))))))
+CFLAGS_BASE += -DKVA_HAVE_CUDA=1 -DKVA_CUDA_CODES="\"$(CUDA_CODES)\"" -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 endif
 
@@ -60,21 +76,21 @@ endif
 endif
 endif
 
-# objdir, extra cflags
+# objdir, SIMD levels
 define objs
 $(patsubst %.c,$(1)/%.o,$(CORE_SRC)) \
-$(foreach l,$(SIMD_LEVELS),$(patsubst %.c,$(1)/%.$(l).o,$(SIMD_SRC))) \
+$(foreach l,$(2),$(patsubst %.c,$(1)/%.$(l).o,$(SIMD_SRC))) \
 $(if $(HAVE_CUDA),$(patsubst %.cu,$(BUILD)/%.cu.o,$(CUDA_SRC)))
 endef
 
-LIB_OBJS = $(call objs,$(BUILD))
+LIB_OBJS = $(call objs,$(BUILD),$(SIMD_LEVELS))
 ASAN_DIR = $(BUILD)/asan
 ASAN_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
-ASAN_OBJS = $(call objs,$(ASAN_DIR))
+ASAN_OBJS = $(call objs,$(ASAN_DIR),$(SAN_LEVELS))
 # ThreadSanitizer build (make test-tsan, CPU only).
 TSAN_DIR = $(BUILD)/tsan
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
-TSAN_OBJS = $(call objs,$(TSAN_DIR))
+TSAN_OBJS = $(call objs,$(TSAN_DIR),$(SAN_LEVELS))
 
 # The fuzz build (make fuzz, below): coverage everywhere, but no comparison
 # tracing in the CPU kernels and their driver (half the run time, in loops
@@ -104,13 +120,20 @@ $(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*/*.h src/cuda/*.cuh tools/*.h)
 
 $(ASAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) -c $< -o $@
-$(foreach l,$(SIMD_LEVELS),$(eval $(ASAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+	$(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(SAN_DEFS) $(CFLAGS) -c $< -o $@
+$(foreach l,$(SIMD_LEVELS),$(eval $(ASAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(ASAN_FLAGS) $(SAN_DEFS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
 
 $(TSAN_DIR)/%.o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(CFLAGS) -c $< -o $@
-$(foreach l,$(SIMD_LEVELS),$(eval $(TSAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+	$(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(SAN_DEFS) $(CFLAGS) -c $< -o $@
+$(foreach l,$(SIMD_LEVELS),$(eval $(TSAN_DIR)/%.$(l).o: %.c $(wildcard include/*.h src/*/*.h src/cpu/simd/*.h) ; @mkdir -p $$(dir $$@) && $(CC) $(CFLAGS_BASE) -O1 $(TSAN_FLAGS) $(SAN_DEFS) $(CFLAGS) $(SIMD_FLAGS_$(l)) -DKVA_SIMD_LEVEL=$(l) -c $$< -o $$@))
+
+# The level choice reaches the sanitizer builds' level table (attend.c)
+# through a stamp rewritten only when it changes.
+$(ASAN_DIR)/.levels $(TSAN_DIR)/.levels: FORCE
+	@mkdir -p $(dir $@) && echo '$(SAN_LEVELS)' | cmp -s - $@ || echo '$(SAN_LEVELS)' > $@
+$(ASAN_DIR)/src/cpu/attend.o: $(ASAN_DIR)/.levels
+$(TSAN_DIR)/src/cpu/attend.o: $(TSAN_DIR)/.levels
 
 $(BUILD)/libkvattn.a: $(LIB_OBJS)
 	@rm -f $@

@@ -1013,7 +1013,7 @@ int att_set_pass(int pass) {
   const int rc = kva_cpu_set_simd(att_general ? NULL : att_pass_names[pass]);
   if (rc && said[pass] != test_current_name) {
     said[pass] = test_current_name;
-    printf("  skip %s: this CPU lacks it (%s)\n", att_pass_names[pass], kva_last_error());
+    printf("  skip %s: %s\n", att_pass_names[pass], kva_last_error());
   }
   return rc;
 }

@@ -30,7 +30,31 @@
  * portable level only (generic vectors: NEON on aarch64). */
 #if defined(__x86_64__) || defined(__i386__)
 #define KVA_X86 1
-#define KVA_CPU_LEVELS "portable avx2 avxvnni avx512"
+/* The sanitizer and fuzz builds compile only the levels their build host
+ * runs (the Makefile's SAN_LEVELS): -DKVA_NO_SIMD_<level> leaves one out
+ * (its slot NULL, never detected, refused by kva_cpu_set_simd). */
+#ifdef KVA_NO_SIMD_avx2
+#define KVA_L_AVX2 NULL
+#define KVA_S_AVX2 ""
+#else
+#define KVA_L_AVX2 &kva_cpu_kernels_avx2
+#define KVA_S_AVX2 " avx2"
+#endif
+#ifdef KVA_NO_SIMD_avxvnni
+#define KVA_L_AVXVNNI NULL
+#define KVA_S_AVXVNNI ""
+#else
+#define KVA_L_AVXVNNI &kva_cpu_kernels_avxvnni
+#define KVA_S_AVXVNNI " avxvnni"
+#endif
+#ifdef KVA_NO_SIMD_avx512
+#define KVA_L_AVX512 NULL
+#define KVA_S_AVX512 ""
+#else
+#define KVA_L_AVX512 &kva_cpu_kernels_avx512
+#define KVA_S_AVX512 " avx512"
+#endif
+#define KVA_CPU_LEVELS "portable" KVA_S_AVX2 KVA_S_AVXVNNI KVA_S_AVX512
 #else
 #define KVA_X86 0
 #define KVA_CPU_LEVELS "portable"
@@ -50,8 +74,9 @@ static int general_only_set(void) { return atomic_load_explicit(&general_only, m
  * Alder Lake, Sierra Forest, AMD Zen 5; avx512 need not include it: Zen 4
  * has AVX-512 VNNI but not the VEX form). */
 #define KVA_NLEVELS 4
-static const kva_cpu_kernels *const levels[KVA_NLEVELS] = {&kva_cpu_kernels_portable, &kva_cpu_kernels_avx2,
-                                                            &kva_cpu_kernels_avxvnni, &kva_cpu_kernels_avx512};
+static const char *const level_names[KVA_NLEVELS] = {"portable", "avx2", "avxvnni", "avx512"};
+static const kva_cpu_kernels *const levels[KVA_NLEVELS] = {&kva_cpu_kernels_portable, KVA_L_AVX2, KVA_L_AVXVNNI,
+                                                            KVA_L_AVX512};
 /* Bit i: the CPU (and the OS's consent in XCR0 to the register state)
  * runs level i; by cpuid, once (cpuid traps to the hypervisor in a
  * virtual machine: it took ~10 % of a 60 µs call when run on every call). */
@@ -75,12 +100,14 @@ static unsigned cpu_levels(void) {
                        (b7 >> 31 & 1) /* vl */ && (c7 >> 11 & 1) /* vnni */ && (a71 >> 5 & 1) /* bf16 */;
     m |= (unsigned)avx2 << 1 | (unsigned)avxvnni << 2 | (unsigned)avx512 << 3;
   }
+  for (int i = 1; i < KVA_NLEVELS; ++i)
+    if (!levels[i]) m &= ~(1u << i); /* not built */
   atomic_store_explicit(&cached, m | 1u << 31, memory_order_relaxed);
   return m;
 }
 static int level_index(const char *name) {
   for (int i = 0; i < KVA_NLEVELS; ++i)
-    if (!strcmp(name, levels[i]->level)) return i;
+    if (!strcmp(name, level_names[i])) return i;
   return -1;
 }
 /* The highest level the CPU runs, capped by the environment's KVATTN_SIMD
@@ -125,6 +152,9 @@ int kva_cpu_set_simd(const char *level) {
 #if KVA_X86
   const int i = level_index(level);
   if (i >= 0) {
+    if (!levels[i])
+      return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": not built into this binary (a sanitizer build compiles the "
+                                          "levels its build host runs)", level);
     const kva_cpu_kernels *best = detected_kernels();
     if (!(cpu_levels() >> i & 1) || i > level_index(best->level))
       return kva_seterr(KVA_EUNSUPPORTED, "level \"%s\": this CPU lacks it (or KVATTN_SIMD caps it)", level);
@@ -145,7 +175,7 @@ int kva_cpu_set_simd(const char *level) {
 const char *kva_build_info(void) {
   return "kvattn " KVA_BUILD_COMPILER ", CPU kernels: " KVA_CPU_LEVELS
 #ifdef KVA_HAVE_CUDA
-         ", CUDA: sm_90a (+PTX compute_80)"
+         ", CUDA: " KVA_CUDA_CODES
 #else
          ", CUDA: not built"
 #endif
