@@ -132,6 +132,7 @@ static void print_json(const run_info *ri, const kb_case *c, const kb_result *r)
   json_num(f, "gflops", timed ? r->gflops : NAN);
   json_num(f, "fma_gflops", ri->fma_gflops);
   json_num(f, "fma_floor_us", r->fma_floor_us);
+  if (r->pattern_us > 0) json_num(f, "pattern_us", r->pattern_us);
   fprintf(f, ",\"copies\":%d", r->copies);
   json_count(f, "rotation_bytes", r->rotation_bytes);
   fprintf(f, ",\"cold\":%s", r->cold ? "true" : "false");
@@ -226,11 +227,23 @@ static void set_error(kb_result *r, const char *what, const char *msg) {
   snprintf(r->error, sizeof r->error, "%s: %s", what, msg);
 }
 
-/* Warm-ups then timed calls, each on the next copy. */
+/* Does --pattern apply to the case: CPU backend, contiguous K/V, cold copies to read. */
+static bool pattern_on(const kb_backend *be, const kb_opts *o, const kb_cacheset *cs) {
+  return o->pattern && be->host_memory && cs->key.layout == KVA_LAYOUT_CONTIGUOUS && cs->copies >= 2;
+}
+
+/* Warm-ups then timed calls, each on the next copy; with --pattern each call
+ * followed by a pass of the no-math read pattern over another copy (half
+ * the rotation away, so it is as cold). */
 static int time_case(kb_backend *be, const kb_opts *o, const kb_cacheset *cs, case_bufs *cb,
                      const kva_attn_params *p, kb_result *r) {
-  double *t = malloc((size_t)o->max_reps * sizeof *t);
-  if (!t) return KVA_ENOMEM;
+  const bool pat = pattern_on(be, o, cs);
+  double *t = malloc((size_t)o->max_reps * sizeof *t), *pt = pat ? malloc((size_t)o->max_reps * sizeof *pt) : NULL;
+  if (!t || (pat && !pt)) {
+    free(t);
+    free(pt);
+    return KVA_ENOMEM;
+  }
   int call = 0, rc = 0;
   {
     kva_kv_view view = kb_cacheset_view(cs, 0);
@@ -249,6 +262,14 @@ static int time_case(kb_backend *be, const kb_opts *o, const kb_cacheset *cs, ca
     kva_kv_view view = kb_cacheset_view(cs, call++);
     rc = be->time_call(be, &cb->q, &view, p, &cb->out, &t[n]);
     if (rc < 0) break;
+    if (pat) {
+      kva_kv k, v;
+      kb_cacheset_kv(cs, (call - 1 + cs->copies / 2) % cs->copies, &k, &v);
+      if (kb_probe_pattern(be->threads, &k, &v, &pt[n]) < 0) {
+        rc = KVA_EINVAL;
+        break;
+      }
+    }
     if (n == 0 && t[0] * 1e-6 * need > HUGE_CASE_S) {
       need = (int)ceil(HUGE_CASE_S / (t[0] * 1e-6));
       if (need < MIN_REPS_HUGE) need = MIN_REPS_HUGE;
@@ -264,8 +285,13 @@ static int time_case(kb_backend *be, const kb_opts *o, const kb_cacheset *cs, ca
     r->us_min = t[0];
     int i90 = (int)ceil(P90 * n) - 1;
     r->us_p90 = t[i90 < 0 ? 0 : i90];
+    if (pat) {
+      qsort(pt, (size_t)n, sizeof *pt, cmp_double);
+      r->pattern_us = n % 2 ? pt[n / 2] : 0.5 * (pt[n / 2 - 1] + pt[n / 2]);
+    }
   }
   free(t);
+  free(pt);
   return rc;
 }
 
@@ -379,6 +405,22 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
   free_bufs(be, &cb);
   free(tree_host);
   if (tree_dev) be->release(be, tree_dev, tree_bytes);
+}
+
+/* --pattern: each case's time against the no-math read pattern's. */
+static void print_pattern(const kb_case *cases, const kb_result *res, int n) {
+  bool any = false;
+  for (int i = 0; i < n; ++i) {
+    if (!(res[i].pattern_us > 0) || !(res[i].us > 0)) continue;
+    if (!any)
+      printf("\nread pattern without math (--pattern; medians of passes alternated with the calls):\n"
+             "%-*s %10s %10s %8s %7s\n", label_w, "case", "us", "pat_us", "us/pat", "pat%bw");
+    any = true;
+    char label[128];
+    kb_case_label(&cases[i], label, sizeof label);
+    printf("%-*s %10.1f %10.1f %7.2fx %6.1f%%\n", label_w, label, res[i].us, res[i].pattern_us,
+           res[i].us / res[i].pattern_us, 100.0 * res[i].floor_us / res[i].pattern_us);
+  }
 }
 
 /* --------------------------------------------------------------- run */
@@ -550,6 +592,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
         }
     }
     print_ratios(cases, res, n);
+    print_pattern(cases, res, n);
     for (int i = 1; i < n && o->hadamard == 2; i += 2) {
       if (res[i].reps == 0 || res[i - 1].reps == 0) continue;
       char label[128];

@@ -133,6 +133,7 @@ typedef struct kb_opts {
   int bw_passes;        /* bandwidth probe: best of this many passes */
   uint64_t seed;
   bool cuda_flush_memset; /* --cuda-flush memset: the older flush ahead of each CUDA call (dirty L2 lines) */
+  bool pattern;           /* --pattern: time kb_probe_pattern alternated with the calls (CPU, contiguous) */
 } kb_opts;
 
 /* ---------------------------------------------------------- results */
@@ -156,6 +157,7 @@ typedef struct kb_result {
   char error[256];
   char kernel[128];           /* kva_attention_kernel's description of the case's kernel */
   double setup_s, time_s, check_s;
+  double pattern_us;          /* --pattern: median of the no-math read pattern's passes (0: not run) */
 } kb_result;
 
 /* Tolerances of the oracle check (see BENCHMARKS.md). */
@@ -256,6 +258,15 @@ int kb_parallel(int threads, void (*fn)(void *arg, int t), void *arg);
 /* DRAM read bandwidth: T threads sum disjoint slices of an array of `bytes`
  * (4 vector accumulators each), best of `passes`. GB/s = 1e9 bytes/s. */
 int kb_probe_read_bw(int threads, size_t bytes, int passes, double *gbps, const char **isa);
+/* The CPU kernels' read pattern with no math, over contiguous K/V operands
+ * (`kvattn bench --pattern`): T threads take items (sequence, KV head,
+ * chunk of whole 32-token tiles; about four per thread) in turn; per tile
+ * the scale and bias rows of K and V, then K's data rows, each prefetching
+ * the same row of the next tile's K arrays into L2, then V's likewise (the
+ * fused kernels' order, cpu/simd/tiles.h's prefetch); one 8-byte load per
+ * cache line. Wall time of one pass, µs. Its own instructions (~30 per
+ * token-head) bound it where the host is slow: compare its hot time. */
+int kb_probe_pattern(int threads, const kva_kv *k, const kva_kv *v, double *us);
 /* f32 FMA throughput on T threads (independent vector FMA chains), GFLOP/s. */
 int kb_probe_fma(int threads, double *gflops, const char **isa);
 

@@ -114,6 +114,10 @@ static void usage_bench(FILE *f) {
           "  --cuda-flush F     ahead of each timed CUDA call: read (default: a read of 128 MiB,\n"
           "                     leaving clean L2 lines) | memset (64 MiB written: dirty lines whose\n"
           "                     write-back competes with the call; the figures before 2026-12-01)\n"
+          "  --pattern          CPU, contiguous: after each timed call, a pass of the kernels'\n"
+          "                     read pattern without math (per tile K rows then V rows, the\n"
+          "                     next tile prefetched) over another copy; prints each case's\n"
+          "                     time against it (pattern_us in --json)\n"
           "  --mem-cap-gb X     most memory for one case's copies, GB (default %g)\n"
           "  --bw-gib X         bandwidth probe array, GiB (default %g)\n"
           "  --seed S           random seed (default: from the clock, printed)\n"
@@ -333,7 +337,7 @@ static int cmd_bench(int argc, char **argv) {
       return KB_EXIT_OK;
     }
     bool is_flag = IS("--json") || IS("--quick") || IS("--full") || IS("--no-check") ||
-                   IS("--quiet") || IS("--list") || IS("--exact");
+                   IS("--quiet") || IS("--list") || IS("--exact") || IS("--pattern");
     if (is_flag && val) return usage_error("%s takes no value", opt), KB_EXIT_USAGE;
     if (IS("--json")) o.json = true;
     else if (IS("--quick")) o.quick = true;
@@ -342,6 +346,7 @@ static int cmd_bench(int argc, char **argv) {
     else if (IS("--quiet")) o.quiet = true;
     else if (IS("--list")) o.list = true;
     else if (IS("--exact")) o.exact = true;
+    else if (IS("--pattern")) o.pattern = true;
     else if (IS("--preset")) { NEEDS_VALUE(); TRY(parse_presets(opt, val, &a)); }
     else if (IS("--heads")) {
       NEEDS_VALUE();
@@ -431,6 +436,8 @@ static int cmd_bench(int argc, char **argv) {
 #undef TRY
   }
   if (o.quick && o.full) return usage_error("--quick and --full exclude each other"), KB_EXIT_USAGE;
+  if (o.pattern && (o.backend != KVA_BACKEND_CPU || a.layout != KVA_LAYOUT_CONTIGUOUS))
+    return usage_error("--pattern: the CPU backend over --layout contiguous only"), KB_EXIT_USAGE;
   if (block_set && a.layout != KVA_LAYOUT_PAGED)
     return usage_error("--block applies to --layout paged only"), KB_EXIT_USAGE;
   if (order_set && a.layout != KVA_LAYOUT_PAGED)

@@ -220,6 +220,120 @@ int kb_probe_read_bw(int threads, size_t bytes, int passes, double *gbps, const 
   return 0;
 }
 
+/* ------------------------------------- the kernels' read pattern */
+#define PAT_TILE 32     /* tokens per tile (KVA_TILE) */
+#define PAT_ARRS 6      /* K data, scales, biases; V data, scales, biases */
+#define PAT_LINE 64
+
+typedef struct pat_arr {
+  const char *base;
+  int64_t s0, s1, s2; /* strides of sequence, head, token (bytes, as kva_tensor's) */
+  int64_t bytes;      /* bytes of one row (0: array unused) */
+} pat_arr;
+
+typedef struct pat_job {
+  pat_arr a[PAT_ARRS];
+  int64_t B, KVH, N, nch, chunk; /* items: (b, head, chunk of `chunk` tokens) */
+  int threads;
+  uint64_t sink[KB_MAX_THREADS];
+} pat_job;
+
+static pat_arr pat_of(const kva_tensor *t, bool on) {
+  pat_arr a = {0};
+  if (!on || !t->data || t->ndim != 4) return a;
+  const int64_t es = (int64_t)kva_dtype_size(t->dtype);
+  a.base = t->data;
+  a.s0 = t->stride[0], a.s1 = t->stride[1], a.s2 = t->stride[2];
+  a.bytes = a.s2 ? t->shape[3] * es : 0; /* a shared scale (strides 0): one cached value */
+  return a;
+}
+
+/* One 8-byte load in each cache line of [p, p + bytes) (the line holds the
+ * rest: the memory traffic of reading every byte, few instructions). */
+static inline uint64_t pat_touch(const char *p, int64_t bytes) {
+  uint64_t acc = 0, w;
+  const uintptr_t a = (uintptr_t)p, end = a + (uintptr_t)bytes;
+  for (uintptr_t l = a & ~(uintptr_t)(PAT_LINE - 1); l < end; l += PAT_LINE) {
+    const uintptr_t at = l < a ? a : l;
+    if (end - at >= 8) {
+      memcpy(&w, (const char *)at, 8);
+      acc += w;
+    } else {
+      acc += *(const unsigned char *)at; /* a row of < 8 bytes in this line */
+    }
+  }
+  return acc;
+}
+static inline void pat_prefetch(const char *p, int64_t bytes) {
+  const uintptr_t a = (uintptr_t)p, end = a + (uintptr_t)bytes;
+  for (uintptr_t l = a & ~(uintptr_t)(PAT_LINE - 1); l < end; l += PAT_LINE) __builtin_prefetch((const char *)l, 0, 2);
+}
+static inline const char *pat_row(const pat_arr *a, int64_t b, int64_t h, int64_t t) {
+  return a->base + b * a->s0 + h * a->s1 + t * a->s2;
+}
+
+/* Item i, as the fused kernels take a tile (fast8.c, fast.c): the tile's
+ * scale and bias rows of K and V (the group tables), then K's data rows,
+ * each prefetching row r of the next tile's K arrays (tiles.h), then V's
+ * likewise. */
+static void pat_thread(void *arg, int t) {
+  pat_job *j = arg;
+  uint64_t acc = 0;
+  const int64_t items = j->B * j->KVH * j->nch;
+  const int grp[4] = {1, 2, 4, 5};
+  for (int64_t it = t; it < items; it += j->threads) {
+    const int64_t b = it / (j->KVH * j->nch), h = it / j->nch % j->KVH, c = it % j->nch;
+    const int64_t t0 = c * j->chunk, t1 = t0 + j->chunk < j->N ? t0 + j->chunk : j->N;
+    for (int64_t s = t0; s < t1; s += PAT_TILE) {
+      const int64_t n = t1 - s < PAT_TILE ? t1 - s : PAT_TILE, nn = t1 - s - n < PAT_TILE ? t1 - s - n : PAT_TILE;
+      for (int g = 0; g < 4; ++g) {
+        const pat_arr *a = &j->a[grp[g]];
+        if (!a->bytes) continue;
+        if (a->s2 == a->bytes) acc += pat_touch(pat_row(a, b, h, s), n * a->bytes); /* packed rows: one run */
+        else
+          for (int64_t r = 0; r < n; ++r) acc += pat_touch(pat_row(a, b, h, s + r), a->bytes);
+      }
+      for (int o = 0; o < 2; ++o) {
+        const pat_arr *d = &j->a[3 * o];
+        for (int64_t r = 0; r < n; ++r) {
+          if (r < nn)
+            for (int x = 3 * o; x < 3 * o + 3; ++x)
+              if (j->a[x].bytes) pat_prefetch(pat_row(&j->a[x], b, h, s + PAT_TILE + r), j->a[x].bytes);
+          acc += pat_touch(pat_row(d, b, h, s + r), d->bytes);
+        }
+      }
+    }
+  }
+  j->sink[t] = acc;
+}
+
+int kb_probe_pattern(int threads, const kva_kv *k, const kva_kv *v, double *us) {
+  pat_job j;
+  memset(&j, 0, sizeof j);
+  j.threads = threads < 1 ? 1 : threads > KB_MAX_THREADS ? KB_MAX_THREADS : threads;
+  const kva_kv *kv[2] = {k, v};
+  for (int o = 0; o < 2; ++o) {
+    j.a[3 * o] = pat_of(&kv[o]->data, true);
+    j.a[3 * o + 1] = pat_of(&kv[o]->scales, kv[o]->bits > 0 || kv[o]->scales.data);
+    j.a[3 * o + 2] = pat_of(&kv[o]->biases, kv[o]->bits > 0);
+  }
+  if (k->data.ndim != 4 || !j.a[0].bytes) return -1;
+  j.B = k->data.shape[0], j.KVH = k->data.shape[1], j.N = k->data.shape[2];
+  /* about four items per thread, whole tiles */
+  const int64_t heads = j.B * j.KVH, tiles = (j.N + PAT_TILE - 1) / PAT_TILE;
+  j.nch = (4 * j.threads + heads - 1) / heads;
+  if (j.nch > tiles) j.nch = tiles;
+  if (j.nch < 1) j.nch = 1;
+  j.chunk = (tiles + j.nch - 1) / j.nch * PAT_TILE;
+  const double t0 = kb_now();
+  const int rc = kb_parallel(j.threads, pat_thread, &j);
+  *us = (kb_now() - t0) * 1e6;
+  uint64_t all = 0;
+  for (int t = 0; t < j.threads; ++t) all += j.sink[t];
+  bw_sink = all;
+  return rc < 0 ? -1 : 0;
+}
+
 /* ------------------------------------------------------ FMA rate */
 typedef double (*fma_fn)(void); /* returns FLOPs done */
 

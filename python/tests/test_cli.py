@@ -47,6 +47,20 @@ def test_bench_simd_portable():
     assert rows[0]["kernel"] == "cpu portable fused kernel [exact f32]"
 
 
+def test_bench_pattern():
+    """--pattern times the kernels' read pattern without math beside each call (CPU, contiguous, over copies)."""
+    r = run("bench", "--json", "--quiet", "--pattern", "--preset", "gemma3-4b", "--ctx", "1k", "--rows", "1",
+            "--kv", "q4,bf16", "--reps", "3", "--rotate-gib", "0.01", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 and all(c["status"] == "PASS" and c["copies"] >= 2 for c in rows)
+    assert all(c["pattern_us"] > 0 for c in rows)
+    t = run("bench", "--quiet", "--pattern", "--preset", "gemma3-4b", "--ctx", "1k", "--rows", "1", "--kv", "q4",
+            "--reps", "3", "--rotate-gib", "0.01", "--threads", "1")
+    assert t.returncode == 0, t.stderr
+    assert "read pattern without math" in t.stdout and "us/pat" in t.stdout
+
+
 def test_env_simd_cap():
     """KVATTN_SIMD caps the level for the whole process; an unknown name is ignored."""
     env = dict(os.environ, KVATTN_SIMD="portable")
@@ -81,6 +95,9 @@ def test_env_simd_cap():
     (["bench", "--ctx"], "--ctx"),
     (["bench", "--simd", "sse9"], "--simd: invalid argument: level \"sse9\""),
     (["bench", "--simd"], "--simd"),
+    (["bench", "--pattern", "--layout", "paged"], "--pattern: the CPU backend over --layout contiguous only"),
+    (["bench", "--pattern", "--backend", "cuda"], "--pattern: the CPU backend"),
+    (["bench", "--pattern=1"], "--pattern takes no value"),
 ])
 def test_bad_arguments(args, needle):
     r = run(*args, timeout=30)
