@@ -264,8 +264,9 @@ int kb_probe_read_bw(int threads, size_t bytes, int passes, double *gbps, const 
  * the scale and bias rows of K and V, then K's data rows, each prefetching
  * the same row of the next tile's K arrays into L2, then V's likewise (the
  * fused kernels' order, cpu/simd/tiles.h's prefetch); one 8-byte load per
- * cache line. Wall time of one pass, µs. Its own instructions (~30 per
- * token-head) bound it where the host is slow: compare its hot time. */
+ * cache line (rows packed along tokens: one run per tile and array, the
+ * next tile's prefetches line for line alongside; ~40 instructions per
+ * token-head at q4 D = 256). Wall time of one pass, µs. */
 int kb_probe_pattern(int threads, const kva_kv *k, const kva_kv *v, double *us);
 /* f32 FMA throughput on T threads (independent vector FMA chains), GFLOP/s. */
 int kb_probe_fma(int threads, double *gflops, const char **isa);

@@ -272,10 +272,33 @@ static inline const char *pat_row(const pat_arr *a, int64_t b, int64_t h, int64_
   return a->base + b * a->s0 + h * a->s1 + t * a->s2;
 }
 
+/* One load per line of the run [p, p + len) and, line for line alongside,
+ * a prefetch of the next tile's run [nx, nx + nlen) (nx NULL: none). */
+static inline uint64_t pat_run(const char *p, int64_t len, const char *nx, int64_t nlen) {
+  if (((uintptr_t)p | (uintptr_t)len) & (PAT_LINE - 1)) { /* not whole lines: as rows */
+    if (nx) pat_prefetch(nx, nlen);
+    return pat_touch(p, len);
+  }
+  uint64_t acc = 0, w;
+  int64_t off = 0;
+  if (nx)
+    for (; off < nlen && off < len; off += PAT_LINE) {
+      __builtin_prefetch(nx + off, 0, 2);
+      memcpy(&w, p + off, 8);
+      acc += w;
+    }
+  for (; off < len; off += PAT_LINE) {
+    memcpy(&w, p + off, 8);
+    acc += w;
+  }
+  return acc;
+}
+
 /* Item i, as the fused kernels take a tile (fast8.c, fast.c): the tile's
- * scale and bias rows of K and V (the group tables), then K's data rows,
- * each prefetching row r of the next tile's K arrays (tiles.h), then V's
- * likewise. */
+ * scale and bias rows of K and V (the group tables), then K's data rows
+ * while the next tile's K arrays are prefetched (tiles.h: one row per row
+ * read), then V's likewise. Rows packed along tokens (contiguous layouts)
+ * are read as one run per tile and array. */
 static void pat_thread(void *arg, int t) {
   pat_job *j = arg;
   uint64_t acc = 0;
@@ -289,16 +312,26 @@ static void pat_thread(void *arg, int t) {
       for (int g = 0; g < 4; ++g) {
         const pat_arr *a = &j->a[grp[g]];
         if (!a->bytes) continue;
-        if (a->s2 == a->bytes) acc += pat_touch(pat_row(a, b, h, s), n * a->bytes); /* packed rows: one run */
+        if (a->s2 == a->bytes) acc += pat_touch(pat_row(a, b, h, s), n * a->bytes);
         else
           for (int64_t r = 0; r < n; ++r) acc += pat_touch(pat_row(a, b, h, s + r), a->bytes);
       }
       for (int o = 0; o < 2; ++o) {
         const pat_arr *d = &j->a[3 * o];
+        for (int x = 3 * o + 1; x < 3 * o + 3 && nn; ++x) { /* the next tile's group rows */
+          const pat_arr *a = &j->a[x];
+          if (!a->bytes) continue;
+          if (a->s2 == a->bytes) pat_prefetch(pat_row(a, b, h, s + PAT_TILE), nn * a->bytes);
+          else
+            for (int64_t r = 0; r < nn; ++r) pat_prefetch(pat_row(a, b, h, s + PAT_TILE + r), a->bytes);
+        }
+        if (d->s2 == d->bytes) {
+          acc += pat_run(pat_row(d, b, h, s), n * d->bytes, nn ? pat_row(d, b, h, s + PAT_TILE) : NULL,
+                         nn * d->bytes);
+          continue;
+        }
         for (int64_t r = 0; r < n; ++r) {
-          if (r < nn)
-            for (int x = 3 * o; x < 3 * o + 3; ++x)
-              if (j->a[x].bytes) pat_prefetch(pat_row(&j->a[x], b, h, s + PAT_TILE + r), j->a[x].bytes);
+          if (r < nn) pat_prefetch(pat_row(d, b, h, s + PAT_TILE + r), d->bytes);
           acc += pat_touch(pat_row(d, b, h, s + r), d->bytes);
         }
       }
