@@ -407,10 +407,17 @@ static void run_case(kb_backend *be, const kb_opts *o, const run_info *ri, const
   if (tree_dev) be->release(be, tree_dev, tree_bytes);
 }
 
-/* --pattern: each case's time against the no-math read pattern's. */
-static void print_pattern(const kb_case *cases, const kb_result *res, int n) {
+/* --pattern: each case's time against the no-math read pattern's (cases
+ * with one copy, --rotate-gib 0, have none: a second pass would be hot). */
+static void print_pattern(const kb_opts *o, const kb_case *cases, const kb_result *res, int n) {
   bool any = false;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < n && o->pattern; ++i) {
+    if (res[i].reps > 0 && res[i].copies < 2) {
+      char label[128];
+      kb_case_label(&cases[i], label, sizeof label);
+      printf("%s%s: no read pattern pass (one K/V copy)\n", any ? "" : "\n", label);
+      continue;
+    }
     if (!(res[i].pattern_us > 0) || !(res[i].us > 0)) continue;
     if (!any)
       printf("\nread pattern without math (--pattern; medians of passes alternated with the calls):\n"
@@ -592,7 +599,7 @@ int kb_run_bench(const kb_opts *o, const kb_axes *a, kb_suite suite) {
         }
     }
     print_ratios(cases, res, n);
-    print_pattern(cases, res, n);
+    print_pattern(o, cases, res, n);
     for (int i = 1; i < n && o->hadamard == 2; i += 2) {
       if (res[i].reps == 0 || res[i - 1].reps == 0) continue;
       char label[128];
